@@ -1,0 +1,93 @@
+"""Configuration: one frozen dataclass per layer, validated on construction.
+
+Vocabulary used across specdec (one meaning each):
+
+* **draft** - a token proposed by the drafter for the target to check.
+* **accepted** - a draft token that passed verification.
+* **recovered** - the token the target commits at the first rejection (its argmax when
+  greedy, a draw from the residual ``normalize(max(p - q, 0))`` when sampling).
+* **bonus** - the extra token drawn from the target when every draft was accepted.
+* ``p`` - target probabilities; ``q`` - draft probabilities (both after temperature,
+  top-k and top-p, i.e. the distributions actually sampled from).
+* ``k`` - number of draft tokens in a round; *verify step* - one target forward over them.
+
+Every invalid value raises ``ValueError`` with a one-line message naming the field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("none", "draft", "ngram", "self")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", tuple(stop or ()))
+        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+               f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               "stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Which drafter proposes tokens, and how many per round."""
+
+    method: str = "none"  # none | draft | ngram | self
+    num_draft_tokens: int = 4  # k
+    ngram_max: int = 3  # longest suffix n-gram the lookup tries first
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.method in METHODS,
+               f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        _check(isinstance(self.num_draft_tokens, int) and self.num_draft_tokens >= 1,
+               f"num_draft_tokens (k) must be an integer >= 1, got {self.num_draft_tokens!r}")
+        _check(1 <= self.ngram_min <= self.ngram_max,
+               f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Where and how the models run."""
+
+    device: str | None = None  # None = cuda if available, else cpu
+    dtype: str | None = None  # None = float32 on cpu, bfloat16 on cuda
+    max_batch_size: int = 8
+    backend: str = "auto"  # auto | torch | hf  (hf = transformers' own model and cache)
+    threads: int | None = None  # torch intra-op threads on cpu; None = torch's default
+
+    def __post_init__(self) -> None:
+        _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        _check(self.backend in ("auto", "torch", "hf"),
+               f"unknown backend {self.backend!r}; choose auto, torch or hf")
+        _check(self.dtype in (None, "float32", "bfloat16", "float16"),
+               f"unknown dtype {self.dtype!r}; choose float32, bfloat16 or float16")
+        _check(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")

@@ -1,0 +1,27 @@
+"""The drafter protocol: propose draft tokens for a batch, observe how many were accepted."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence as Seq
+
+import torch
+
+from ..sequence import Sequence
+
+
+@dataclass
+class Draft:
+    tokens: list[int]  # [k] draft ids, k may be 0
+    q: torch.Tensor | None = None  # [k, target_vocab] draft probs; None = one-hot (no model)
+    forwards: int = 0  # draft-model forwards spent on this draft
+
+
+class Drafter(Protocol):
+    def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Draft]:
+        """At most ``ks[i]`` drafts for ``seqs[i]``, stopping after an EOS draft."""
+
+    def observe(self, seq: Sequence, num_accepted: int) -> None:
+        """Called after ``seq`` committed its verified tokens (``seq.ids`` is updated)."""
+
+    def release(self, seq: Sequence) -> None:
+        """``seq`` left the batch: free what the drafter holds for it."""

@@ -1,0 +1,47 @@
+"""The runtime interface: what the engine and drafters may ask of a loaded model.
+
+A runtime owns weights; a cache owns per-sequence KV state in *slots*. ``forward`` appends
+a chunk of new tokens to each listed slot and returns logits; ``cache.rewind`` is the only
+way to drop tokens (O(1) for the torch runtime: it resets a length counter).
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import torch
+
+
+class Cache(Protocol):
+    lengths: list[int]  # tokens with valid KV, per slot
+
+    def rewind(self, slot: int, length: int) -> None:
+        """Forget everything at or after ``length`` in ``slot``."""
+
+
+class Runtime(Protocol):
+    device: torch.device
+    vocab_size: int  # width of the logits
+    max_context: int  # positions the model supports
+    supports_masks: bool  # custom chunk masks and positions (trees)
+
+    def new_cache(self, num_slots: int) -> Cache: ...
+
+    def forward(
+        self,
+        cache: Cache,
+        slots: Sequence[int],
+        tokens: Sequence[Sequence[int]],
+        *,
+        positions: Sequence[Sequence[int]] | None = None,
+        chunk_masks: Sequence[torch.Tensor] | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Append ``tokens[b]`` (ragged) to ``slots[b]`` and return their logits.
+
+        ``positions[b]`` default to consecutive positions after the slot's length;
+        ``chunk_masks[b]`` ``[n_b, n_b]`` (bool) says which new tokens each new token sees
+        (default causal); every new token always sees the slot's whole cached prefix.
+        Returns ``[batch, max_n, vocab]`` (rows past ``n_b`` are padding), or
+        ``[batch, vocab]`` for each slot's last new token when ``last_only``.
+        """
+        ...

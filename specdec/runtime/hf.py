@@ -1,0 +1,61 @@
+"""Fallback runtime: any ``AutoModelForCausalLM`` on transformers' own model and cache.
+
+Each slot holds a ``DynamicCache``; a batch runs slot by slot (transformers caches cannot
+rewind sequences independently), and rollback crops the cache. Chain drafts only: no
+custom masks or positions.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+class HFCache:
+    def __init__(self, num_slots: int, config):
+        from transformers import DynamicCache
+
+        self._make = lambda: DynamicCache(config=config)
+        self.caches = [self._make() for _ in range(num_slots)]
+        self.lengths = [0] * num_slots
+
+    def rewind(self, slot: int, length: int) -> None:
+        assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
+        if length == 0:
+            self.caches[slot] = self._make()
+        elif length < self.lengths[slot]:
+            self.caches[slot].crop(length)
+        self.lengths[slot] = length
+
+
+class HFRuntime:
+    supports_masks = False
+
+    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        self.device = device
+        cfg = self.model.config
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.max_context = getattr(cfg, "max_position_embeddings", None) or 1 << 20
+
+    def new_cache(self, num_slots: int) -> HFCache:
+        return HFCache(num_slots, self.model.config)
+
+    @torch.inference_mode()
+    def forward(self, cache: HFCache, slots, tokens, *, positions=None, chunk_masks=None,
+                last_only: bool = False) -> torch.Tensor:
+        if positions is not None or chunk_masks is not None:
+            raise ValueError("the transformers fallback runtime supports chain drafts only (no trees)")
+        T = max(len(t) for t in tokens)
+        out = torch.zeros(len(slots), 1 if last_only else T, self.vocab_size, device=self.device)
+        for b, (slot, toks) in enumerate(zip(slots, tokens)):
+            ids = torch.tensor([toks], device=self.device)  # [1, n]
+            logits = self.model(input_ids=ids, cache=cache.caches[slot], use_cache=True).logits[0]
+            cache.lengths[slot] += len(toks)
+            if last_only:
+                out[b, 0] = logits[-1]
+            else:
+                out[b, : len(toks)] = logits
+        return out[:, 0] if last_only else out

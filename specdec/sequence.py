@@ -1,0 +1,40 @@
+"""One request's state while it runs: the ids the engine, drafters and verifier share."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import SamplingParams
+from .metrics import Metrics
+
+
+@dataclass
+class Sequence:
+    request_id: int
+    ids: list[int]  # prompt + committed output
+    prompt_len: int
+    sampling: SamplingParams
+    generator: torch.Generator
+    eos_ids: frozenset[int]  # empty when sampling.ignore_eos
+    slot: int = -1  # KV slot in the target cache (and the drafter's), -1 = not admitted
+    finish_reason: str | None = None  # "stop" | "length"
+    text: str | None = None  # final text when a stop string cut it
+    metrics: Metrics = field(default_factory=Metrics)
+    started_at: float = 0.0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        return self.sampling.max_new_tokens - self.num_output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

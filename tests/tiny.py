@@ -1,0 +1,51 @@
+"""Tiny random-config checkpoints (HF directories) with a byte-level tokenizer, for fast tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SPECIALS = ["<s>", "</s>"]  # ids 256, 257: bos, eos
+VOCAB = 256 + len(SPECIALS) + 6  # a few padded rows the tokenizer never emits
+
+
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(c): c for c in range(256)}  # placeholder, replaced by ByteLevel alphabet
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+    return fast
+
+
+def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, std: float = 0.2) -> Path:
+    """Write a tiny random ``arch`` checkpoint to ``path``. A large init std gives peaked
+    logits, so greedy decoding has no near-ties that fp rounding could flip."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = byte_tokenizer()
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  initializer_range=std, tie_word_embeddings=False)
+    if arch == "qwen3":
+        common["head_dim"] = 16
+    config = AutoConfig.for_model(arch, **common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norms and biases are zeros/ones at init: randomize them too
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(std * torch.randn_like(p))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
