@@ -29,12 +29,13 @@ class RequestOutput:
 class LLM:
     """A target model, optionally with a drafter, ready to generate.
 
-    ``model`` / ``draft``: an HF model directory, a ``.gguf`` file, or a hub id; ``model=None``
-    is the embedded default (SmolLM2-135M-Instruct). ``speculative.method``: ``none``,
+    ``model`` / ``draft``: an HF model directory, a ``.gguf`` file, a hub id, or an already
+    loaded ``LoadedModel`` (to share weights); ``model=None`` is the embedded default
+    (SmolLM2-135M-Instruct). ``speculative.method``: ``none``,
     ``draft`` (needs ``draft``), ``ngram`` or ``self``.
     """
 
-    def __init__(self, model: str | None = None, draft: str | None = None,
+    def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
                  speculative: SpecConfig | None = None, device: str | None = None,
                  dtype: str | None = None, max_batch_size: int = 8, backend: str = "auto"):
         if speculative is None:
@@ -47,14 +48,15 @@ class LLM:
         if draft and speculative.method != "draft":
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
                              "use method 'draft'")
-        self.target: LoadedModel = load_model(model, device, dtype, backend)
+        self.target: LoadedModel = model if isinstance(model, LoadedModel) \
+            else load_model(model, device, dtype, backend)
         self.draft: LoadedModel | None = None
         drafter = None
         width = self.target.runtime.vocab_size
         if speculative.method == "draft":
             from .vocab import require_compatible
 
-            self.draft = load_model(draft, device, dtype, backend)
+            self.draft = draft if isinstance(draft, LoadedModel) else load_model(draft, device, dtype, backend)
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
             drafter = ModelDrafter(self.draft.runtime, max_batch_size, width)
         elif speculative.method == "self":

@@ -24,7 +24,7 @@ class HFCache:
         if length == 0:
             self.caches[slot] = self._make()
         elif length < self.lengths[slot]:
-            self.caches[slot].crop(length)
+            self.caches[slot].crop(length - self.lengths[slot])  # transformers 5: negative = drop n
         self.lengths[slot] = length
 
 

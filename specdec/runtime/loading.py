@@ -157,12 +157,27 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     path = resolve(model)
     config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    eos = {config.eos_token_id, tokenizer.eos_token_id}
+    eos = [config.eos_token_id, tokenizer.eos_token_id]
     if (path / "generation_config.json").is_file():
-        eos.add(GenerationConfig.from_pretrained(path).eos_token_id)
+        eos.append(GenerationConfig.from_pretrained(path).eos_token_id)
     eos_ids = frozenset(i for e in eos if e is not None for i in (e if isinstance(e, list) else [e]))
     if backend == "torch" or (backend == "auto" and config.model_type in ARCHS):
         runtime = TorchLlama(config, load_weights(path), dev, dt)
     else:
         runtime = HFRuntime(path, dev, dt)
     return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer, eos_ids, config)
+
+
+def load_tokenizer(model: str | None):
+    """Just the tokenizer of ``model`` (a GGUF is not dequantized for this)."""
+    from transformers import AutoTokenizer
+
+    if model is None:
+        model = default_model_path()
+    path = Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        path = ggufs[0] if len(ggufs) == 1 else path
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(resolve(str(path) if path.exists() else model))

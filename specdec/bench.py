@@ -1,0 +1,430 @@
+"""``specdec bench``: specdec vs transformers' own ``generate``, side by side, in one run.
+
+Six methods, greedy, batch size 1, on the prompts of a JSONL file:
+
+* ``specdec-plain`` / ``specdec-draft`` / ``specdec-ngram`` - ``specdec.LLM`` with
+  ``SpecConfig(method="none" | "draft" | "ngram")``;
+* ``hf-plain`` / ``hf-assisted`` / ``hf-lookup`` - ``model.generate(do_sample=False)``, plain,
+  with ``assistant_model=`` the draft, and with ``prompt_lookup_num_tokens=10``.
+
+Every method gets the same prompt token ids (``LLM.encode``) and the same eos ids. Only the
+generation call is timed (one untimed 8-token warm-up per method first). The transformers
+models and specdec's are never held at the same time. Every method's greedy tokens (up to
+and including the first eos) must equal those of ``hf-plain`` (the reference); the exit code
+is 1 when any prompt diverges. Writes ``<out>/bench.json`` and ``<out>/bench.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+METHODS = ("specdec-plain", "specdec-draft", "specdec-ngram", "hf-plain", "hf-assisted", "hf-lookup")
+HF_LOOKUP_TOKENS = 10
+WARMUP_TOKENS = 8
+DEFAULT_MODEL = "~/.cache/specdec-models/qwen2.5-coder-1.5b-instruct/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+DEFAULT_DRAFT = "~/.cache/specdec-models/qwen2.5-coder-0.5b-instruct/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+DEFAULT_PROMPTS = os.path.join("..", "shared", "bench", "prompts.jsonl")
+
+
+def add_bench_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="target: .gguf file, HF model dir or hub id (default %(default)s)")
+    p.add_argument("--draft", default=DEFAULT_DRAFT,
+                   help="draft model for specdec-draft and hf-assisted (default %(default)s)")
+    p.add_argument("--num-draft-tokens", "-k", type=int, default=4,
+                   help="k for specdec-draft (default %(default)s); hf-assisted keeps transformers' "
+                        "own assistant settings")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
+    p.add_argument("--prompts-file", default=DEFAULT_PROMPTS,
+                   help="JSONL: {id, kind: chat|completion, messages|prompt} (default %(default)s)")
+    p.add_argument("--limit", type=int, help="only the first N prompts")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per prompt and method; medians are reported (default %(default)s)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma list, a subset of: " + ",".join(METHODS) + " (default all)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="for both sides (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--out", default="bench-results", help="output directory (default %(default)s/)")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _parse_methods(text: str) -> list[str]:
+    chosen = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in chosen if m not in METHODS]
+    if bad or not chosen:
+        raise ValueError(f"--methods: unknown method(s) {', '.join(bad) or '(none given)'}; "
+                         f"choose from {','.join(METHODS)}")
+    return [m for m in METHODS if m in chosen]  # canonical order, no duplicates
+
+
+def _cut_at_eos(ids: list[int], eos: frozenset[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[: i + 1]
+    return ids
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rss_gb() -> str:
+    try:
+        kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+        return f"{kb / 2**20:.1f} GB"
+    except (OSError, StopIteration, ValueError):
+        return "?"
+
+
+class _Encoder:
+    """Just the tokenizer of the target, so ``LLM.encode`` runs before any weights are loaded."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+
+def _target_eos(path: Path, tokenizer) -> frozenset[int]:
+    """The eos ids specdec's ``load_model`` uses (config, tokenizer, generation config)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path)
+    eos = [config.eos_token_id, tokenizer.eos_token_id]
+    if (path / "generation_config.json").is_file():
+        eos.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    return frozenset(i for e in eos if e is not None for i in (e if isinstance(e, (list, tuple)) else [e]))
+
+
+# ----------------------------------------------------------------------------- runners
+# A runner is ``run(ids, max_new_tokens) -> (token_ids, stats)``; timing happens outside.
+
+
+def _specdec_runner(llm):
+    from .config import SamplingParams
+
+    def run(ids, max_new_tokens):
+        out = llm.generate({"prompt_token_ids": list(ids)}, SamplingParams(max_new_tokens=max_new_tokens))[0]
+        m = out.metrics
+        return list(out.token_ids), {k: m.get(k) for k in (
+            "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens",
+            "acceptance_rate", "mean_accepted_length")}
+
+    return run
+
+
+def _hf_runner(model, eos: list[int], device, **extra):
+    """``model.generate`` greedy; counts target forwards, and drafted / accepted tokens of the
+    candidate generator (assisted and prompt-lookup) by wrapping the generator transformers builds."""
+    import torch
+
+    counts = {}
+
+    def count_forward(_module, _args):
+        counts["target_forwards"] += 1
+
+    hook = model.register_forward_pre_hook(count_forward)
+    original = model._get_candidate_generator
+
+    def get_candidate_generator(*args, **kwargs):
+        gen = original(*args, **kwargs)
+        get_candidates, update = gen.get_candidates, gen.update_candidate_strategy
+
+        def counted_get_candidates(input_ids, *a, **kw):
+            cand, logits = get_candidates(input_ids, *a, **kw)
+            counts["drafted_tokens"] += cand.shape[-1] - input_ids.shape[-1]
+            return cand, logits
+
+        def counted_update(input_ids, scores, num_matches, *a, **kw):
+            counts["accepted_tokens"] += int(num_matches)
+            counts["verify_steps"] += 1
+            return update(input_ids, scores, num_matches, *a, **kw)
+
+        gen.get_candidates, gen.update_candidate_strategy = counted_get_candidates, counted_update
+        return gen
+
+    if extra:  # instance attribute shadows GenerationMixin._get_candidate_generator
+        model._get_candidate_generator = get_candidate_generator
+
+    def run(ids, max_new_tokens):
+        counts.update(target_forwards=0, drafted_tokens=0, accepted_tokens=0, verify_steps=0)
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                 do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                 pad_token_id=eos[0], **extra)
+        new = out[0, input_ids.shape[1]:].tolist()
+        stats = {"target_forwards": counts["target_forwards"]}
+        if extra:
+            n = len(_cut_at_eos(new, frozenset(eos)))
+            drafted = counts["drafted_tokens"]
+            stats.update(drafted_tokens=drafted, accepted_tokens=counts["accepted_tokens"],
+                         acceptance_rate=counts["accepted_tokens"] / drafted if drafted else None,
+                         # every round is one target forward (the first one includes the prompt)
+                         mean_accepted_length=n / counts["verify_steps"] if counts["verify_steps"] else None)
+        return new, stats
+
+    def close():
+        hook.remove()
+        model.__dict__.pop("_get_candidate_generator", None)
+
+    run.close = close
+    return run
+
+
+def _time_method(name, run, prompts, args, device, eos, log) -> list[dict]:
+    """Warm up once, then time every prompt ``args.repeats`` times; one record per prompt."""
+    run(prompts[0]["ids"], min(WARMUP_TOKENS, args.max_new_tokens))  # untimed warm-up
+    records = []
+    for p in prompts:
+        secs, runs_ids, stats = [], [], None
+        for _ in range(args.repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            ids, st = run(p["ids"], args.max_new_tokens)
+            _sync(device)
+            secs.append(time.perf_counter() - t0)
+            runs_ids.append(_cut_at_eos(ids, eos))
+            stats = stats or st
+        n = len(runs_ids[0])
+        med = statistics.median(secs)
+        rec = {"id": p["id"], "prompt_tokens": len(p["ids"]), "generated_tokens": n,
+               "hit_eos": bool(n and runs_ids[0][-1] in eos), "seconds": secs, "median_s": med,
+               "tokens_per_s": n / med if med > 0 else None, **stats,
+               "token_ids": runs_ids[0],
+               "repeats_identical": all(r == runs_ids[0] for r in runs_ids),
+               "_all_ids": runs_ids}
+        records.append(rec)
+        log(f"  {name:<14} {p['id']:<20} {n:>4} tok  {med:7.2f}s  {rec['tokens_per_s']:7.2f} tok/s")
+    return records
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def run_bench(args) -> int:
+    import torch
+
+    from .api import LLM
+    from .cli import read_prompts_file
+    from .config import SpecConfig
+    from .runtime.loading import pick_device, pick_dtype, resolve
+
+    methods = _parse_methods(args.methods)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    SpecConfig(method="draft", num_draft_tokens=args.num_draft_tokens)  # validates k
+    needs_draft = any(m in methods for m in ("specdec-draft", "hf-assisted"))
+    if needs_draft and not args.draft:
+        raise ValueError("specdec-draft and hf-assisted need --draft")
+    items = read_prompts_file(args.prompts_file)[: args.limit]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+
+    target_path = resolve(args.model)
+    draft_path = resolve(args.draft) if needs_draft else None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    eos = _target_eos(target_path, tokenizer)
+    eos_list = sorted(eos)
+    enc = _Encoder(tokenizer)
+    prompts = [{"id": pid, "ids": LLM.encode(enc, prompt)} for pid, prompt in items]
+    log(f"specdec bench: {len(prompts)} prompt(s), methods {','.join(methods)}, greedy, "
+        f"max_new_tokens {args.max_new_tokens}, repeats {args.repeats}, {device} {str(dtype)[6:]}, "
+        f"{torch.get_num_threads()} threads")
+
+    results: dict[str, list[dict]] = {}
+    load_s: dict[str, float] = {}
+
+    # --- transformers' generate (its models are freed before specdec loads its own copy)
+    hf_methods = [m for m in methods if m.startswith("hf-")]
+    if hf_methods:
+        from transformers import AutoModelForCausalLM
+
+        t0 = time.perf_counter()
+        hf_target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
+        hf_draft = None
+        if "hf-assisted" in hf_methods:
+            hf_draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).to(device).eval()
+        load_s["hf"] = time.perf_counter() - t0
+        log(f"transformers models loaded in {load_s['hf']:.1f}s (rss {_rss_gb()})")
+        for m in hf_methods:
+            extra = {"hf-plain": {}, "hf-assisted": {"assistant_model": hf_draft},
+                     "hf-lookup": {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS}}[m]
+            log(f"{m}:")
+            run = _hf_runner(hf_target, eos_list, device, **extra)
+            results[m] = _time_method(m, run, prompts, args, device, eos, log)
+            run.close()
+        del hf_target, hf_draft, extra, run
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        log(f"transformers models freed (rss {_rss_gb()})")
+
+    # --- specdec
+    sd_methods = [m for m in methods if m.startswith("specdec-")]
+    if sd_methods:
+        from .runtime import load_model
+
+        t0 = time.perf_counter()
+        plain = LLM(str(target_path), speculative=SpecConfig(method="none"), device=args.device,
+                    dtype=args.dtype, max_batch_size=1)
+        if plain.target.eos_ids != eos:
+            raise RuntimeError(f"eos ids differ: bench {sorted(eos)} vs specdec {sorted(plain.target.eos_ids)}")
+        for p, (_, prompt) in zip(prompts, items):  # the ids every method gets are specdec's own
+            if plain.encode(prompt) != p["ids"]:
+                raise RuntimeError(f"prompt {p['id']}: token ids differ from LLM.encode")
+        llms = {"specdec-plain": plain}
+        if "specdec-draft" in sd_methods:
+            draft_model = load_model(str(draft_path), args.device, args.dtype)
+            llms["specdec-draft"] = LLM(plain.target, draft=draft_model, device=args.device, dtype=args.dtype,
+                                        speculative=SpecConfig(method="draft",
+                                                               num_draft_tokens=args.num_draft_tokens),
+                                        max_batch_size=1)
+        if "specdec-ngram" in sd_methods:
+            llms["specdec-ngram"] = LLM(plain.target, speculative=SpecConfig(method="ngram"),
+                                        device=args.device, dtype=args.dtype, max_batch_size=1)
+        load_s["specdec"] = time.perf_counter() - t0
+        log(f"specdec models loaded in {load_s['specdec']:.1f}s (rss {_rss_gb()})")
+        for m in sd_methods:
+            log(f"{m}:")
+            results[m] = _time_method(m, _specdec_runner(llms[m]), prompts, args, device, eos, log)
+        del llms, plain
+        gc.collect()
+
+    # --- equality vs the reference, summary, reports
+    ref = "hf-plain" if "hf-plain" in results else methods[0]
+    ref_ids = [r["token_ids"] for r in results[ref]]
+    summary = {}
+    for m in methods:
+        recs = results[m]
+        diverged = {}
+        for rec, want in zip(recs, ref_ids):
+            idx = [i for i in (_first_diff(got, want) for got in rec.pop("_all_ids")) if i is not None]
+            rec["first_diff_vs_ref"] = min(idx) if idx else None
+            if idx:
+                diverged[rec["id"]] = min(idx)
+        tokens = sum(r["generated_tokens"] for r in recs)
+        secs = sum(r["median_s"] for r in recs)
+        s = {"median_tokens_per_s": _median(r["tokens_per_s"] for r in recs),
+             "total_tokens": tokens, "total_seconds": secs,
+             "aggregate_tokens_per_s": tokens / secs if secs > 0 else None,
+             "target_forwards": sum(r["target_forwards"] for r in recs),
+             "diverged": len(diverged), "diverged_first_index": diverged}
+        if m not in ("specdec-plain", "hf-plain"):
+            drafted = sum(r["drafted_tokens"] or 0 for r in recs)
+            accepted = sum(r["accepted_tokens"] or 0 for r in recs)
+            s["acceptance_rate"] = accepted / drafted if drafted else None
+            if m.startswith("specdec-"):  # verify steps exclude the prefill, which commits one token
+                steps = [r["target_forwards"] - 1 for r in recs]
+                committed = sum((r["mean_accepted_length"] or 0) * n for r, n in zip(recs, steps))
+                s["mean_accepted_length"] = committed / sum(steps) if sum(steps) else None
+            else:
+                s["mean_accepted_length"] = tokens / s["target_forwards"] if s["target_forwards"] else None
+        summary[m] = s
+    base = summary.get("hf-plain")
+    for s in summary.values():
+        for key, out in (("median_tokens_per_s", "vs_hf_plain_median"),
+                         ("aggregate_tokens_per_s", "vs_hf_plain_aggregate")):
+            s[out] = s[key] / base[key] if base and base[key] and s[key] else None
+
+    machine = {"platform": platform.platform(), "python": platform.python_version(),
+               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+               "device": str(device), "dtype": str(dtype).replace("torch.", "")}
+    if device.type == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name(device)
+    argv0 = os.path.basename(sys.argv[0]) if sys.argv else "specdec"
+    command = shlex.join(["specdec" if argv0 in ("specdec", "cli.py", "__main__.py") else argv0]
+                         + sys.argv[1:])
+    config = {"model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
+              "draft_dir": str(draft_path) if draft_path else None, "num_draft_tokens": args.num_draft_tokens,
+              "max_new_tokens": args.max_new_tokens, "prompts_file": os.path.abspath(args.prompts_file),
+              "num_prompts": len(prompts), "repeats": args.repeats, "methods": methods,
+              "reference": ref, "eos_ids": eos_list, "hf_prompt_lookup_num_tokens": HF_LOOKUP_TOKENS,
+              "warmup_tokens": WARMUP_TOKENS, "load_seconds": load_s}
+    tables = _tables(methods, summary, results, prompts, ref)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(
+        {"command": command, "config": config, "machine": machine, "summary": summary,
+         "per_prompt": results}, indent=1) + "\n")
+    ok = all(s["diverged"] == 0 for s in summary.values())
+    verdict = ("OK: every method's greedy tokens equal " if ok else "FAILED: greedy divergence from ") + ref
+    md = ["# specdec bench", "", "```", command, "```", "",
+          f"- target `{args.model}`" + (f", draft `{args.draft}`, k={args.num_draft_tokens}" if needs_draft else ""),
+          f"- {len(prompts)} prompt(s) from `{args.prompts_file}`, greedy, max_new_tokens {args.max_new_tokens}, "
+          f"batch size 1, repeats {args.repeats} (medians), {WARMUP_TOKENS}-token warm-up per method",
+          f"- machine: {machine['platform']}, {machine['cpu_count']} CPUs, torch {machine['torch']} with "
+          f"{machine['torch_threads']} threads, transformers {machine['transformers']}, "
+          f"{machine['device']}{' (' + machine['gpu'] + ')' if 'gpu' in machine else ''} {machine['dtype']}",
+          f"- hf-assisted uses transformers' default assistant settings; hf-lookup uses "
+          f"prompt_lookup_num_tokens={HF_LOOKUP_TOKENS}; "
+          f"HF mean accepted length = tokens / target forwards", "",
+          tables, "", verdict, ""]
+    (out / "bench.md").write_text("\n".join(md))
+    print(tables)
+    print()
+    print(verdict)
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+    return 0 if ok else 1
+
+
+def _fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def _tables(methods, summary, results, prompts, ref) -> str:
+    rows = ["| method | tok/s (median) | tok/s (total) | vs hf-plain | tokens | target fwd "
+            "| accept rate | mean acc len | diverged |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for m in methods:
+        s = summary[m]
+        div = "ref" if m == ref and not s["diverged"] else str(s["diverged"])
+        if s["diverged"]:
+            div += " (" + ", ".join(f"{k}@{v}" for k, v in s["diverged_first_index"].items()) + ")"
+        rows.append(f"| {m} | {_fmt(s['median_tokens_per_s'])} | {_fmt(s['aggregate_tokens_per_s'])} "
+                    f"| {_fmt(s['vs_hf_plain_median'])}{'x' if s['vs_hf_plain_median'] else ''} "
+                    f"| {s['total_tokens']} | {s['target_forwards']} "
+                    f"| {_fmt(s.get('acceptance_rate'))} | {_fmt(s.get('mean_accepted_length'))} | {div} |")
+    per = ["| prompt | tokens | " + " | ".join(methods) + " |",
+           "|---|---:|" + "---:|" * len(methods)]
+    for i, p in enumerate(prompts):
+        per.append(f"| {p['id']} | {results[ref][i]['generated_tokens']} | "
+                   + " | ".join(_fmt(results[m][i]["tokens_per_s"]) for m in methods) + " |")
+    return "\n".join(rows) + "\n\nper prompt, tokens/s:\n\n" + "\n".join(per)

@@ -1,0 +1,185 @@
+"""Command line: ``specdec generate | demo | check-vocab | bench``.
+
+Flags map one-to-one onto ``SamplingParams``, ``SpecConfig`` and ``EngineConfig`` fields.
+A user error prints one line ``specdec: error: ...`` and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .config import METHODS, SamplingParams, SpecConfig
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models and speculation")
+    g.add_argument("--model", help="target: HF model dir, .gguf file or hub id "
+                                   "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--draft", help="draft model for --method draft (same forms as --model)")
+    g.add_argument("--method", choices=METHODS, default=None,
+                   help="drafter (default: draft when --draft is given, else none)")
+    g.add_argument("--num-draft-tokens", "-k", type=int, default=SpecConfig.num_draft_tokens,
+                   help="draft tokens per round, k (default %(default)s)")
+    g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max)
+    g.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min)
+    g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default: float32 on cpu, bfloat16 on cuda")
+    g.add_argument("--backend", choices=["auto", "torch", "hf"], default="auto",
+                   help="torch = specdec's Llama-family runtime, hf = transformers' model; "
+                        "auto picks torch when the architecture allows")
+    g.add_argument("--max-batch-size", type=int, default=8)
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=SamplingParams.max_new_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def spec_from_args(a) -> SpecConfig:
+    method = a.method or ("draft" if a.draft else "none")
+    return SpecConfig(method=method, num_draft_tokens=a.num_draft_tokens,
+                      ngram_max=a.ngram_max, ngram_min=a.ngram_min)
+
+
+def sampling_from_args(a) -> SamplingParams:
+    return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                          top_p=a.top_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+
+
+def make_llm(a):
+    from .api import LLM
+
+    return LLM(a.model, draft=a.draft, speculative=spec_from_args(a), device=a.device,
+               dtype=a.dtype, max_batch_size=a.max_batch_size, backend=a.backend)
+
+
+def read_prompts_file(path: str) -> list[tuple[str, object]]:
+    """``(id, prompt)`` pairs from JSONL: ``kind`` chat with ``messages`` or completion with ``prompt``."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read prompts file {path!r}: {e.strerror}") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+        kind = obj.get("kind", "completion")
+        if kind == "chat" and isinstance(obj.get("messages"), list):
+            prompt = obj["messages"]
+        elif kind == "completion" and isinstance(obj.get("prompt"), str):
+            prompt = obj["prompt"]
+        else:
+            raise ValueError(f"{path}:{n}: need kind 'chat' with 'messages' or 'completion' with 'prompt'")
+        out.append((str(obj.get("id", n)), prompt))
+    if not out:
+        raise ValueError(f"prompts file {path!r} has no prompts")
+    return out
+
+
+def cmd_generate(a) -> int:
+    sp = sampling_from_args(a)
+    spec_from_args(a)  # validate before loading models
+    if a.prompts_file:
+        items = read_prompts_file(a.prompts_file)
+    else:
+        items = [("0", [{"role": "user", "content": a.prompt}] if a.chat else a.prompt)]
+    llm = make_llm(a)
+    outputs = llm.generate([p for _, p in items], sp)
+    for (pid, _), o in zip(items, outputs):
+        if a.json:
+            print(json.dumps({"id": pid, "text": o.text, "token_ids": o.token_ids,
+                              "finish_reason": o.finish_reason, "metrics": o.metrics}, ensure_ascii=False))
+        else:
+            if len(items) > 1:
+                print(f"--- {pid} ({o.finish_reason})")
+            print(o.text)
+    if not a.json:
+        m = llm.last_run_metrics.to_dict()
+        rate = "-" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.2f}"
+        print(f"[{llm.spec.method}] {m['generated_tokens']} tokens in {m['wall_s']:.2f}s "
+              f"({m['tokens_per_s']:.2f} tok/s), target forwards {m['target_forwards']}, "
+              f"acceptance {rate}", file=sys.stderr)
+    return 0
+
+
+def cmd_check_vocab(a) -> int:
+    from .runtime.loading import load_tokenizer
+    from .vocab import compare_tokenizers
+
+    report = compare_tokenizers(load_tokenizer(a.target), load_tokenizer(a.draft))
+    print(report.summary())
+    for line in report.problems:
+        print("  " + line)
+    return 0 if report.compatible else 1
+
+
+def cmd_demo(a) -> int:
+    from .demo import run_demo
+
+    return run_demo(max_new_tokens=a.max_new_tokens, k=a.num_draft_tokens, device=a.device)
+
+
+def cmd_bench(a) -> int:
+    from .bench import run_bench
+
+    return run_bench(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for HF causal LMs.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt or a JSONL file of prompts")
+    add_model_flags(g)
+    add_sampling_flags(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompts-file", help="JSONL: {id, kind: chat|completion, messages|prompt}")
+    g.add_argument("--chat", action="store_true", help="send --prompt through the chat template")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt, with metrics")
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="plain vs n-gram vs self-draft on the embedded model; checks equality")
+    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--num-draft-tokens", "-k", type=int, default=4)
+    d.add_argument("--device")
+    d.set_defaults(func=cmd_demo)
+
+    c = sub.add_parser("check-vocab", help="can DRAFT draft for TARGET? (token-by-token tokenizer check)")
+    c.add_argument("target")
+    c.add_argument("draft")
+    c.set_defaults(func=cmd_check_vocab)
+
+    b = sub.add_parser("bench", help="side-by-side tokens/s: specdec vs transformers (see docs)")
+    from .bench import add_bench_flags
+
+    add_bench_flags(b)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import make_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Tiny random checkpoints: targets of two architectures and an unrelated 1-layer draft."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": make_tiny(root / "llama", "llama", seed=0),
+        "qwen2": make_tiny(root / "qwen2", "qwen2", seed=1),
+        "qwen3": make_tiny(root / "qwen3", "qwen3", seed=2),
+        "mistral": make_tiny(root / "mistral", "mistral", seed=3),
+        "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
+    }
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny_dirs):
+    """LoadedModel per tiny checkpoint, loaded once (cpu, fp32)."""
+    from specdec.runtime import load_model
+
+    cache = {}
+
+    def get(name, backend="auto"):
+        if (name, backend) not in cache:
+            cache[name, backend] = load_model(str(tiny_dirs[name]), backend=backend)
+        return cache[name, backend]
+
+    return get

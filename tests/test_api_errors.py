@@ -1,0 +1,83 @@
+"""Bad input: one-line ValueError from the API, exit code 2 and no traceback from the CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specdec import LLM, SamplingParams, SpecConfig
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: SpecConfig(method="draft", num_draft_tokens=0), "num_draft_tokens"),
+    (lambda: SpecConfig(method="medusa"), "unknown method"),
+    (lambda: SamplingParams(temperature=-0.1), "temperature"),
+    (lambda: SamplingParams(top_p=0.0), "top_p"),
+    (lambda: SamplingParams(top_p=1.5), "top_p"),
+    (lambda: SamplingParams(max_new_tokens=0), "max_new_tokens"),
+    (lambda: SamplingParams(top_k=-1), "top_k"),
+])
+def test_config_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_model_errors(tmp_path, tiny_dirs, loaded):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="needs a draft model"):
+        LLM(loaded("llama"), speculative=SpecConfig(method="draft"))
+    llm = LLM(loaded("llama"))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("")
+    with pytest.raises(ValueError, match="context window"):
+        llm.generate("x" * 600, SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="context window"):
+        llm.generate("x", SamplingParams(max_new_tokens=600))
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--model", "/no/such/model", "--prompt", "hi"], "does not exist"),
+    (["--prompt", "hi", "-k", "0", "--method", "ngram"], "num_draft_tokens"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["--prompt", "hi", "--top-p", "2"], "top_p"),
+    (["--prompt", "hi", "--method", "draft"], "needs a draft model"),
+])
+def test_cli_errors_exit_2_one_line(args, match):
+    r = run_cli("generate", *args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and match in lines[0] and "Traceback" not in r.stderr
+
+
+def test_cli_unknown_method_and_empty_prompt(tiny_dirs):
+    r = run_cli("generate", "--prompt", "hi", "--method", "medusa")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = run_cli("generate", "--model", str(tiny_dirs["llama"]), "--prompt", "")
+    assert r.returncode == 2 and r.stderr.strip() == "specdec: error: the prompt is empty"
+
+
+def test_cli_generate_json_prompts_file(tmp_path, tiny_dirs):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(o) for o in [
+        {"id": "a", "kind": "chat", "messages": [{"role": "user", "content": "hi there"}]},
+        {"id": "b", "kind": "completion", "prompt": "The quick brown fox"},
+    ]) + "\n")
+    r = run_cli("generate", "--model", str(tiny_dirs["llama"]), "--method", "self", "-k", "3",
+                "--max-new-tokens", "9", "--ignore-eos", "--json", "--prompts-file", str(f))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["id"] for row in rows] == ["a", "b"]
+    for row in rows:
+        assert len(row["token_ids"]) == 9 and row["finish_reason"] == "length"
+        assert set(row["metrics"]) >= {"target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens",
+                                       "acceptance_rate", "mean_accepted_length", "accepted_per_position",
+                                       "tokens_per_s", "wall_s"}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "kind": "chat"}\n')
+    r = run_cli("generate", "--model", str(tiny_dirs["llama"]), "--prompts-file", str(bad))
+    assert r.returncode == 2 and "bad.jsonl:1" in r.stderr

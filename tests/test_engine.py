@@ -1,0 +1,240 @@
+"""Greedy equality, forward counts, stops, rollback and batching on tiny random models."""
+import math
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams, SpecConfig
+from specdec.drafters import Draft
+from specdec.engine import Engine, truncate
+from specdec.sampling import make_generator
+from specdec.sequence import Sequence
+
+PROMPTS = ["Hello world, this is a test of speculative decoding", "abc",
+           "The quick brown fox jumps over the lazy dog. The quick brown"]
+N = 64
+GREEDY = SamplingParams(max_new_tokens=N, ignore_eos=True)
+
+
+def plain(loaded, arch, prompts=PROMPTS, sp=GREEDY):
+    return LLM(loaded(arch)).generate(prompts, sp)
+
+
+def spec(loaded, arch, method, k=4, draft=None, **kw):
+    return LLM(loaded(arch), draft=loaded(draft) if draft else None,
+               speculative=SpecConfig(method=method, num_draft_tokens=k), **kw)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_self_draft_equal_and_forward_count(loaded, arch, batch):
+    base = plain(loaded, arch)
+    k = 4
+    llm = spec(loaded, arch, "self", k=k)
+    outs = llm.generate(PROMPTS, GREEDY) if batch == 3 else [llm.generate(p, GREEDY)[0] for p in PROMPTS]
+    for o, b in zip(outs, base):
+        assert o.token_ids == b.token_ids
+        assert len(o.token_ids) == N
+        m = o.metrics
+        assert m["acceptance_rate"] == 1.0
+        # prefill commits the first token, then every round commits k+1
+        assert m["target_forwards"] == 1 + math.ceil((N - 1) / (k + 1))
+        assert m["mean_accepted_length"] == pytest.approx((N - 1) / math.ceil((N - 1) / (k + 1)))
+        assert m["accepted_per_position"][0] == m["verify_steps"] if "verify_steps" in m else True
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_random_draft_model_rejected_but_equal(loaded, arch):
+    base = plain(loaded, arch)
+    outs = spec(loaded, arch, "draft", k=3, draft="draft").generate(PROMPTS, GREEDY)
+    for o, b in zip(outs, base):
+        assert o.token_ids == b.token_ids
+    drafted = sum(o.metrics["drafted_tokens"] for o in outs)
+    accepted = sum(o.metrics["accepted_tokens"] for o in outs)
+    assert drafted > 100 and accepted / drafted < 0.2
+    assert all(o.metrics["draft_forwards"] > 0 for o in outs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_ngram_equal(loaded, arch, batch):
+    base = plain(loaded, arch)
+    llm = spec(loaded, arch, "ngram", k=5)
+    outs = llm.generate(PROMPTS, GREEDY) if batch == 3 else [llm.generate(p, GREEDY)[0] for p in PROMPTS]
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert all(o.metrics["draft_forwards"] == 0 for o in outs)
+
+
+def test_ragged_batch_different_budgets(loaded):
+    """Sequences of different prompt lengths and budgets finish at different steps."""
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 33, 17)]
+    base = [plain(loaded, "llama", [p], sp)[0] for p, sp in zip(PROMPTS, params)]
+    outs = spec(loaded, "llama", "self", k=3).generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert [len(o.token_ids) for o in outs] == [5, 33, 17]
+    assert all(o.finish_reason == "length" for o in outs)
+
+
+def test_more_prompts_than_batch_slots(loaded):
+    prompts = PROMPTS * 3
+    base = plain(loaded, "llama", prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    outs = spec(loaded, "llama", "self", k=2, max_batch_size=2).generate(
+        prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 7])
+def test_budget_respected(loaded, max_new):
+    sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    base = plain(loaded, "llama", sp=sp)
+    outs = spec(loaded, "llama", "self", k=4).generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert all(len(o.token_ids) == max_new and o.finish_reason == "length" for o in outs)
+    if max_new == 1:  # prefill alone: no verify step, no draft
+        assert all(o.metrics["target_forwards"] == 1 and o.metrics["draft_forwards"] == 0 for o in outs)
+
+
+def test_truncate_worked_cases():
+    eos = frozenset({9})
+    assert truncate([1, 2, 3, 4, 5], 2, eos) == ([1, 2], False)  # budget runs out mid-round
+    assert truncate([1, 9, 3], 5, eos) == ([1, 9], True)  # nothing past EOS
+    assert truncate([1, 2, 9], 5, eos) == ([1, 2, 9], True)  # EOS as the bonus token
+    assert truncate([1, 2, 9], 2, eos) == ([1, 2], False)
+    assert truncate([4], 0, eos) == ([], False)
+
+
+class ScriptedDrafter:
+    """Proposes a fixed function of the sequence; records nothing."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def propose(self, seqs, ks):
+        return [Draft(self.fn(s)[:k]) for s, k in zip(seqs, ks)]
+
+    def observe(self, seq, num_accepted):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+def run_engine(loaded, drafter, prompt_ids, max_new, eos_ids, k=4):
+    target = loaded("llama")
+    eng = Engine(target, drafter, SpecConfig(method="ngram", num_draft_tokens=k), max_batch_size=2)
+    sp = SamplingParams(max_new_tokens=max_new)
+    s = Sequence(1, list(prompt_ids), len(prompt_ids), sp, make_generator(0, "cpu"), frozenset(eos_ids))
+    eng.add(s)
+    while eng.has_work:
+        eng.step()
+    return s
+
+
+def test_eos_as_bonus_and_rejected_eos_draft(loaded):
+    tok = loaded("llama").tokenizer
+    prompt = tok(PROMPTS[0])["input_ids"]
+    ref = run_engine(loaded, None, prompt, 20, []).output_ids  # plain reference, no EOS
+    # EOS as the bonus token: the 6th output token is declared EOS; a perfect drafter
+    # proposes outputs 1..4 in the first round, so output 5 arrives as the bonus.
+    eos = ref[5]
+    first = ref.index(eos)
+    perfect = ScriptedDrafter(lambda s: ref[s.num_output:])
+    s = run_engine(loaded, perfect, prompt, 20, [eos])
+    assert s.output_ids == ref[: first + 1] and s.finish_reason == "stop"
+    # a drafter that always proposes EOS first: the target rejects it (ref never has it
+    # at that step) and commits its own token; the request goes on to the same output
+    wrong_eos = ScriptedDrafter(lambda s: [eos, eos])
+    s2 = run_engine(loaded, wrong_eos, prompt, 20, [eos])
+    assert s2.output_ids == s.output_ids and s2.finish_reason == "stop"
+    assert s2.metrics.drafted_tokens > 0
+
+
+def test_draft_one_one_one_target_one_two(loaded):
+    """Tutorial case: draft [x, x, x], target picks x then y: the round commits [x, y]."""
+    tok = loaded("llama").tokenizer
+    prompt = tok(PROMPTS[2])["input_ids"]
+    ref = run_engine(loaded, None, prompt, 6, []).output_ids
+    x = ref[1]
+    drafter = ScriptedDrafter(lambda s: [x, x, x] if s.num_output == 1 else [])
+    s = run_engine(loaded, drafter, prompt, 6, [])
+    assert s.output_ids == ref
+    if ref[2] != x:
+        assert s.metrics.accepted_tokens == 1 and s.metrics.verify_committed >= 2
+        assert s.metrics.accepted_per_position[:2] == [1, 0]
+
+
+def test_rollback_invariant(loaded):
+    """After every round the cache holds all committed ids but the last, and feeding that
+    last token through it gives the logits of a fresh full-prefix forward (atol 1e-4)."""
+    target = loaded("llama")
+    rt = target.runtime
+    eng = Engine(target, __import__("specdec.drafters", fromlist=["x"]).ModelDrafter(
+        loaded("draft").runtime, 3, rt.vocab_size), SpecConfig(method="draft", num_draft_tokens=4), 3)
+    tok = target.tokenizer
+    seqs = [Sequence(i, tok(p)["input_ids"], len(tok(p)["input_ids"]),
+                     SamplingParams(max_new_tokens=40, ignore_eos=True), make_generator(0, "cpu"),
+                     frozenset()) for i, p in enumerate(PROMPTS)]
+    for s in seqs:
+        eng.add(s)
+    fresh = rt.new_cache(1)
+    checked = 0
+    while eng.has_work:
+        eng.step()
+        for s in eng.running:
+            assert eng.cache.lengths[s.slot] == len(s.ids) - 1
+            via_cache = rt.forward(eng.cache, [s.slot], [[s.ids[-1]]], last_only=True)[0]
+            eng.cache.rewind(s.slot, len(s.ids) - 1)
+            fresh.rewind(0, 0)
+            full = rt.forward(fresh, [0], [s.ids], last_only=True)[0]
+            torch.testing.assert_close(via_cache, full, atol=1e-4, rtol=0)
+            checked += 1
+    assert checked > 10
+
+
+def test_stop_string_cuts_text(loaded):
+    base = plain(loaded, "llama", [PROMPTS[0]])[0]
+    stop = base.text[20:23]
+    cut = base.text.find(stop)
+    for method in ("none", "ngram", "self"):
+        sp = SamplingParams(max_new_tokens=N, ignore_eos=True, stop=(stop,))
+        o = spec(loaded, "llama", method).generate(PROMPTS[0], sp)[0] if method != "none" \
+            else plain(loaded, "llama", [PROMPTS[0]], sp)[0]
+        assert o.finish_reason == "stop"
+        assert o.text == base.text[:cut]
+        # nothing past the token that completed the stop string
+        assert o.token_ids == base.token_ids[: len(o.token_ids)]
+        tok = loaded("llama").tokenizer
+        assert stop in tok.decode(o.token_ids) and stop not in tok.decode(o.token_ids[:-1])
+
+
+def test_seeded_sampling_reproducible_and_self_draft_accepts_all(loaded):
+    sp = SamplingParams(max_new_tokens=30, temperature=0.9, top_k=50, top_p=0.95, seed=123, ignore_eos=True)
+    a = plain(loaded, "llama", PROMPTS, sp)
+    b = plain(loaded, "llama", PROMPTS, sp)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    llm = spec(loaded, "llama", "self", k=4)
+    s1, s2 = llm.generate(PROMPTS, sp), llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in s1] == [o.token_ids for o in s2]
+    # draft = target means q == p on every row: min(1, p/q) = 1, every draft accepted
+    assert all(o.metrics["acceptance_rate"] == 1.0 for o in s1)
+    d = spec(loaded, "llama", "draft", k=3, draft="draft").generate(PROMPTS, sp)
+    assert all(len(o.token_ids) == 30 for o in d)
+
+
+def test_hf_fallback_backend_equal(loaded):
+    base = plain(loaded, "llama")
+    for method in ("none", "self", "ngram"):
+        llm = LLM(loaded("llama", backend="hf"), speculative=SpecConfig(method=method, num_draft_tokens=3))
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == [b.token_ids for b in base], method
+
+
+def test_run_metrics(loaded):
+    llm = spec(loaded, "llama", "self", k=4)
+    outs = llm.generate(PROMPTS, GREEDY)
+    run = llm.last_run_metrics.to_dict()
+    for key in ("target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens"):
+        assert run[key] == sum(o.metrics[key] for o in outs)
+    for key in ("acceptance_rate", "mean_accepted_length", "accepted_per_position", "tokens_per_s", "wall_s"):
+        assert key in run and key in outs[0].metrics
+    assert run["tokens_per_s"] > 0

@@ -1,0 +1,66 @@
+"""End to end on a real pretrained model: the embedded SmolLM2-135M-Instruct (Llama arch)."""
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams, SpecConfig
+
+pytestmark = pytest.mark.real
+
+CHATS = [[{"role": "user", "content": c}] for c in (
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "List the days of the week, then list them again in reverse order.",
+    "Explain what a hash map is in two sentences.",
+)]
+N = 64
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from specdec.runtime import load_model
+
+    return load_model(None)
+
+
+def test_logits_match_transformers(smol):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smol.path, dtype=torch.float32).eval()
+    llm = LLM(smol)
+    ids = llm.encode(CHATS[0])
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]  # [T, vocab]
+    ours = smol.runtime.forward(smol.runtime.new_cache(1), [0], [ids])[0]
+    diff = (ours - ref).abs().max().item()
+    print(f"SmolLM2-135M fp32: max |logit diff| vs transformers = {diff:.2e} over {len(ids)} positions")
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    assert diff < 1e-3
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(smol):
+    return LLM(smol).generate(CHATS, SamplingParams(max_new_tokens=N))
+
+
+@pytest.mark.parametrize("method", ["ngram", "self"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_equal_to_plain(smol, plain_outputs, method, batch):
+    llm = LLM(smol, speculative=SpecConfig(method=method, num_draft_tokens=4))
+    sp = SamplingParams(max_new_tokens=N)
+    outs = llm.generate(CHATS, sp) if batch == 3 else [llm.generate(c, sp)[0] for c in CHATS]
+    for o, b in zip(outs, plain_outputs):
+        assert o.token_ids == b.token_ids
+        assert o.text == b.text
+        assert o.finish_reason == b.finish_reason
+    assert sum(len(b.token_ids) for b in plain_outputs) >= 2 * N  # really generated at length
+    if method == "self":
+        assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
+        assert sum(o.metrics["target_forwards"] for o in outs) < sum(
+            b.metrics["target_forwards"] for b in plain_outputs) / 2
+
+
+def test_demo_command(capsys):
+    from specdec.cli import main
+
+    assert main(["demo", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "OK: n-gram and self-draft outputs are token-for-token identical" in out

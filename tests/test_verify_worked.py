@@ -1,0 +1,88 @@
+"""The tutorial's worked verification cases, with hand-built logits.
+
+Row ``i`` of the target logits verifies draft ``i``; row ``k`` gives the bonus token.
+Stop/commit handling (EOS as bonus, budget running out, max_new_tokens=1) is the engine's
+job and is tested with the engine, not here.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.verify import Verdict, verify
+
+GREEDY = SamplingParams()  # temperature 0
+EOS = 7
+
+
+def rows(*argmax_ids: int, vocab: int = 8) -> torch.Tensor:
+    """Target logits ``[len(argmax_ids), vocab]`` whose row ``i`` has its argmax at ``argmax_ids[i]``.
+
+    The runner-up is not uniform (a small ramp), so nothing hinges on tie-breaking.
+    """
+    base = torch.linspace(0.0, 1.0, vocab)
+    out = base.repeat(len(argmax_ids), 1)
+    for i, a in enumerate(argmax_ids):
+        out[i, a] = 10.0
+    return out
+
+
+def test_rows_helper():
+    assert rows(1, 2, 5).argmax(-1).tolist() == [1, 2, 5]
+    assert rows(3, vocab=16).shape == (1, 16)
+
+
+def test_first_match_then_mismatch_recovers_target_argmax():
+    """draft [1, 1, 1]; target argmax 1, then 2: accept one draft, commit the recovered 2."""
+    v = verify([1, 1, 1], None, rows(1, 2, 4, 6), GREEDY)
+    assert isinstance(v, Verdict)
+    assert v.tokens == [1, 2]
+    assert v.num_accepted == 1 and v.num_drafts == 3 and not v.bonus
+
+
+def test_all_drafts_accepted_appends_bonus():
+    drafts = [4, 0, 6]
+    v = verify(drafts, None, rows(4, 0, 6, 2), GREEDY)
+    assert v.tokens == drafts + [2]  # bonus = argmax of row k
+    assert v.num_accepted == 3 and v.bonus
+
+
+def test_greedy_ignores_draft_probs():
+    """Greedy verification only compares ids; q (if given) changes nothing."""
+    q = torch.full((2, 8), 1 / 8)
+    assert verify([5, 5], q, rows(5, 1, 3), GREEDY).tokens == [5, 1]
+    assert verify([5, 5], None, rows(5, 1, 3), GREEDY).tokens == [5, 1]
+
+
+def test_draft_eos_rejected_at_position_zero():
+    """The draft proposes EOS first but the target wants 3: EOS is not committed."""
+    v = verify([EOS, 2, 2], None, rows(3, 2, 2, 2), GREEDY)
+    assert v.tokens == [3]
+    assert v.num_accepted == 0 and not v.bonus
+
+
+def test_empty_draft_greedy_returns_argmax():
+    v = verify([], None, rows(6), GREEDY)
+    assert v.tokens == [6]
+    assert v.num_accepted == 0 and v.num_drafts == 0
+
+
+def test_empty_draft_sampling_draws_from_p():
+    """k = 0 with sampling: one token from p of the single row; degenerate p -> that id."""
+    logits = torch.full((1, 8), float("-inf"))
+    logits[0, 5] = 0.0  # all mass on id 5
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        v = verify([], None, logits, SamplingParams(temperature=0.8, seed=seed), g)
+        assert v.tokens == [5] and v.num_accepted == 0 and v.num_drafts == 0
+    # Same with a finite row whose processed p is one-hot through top_k=1.
+    g = torch.Generator().manual_seed(0)
+    v = verify([], None, rows(2), SamplingParams(temperature=1.5, top_k=1), g)
+    assert v.tokens == [2]
+
+
+def test_empty_draft_sampling_is_seed_deterministic():
+    logits = torch.zeros(1, 8)  # uniform p
+    draw = [verify([], None, logits, SamplingParams(temperature=1.0),
+                   torch.Generator().manual_seed(42)).tokens for _ in range(3)]
+    assert draw[0] == draw[1] == draw[2] and 0 <= draw[0][0] < 8
