@@ -56,7 +56,9 @@ class LLM:
         if speculative.method == "draft":
             from .vocab import require_compatible
 
-            self.draft = draft if isinstance(draft, LoadedModel) else load_model(draft, device, dtype, backend)
+            if not isinstance(draft, LoadedModel):
+                draft = load_model(draft, device, dtype, backend, quantize=speculative.draft_quantization)
+            self.draft = draft
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
             drafter = ModelDrafter(self.draft.runtime, max_batch_size, width)
         elif speculative.method == "self":

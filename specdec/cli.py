@@ -23,6 +23,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per round, k (default %(default)s)")
     g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max)
     g.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min)
+    g.add_argument("--draft-quantization", choices=["auto", "none", "int8"], default="auto",
+                   help="int8 draft weights (lossless; auto = int8 for a CPU float32 draft)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on cpu, bfloat16 on cuda")
@@ -46,7 +48,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def spec_from_args(a) -> SpecConfig:
     method = a.method or ("draft" if a.draft else "none")
     return SpecConfig(method=method, num_draft_tokens=a.num_draft_tokens,
-                      ngram_max=a.ngram_max, ngram_min=a.ngram_min)
+                      ngram_max=a.ngram_max, ngram_min=a.ngram_min,
+                      draft_quantization=a.draft_quantization)
 
 
 def sampling_from_args(a) -> SamplingParams:

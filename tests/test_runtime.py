@@ -8,15 +8,15 @@ ATOL = 1e-4  # fp32 logits, tiny random models
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-@pytest.mark.parametrize("onednn", [False, True])
-def test_logits_match_transformers(tiny_dirs, arch, onednn):
+@pytest.mark.parametrize("linear", ["dense", "onednn"])
+def test_logits_match_transformers(tiny_dirs, arch, linear):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from specdec.runtime.loading import load_weights
+    from specdec.runtime.loading import Weights
 
     path = tiny_dirs[arch]
-    rt = TorchLlama(AutoConfig.from_pretrained(path), load_weights(path), torch.device("cpu"),
-                    torch.float32, onednn=onednn)
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"),
+                    torch.float32, linear=linear)
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -78,3 +78,33 @@ def test_chunk_mask_and_positions(loaded):
     b = rt.forward(rt.new_cache(1), [0], [prefix + [8]])[0, -1]
     torch.testing.assert_close(out[0], a, atol=1e-5, rtol=0)
     torch.testing.assert_close(out[1], b, atol=1e-5, rtol=0)
+
+
+def test_int8_linear_close_but_not_exact():
+    """int8 (draft-only) linears: about 1% error per product, never used for a target."""
+    from specdec.runtime.torch_llama import Linear
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 200, generator=g) * 0.05
+    b = torch.randn(300, generator=g)
+    x = torch.randn(3, 5, 200, generator=g)
+    exact = Linear(w, b, "dense")(x)
+    approx = Linear(w, b, "int8")(x)
+    assert approx.shape == exact.shape == (3, 5, 300)
+    rel = ((approx - exact).abs().max() / exact.abs().max()).item()
+    assert 0 < rel < 0.03
+    torch.testing.assert_close(Linear(w, b, "onednn")(x), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_int8_draft_model_stays_lossless(loaded, tiny_dirs):
+    from specdec import LLM, SamplingParams, SpecConfig
+
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    prompts = ["Hello there", "The quick brown fox"]
+    base = LLM(loaded("llama")).generate(prompts, sp)
+    llm = LLM(loaded("llama"), draft=str(tiny_dirs["llama"]),
+              speculative=SpecConfig(method="draft", num_draft_tokens=3, draft_quantization="int8"))
+    assert all(layer["qkv"].kind == "int8" for layer in llm.draft.runtime.layers)
+    outs = llm.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    assert sum(o.metrics["accepted_tokens"] for o in outs) > 0  # an int8 copy of the target mostly agrees

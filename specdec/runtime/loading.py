@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,18 +100,32 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     return out
 
 
-def load_weights(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class Weights(Mapping):
+    """The tensors of an HF directory's safetensors, read one at a time on access (so a
+    runtime converting them keeps at most one extra layer in memory)."""
 
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-        else [p.name for p in path.glob("*.safetensors")]
-    if not files:
-        raise ValueError(f"no .safetensors weights in {path}")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        weights.update(load_file(str(path / f)))
-    return weights
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        index = path / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+            else [p.name for p in path.glob("*.safetensors")]
+        if not files:
+            raise ValueError(f"no .safetensors weights in {path}")
+        self._where = {}
+        for f in files:
+            handle = safe_open(str(path / f), framework="pt")
+            for name in handle.keys():
+                self._where[name] = handle
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 @dataclass
@@ -145,12 +160,15 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_model(model: str | None, device: str | None = None, dtype: str | None = None,
-               backend: str = "auto") -> LoadedModel:
-    """Load ``model`` (path, .gguf, hub id or None for the default) onto a runtime."""
+               backend: str = "auto", quantize: str = "none") -> LoadedModel:
+    """Load ``model`` (path, .gguf, hub id or None for the default) onto a runtime.
+
+    ``quantize`` (draft models only, see ``torch_llama.Linear``): ``int8`` linears, ``none``,
+    or ``auto`` = int8 where it applies (torch runtime, CPU, float32)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from .hf import HFRuntime
-    from .torch_llama import ARCHS, TorchLlama
+    from .torch_llama import ARCHS, TorchLlama, pick_linear
 
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
@@ -161,8 +179,14 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     if (path / "generation_config.json").is_file():
         eos.append(GenerationConfig.from_pretrained(path).eos_token_id)
     eos_ids = frozenset(i for e in eos if e is not None for i in (e if isinstance(e, list) else [e]))
-    if backend == "torch" or (backend == "auto" and config.model_type in ARCHS):
-        runtime = TorchLlama(config, load_weights(path), dev, dt)
+    torch_runtime = backend == "torch" or (backend == "auto" and config.model_type in ARCHS)
+    if quantize == "auto":
+        quantize = "int8" if torch_runtime and dev.type == "cpu" and dt == torch.float32 else "none"
+    if torch_runtime:
+        runtime = TorchLlama(config, Weights(path), dev, dt, linear=pick_linear(dev, dt, quantize == "int8"))
+    elif quantize == "int8":
+        raise ValueError(f"int8 draft quantization needs the torch runtime; {config.model_type!r} "
+                         "runs on the transformers fallback")
     else:
         runtime = HFRuntime(path, dev, dt)
     return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer, eos_ids, config)
