@@ -26,6 +26,31 @@ class RequestOutput:
     metrics: dict
 
 
+def encode_prompt(tok, prompt: Prompt) -> list[int]:
+    """Token ids for a text prompt, a chat (list of messages) or ``{"prompt_token_ids": ...}``."""
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = list(prompt["prompt_token_ids"])
+    elif isinstance(prompt, list):
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            raise ValueError("a chat prompt must be a list of {'role': ..., 'content': ...} messages")
+        if not prompt:
+            raise ValueError("the chat prompt has no messages")
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass plain text")
+        text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+    elif isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        ids = tok(prompt)["input_ids"]
+    else:
+        raise ValueError(f"a prompt must be text, a list of chat messages or "
+                         f"{{'prompt_token_ids': [...]}}, not {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty after tokenization")
+    return ids
+
+
 class LLM:
     """A target model, optionally with a drafter, ready to generate.
 
@@ -64,7 +89,11 @@ class LLM:
         elif speculative.method == "self":
             drafter = ModelDrafter(self.target.runtime, max_batch_size, width)
         elif speculative.method == "ngram":
-            drafter = NgramDrafter(speculative.ngram_max, speculative.ngram_min)
+            drafter = NgramDrafter(speculative.ngram_max, speculative.ngram_min,
+                                   speculative.tree_topk, speculative.node_budget)
+            if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:
+                raise ValueError("token trees need the torch runtime (tree attention masks); "
+                                 "the transformers fallback runs chains only")
         self.engine = Engine(self.target, drafter, speculative, max_batch_size)
         self.tokenizer = self.target.tokenizer
         self.last_run_metrics: Metrics | None = None
@@ -72,28 +101,7 @@ class LLM:
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids for a text prompt, a chat (list of messages) or ``{"prompt_token_ids": ...}``."""
-        tok = self.tokenizer
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, list):
-            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-                raise ValueError("a chat prompt must be a list of {'role': ..., 'content': ...} messages")
-            if not prompt:
-                raise ValueError("the chat prompt has no messages")
-            if not getattr(tok, "chat_template", None):
-                raise ValueError("this model's tokenizer has no chat template; pass plain text")
-            text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-        elif isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            ids = tok(prompt)["input_ids"]
-        else:
-            raise ValueError(f"a prompt must be text, a list of chat messages or "
-                             f"{{'prompt_token_ids': [...]}}, not {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty after tokenization")
-        return ids
+        return encode_prompt(self.tokenizer, prompt)
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -115,6 +123,9 @@ class LLM:
 
     def _sequence(self, prompt: Prompt, sp: SamplingParams) -> Sequence:
         ids = self.encode(prompt)
+        vocab = self.target.runtime.vocab_size
+        if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         limit = min(m.max_context for m in (self.target, self.draft) if m is not None)
         if len(ids) + sp.max_new_tokens > limit:
             raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {sp.max_new_tokens} "

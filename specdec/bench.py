@@ -42,6 +42,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", "-k", type=int, default=4,
                    help="k for specdec-draft (default %(default)s); hf-assisted keeps transformers' "
                         "own assistant settings")
+    p.add_argument("--draft-quantization", choices=["auto", "none", "int8"], default="auto",
+                   help="specdec-draft's draft weights (auto = int8 on CPU float32; lossless either way)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--prompts-file", default=DEFAULT_PROMPTS,
                    help="JSONL: {id, kind: chat|completion, messages|prompt} (default %(default)s)")
@@ -101,24 +103,6 @@ def _rss_gb() -> str:
         return f"{kb / 2**20:.1f} GB"
     except (OSError, StopIteration, ValueError):
         return "?"
-
-
-class _Encoder:
-    """Just the tokenizer of the target, so ``LLM.encode`` runs before any weights are loaded."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-
-def _target_eos(path: Path, tokenizer) -> frozenset[int]:
-    """The eos ids specdec's ``load_model`` uses (config, tokenizer, generation config)."""
-    from transformers import AutoConfig, GenerationConfig
-
-    config = AutoConfig.from_pretrained(path)
-    eos = [config.eos_token_id, tokenizer.eos_token_id]
-    if (path / "generation_config.json").is_file():
-        eos.append(GenerationConfig.from_pretrained(path).eos_token_id)
-    return frozenset(i for e in eos if e is not None for i in (e if isinstance(e, (list, tuple)) else [e]))
 
 
 # ----------------------------------------------------------------------------- runners
@@ -230,10 +214,10 @@ def _time_method(name, run, prompts, args, device, eos, log) -> list[dict]:
 def run_bench(args) -> int:
     import torch
 
-    from .api import LLM
+    from .api import LLM, encode_prompt
     from .cli import read_prompts_file
     from .config import SpecConfig
-    from .runtime.loading import pick_device, pick_dtype, resolve
+    from .runtime.loading import eos_ids_of, pick_device, pick_dtype, resolve
 
     methods = _parse_methods(args.methods)
     if args.max_new_tokens < 1:
@@ -257,13 +241,12 @@ def run_bench(args) -> int:
 
     target_path = resolve(args.model)
     draft_path = resolve(args.draft) if needs_draft else None
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_path)
-    eos = _target_eos(target_path, tokenizer)
+    eos = eos_ids_of(target_path, AutoConfig.from_pretrained(target_path), tokenizer)
     eos_list = sorted(eos)
-    enc = _Encoder(tokenizer)
-    prompts = [{"id": pid, "ids": LLM.encode(enc, prompt)} for pid, prompt in items]
+    prompts = [{"id": pid, "ids": encode_prompt(tokenizer, prompt)} for pid, prompt in items]
     log(f"specdec bench: {len(prompts)} prompt(s), methods {','.join(methods)}, greedy, "
         f"max_new_tokens {args.max_new_tokens}, repeats {args.repeats}, {device} {str(dtype)[6:]}, "
         f"{torch.get_num_threads()} threads")
@@ -299,8 +282,6 @@ def run_bench(args) -> int:
     # --- specdec
     sd_methods = [m for m in methods if m.startswith("specdec-")]
     if sd_methods:
-        from .runtime import load_model
-
         t0 = time.perf_counter()
         plain = LLM(str(target_path), speculative=SpecConfig(method="none"), device=args.device,
                     dtype=args.dtype, max_batch_size=1)
@@ -311,11 +292,10 @@ def run_bench(args) -> int:
                 raise RuntimeError(f"prompt {p['id']}: token ids differ from LLM.encode")
         llms = {"specdec-plain": plain}
         if "specdec-draft" in sd_methods:
-            draft_model = load_model(str(draft_path), args.device, args.dtype)
-            llms["specdec-draft"] = LLM(plain.target, draft=draft_model, device=args.device, dtype=args.dtype,
-                                        speculative=SpecConfig(method="draft",
-                                                               num_draft_tokens=args.num_draft_tokens),
-                                        max_batch_size=1)
+            spec = SpecConfig(method="draft", num_draft_tokens=args.num_draft_tokens,
+                              draft_quantization=args.draft_quantization)
+            llms["specdec-draft"] = LLM(plain.target, draft=str(draft_path), device=args.device,
+                                        dtype=args.dtype, speculative=spec, max_batch_size=1)
         if "specdec-ngram" in sd_methods:
             llms["specdec-ngram"] = LLM(plain.target, speculative=SpecConfig(method="ngram"),
                                         device=args.device, dtype=args.dtype, max_batch_size=1)

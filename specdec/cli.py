@@ -23,6 +23,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per round, k (default %(default)s)")
     g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max)
     g.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min)
+    g.add_argument("--tree-topk", type=int, default=1,
+                   help="token tree: candidate branches (ngram only so far; 1 = chain, default)")
+    g.add_argument("--tree-depth", type=int, help="token tree depth (default: k)")
+    g.add_argument("--tree-nodes", type=int, help="token tree node budget (default: depth * topk)")
     g.add_argument("--draft-quantization", choices=["auto", "none", "int8"], default="auto",
                    help="int8 draft weights (lossless; auto = int8 for a CPU float32 draft)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
@@ -49,7 +53,8 @@ def spec_from_args(a) -> SpecConfig:
     method = a.method or ("draft" if a.draft else "none")
     return SpecConfig(method=method, num_draft_tokens=a.num_draft_tokens,
                       ngram_max=a.ngram_max, ngram_min=a.ngram_min,
-                      draft_quantization=a.draft_quantization)
+                      draft_quantization=a.draft_quantization, tree_topk=a.tree_topk,
+                      tree_depth=a.tree_depth, tree_nodes=a.tree_nodes)
 
 
 def sampling_from_args(a) -> SamplingParams:

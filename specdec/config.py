@@ -67,6 +67,11 @@ class SpecConfig:
     # int8 weights for the draft model (lossless: the target verifies every token).
     # auto = int8 when the draft runs on CPU in float32, where it is ~4x faster.
     draft_quantization: str = "auto"  # auto | none | int8
+    # token trees (n-gram drafter so far): up to tree_topk candidate branches, tree_depth
+    # deep (default k), at most tree_nodes draft nodes (default depth * topk); topk 1 = chain
+    tree_topk: int = 1
+    tree_depth: int | None = None
+    tree_nodes: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS,
@@ -77,6 +82,20 @@ class SpecConfig:
                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         _check(self.draft_quantization in ("auto", "none", "int8"),
                f"unknown draft_quantization {self.draft_quantization!r}; choose auto, none or int8")
+        _check(self.tree_topk >= 1, f"tree_topk must be >= 1, got {self.tree_topk}")
+        _check(self.tree_depth is None or self.tree_depth >= 1, f"tree_depth must be >= 1, got {self.tree_depth}")
+        _check(self.tree_nodes is None or self.tree_nodes >= 1, f"tree_nodes must be >= 1, got {self.tree_nodes}")
+        _check(self.tree_topk == 1 or self.method == "ngram",
+               f"token trees (tree_topk > 1) are implemented for the ngram drafter only, not {self.method!r}")
+
+    @property
+    def depth(self) -> int:
+        """Longest draft per round (chain length or tree depth)."""
+        return self.tree_depth or self.num_draft_tokens
+
+    @property
+    def node_budget(self) -> int:
+        return self.tree_nodes or self.depth * self.tree_topk
 
 
 @dataclass(frozen=True)

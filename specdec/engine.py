@@ -14,7 +14,16 @@ from .config import SpecConfig
 from .drafters import Draft, Drafter
 from .sampling import probs_from_logits, sample
 from .sequence import Sequence
-from .verify import verify
+from .tree import verify_tree
+from .verify import Verdict, verify
+
+
+def tree_inputs(seqs: list[Sequence], drafts: list[Draft]) -> dict:
+    """Positions and masks for the verify forward when any draft is a tree (else none)."""
+    if all(d.tree is None for d in drafts):
+        return {}
+    return {"positions": [d.tree.positions(len(s.ids) - 1) if d.tree else None for s, d in zip(seqs, drafts)],
+            "chunk_masks": [d.tree.mask() if d.tree else None for d in drafts]}
 
 
 def truncate(tokens: list[int], budget: int, eos_ids: frozenset[int]) -> tuple[list[int], bool]:
@@ -33,7 +42,7 @@ class Engine:
         self.target = target  # LoadedModel
         self.runtime = target.runtime
         self.drafter = drafter
-        self.k = spec.num_draft_tokens if drafter is not None else 0
+        self.k = spec.depth if drafter is not None else 0
         self.cache = self.runtime.new_cache(max_batch_size)
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
         self.waiting: deque[Sequence] = deque()
@@ -58,16 +67,26 @@ class Engine:
         ks = [min(self.k, s.remaining - 1) for s in seqs]
         drafts = self.drafter.propose(seqs, ks) if self.drafter else [Draft([]) for _ in seqs]  # 1. propose
         chunks = [[s.ids[-1]] + d.tokens for s, d in zip(seqs, drafts)]
-        logits = self.runtime.forward(self.cache, [s.slot for s in seqs], chunks)  # 2. verify [B, 1+k, vocab]
+        logits = self.runtime.forward(self.cache, [s.slot for s in seqs], chunks,
+                                      **tree_inputs(seqs, drafts))  # 2. verify [B, 1+k, vocab]
         for s, d, rows in zip(seqs, drafts, logits):
-            v = verify(d.tokens, d.q, rows[: len(d.tokens) + 1], s.sampling, s.generator)
-            self.cache.rewind(s.slot, len(s.ids) + v.num_accepted)  # drop rejected drafts' KV
+            v = self._verify(s, d, rows[: len(d.tokens) + 1])  # rejected drafts' KV dropped
             committed = self._commit(s, v.tokens)  # 3. commit, stop checks
             s.metrics.record_verify(len(d.tokens), v.num_accepted, committed)
             s.metrics.target_forwards += 1
             s.metrics.draft_forwards += d.forwards
             if self.drafter:
                 self.drafter.observe(s, v.num_accepted)  # 4. observe
+
+    def _verify(self, s: Sequence, d: Draft, rows) -> Verdict:
+        """Verify one sequence's draft (chain or tree) and keep only the accepted path's KV."""
+        if d.tree is None:
+            v = verify(d.tokens, d.q, rows, s.sampling, s.generator)
+            self.cache.rewind(s.slot, len(s.ids) + v.num_accepted)
+        else:
+            v = verify_tree(d.tree, rows, s.sampling, s.generator)
+            self.cache.keep(s.slot, len(s.ids) - 1, v.rows)  # path rows -> consecutive slots
+        return v
 
     def _admit(self) -> None:
         new = []

@@ -18,6 +18,7 @@ def tiny_dirs(tmp_path_factory):
         "qwen3": make_tiny(root / "qwen3", "qwen3", seed=2),
         "mistral": make_tiny(root / "mistral", "mistral", seed=3),
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
+        "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }
 
 

@@ -81,3 +81,19 @@ def test_cli_generate_json_prompts_file(tmp_path, tiny_dirs):
     bad.write_text('{"id": 1, "kind": "chat"}\n')
     r = run_cli("generate", "--model", str(tiny_dirs["llama"]), "--prompts-file", str(bad))
     assert r.returncode == 2 and "bad.jsonl:1" in r.stderr
+
+
+def test_incompatible_draft_refused(loaded, tiny_dirs):
+    with pytest.raises(ValueError, match="draft tokenizer is incompatible"):
+        LLM(loaded("llama"), draft=str(tiny_dirs["alien"]))
+
+
+def test_cli_check_vocab(tiny_dirs):
+    ok = run_cli("check-vocab", str(tiny_dirs["llama"]), str(tiny_dirs["draft"]))
+    assert ok.returncode == 0 and ok.stdout.startswith("compatible")
+    bad = run_cli("check-vocab", str(tiny_dirs["llama"]), str(tiny_dirs["alien"]))
+    assert bad.returncode == 1 and bad.stdout.startswith("incompatible")
+    assert "'a'" in bad.stdout and "'b'" in bad.stdout  # names the first disagreement
+    r = run_cli("generate", "--model", str(tiny_dirs["llama"]), "--draft", str(tiny_dirs["alien"]),
+                "--prompt", "hi")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "incompatible" in r.stderr

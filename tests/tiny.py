@@ -9,13 +9,15 @@ SPECIALS = ["<s>", "</s>"]  # ids 256, 257: bos, eos
 VOCAB = 256 + len(SPECIALS) + 6  # a few padded rows the tokenizer never emits
 
 
-def byte_tokenizer():
+def byte_tokenizer(swap: bool = False):
+    """Byte-level BPE without merges; ``swap`` exchanges the ids of two byte tokens (same
+    size, different vocabulary: an incompatible tokenizer)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {chr(c): c for c in range(256)}  # placeholder, replaced by ByteLevel alphabet
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    if swap:
+        vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -25,12 +27,13 @@ def byte_tokenizer():
     return fast
 
 
-def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, std: float = 0.2) -> Path:
+def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, std: float = 0.2,
+              swap_tokens: bool = False) -> Path:
     """Write a tiny random ``arch`` checkpoint to ``path``. A large init std gives peaked
     logits, so greedy decoding has no near-ties that fp rounding could flip."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tok = byte_tokenizer()
+    tok = byte_tokenizer(swap=swap_tokens)
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

@@ -7,6 +7,7 @@ from typing import Protocol, Sequence as Seq
 import torch
 
 from ..sequence import Sequence
+from ..tree import DraftTree
 
 
 @dataclass
@@ -14,6 +15,7 @@ class Draft:
     tokens: list[int]  # [k] draft ids, k may be 0
     q: torch.Tensor | None = None  # [k, target_vocab] draft probs; None = one-hot (no model)
     forwards: int = 0  # draft-model forwards spent on this draft
+    tree: DraftTree | None = None  # several candidates per depth; ``tokens`` = its rows 1..n
 
 
 class Drafter(Protocol):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..sequence import Sequence
+from ..tree import DraftTree
 from .base import Draft
 
 
@@ -25,20 +26,52 @@ def lookup(ids: list[int], k: int, n_max: int, n_min: int) -> list[int]:
     return []
 
 
+def lookup_branches(ids: list[int], k: int, n_max: int, n_min: int, branches: int) -> list[list[int]]:
+    """Up to ``branches`` distinct continuations (<= k tokens) of earlier matches of the last
+    n tokens: longest n first, most recent match first within an n."""
+    L, found = len(ids), []
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = ids[L - n:]
+        for start in range(L - n - 1, -1, -1):
+            if ids[start:start + n] == suffix:
+                cont = ids[start + n:start + n + k]
+                if cont and cont not in found:
+                    found.append(cont)
+                    if len(found) == branches:
+                        return found
+    return found
+
+
+def cut_after_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
 class NgramDrafter:
-    def __init__(self, n_max: int = 3, n_min: int = 1):
-        self.n_max, self.n_min = n_max, n_min
+    """Chains, or with ``branches > 1`` a tree of several matches' continuations (a trie of at
+    most ``max_nodes`` nodes)."""
+
+    def __init__(self, n_max: int = 3, n_min: int = 1, branches: int = 1, max_nodes: int | None = None):
+        self.n_max, self.n_min, self.branches, self.max_nodes = n_max, n_min, branches, max_nodes
 
     def propose(self, seqs, ks) -> list[Draft]:
-        drafts = []
-        for seq, k in zip(seqs, ks):
-            tokens = lookup(seq.ids, k, self.n_max, self.n_min) if k > 0 else []
-            for i, t in enumerate(tokens):  # stop drafting after an EOS draft
-                if t in seq.eos_ids:
-                    tokens = tokens[:i + 1]
-                    break
-            drafts.append(Draft(tokens))
-        return drafts
+        return [self._draft(seq, k) if k > 0 else Draft([]) for seq, k in zip(seqs, ks)]
+
+    def _draft(self, seq: Sequence, k: int) -> Draft:
+        if self.branches == 1:  # stop drafting after an EOS draft
+            return Draft(cut_after_eos(lookup(seq.ids, k, self.n_max, self.n_min), seq.eos_ids))
+        paths = [cut_after_eos(p, seq.eos_ids)
+                 for p in lookup_branches(seq.ids, k, self.n_max, self.n_min, self.branches)]
+        if not paths:
+            return Draft([])
+        tree = DraftTree.from_paths(seq.ids[-1], paths)
+        if self.max_nodes is not None and tree.num_drafts > self.max_nodes:  # rows are topological
+            tree = DraftTree(tree.tokens[: self.max_nodes + 1], tree.parents[: self.max_nodes + 1])
+        if all(p == r - 1 for r, p in enumerate(tree.parents)):  # one branch: a plain chain
+            return Draft(tree.tokens[1:])
+        return Draft(tree.tokens[1:], tree=tree)
 
     def observe(self, seq: Sequence, num_accepted: int) -> None:
         pass

@@ -17,6 +17,9 @@ class Cache(Protocol):
     def rewind(self, slot: int, length: int) -> None:
         """Forget everything at or after ``length`` in ``slot``."""
 
+    def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
+        """Trees only (``Runtime.supports_masks``): keep rows ``start + rows[i]`` at ``start + i``."""
+
 
 class Runtime(Protocol):
     device: torch.device
@@ -40,7 +43,7 @@ class Runtime(Protocol):
 
         ``positions[b]`` default to consecutive positions after the slot's length;
         ``chunk_masks[b]`` ``[n_b, n_b]`` (bool) says which new tokens each new token sees
-        (default causal); every new token always sees the slot's whole cached prefix.
+        (default causal; a ``None`` entry in either list means the default); every new token always sees the slot's whole cached prefix.
         Returns ``[batch, max_n, vocab]`` (rows past ``n_b`` are padding), or
         ``[batch, vocab]`` for each slot's last new token when ``last_only``.
         """

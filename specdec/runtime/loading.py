@@ -144,6 +144,16 @@ class LoadedModel:
         return self.runtime.max_context
 
 
+def eos_ids_of(path: Path, config, tokenizer) -> frozenset[int]:
+    """Every eos id the model declares: config, tokenizer and generation config."""
+    from transformers import GenerationConfig
+
+    eos = [config.eos_token_id, tokenizer.eos_token_id]
+    if (path / "generation_config.json").is_file():
+        eos.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    return frozenset(i for e in eos if e is not None for i in (e if isinstance(e, (list, tuple)) else [e]))
+
+
 def pick_device(device: str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -165,7 +175,7 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
 
     ``quantize`` (draft models only, see ``torch_llama.Linear``): ``int8`` linears, ``none``,
     or ``auto`` = int8 where it applies (torch runtime, CPU, float32)."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     from .hf import HFRuntime
     from .torch_llama import ARCHS, TorchLlama, pick_linear
@@ -175,10 +185,7 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     path = resolve(model)
     config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    eos = [config.eos_token_id, tokenizer.eos_token_id]
-    if (path / "generation_config.json").is_file():
-        eos.append(GenerationConfig.from_pretrained(path).eos_token_id)
-    eos_ids = frozenset(i for e in eos if e is not None for i in (e if isinstance(e, list) else [e]))
+    eos_ids = eos_ids_of(path, config, tokenizer)
     torch_runtime = backend == "torch" or (backend == "auto" and config.model_type in ARCHS)
     if quantize == "auto":
         quantize = "int8" if torch_runtime and dev.type == "cpu" and dt == torch.float32 else "none"

@@ -13,12 +13,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-ARCHS = {  # HF model_type -> (qkv bias expected, per-head q/k RMSNorm)
-    "llama": (False, False),
-    "mistral": (False, False),
-    "qwen2": (True, False),
-    "qwen3": (False, True),
-}
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # HF model_type; biases and q/k norms come from the weights
 
 
 LINEAR_KINDS = ("dense", "onednn", "int8")
@@ -113,7 +108,9 @@ class KVCache:
         self.lengths[slot] = length
 
     def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
-        """Move KV rows ``start + rows[i]`` to ``start + i`` and rewind after them (tree paths)."""
+        """Keep only KV rows ``start + rows[i]`` (increasing), moved to ``start + i``: the
+        accepted path of a token tree becomes consecutive, the rest is rewound."""
+        assert list(rows) == sorted(rows) and start + rows[-1] < self.lengths[slot]
         src = torch.tensor([start + r for r in rows], device=self.k.device)
         dst = torch.arange(start, start + len(rows), device=self.k.device)
         for t in (self.k, self.v):
@@ -139,13 +136,17 @@ class TorchLlama:
         self.kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
-        self.max_context = config.max_position_embeddings
+        window = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True) is False:
+            window = None
+        # full attention equals sliding-window attention as long as the context fits the window
+        self.max_context = min(config.max_position_embeddings, window or config.max_position_embeddings)
         linear = linear or pick_linear(device, dtype)
         assert linear in LINEAR_KINDS, linear
         self._init_rope(config)
 
-        def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype)
+        def w(name: str) -> torch.Tensor:  # a copy: nothing may pin a memory-mapped file
+            return weights[name].to(device=device, dtype=dtype, copy=True)
 
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
@@ -209,7 +210,8 @@ class TorchLlama:
         else:
             pos = write.clone()
             for b, p in enumerate(positions):
-                pos[b, : len(p)] = torch.tensor(p, device=dev)
+                if p is not None:
+                    pos[b, : len(p)] = torch.tensor(p, device=dev)
         cache.ensure(int(write.max()) + 1)
         S = int(write.max()) + 1
         mask = self._mask(lens, ar, S, T, chunk_masks, n)  # [B, 1, T, S]

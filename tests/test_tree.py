@@ -1,0 +1,253 @@
+"""DraftTree structure (mask, positions, retrieve paths) and tree verification."""
+import math
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec.config import SamplingParams
+from specdec.tree import DraftTree, verify_tree
+
+GREEDY = SamplingParams()
+ALPHA = 1e-3
+
+
+def rows(*argmax, vocab=8):
+    out = torch.full((len(argmax), vocab), -5.0)
+    out[torch.arange(len(argmax)), torch.tensor(argmax)] = 5.0
+    return out
+
+
+def test_chain_structure():
+    t = DraftTree.chain(9, [1, 2, 3])
+    assert t.depths == [0, 1, 2, 3]
+    assert t.positions(10) == [10, 11, 12, 13]
+    assert torch.equal(t.mask(), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert t.paths() == [[0, 1, 2, 3]]
+
+
+def test_star_structure():
+    t = DraftTree([9, 1, 2, 3], [-1, 0, 0, 0])
+    assert t.depths == [0, 1, 1, 1]
+    assert t.positions(5) == [5, 6, 6, 6]
+    expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(t.mask(), expected)
+    assert t.paths() == [[0, 1], [0, 2], [0, 3]]
+
+
+def test_unbalanced_tree_from_paths():
+    #   root - 1 - 2 - 3
+    #        \     \
+    #         4     5
+    t = DraftTree.from_paths(9, [[1, 2, 3], [1, 5], [4]])
+    assert t.tokens == [9, 1, 2, 3, 5, 4]
+    assert t.parents == [-1, 0, 1, 2, 1, 0]
+    assert t.depths == [0, 1, 2, 3, 2, 1]
+    m = t.mask()
+    assert m[3].tolist() == [True, True, True, True, False, False]
+    assert m[4].tolist() == [True, True, False, False, True, False]
+    assert m[5].tolist() == [True, False, False, False, False, True]
+    assert t.paths() == [[0, 1, 2, 3], [0, 1, 4], [0, 5]]
+
+
+@pytest.mark.parametrize("tokens, parents", [([], []), ([1, 2], [0, -1]), ([1, 2, 3], [-1, 2, 0]),
+                                             ([1, 2, 2], [-1, 0, 0])])
+def test_invalid_trees(tokens, parents):
+    with pytest.raises(ValueError):
+        DraftTree(tokens, parents)
+
+
+def test_greedy_non_first_branch():
+    t = DraftTree.from_paths(9, [[1, 2], [3, 4]])  # rows: 9, 1, 2, 3, 4
+    # target: after root 3, after 3 -> 4, after 4 -> 6 (bonus)
+    v = verify_tree(t, rows(3, 0, 0, 4, 6), GREEDY)
+    assert v.tokens == [3, 4, 6] and v.rows == [0, 3, 4] and v.num_accepted == 2
+
+
+def test_greedy_all_first_children_wrong():
+    t = DraftTree.from_paths(9, [[1, 2], [3, 4]])
+    v = verify_tree(t, rows(5, 0, 0, 0, 0), GREEDY)
+    assert v.tokens == [5] and v.rows == [0] and v.num_accepted == 0
+
+
+def test_greedy_chain_matches_chain_verifier():
+    from specdec.verify import verify
+
+    logits = rows(1, 2, 7, 4)
+    t = DraftTree.chain(9, [1, 2, 3])
+    assert verify_tree(t, logits, GREEDY).tokens == verify([1, 2, 3], None, logits, GREEDY).tokens == [1, 2, 7]
+
+
+def first_token_counts(tree, logits, sp, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(logits.shape[-1])
+    for _ in range(n):
+        counts[verify_tree(tree, logits, sp, g).tokens[0]] += 1
+    return counts
+
+
+def chi2_pvalue(counts, p):
+    keep = p > 0
+    assert counts[~keep].sum() == 0
+    expected = p[keep] * counts.sum()
+    return chisquare(counts[keep].numpy(), expected.numpy()).pvalue
+
+
+@pytest.mark.parametrize("siblings", [2, 3, 4])
+def test_sampling_deterministic_siblings_lossless(siblings):
+    g = torch.Generator().manual_seed(siblings)
+    logits = torch.randn(1, 8, generator=g) * 1.5
+    sp = SamplingParams(temperature=1.0)
+    p = torch.softmax(logits[0], -1)
+    tree = DraftTree.from_paths(0, [[t] for t in range(1, siblings + 1)])
+    full = logits.expand(siblings + 1, 8)
+    counts = first_token_counts(tree, full, sp, 20000)
+    assert chi2_pvalue(counts, p) > ALPHA
+
+
+@pytest.mark.parametrize("siblings", [2, 4])
+def test_sampling_iid_siblings_with_q_lossless(siblings):
+    g = torch.Generator().manual_seed(10 + siblings)
+    p_logits = torch.randn(8, generator=g)
+    q = torch.softmax(torch.randn(8, generator=g), -1)
+    p = torch.softmax(p_logits, -1)
+    sp = SamplingParams(temperature=1.0)
+    counts = torch.zeros(8)
+    n = 20000
+    draw = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        kids = torch.multinomial(q, siblings, replacement=True, generator=draw).tolist()
+        tree = DraftTree([0] + kids, [-1] + [0] * siblings, q=q.expand(siblings + 1, 8))
+        counts[verify_tree(tree, p_logits.expand(siblings + 1, 8), sp, draw).tokens[0]] += 1
+    assert chi2_pvalue(counts, p) > ALPHA
+
+
+def test_negative_control_no_residual_update_is_caught():
+    """Resampling from p (not the residual) after the siblings are rejected is biased."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    p = torch.softmax(logits[0], -1)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    for _ in range(20000):
+        token = None
+        for x in (0, 1):  # two deterministic siblings
+            if torch.rand((), generator=g) < p[x]:
+                token = x
+                break
+        if token is None:
+            token = int(torch.multinomial(p, 1, generator=g))  # wrong: should exclude 0 and 1
+        counts[token] += 1
+    assert chi2_pvalue(counts, p) < ALPHA
+
+
+# ---------------------------------------------------------------- engine with trees
+
+from specdec import LLM, SpecConfig  # noqa: E402
+from specdec.drafters import Draft  # noqa: E402
+from specdec.engine import Engine  # noqa: E402
+from specdec.sampling import make_generator  # noqa: E402
+from specdec.sequence import Sequence  # noqa: E402
+
+PROMPTS = ["Hello world, this is a test of speculative decoding", "abc",
+           "The quick brown fox jumps over the lazy dog. The quick brown"]
+
+
+class TreeScript:
+    """Proposes a tree built by ``fn(seq, k) -> list of token paths``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def propose(self, seqs, ks):
+        out = []
+        for s, k in zip(seqs, ks):
+            paths = [p[:k] for p in self.fn(s) if p[:k]]
+            tree = DraftTree.from_paths(s.ids[-1], paths) if paths and k else None
+            out.append(Draft(tree.tokens[1:], tree=tree) if tree else Draft([]))
+        return out
+
+    def observe(self, seq, num_accepted):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+def run(loaded, drafter, prompt, max_new=24):
+    target = loaded("llama")
+    eng = Engine(target, drafter, SpecConfig(method="ngram", num_draft_tokens=4), max_batch_size=1)
+    ids = target.tokenizer(prompt)["input_ids"]
+    s = Sequence(1, ids, len(ids), SamplingParams(max_new_tokens=max_new), make_generator(0, "cpu"), frozenset())
+    eng.add(s)
+    while eng.has_work:
+        eng.step()
+    return s
+
+
+def test_engine_tree_only_non_first_branch_correct(loaded):
+    ref = run(loaded, None, PROMPTS[0]).output_ids
+
+    def paths(s):
+        n = s.num_output
+        good = ref[n:n + 4]
+        return [[(good[0] + 1) % 256, 5, 6], good] if good else []
+
+    s = run(loaded, TreeScript(paths), PROMPTS[0])
+    assert s.output_ids == ref
+    # every round accepts the whole good branch plus a bonus: k+1 = 5 tokens per verify step
+    assert len(ref) == 24
+    assert s.metrics.target_forwards == 1 + math.ceil(23 / 5)
+    assert s.metrics.accepted_tokens == 23 - s.metrics.verify_steps
+
+
+def test_engine_tree_all_first_children_wrong(loaded):
+    ref = run(loaded, None, PROMPTS[2]).output_ids
+
+    def paths(s):
+        n = s.num_output
+        if n >= len(ref):
+            return []
+        return [[(ref[n] + d) % 256, 7] for d in (1, 2, 3)]
+
+    s = run(loaded, TreeScript(paths), PROMPTS[2])
+    assert s.output_ids == ref
+    assert s.metrics.accepted_tokens == 0 and s.metrics.drafted_tokens > 0
+
+
+def test_kv_keep_matches_fresh_forward(loaded):
+    """After a tree round the accepted path's KV sits in consecutive slots: continuing
+    through the cache equals a fresh forward of the committed ids."""
+    rt = loaded("llama").runtime
+    prefix = [40, 41, 42, 43]
+    tree = DraftTree.from_paths(44, [[50, 51], [60, 61, 62]])  # rows: 44, 50, 51, 60, 61, 62
+    cache = rt.new_cache(1)
+    rt.forward(cache, [0], [prefix])
+    rt.forward(cache, [0], [tree.tokens], positions=[tree.positions(len(prefix))], chunk_masks=[tree.mask()])
+    cache.keep(0, len(prefix), [0, 3, 4])  # root, 60, 61
+    assert cache.lengths[0] == len(prefix) + 3
+    cont = rt.forward(cache, [0], [[70]])[0, -1]
+    fresh = rt.forward(rt.new_cache(1), [0], [prefix + [44, 60, 61, 70]])[0, -1]
+    torch.testing.assert_close(cont, fresh, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_ngram_tree_greedy_equal(loaded, batch):
+    sp = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    base = LLM(loaded("llama")).generate(PROMPTS, sp)
+    llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram", num_draft_tokens=4, tree_topk=3))
+    outs = llm.generate(PROMPTS, sp) if batch == 3 else [llm.generate(p, sp)[0] for p in PROMPTS]
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+
+
+def test_ngram_tree_drafter_builds_trie():
+    from specdec.drafters import NgramDrafter
+
+    ids = [1, 2, 3, 1, 2, 4, 1, 2, 5, 6, 1, 2]
+    s = Sequence(1, ids, 1, SamplingParams(), make_generator(0, "cpu"), frozenset())
+    d = NgramDrafter(n_max=2, n_min=1, branches=3).propose([s], [2])[0]
+    # continuations of [1, 2] at 6, 3, 0 (most recent first): [5, 6], [4, 1], [3, 1]
+    assert d.tree.tokens == [2, 5, 6, 4, 1, 3, 1] and d.tree.parents == [-1, 0, 1, 0, 3, 0, 5]
+    capped = NgramDrafter(n_max=2, n_min=1, branches=3, max_nodes=3).propose([s], [2])[0]
+    assert capped.tree.tokens == [2, 5, 6, 4]
+    single = NgramDrafter(n_max=2, n_min=1, branches=1).propose([s], [2])[0]
+    assert single.tree is None and single.tokens == [5, 6]
