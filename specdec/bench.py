@@ -2,6 +2,7 @@
 
 Six methods, greedy, batch size 1, on the prompts of a JSONL file:
 
+* ``specdec-ngram-tree`` - n-gram with ``tree_topk=3`` (several matches as tree branches);
 * ``specdec-plain`` / ``specdec-draft`` / ``specdec-ngram`` - ``specdec.LLM`` with
   ``SpecConfig(method="none" | "draft" | "ngram")``;
 * ``hf-plain`` / ``hf-assisted`` / ``hf-lookup`` - ``model.generate(do_sample=False)``, plain,
@@ -26,7 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-METHODS = ("specdec-plain", "specdec-draft", "specdec-ngram", "hf-plain", "hf-assisted", "hf-lookup")
+METHODS = ("specdec-plain", "specdec-draft", "specdec-ngram", "specdec-ngram-tree",
+           "hf-plain", "hf-assisted", "hf-lookup")
+NGRAM_TREE_TOPK = 3  # specdec-ngram-tree: up to 3 matches' continuations as branches
 HF_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
 DEFAULT_MODEL = "~/.cache/specdec-models/qwen2.5-coder-1.5b-instruct/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -299,6 +302,10 @@ def run_bench(args) -> int:
         if "specdec-ngram" in sd_methods:
             llms["specdec-ngram"] = LLM(plain.target, speculative=SpecConfig(method="ngram"),
                                         device=args.device, dtype=args.dtype, max_batch_size=1)
+        if "specdec-ngram-tree" in sd_methods:
+            tree = SpecConfig(method="ngram", tree_topk=NGRAM_TREE_TOPK)
+            llms["specdec-ngram-tree"] = LLM(plain.target, speculative=tree, device=args.device,
+                                             dtype=args.dtype, max_batch_size=1)
         load_s["specdec"] = time.perf_counter() - t0
         log(f"specdec models loaded in {load_s['specdec']:.1f}s (rss {_rss_gb()})")
         for m in sd_methods:

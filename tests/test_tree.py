@@ -218,7 +218,7 @@ def test_kv_keep_matches_fresh_forward(loaded):
     """After a tree round the accepted path's KV sits in consecutive slots: continuing
     through the cache equals a fresh forward of the committed ids."""
     rt = loaded("llama").runtime
-    prefix = [40, 41, 42, 43]
+    prefix = [40 + i % 50 for i in range(300)]  # longer than the initial capacity: buffers regrow
     tree = DraftTree.from_paths(44, [[50, 51], [60, 61, 62]])  # rows: 44, 50, 51, 60, 61, 62
     cache = rt.new_cache(1)
     rt.forward(cache, [0], [prefix])

@@ -50,13 +50,12 @@ class ModelDrafter:
 
     def _pick(self, logits: torch.Tensor, seq: Sequence):
         """Draft token from one logits row ``[vocab_d]``; q over the target's vocab when sampling."""
+        logits = logits[: self.target_vocab]  # never propose an id the target cannot emit
         if seq.sampling.greedy:
             return int(logits.argmax()), None
         q = probs_from_logits(logits[None], seq.sampling)[0]  # [vocab_d]
         token = int(sample(q[None], seq.generator))
-        width = self.target_vocab - q.shape[0]
-        q = F.pad(q, (0, width)) if width > 0 else q[: self.target_vocab]
-        return token, q
+        return token, F.pad(q, (0, self.target_vocab - q.shape[0]))
 
     def observe(self, seq: Sequence, num_accepted: int) -> None:
         cached = self.cached_ids[seq.slot]

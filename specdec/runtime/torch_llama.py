@@ -107,6 +107,7 @@ class KVCache:
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         self.lengths[slot] = length
 
+    @torch.inference_mode()  # the buffers are inference tensors once ensure() ran in a forward
     def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
         """Keep only KV rows ``start + rows[i]`` (increasing), moved to ``start + i``: the
         accepted path of a token tree becomes consecutive, the rest is rewound."""
