@@ -71,8 +71,8 @@ def verify(
 def residual(p: torch.Tensor, q: torch.Tensor | None, draft_id: int) -> torch.Tensor:
     """``normalize(max(p - q, 0))`` for one row ``[vocab]``; q None means one-hot at draft_id.
 
-    Guard: when rounding leaves no positive mass (p == q up to fp error) fall back to p,
-    which is what the residual converges to in that limit's only consistent reading.
+    Guard: a rejection implies p[x] < q[x], so the residual has positive mass in exact
+    arithmetic; if rounding leaves none (p == q up to fp error), fall back to p.
     """
     if q is None:
         r = p.clone()
