@@ -1,6 +1,6 @@
 """``specdec bench``: specdec vs transformers' own ``generate``, side by side, in one run.
 
-Six methods, greedy, batch size 1, on the prompts of a JSONL file:
+Seven methods, greedy, batch size 1, on the prompts of a JSONL file:
 
 * ``specdec-ngram-tree`` - n-gram with ``tree_topk=3`` (several matches as tree branches);
 * ``specdec-plain`` / ``specdec-draft`` / ``specdec-ngram`` - ``specdec.LLM`` with
@@ -8,7 +8,7 @@ Six methods, greedy, batch size 1, on the prompts of a JSONL file:
 * ``hf-plain`` / ``hf-assisted`` / ``hf-lookup`` - ``model.generate(do_sample=False)``, plain,
   with ``assistant_model=`` the draft, and with ``prompt_lookup_num_tokens=10``.
 
-Every method gets the same prompt token ids (``LLM.encode``) and the same eos ids. Only the
+Every method gets the same prompt token ids (``encode_prompt``, as ``LLM.encode``) and the same eos ids. Only the
 generation call is timed (one untimed 8-token warm-up per method first). The transformers
 models and specdec's are never held at the same time. Every method's greedy tokens (up to
 and including the first eos) must equal those of ``hf-plain`` (the reference); the exit code
@@ -26,6 +26,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from .sequence import cut_after_eos
 
 METHODS = ("specdec-plain", "specdec-draft", "specdec-ngram", "specdec-ngram-tree",
            "hf-plain", "hf-assisted", "hf-lookup")
@@ -72,13 +74,6 @@ def _parse_methods(text: str) -> list[str]:
         raise ValueError(f"--methods: unknown method(s) {', '.join(bad) or '(none given)'}; "
                          f"choose from {','.join(METHODS)}")
     return [m for m in METHODS if m in chosen]  # canonical order, no duplicates
-
-
-def _cut_at_eos(ids: list[int], eos: frozenset[int]) -> list[int]:
-    for i, t in enumerate(ids):
-        if t in eos:
-            return ids[: i + 1]
-    return ids
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -168,7 +163,7 @@ def _hf_runner(model, eos: list[int], device, **extra):
         new = out[0, input_ids.shape[1]:].tolist()
         stats = {"target_forwards": counts["target_forwards"]}
         if extra:
-            n = len(_cut_at_eos(new, frozenset(eos)))
+            n = len(cut_after_eos(new, frozenset(eos)))
             drafted = counts["drafted_tokens"]
             stats.update(drafted_tokens=drafted, accepted_tokens=counts["accepted_tokens"],
                          acceptance_rate=counts["accepted_tokens"] / drafted if drafted else None,
@@ -196,7 +191,7 @@ def _time_method(name, run, prompts, args, device, eos, log) -> list[dict]:
             ids, st = run(p["ids"], args.max_new_tokens)
             _sync(device)
             secs.append(time.perf_counter() - t0)
-            runs_ids.append(_cut_at_eos(ids, eos))
+            runs_ids.append(cut_after_eos(ids, eos))
             stats = stats or st
         n = len(runs_ids[0])
         med = statistics.median(secs)

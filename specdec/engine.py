@@ -13,7 +13,7 @@ from collections import deque
 from .config import SpecConfig
 from .drafters import Draft, Drafter
 from .sampling import probs_from_logits, sample
-from .sequence import Sequence
+from .sequence import Sequence, cut_after_eos
 from .tree import verify_tree
 from .verify import Verdict, verify
 
@@ -29,12 +29,8 @@ def tree_inputs(seqs: list[Sequence], drafts: list[Draft]) -> dict:
 def truncate(tokens: list[int], budget: int, eos_ids: frozenset[int]) -> tuple[list[int], bool]:
     """The part of a round's verified ``tokens`` that may be committed: at most ``budget``
     tokens, ending at the first EOS. Returns ``(kept, hit_eos)``."""
-    kept: list[int] = []
-    for t in tokens[:budget]:
-        kept.append(t)
-        if t in eos_ids:
-            return kept, True
-    return kept, False
+    kept = cut_after_eos(tokens[:budget], eos_ids)
+    return kept, bool(kept) and kept[-1] in eos_ids
 
 
 class Engine:

@@ -9,6 +9,14 @@ from .config import SamplingParams
 from .metrics import Metrics
 
 
+def cut_after_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
+    """``tokens`` up to and including the first EOS (all of them when there is none)."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[:i + 1]
+    return tokens
+
+
 @dataclass
 class Sequence:
     request_id: int

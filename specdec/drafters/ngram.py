@@ -1,7 +1,7 @@
 """Prompt lookup: propose what followed the most recent earlier occurrence of the last n tokens."""
 from __future__ import annotations
 
-from ..sequence import Sequence
+from ..sequence import Sequence, cut_after_eos
 from ..tree import DraftTree
 from .base import Draft
 
@@ -40,13 +40,6 @@ def lookup_branches(ids: list[int], k: int, n_max: int, n_min: int, branches: in
                     if len(found) == branches:
                         return found
     return found
-
-
-def cut_after_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in eos_ids:
-            return tokens[:i + 1]
-    return tokens
 
 
 class NgramDrafter:

@@ -43,7 +43,8 @@ class Runtime(Protocol):
 
         ``positions[b]`` default to consecutive positions after the slot's length;
         ``chunk_masks[b]`` ``[n_b, n_b]`` (bool) says which new tokens each new token sees
-        (default causal; a ``None`` entry in either list means the default); every new token always sees the slot's whole cached prefix.
+        (default causal; a ``None`` entry in either list means the default); every new
+        token always sees the slot's whole cached prefix.
         Returns ``[batch, max_n, vocab]`` (rows past ``n_b`` are padding), or
         ``[batch, vocab]`` for each slot's last new token when ``last_only``.
         """
