@@ -7,6 +7,7 @@ from typing import Any, Union
 
 from .config import EngineConfig, SamplingParams, SpecConfig
 from .drafters import ModelDrafter, NgramDrafter
+from .cost import Planner, forward_costs
 from .engine import Engine
 from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
@@ -57,47 +58,68 @@ class LLM:
     ``model`` / ``draft``: an HF model directory, a ``.gguf`` file, a hub id, or an already
     loaded ``LoadedModel`` (to share weights); ``model=None`` is the embedded default
     (SmolLM2-135M-Instruct). ``speculative.method``: ``none``,
-    ``draft`` (needs ``draft``), ``ngram`` or ``self``.
+    ``draft`` (needs ``draft``), ``ngram`` or ``self``. ``backend``: ``auto``, ``torch``,
+    ``hf`` or ``llamacpp`` (a .gguf on llama.cpp); ``draft_backend`` (default: ``backend``)
+    for the draft model.
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
                  speculative: SpecConfig | None = None, device: str | None = None,
-                 dtype: str | None = None, max_batch_size: int = 8, backend: str = "auto"):
+                 dtype: str | None = None, max_batch_size: int = 8, backend: str = "auto",
+                 draft_backend: str | None = None):
         if speculative is None:
             speculative = SpecConfig(method="draft" if draft else "none")
         self.spec = speculative
         self.engine_config = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size,
-                                          backend=backend)
-        if speculative.method == "draft" and not draft:
-            raise ValueError("method 'draft' needs a draft model (draft=... / --draft)")
-        if draft and speculative.method != "draft":
+                                          backend=backend, draft_backend=draft_backend)
+        uses_draft = speculative.method in ("draft", "hybrid")
+        if uses_draft and not draft:
+            raise ValueError(f"method {speculative.method!r} needs a draft model (draft=... / --draft)")
+        if draft and not uses_draft:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
-                             "use method 'draft'")
+                             "use method 'draft' or 'hybrid'")
         self.target: LoadedModel = model if isinstance(model, LoadedModel) \
             else load_model(model, device, dtype, backend)
         self.draft: LoadedModel | None = None
-        drafter = None
-        width = self.target.runtime.vocab_size
-        if speculative.method == "draft":
+        if uses_draft:
             from .vocab import require_compatible
 
             if not isinstance(draft, LoadedModel):
-                draft = load_model(draft, device, dtype, backend, quantize=speculative.draft_quantization)
+                draft = load_model(draft, device, dtype, draft_backend or backend,
+                                   quantize=speculative.draft_quantization)
             self.draft = draft
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
-            drafter = ModelDrafter(self.draft.runtime, max_batch_size, width)
-        elif speculative.method == "self":
-            drafter = ModelDrafter(self.target.runtime, max_batch_size, width)
-        elif speculative.method == "ngram":
-            drafter = NgramDrafter(speculative.ngram_max, speculative.ngram_min,
-                                   speculative.tree_topk, speculative.node_budget)
-            if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:
-                raise ValueError("token trees need the torch runtime (tree attention masks); "
-                                 "the transformers fallback runs chains only")
-        self.engine = Engine(self.target, drafter, speculative, max_batch_size)
+        if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:
+            raise ValueError("token trees need the torch runtime (tree attention masks); "
+                             "the transformers fallback runs chains only")
+        drafters = self._drafters(max_batch_size)
+        planner = self._planner(drafters) if speculative.cost_model else None
+        self.engine = Engine(self.target, drafters, speculative, max_batch_size, planner)
         self.tokenizer = self.target.tokenizer
         self.last_run_metrics: Metrics | None = None
         self._next_id = 0
+
+    def _drafters(self, max_batch_size: int) -> dict:
+        """By name, in the order ``hybrid`` tries them: n-gram first, then the draft model."""
+        spec, out = self.spec, {}
+        if spec.method in ("ngram", "hybrid"):
+            out["ngram"] = NgramDrafter(spec.ngram_max, spec.ngram_min, spec.tree_topk, spec.node_budget)
+        if spec.method in ("draft", "self", "hybrid"):
+            out["self" if spec.method == "self" else "draft"] = ModelDrafter(
+                (self.draft or self.target).runtime, max_batch_size, self.target.runtime.vocab_size,
+                spec.tree_topk, spec.node_budget)
+        return out
+
+    def _planner(self, drafters: dict) -> Planner:
+        """The cost model: measured (or cached) forward times of the target for every verify
+        size a step may use, and of the draft model per depth."""
+        spec = self.spec
+        tree = spec.tree_topk > 1
+        target = forward_costs(self.target, 1 + (spec.node_budget if tree else spec.depth))
+        cost = {name: 0.0 if name == "ngram" else
+                forward_costs(self.draft or self.target, spec.tree_topk)(spec.tree_topk) for name in drafters}
+        nodes = {name: (spec.tree_topk, spec.node_budget) for name in drafters} if tree else None
+        return Planner(target, cost, spec.depth, nodes)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids for a text prompt, a chat (list of messages) or ``{"prompt_token_ids": ...}``."""
@@ -112,7 +134,7 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        seqs = [self._sequence(p, sp) for p, sp in zip(prompts, params)]
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]
         start = time.perf_counter()
         for s in seqs:
             self.engine.add(s)
@@ -121,19 +143,33 @@ class LLM:
         self.last_run_metrics = run_metrics([s.metrics for s in seqs], time.perf_counter() - start)
         return [self._output(s, p) for s, p in zip(seqs, prompts)]
 
-    def _sequence(self, prompt: Prompt, sp: SamplingParams) -> Sequence:
+    @property
+    def context_window(self) -> int:
+        """Tokens (prompt + output) a request may span: the smaller of target and draft."""
+        return min(m.max_context for m in (self.target, self.draft) if m is not None)
+
+    def make_sequence(self, prompt: Prompt, sp: SamplingParams, *, logprobs: int | None = None,
+                      num_draft_tokens: int | None = None) -> Sequence:
+        """A validated ``Sequence`` for ``Engine.add`` (``ValueError`` on bad input).
+        ``logprobs``: capture the target's log-probabilities of the output tokens with that
+        many top alternatives each; ``num_draft_tokens``: cap k for this request."""
         ids = self.encode(prompt)
         vocab = self.target.runtime.vocab_size
         if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        limit = min(m.max_context for m in (self.target, self.draft) if m is not None)
+        limit = self.context_window
         if len(ids) + sp.max_new_tokens > limit:
             raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {sp.max_new_tokens} "
                              f"exceeds the context window of {limit} tokens")
+        if logprobs is not None and not (isinstance(logprobs, int) and logprobs >= 0):
+            raise ValueError(f"logprobs must be an integer >= 0, got {logprobs!r}")
+        if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):
+            raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
         self._next_id += 1
         return Sequence(request_id=self._next_id, ids=ids, prompt_len=len(ids), sampling=sp,
                         generator=make_generator(sp.seed, self.target.runtime.device),
-                        eos_ids=frozenset() if sp.ignore_eos else self.target.eos_ids)
+                        eos_ids=frozenset() if sp.ignore_eos else self.target.eos_ids,
+                        logprobs=logprobs, num_draft_tokens=num_draft_tokens)
 
     def _output(self, s: Sequence, prompt: Prompt) -> RequestOutput:
         text = s.text if s.text is not None else self.tokenizer.decode(s.output_ids, skip_special_tokens=True)

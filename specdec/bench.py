@@ -1,10 +1,12 @@
 """``specdec bench``: specdec vs transformers' own ``generate``, side by side, in one run.
 
-Seven methods, greedy, batch size 1, on the prompts of a JSONL file:
+Eight methods, greedy, batch size 1, on the prompts of a JSONL file:
 
-* ``specdec-ngram-tree`` - n-gram with ``tree_topk=3`` (several matches as tree branches);
 * ``specdec-plain`` / ``specdec-draft`` / ``specdec-ngram`` - ``specdec.LLM`` with
   ``SpecConfig(method="none" | "draft" | "ngram")``;
+* ``specdec-ngram-tree`` - n-gram with ``tree_topk=3`` (several matches as tree branches);
+* ``specdec-draft-tree`` - the draft model's top-k token tree (EAGLE-2 style), one method per
+  ``--tree-shapes`` entry ``TOPKxDEPTHxNODES``, labelled e.g. ``specdec-draft-tree:2x4x8``;
 * ``hf-plain`` / ``hf-assisted`` / ``hf-lookup`` - ``model.generate(do_sample=False)``, plain,
   with ``assistant_model=`` the draft, and with ``prompt_lookup_num_tokens=10``.
 
@@ -29,8 +31,10 @@ from pathlib import Path
 
 from .sequence import cut_after_eos
 
-METHODS = ("specdec-plain", "specdec-draft", "specdec-ngram", "specdec-ngram-tree",
-           "hf-plain", "hf-assisted", "hf-lookup")
+METHODS = ("specdec-plain", "specdec-draft", "specdec-ngram", "specdec-hybrid", "specdec-ngram-tree",
+           "specdec-draft-tree", "hf-plain", "hf-assisted", "hf-lookup")
+COST_SUFFIX = "+cost"  # e.g. specdec-ngram+cost: the same drafter with the cost model choosing k
+DEFAULT_TREE_SHAPES = "2x4x8"
 NGRAM_TREE_TOPK = 3  # specdec-ngram-tree: up to 3 matches' continuations as branches
 HF_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
@@ -49,6 +53,13 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                         "own assistant settings")
     p.add_argument("--draft-quantization", choices=["auto", "none", "int8"], default="auto",
                    help="specdec-draft's draft weights (auto = int8 on CPU float32; lossless either way)")
+    p.add_argument("--tree-topk", type=int, default=NGRAM_TREE_TOPK,
+                   help="specdec-ngram-tree: matches as branches (default %(default)s)")
+    p.add_argument("--tree-depth", type=int, help="specdec-ngram-tree depth (default: k)")
+    p.add_argument("--tree-nodes", type=int, help="specdec-ngram-tree node budget (default: depth * topk)")
+    p.add_argument("--tree-shapes", default=DEFAULT_TREE_SHAPES,
+                   help="specdec-draft-tree shapes, comma list of TOPKxDEPTHxNODES "
+                        "(tree_topk, tree_depth, tree_nodes; default %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--prompts-file", default=DEFAULT_PROMPTS,
                    help="JSONL: {id, kind: chat|completion, messages|prompt} (default %(default)s)")
@@ -69,11 +80,55 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
 
 def _parse_methods(text: str) -> list[str]:
     chosen = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in chosen if m not in METHODS]
+    costed = [m + COST_SUFFIX for m in METHODS if m.startswith("specdec-") and m != "specdec-plain"]
+    bad = [m for m in chosen if m not in METHODS and m not in costed]
     if bad or not chosen:
         raise ValueError(f"--methods: unknown method(s) {', '.join(bad) or '(none given)'}; "
-                         f"choose from {','.join(METHODS)}")
-    return [m for m in METHODS if m in chosen]  # canonical order, no duplicates
+                         f"choose from {','.join(METHODS)} (speculative specdec methods also with "
+                         f"a {COST_SUFFIX} suffix)")
+    return [x for m in METHODS for x in (m, m + COST_SUFFIX) if x in chosen]  # canonical order
+
+
+def parse_tree_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"2x4x8,3x3x9"`` -> ``[(topk, depth, nodes), ...]``, each validated by ``SpecConfig``."""
+    from .config import SpecConfig
+
+    shapes = []
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            topk, depth, nodes = (int(v) for v in part.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--tree-shapes: {part!r} is not TOPKxDEPTHxNODES, e.g. 2x4x8") from None
+        SpecConfig(method="draft", tree_topk=topk, tree_depth=depth, tree_nodes=nodes)
+        shapes.append((topk, depth, nodes))
+    if not shapes:
+        raise ValueError("--tree-shapes: no shape given")
+    return shapes
+
+
+def _labels(methods: list[str], shapes) -> list[str]:
+    """Method labels: ``specdec-draft-tree`` becomes one label per tree shape."""
+    out = []
+    for m in methods:
+        base, cost = m.removesuffix(COST_SUFFIX), m[len(m.removesuffix(COST_SUFFIX)):]
+        out += [f"{base}:{t}x{d}x{n}{cost}" for t, d, n in shapes] if base == "specdec-draft-tree" else [m]
+    return out
+
+
+def _spec(label: str, args):
+    """``SpecConfig`` for a specdec method label (``specdec-draft-tree:2x4x8+cost`` ...)."""
+    from .config import SpecConfig
+
+    name = label.removesuffix(COST_SUFFIX)
+    common = dict(num_draft_tokens=args.num_draft_tokens, cost_model=label.endswith(COST_SUFFIX),
+                  draft_quantization=args.draft_quantization)
+    if name.startswith("specdec-draft-tree:"):
+        topk, depth, nodes = (int(v) for v in name.split(":")[1].split("x"))
+        return SpecConfig(method="draft", tree_topk=topk, tree_depth=depth, tree_nodes=nodes, **common)
+    if name == "specdec-ngram-tree":
+        return SpecConfig(method="ngram", tree_topk=args.tree_topk, tree_depth=args.tree_depth,
+                          tree_nodes=args.tree_nodes, **common)
+    return SpecConfig(method=name.removeprefix("specdec-").replace("plain", "none"), **common)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -115,7 +170,8 @@ def _specdec_runner(llm):
         m = out.metrics
         return list(out.token_ids), {k: m.get(k) for k in (
             "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens",
-            "acceptance_rate", "mean_accepted_length")}
+            "acceptance_rate", "mean_accepted_length", "nodes_per_verify_step",
+            "accepted_per_position", "drafted_per_position", "chosen_k", "drafter_steps", "time_split_s")}
 
     return run
 
@@ -217,7 +273,8 @@ def run_bench(args) -> int:
     from .config import SpecConfig
     from .runtime.loading import eos_ids_of, pick_device, pick_dtype, resolve
 
-    methods = _parse_methods(args.methods)
+    shapes = parse_tree_shapes(args.tree_shapes)
+    methods = _labels(_parse_methods(args.methods), shapes)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.repeats < 1:
@@ -227,9 +284,9 @@ def run_bench(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     SpecConfig(method="draft", num_draft_tokens=args.num_draft_tokens)  # validates k
-    needs_draft = any(m in methods for m in ("specdec-draft", "hf-assisted"))
+    needs_draft = any(m.startswith(("specdec-draft", "specdec-hybrid", "hf-assisted")) for m in methods)
     if needs_draft and not args.draft:
-        raise ValueError("specdec-draft and hf-assisted need --draft")
+        raise ValueError("specdec-draft, specdec-hybrid, specdec-draft-tree and hf-assisted need --draft")
     items = read_prompts_file(args.prompts_file)[: args.limit]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -289,18 +346,15 @@ def run_bench(args) -> int:
             if plain.encode(prompt) != p["ids"]:
                 raise RuntimeError(f"prompt {p['id']}: token ids differ from LLM.encode")
         llms = {"specdec-plain": plain}
-        if "specdec-draft" in sd_methods:
-            spec = SpecConfig(method="draft", num_draft_tokens=args.num_draft_tokens,
-                              draft_quantization=args.draft_quantization)
-            llms["specdec-draft"] = LLM(plain.target, draft=str(draft_path), device=args.device,
-                                        dtype=args.dtype, speculative=spec, max_batch_size=1)
-        if "specdec-ngram" in sd_methods:
-            llms["specdec-ngram"] = LLM(plain.target, speculative=SpecConfig(method="ngram"),
-                                        device=args.device, dtype=args.dtype, max_batch_size=1)
-        if "specdec-ngram-tree" in sd_methods:
-            tree = SpecConfig(method="ngram", tree_topk=NGRAM_TREE_TOPK)
-            llms["specdec-ngram-tree"] = LLM(plain.target, speculative=tree, device=args.device,
-                                             dtype=args.dtype, max_batch_size=1)
+        draft_model = None  # one copy of the draft weights for every method that drafts with it
+        for m in sd_methods:
+            if m == "specdec-plain":
+                continue
+            spec = _spec(m, args)
+            uses_draft = spec.method in ("draft", "hybrid")
+            llms[m] = LLM(plain.target, draft=(draft_model or str(draft_path)) if uses_draft else None,
+                          device=args.device, dtype=args.dtype, speculative=spec, max_batch_size=1)
+            draft_model = draft_model or llms[m].draft
         load_s["specdec"] = time.perf_counter() - t0
         log(f"specdec models loaded in {load_s['specdec']:.1f}s (rss {_rss_gb()})")
         for m in sd_methods:
@@ -336,6 +390,16 @@ def run_bench(args) -> int:
                 steps = [r["target_forwards"] - 1 for r in recs]
                 committed = sum((r["mean_accepted_length"] or 0) * n for r, n in zip(recs, steps))
                 s["mean_accepted_length"] = committed / sum(steps) if sum(steps) else None
+                s["nodes_per_verify_step"] = drafted / sum(steps) if sum(steps) else None
+                acc, dra = (_sum_lists(r[key] for r in recs)
+                            for key in ("accepted_per_position", "drafted_per_position"))
+                s["acceptance_by_depth"] = [a / d if d else None for a, d in zip(acc, dra)]
+                s["chosen_k"] = _sum_lists(r["chosen_k"] for r in recs)
+                s["drafter_steps"] = {n: sum(r["drafter_steps"].get(n, 0) for r in recs)
+                                      for n in sorted({n for r in recs for n in r["drafter_steps"]})}
+            if m.startswith("specdec-"):
+                s["time_split_s"] = {phase: sum(r["time_split_s"][phase] for r in recs)
+                                     for phase in ("prefill", "draft", "verify", "bookkeeping")}
             else:
                 s["mean_accepted_length"] = tokens / s["target_forwards"] if s["target_forwards"] else None
         summary[m] = s
@@ -356,6 +420,8 @@ def run_bench(args) -> int:
                          + sys.argv[1:])
     config = {"model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
               "draft_dir": str(draft_path) if draft_path else None, "num_draft_tokens": args.num_draft_tokens,
+              "ngram_tree": {"topk": args.tree_topk, "depth": args.tree_depth, "nodes": args.tree_nodes},
+              "draft_tree_shapes": [list(x) for x in shapes],
               "max_new_tokens": args.max_new_tokens, "prompts_file": os.path.abspath(args.prompts_file),
               "num_prompts": len(prompts), "repeats": args.repeats, "methods": methods,
               "reference": ref, "eos_ids": eos_list, "hf_prompt_lookup_num_tokens": HF_LOOKUP_TOKENS,
@@ -387,14 +453,23 @@ def run_bench(args) -> int:
     return 0 if ok else 1
 
 
+def _sum_lists(lists) -> list[int]:
+    total: list[int] = []
+    for xs in lists:
+        total += [0] * (len(xs or []) - len(total))
+        for i, x in enumerate(xs or []):
+            total[i] += x
+    return total
+
+
 def _fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
 def _tables(methods, summary, results, prompts, ref) -> str:
     rows = ["| method | tok/s (median) | tok/s (total) | vs hf-plain | tokens | target fwd "
-            "| accept rate | mean acc len | diverged |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+            "| accept rate | mean acc len | nodes/step | accept by depth | diverged |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for m in methods:
         s = summary[m]
         div = "ref" if m == ref and not s["diverged"] else str(s["diverged"])
@@ -403,10 +478,23 @@ def _tables(methods, summary, results, prompts, ref) -> str:
         rows.append(f"| {m} | {_fmt(s['median_tokens_per_s'])} | {_fmt(s['aggregate_tokens_per_s'])} "
                     f"| {_fmt(s['vs_hf_plain_median'])}{'x' if s['vs_hf_plain_median'] else ''} "
                     f"| {s['total_tokens']} | {s['target_forwards']} "
-                    f"| {_fmt(s.get('acceptance_rate'))} | {_fmt(s.get('mean_accepted_length'))} | {div} |")
+                    f"| {_fmt(s.get('acceptance_rate'))} | {_fmt(s.get('mean_accepted_length'))} "
+                    f"| {_fmt(s.get('nodes_per_verify_step'))} "
+                    f"| {' '.join(_fmt(a) for a in s.get('acceptance_by_depth') or []) or '-'} | {div} |")
     per = ["| prompt | tokens | " + " | ".join(methods) + " |",
            "|---|---:|" + "---:|" * len(methods)]
     for i, p in enumerate(prompts):
         per.append(f"| {p['id']} | {results[ref][i]['generated_tokens']} | "
                    + " | ".join(_fmt(results[m][i]["tokens_per_s"]) for m in methods) + " |")
-    return "\n".join(rows) + "\n\nper prompt, tokens/s:\n\n" + "\n".join(per)
+    split = ["| method | prefill s | draft s | verify s | bookkeeping s | chosen k (count for k=0,1,...) "
+             "| steps per drafter |", "|---|---:|---:|---:|---:|---|---|"]
+    for m in methods:
+        t = summary[m].get("time_split_s")
+        if t:
+            k = summary[m].get("chosen_k")
+            steps = summary[m].get("drafter_steps")
+            split.append(f"| {m} | " + " | ".join(_fmt(t[x]) for x in ("prefill", "draft", "verify", "bookkeeping"))
+                         + f" | {' '.join(map(str, k)) if k else '-'} "
+                         f"| {', '.join(f'{n} {c}' for n, c in steps.items()) if steps else '-'} |")
+    return ("\n".join(rows) + "\n\nper prompt, tokens/s:\n\n" + "\n".join(per)
+            + "\n\nspecdec time split (summed over prompts) and the drafts chosen:\n\n" + "\n".join(split))

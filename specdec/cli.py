@@ -1,4 +1,4 @@
-"""Command line: ``specdec generate | demo | check-vocab | bench``.
+"""Command line: ``specdec generate | demo | check-vocab | bench | serve | loadtest``.
 
 Flags map one-to-one onto ``SamplingParams``, ``SpecConfig`` and ``EngineConfig`` fields.
 A user error prints one line ``specdec: error: ...`` and exits with code 2.
@@ -7,34 +7,41 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
-from .config import METHODS, SamplingParams, SpecConfig
+from .config import BACKENDS, METHODS, SamplingParams, SpecConfig
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models and speculation")
     g.add_argument("--model", help="target: HF model dir, .gguf file or hub id "
                                    "(default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", help="draft model for --method draft (same forms as --model)")
+    g.add_argument("--draft", help="draft model for --method draft or hybrid (same forms as --model)")
     g.add_argument("--method", choices=METHODS, default=None,
-                   help="drafter (default: draft when --draft is given, else none)")
+                   help="drafter (default: draft when --draft is given, else none); hybrid = "
+                        "n-gram when the lookup matches, else the draft model")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=SpecConfig.num_draft_tokens,
                    help="draft tokens per round, k (default %(default)s)")
     g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max)
     g.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min)
     g.add_argument("--tree-topk", type=int, default=1,
-                   help="token tree: candidate branches (ngram only so far; 1 = chain, default)")
+                   help="token tree: candidates per node (draft/self: top-k children; ngram: matches; 1 = chain, default)")
     g.add_argument("--tree-depth", type=int, help="token tree depth (default: k)")
     g.add_argument("--tree-nodes", type=int, help="token tree node budget (default: depth * topk)")
+    g.add_argument("--cost-model", action="store_true",
+                   help="choose each step's drafter and k <= --num-draft-tokens (0 = plain decoding) "
+                        "from measured forward times and online acceptance")
     g.add_argument("--draft-quantization", choices=["auto", "none", "int8"], default="auto",
                    help="int8 draft weights (lossless; auto = int8 for a CPU float32 draft)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="default: float32 on cpu, bfloat16 on cuda")
-    g.add_argument("--backend", choices=["auto", "torch", "hf"], default="auto",
-                   help="torch = specdec's Llama-family runtime, hf = transformers' model; "
+    g.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="torch = specdec's Llama-family runtime, hf = transformers' model, "
+                        "llamacpp = llama.cpp on a .gguf (pip install 'specdec[llamacpp]'); "
                         "auto picks torch when the architecture allows")
+    g.add_argument("--draft-backend", choices=BACKENDS, help="for the draft model (default: --backend)")
     g.add_argument("--max-batch-size", type=int, default=8)
 
 
@@ -54,7 +61,7 @@ def spec_from_args(a) -> SpecConfig:
     return SpecConfig(method=method, num_draft_tokens=a.num_draft_tokens,
                       ngram_max=a.ngram_max, ngram_min=a.ngram_min,
                       draft_quantization=a.draft_quantization, tree_topk=a.tree_topk,
-                      tree_depth=a.tree_depth, tree_nodes=a.tree_nodes)
+                      tree_depth=a.tree_depth, tree_nodes=a.tree_nodes, cost_model=a.cost_model)
 
 
 def sampling_from_args(a) -> SamplingParams:
@@ -66,7 +73,8 @@ def make_llm(a):
     from .api import LLM
 
     return LLM(a.model, draft=a.draft, speculative=spec_from_args(a), device=a.device,
-               dtype=a.dtype, max_batch_size=a.max_batch_size, backend=a.backend)
+               dtype=a.dtype, max_batch_size=a.max_batch_size, backend=a.backend,
+               draft_backend=a.draft_backend)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:
@@ -145,6 +153,31 @@ def cmd_bench(a) -> int:
     return run_bench(a)
 
 
+def cmd_serve(a) -> int:
+    spec_from_args(a)  # validate before loading models
+    if a.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {a.max_queue}")
+    if a.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {a.max_request_bytes}")
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {a.port}")
+    from .server import create_app, serve
+
+    llm = make_llm(a)
+    app = create_app(llm, served_model_name=a.served_model_name, max_queue=a.max_queue,
+                     api_key=a.api_key, max_request_bytes=a.max_request_bytes)
+    print(f"specdec: serving {app.state.served_model_name!r} (method {llm.spec.method}) on "
+          f"http://{a.host}:{a.port}/v1", file=sys.stderr)
+    serve(app, a.host, a.port, a.log_level)
+    return 0
+
+
+def cmd_loadtest(a) -> int:
+    from .server.loadtest import main as run_loadtest
+
+    return run_loadtest(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for HF causal LMs.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -175,6 +208,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_flags(b)
     b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    add_model_flags(s)
+    h = s.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a batch slot; beyond that 429 (default %(default)s)")
+    h.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECDEC_API_KEY, else none)")
+    h.add_argument("--served-model-name", help="model id in requests and /v1/models (default: --model)")
+    h.add_argument("--max-request-bytes", type=int, default=2_000_000,
+                   help="larger request bodies get 413 (default %(default)s)")
+    h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
+
+    t = sub.add_parser("loadtest", help="N concurrent streaming clients for T seconds against a server; "
+                                        "checks every response against its single-request reference")
+    t.add_argument("--url", default="http://127.0.0.1:8000")
+    t.add_argument("--clients", "-n", type=int, default=4)
+    t.add_argument("--duration", "-t", type=float, default=20.0, help="seconds (default %(default)s)")
+    t.add_argument("--max-tokens", type=int, default=64)
+    t.add_argument("--prompts", type=int, default=8, help="distinct prompts in the pool (default %(default)s)")
+    t.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"))
+    t.add_argument("--json", action="store_true", help="one JSON object")
+    t.set_defaults(func=cmd_loadtest)
     return p
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("none", "draft", "ngram", "self")
+METHODS = ("none", "draft", "ngram", "self", "hybrid")
+BACKENDS = ("auto", "torch", "hf", "llamacpp")
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -60,18 +61,22 @@ class SamplingParams:
 class SpecConfig:
     """Which drafter proposes tokens, and how many per round."""
 
-    method: str = "none"  # none | draft | ngram | self
+    method: str = "none"  # none | draft | ngram | self | hybrid (n-gram when it matches, else draft)
     num_draft_tokens: int = 4  # k
     ngram_max: int = 3  # longest suffix n-gram the lookup tries first
     ngram_min: int = 1
     # int8 weights for the draft model (lossless: the target verifies every token).
     # auto = int8 when the draft runs on CPU in float32, where it is ~4x faster.
     draft_quantization: str = "auto"  # auto | none | int8
-    # token trees (n-gram drafter so far): up to tree_topk candidate branches, tree_depth
-    # deep (default k), at most tree_nodes draft nodes (default depth * topk); topk 1 = chain
+    # token trees: up to tree_topk candidates per node (draft/self: the draft's top-k
+    # children, EAGLE-2 style; ngram: several matches' continuations), tree_depth deep
+    # (default k), at most tree_nodes draft nodes (default depth * topk); topk 1 = chain
     tree_topk: int = 1
     tree_depth: int | None = None
     tree_nodes: int | None = None
+    # a measured cost model picks each step's drafter and k <= num_draft_tokens (0 = plain
+    # decoding) for the most expected tokens per second; forward times are measured at load
+    cost_model: bool = False
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS,
@@ -85,8 +90,9 @@ class SpecConfig:
         _check(self.tree_topk >= 1, f"tree_topk must be >= 1, got {self.tree_topk}")
         _check(self.tree_depth is None or self.tree_depth >= 1, f"tree_depth must be >= 1, got {self.tree_depth}")
         _check(self.tree_nodes is None or self.tree_nodes >= 1, f"tree_nodes must be >= 1, got {self.tree_nodes}")
-        _check(self.tree_topk == 1 or self.method == "ngram",
-               f"token trees (tree_topk > 1) are implemented for the ngram drafter only, not {self.method!r}")
+        _check(self.tree_topk == 1 or self.method != "none",
+               "token trees (tree_topk > 1) need a drafter: method draft, self, ngram or hybrid")
+        _check(not self.cost_model or self.method != "none", "the cost model needs a drafter (method != none)")
 
     @property
     def depth(self) -> int:
@@ -105,13 +111,16 @@ class EngineConfig:
     device: str | None = None  # None = cuda if available, else cpu
     dtype: str | None = None  # None = float32 on cpu, bfloat16 on cuda
     max_batch_size: int = 8
-    backend: str = "auto"  # auto | torch | hf  (hf = transformers' own model and cache)
+    backend: str = "auto"  # auto | torch | hf | llamacpp  (hf = transformers' own model and cache)
     threads: int | None = None  # torch intra-op threads on cpu; None = torch's default
+    draft_backend: str | None = None  # None = backend; e.g. a llamacpp target with a torch draft
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        _check(self.backend in ("auto", "torch", "hf"),
-               f"unknown backend {self.backend!r}; choose auto, torch or hf")
+        for name in ("backend", "draft_backend"):
+            value = getattr(self, name)
+            _check(value in BACKENDS or (name == "draft_backend" and value is None),
+                   f"unknown {name} {value!r}; choose {', '.join(BACKENDS)}")
         _check(self.dtype in (None, "float32", "bfloat16", "float16"),
                f"unknown dtype {self.dtype!r}; choose float32, bfloat16 or float16")
         _check(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")

@@ -10,7 +10,10 @@ from __future__ import annotations
 import time
 from collections import deque
 
+import torch
+
 from .config import SpecConfig
+from .cost import Choice, Planner
 from .drafters import Draft, Drafter
 from .sampling import probs_from_logits, sample
 from .sequence import Sequence, cut_after_eos
@@ -33,12 +36,39 @@ def truncate(tokens: list[int], budget: int, eos_ids: frozenset[int]) -> tuple[l
     return kept, bool(kept) and kept[-1] in eos_ids
 
 
+def capture_logprobs(s: Sequence, rows: torch.Tensor, tokens: list[int]) -> None:
+    """Append the target's log-probabilities for ``tokens`` (``rows [n, vocab]``, row j
+    predicts ``tokens[j]``) and the ``s.logprobs`` most likely alternatives to ``s``."""
+    lp = torch.log_softmax(rows.float(), dim=-1)  # [n, vocab]
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if s.logprobs:
+        top = lp.topk(min(s.logprobs, lp.shape[-1]), dim=-1)
+        alts = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    else:
+        alts = [[] for _ in tokens]
+    s.token_logprobs.extend(zip(chosen, alts))
+
+
+def ready(drafter: Drafter, seq: Sequence) -> bool:
+    """Whether ``drafter`` has something to propose for ``seq`` (n-gram: a match)."""
+    check = getattr(drafter, "ready", None)
+    return check is None or check(seq)
+
+
 class Engine:
-    def __init__(self, target, drafter: Drafter | None, spec: SpecConfig, max_batch_size: int):
+    """``drafters``: one drafter, or several by name (tried in order: ``hybrid`` is
+    ``{"ngram": ..., "draft": ...}``); ``planner``: a cost model choosing each step's
+    drafter and k per sequence (default: the first ready drafter, k = ``spec.depth``)."""
+
+    def __init__(self, target, drafters: Drafter | dict[str, Drafter] | None, spec: SpecConfig,
+                 max_batch_size: int, planner: Planner | None = None):
         self.target = target  # LoadedModel
         self.runtime = target.runtime
-        self.drafter = drafter
-        self.k = spec.depth if drafter is not None else 0
+        if drafters is not None and not isinstance(drafters, dict):
+            drafters = {spec.method: drafters}
+        self.drafters: dict[str, Drafter] = drafters or {}
+        self.planner = planner
+        self.k = spec.depth if self.drafters else 0
         self.cache = self.runtime.new_cache(max_batch_size)
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
         self.waiting: deque[Sequence] = deque()
@@ -46,6 +76,16 @@ class Engine:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Finish ``seq`` with reason ``"abort"`` (call between steps). A waiting sequence
+        leaves the queue now; a running one takes no further part in rounds and frees its
+        KV slot and drafter state at the next ``step()``, which returns it."""
+        if seq.finished:
+            return
+        seq.finish_reason = "abort"
+        if seq.slot < 0:
+            self.waiting = deque(s for s in self.waiting if s is not seq)
 
     @property
     def has_work(self) -> bool:
@@ -60,19 +100,57 @@ class Engine:
         return self._retire()
 
     def _round(self, seqs: list[Sequence]) -> None:
-        ks = [min(self.k, s.remaining - 1) for s in seqs]
-        drafts = self.drafter.propose(seqs, ks) if self.drafter else [Draft([]) for _ in seqs]  # 1. propose
+        t0 = time.perf_counter()
+        plan = self._plan(seqs)  # per sequence: which drafter, how many drafts
+        drafts = self._propose(seqs, plan)  # 1. propose
+        t1 = time.perf_counter()
         chunks = [[s.ids[-1]] + d.tokens for s, d in zip(seqs, drafts)]
         logits = self.runtime.forward(self.cache, [s.slot for s in seqs], chunks,
                                       **tree_inputs(seqs, drafts))  # 2. verify [B, 1+k, vocab]
-        for s, d, rows in zip(seqs, drafts, logits):
-            v = self._verify(s, d, rows[: len(d.tokens) + 1])  # rejected drafts' KV dropped
+        verdicts = [self._verify(s, d, rows[: len(d.tokens) + 1])  # rejected drafts' KV dropped
+                    for s, d, rows in zip(seqs, drafts, logits)]
+        t2 = time.perf_counter()
+        for s, d, c, v, rows in zip(seqs, drafts, plan, verdicts, logits):
+            if s.logprobs is not None:  # row j predicts token j (a tree: row v.rows[j])
+                path = list(v.rows) if d.tree is not None else list(range(len(v.tokens)))
+                capture_logprobs(s, rows[path], v.tokens)
             committed = self._commit(s, v.tokens)  # 3. commit, stop checks
-            s.metrics.record_verify(len(d.tokens), v.num_accepted, committed)
+            s.metrics.record_verify(len(d.tokens), max(d.tree.depths) if d.tree else len(d.tokens),
+                                    v.num_accepted, committed)
             s.metrics.target_forwards += 1
-            s.metrics.draft_forwards += d.forwards
-            if self.drafter:
-                self.drafter.observe(s, v.num_accepted)  # 4. observe
+            s.metrics.record_choice(c.drafter, c.k, d.forwards)
+            for drafter in self.drafters.values():
+                drafter.observe(s, v.num_accepted)  # 4. observe
+            if self.planner:
+                self.planner.record(s.request_id, c, len(d.tokens), v.num_accepted)
+        t3 = time.perf_counter()
+        for s in seqs:
+            s.metrics.record_times(draft=t1 - t0, verify=t2 - t1, bookkeeping=t3 - t2)
+
+    def _plan(self, seqs: list[Sequence]) -> list[Choice]:
+        plan = []
+        for s in seqs:
+            limit = min(self.k, s.remaining - 1, s.num_draft_tokens if s.num_draft_tokens is not None else self.k)
+            if limit <= 0 or not self.drafters:
+                plan.append(Choice(None, 0, 0.0))
+            elif len(self.drafters) == 1 and self.planner is None:
+                plan.append(Choice(next(iter(self.drafters)), limit, 0.0))
+            else:
+                avail = [n for n, d in self.drafters.items() if ready(d, s)]
+                if self.planner:
+                    plan.append(self.planner.choose(s.request_id, limit, set(avail)))
+                else:
+                    plan.append(Choice(avail[0], limit, 0.0) if avail else Choice(None, 0, 0.0))
+        return plan
+
+    def _propose(self, seqs: list[Sequence], plan: list[Choice]) -> list[Draft]:
+        drafts = [Draft([]) for _ in seqs]
+        for name, drafter in self.drafters.items():
+            idx = [i for i, c in enumerate(plan) if c.drafter == name and c.k > 0]
+            if idx:
+                for i, d in zip(idx, drafter.propose([seqs[i] for i in idx], [plan[i].k for i in idx])):
+                    drafts[i] = d
+        return drafts
 
     def _verify(self, s: Sequence, d: Draft, rows) -> Verdict:
         """Verify one sequence's draft (chain or tree) and keep only the accepted path's KV."""
@@ -93,14 +171,18 @@ class Engine:
             new.append(s)
         if not new:
             return
+        t0 = time.perf_counter()
         logits = self.runtime.forward(self.cache, [s.slot for s in new], [s.ids for s in new],
                                       last_only=True)  # [B, vocab]
         for s, row in zip(new, logits):
+            s.metrics.prefill_s += time.perf_counter() - t0
             if s.sampling.greedy:
                 token = int(row.argmax())
             else:
                 token = int(sample(probs_from_logits(row[None], s.sampling), s.generator))
             s.metrics.target_forwards += 1
+            if s.logprobs is not None:
+                capture_logprobs(s, row[None], [token])
             self._commit(s, [token])
             self.running.append(s)
 
@@ -111,6 +193,7 @@ class Engine:
             s.finish_reason = "stop"
         elif s.remaining == 0:
             s.finish_reason = "length"
+        del s.token_logprobs[s.num_output:]  # captured for tokens cut at EOS / budget / stop
         return len(kept)
 
     def _hit_stop_string(self, s: Sequence, num_new: int) -> bool:
@@ -138,8 +221,10 @@ class Engine:
         now = time.perf_counter()
         for s in done:
             self.cache.rewind(s.slot, 0)
-            if self.drafter:
-                self.drafter.release(s)
+            for drafter in self.drafters.values():
+                drafter.release(s)
+            if self.planner:
+                self.planner.release(s.request_id)
             self.free_slots.append(s.slot)
             s.metrics.wall_s = now - s.started_at
             s.metrics.generated_tokens = s.num_output

@@ -12,30 +12,56 @@ class Metrics:
     accepted_tokens: int = 0
     verify_steps: int = 0  # target forwards after prefill
     verify_committed: int = 0  # tokens committed by verify steps (recovered/bonus included)
-    accepted_per_position: list[int] = field(default_factory=list)  # [k]: accepted at draft position i
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: steps accepting a draft at depth i+1
+    drafted_per_position: list[int] = field(default_factory=list)  # [k]: steps drafting to depth i+1
     generated_tokens: int = 0
+    chosen_k: list[int] = field(default_factory=list)  # [k+1]: verify steps that drafted with k = i
+    drafter_steps: dict[str, int] = field(default_factory=dict)  # verify steps per drafter (hybrid)
+    # wall time of the steps this request took part in, by phase (a batch's step counts for each
+    # of its requests): prefill, drafting (incl. planning), target verify forward + verification,
+    # bookkeeping (commit, stop checks, drafter/planner updates)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    bookkeeping_s: float = 0.0
     wall_s: float = 0.0
 
-    def record_verify(self, num_drafts: int, num_accepted: int, committed: int) -> None:
+    def record_choice(self, drafter: str | None, k: int, draft_forwards: int) -> None:
+        self.draft_forwards += draft_forwards
+        self.chosen_k += [0] * (k + 1 - len(self.chosen_k))
+        self.chosen_k[k] += 1
+        if drafter is not None and k > 0:
+            self.drafter_steps[drafter] = self.drafter_steps.get(drafter, 0) + 1
+
+    def record_times(self, draft: float, verify: float, bookkeeping: float) -> None:
+        self.draft_s += draft
+        self.verify_s += verify
+        self.bookkeeping_s += bookkeeping
+
+    def record_verify(self, num_drafts: int, depth: int, num_accepted: int, committed: int) -> None:
+        """One verify step: ``num_drafts`` draft tokens (tree nodes) reaching ``depth``
+        (= num_drafts for a chain), ``num_accepted`` of them accepted, ``committed`` kept."""
         self.verify_steps += 1
         self.verify_committed += committed
         self.drafted_tokens += num_drafts
         self.accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_drafts:
-            self.accepted_per_position += [0] * (num_drafts - len(self.accepted_per_position))
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
+        _bump(self.drafted_per_position, depth)
+        _bump(self.accepted_per_position, num_accepted)
+        self.accepted_per_position += [0] * (len(self.drafted_per_position) - len(self.accepted_per_position))
 
     def add(self, other: "Metrics") -> None:
         """Accumulate ``other``'s counters (not wall time) into this one."""
         for name in ("target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens",
-                     "verify_steps", "verify_committed", "generated_tokens"):
+                     "verify_steps", "verify_committed", "generated_tokens",
+                     "prefill_s", "draft_s", "verify_s", "bookkeeping_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        self.accepted_per_position = [
-            (self.accepted_per_position[i] if i < len(self.accepted_per_position) else 0)
-            + (other.accepted_per_position[i] if i < len(other.accepted_per_position) else 0)
-            for i in range(n)]
+        for name, n in other.drafter_steps.items():
+            self.drafter_steps[name] = self.drafter_steps.get(name, 0) + n
+        for name in ("accepted_per_position", "drafted_per_position", "chosen_k"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            mine += [0] * (len(theirs) - len(mine))
+            for i, c in enumerate(theirs):
+                mine[i] += c
 
     def to_dict(self) -> dict:
         return {
@@ -45,11 +71,27 @@ class Metrics:
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None,
             "mean_accepted_length": self.verify_committed / self.verify_steps if self.verify_steps else None,
+            "nodes_per_verify_step": self.drafted_tokens / self.verify_steps if self.verify_steps else None,
             "accepted_per_position": list(self.accepted_per_position),
+            "drafted_per_position": list(self.drafted_per_position),
+            # P(depth i+1 accepted | the step drafted that deep)
+            "acceptance_by_depth": [a / d if d else None for a, d in
+                                    zip(self.accepted_per_position, self.drafted_per_position)],
+            "chosen_k": list(self.chosen_k),
+            "drafter_steps": dict(self.drafter_steps),
+            "time_split_s": {"prefill": self.prefill_s, "draft": self.draft_s, "verify": self.verify_s,
+                             "bookkeeping": self.bookkeeping_s},
             "generated_tokens": self.generated_tokens,
             "tokens_per_s": self.generated_tokens / self.wall_s if self.wall_s > 0 else None,
             "wall_s": self.wall_s,
         }
+
+
+def _bump(counts: list[int], n: int) -> None:
+    """Add one to ``counts[0..n-1]``, growing the list as needed."""
+    counts += [0] * (n - len(counts))
+    for i in range(n):
+        counts[i] += 1
 
 
 def run_metrics(per_request: list[Metrics], wall_s: float) -> Metrics:

@@ -26,10 +26,16 @@ class Sequence:
     generator: torch.Generator
     eos_ids: frozenset[int]  # empty when sampling.ignore_eos
     slot: int = -1  # KV slot in the target cache (and the drafter's), -1 = not admitted
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str | None = None  # final text when a stop string cut it
     metrics: Metrics = field(default_factory=Metrics)
     started_at: float = 0.0
+    num_draft_tokens: int | None = None  # this request's cap on k (None = the engine's k)
+    # target log-probabilities of the committed tokens, captured only when ``logprobs`` is
+    # set (n = how many top alternatives to keep): one ``(logprob, [(id, logprob)] * n)``
+    # per output token, from the target's raw logits (prefill or verify rows)
+    logprobs: int | None = None
+    token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
 
     @property
     def output_ids(self) -> list[int]:

@@ -63,4 +63,18 @@ def test_demo_command(capsys):
 
     assert main(["demo", "--max-new-tokens", "24"]) == 0
     out = capsys.readouterr().out
-    assert "OK: n-gram and self-draft outputs are token-for-token identical" in out
+    assert "OK: n-gram, self-draft and tree outputs are token-for-token identical" in out
+    assert "accepted path (*): rows 0 ->" in out  # a tree with its accepted path and mask grid
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_draft_model_tree_greedy_equal(smol, plain_outputs, batch):
+    """A top-2 token tree drafted by an int8 copy of SmolLM2 (it agrees often, not always)."""
+    spec = SpecConfig(method="draft", draft_quantization="int8", tree_topk=2, tree_depth=4, tree_nodes=8)
+    llm = LLM(smol, draft=str(smol.path), speculative=spec)
+    sp = SamplingParams(max_new_tokens=N)
+    outs = llm.generate(CHATS, sp) if batch == 3 else [llm.generate(c, sp)[0] for c in CHATS]
+    assert [o.token_ids for o in outs] == [b.token_ids for b in plain_outputs]
+    m = [o.metrics for o in outs]
+    assert 0 < sum(x["accepted_tokens"] for x in m) < sum(x["drafted_tokens"] for x in m)
+    assert max(x["nodes_per_verify_step"] for x in m) > 4  # really a tree, not a chain

@@ -108,3 +108,24 @@ def test_int8_draft_model_stays_lossless(loaded, tiny_dirs):
     outs = llm.generate(prompts, sp)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert sum(o.metrics["accepted_tokens"] for o in outs) > 0  # an int8 copy of the target mostly agrees
+
+
+def test_tail_mask_reaches_earlier_chunks(loaded):
+    """A draft tree fed one depth per forward: depth-2 nodes see their depth-1 parent among
+    the cached keys before the chunk (the tail mask), not its sibling. Batched with a plain
+    causal chunk on another slot."""
+    rt = loaded("llama").runtime
+    prefix = [3, 4, 5]
+    cache = rt.new_cache(2)
+    rt.forward(cache, [0, 1], [prefix, prefix])
+    rt.forward(cache, [0], [[7, 8]], positions=[[3, 3]], chunk_masks=[torch.eye(2, dtype=torch.bool)])
+    tail = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)  # 9 under 7, 10 under 8
+    out = rt.forward(cache, [0, 1], [[9, 10], [6, 7, 8]], positions=[[4, 4], None],
+                     chunk_masks=[tail, None])  # [2, 3, vocab]
+    assert cache.lengths == [7, 6]
+    a = rt.forward(rt.new_cache(1), [0], [prefix + [7, 9]])[0, -1]
+    b = rt.forward(rt.new_cache(1), [0], [prefix + [8, 10]])[0, -1]
+    c = rt.forward(rt.new_cache(1), [0], [prefix + [6, 7, 8]])[0, 3:]
+    torch.testing.assert_close(out[0, 0], a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[0, 1], b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[1], c, atol=1e-5, rtol=0)

@@ -251,3 +251,81 @@ def test_ngram_tree_drafter_builds_trie():
     assert capped.tree.tokens == [2, 5, 6, 4]
     single = NgramDrafter(n_max=2, n_min=1, branches=1).propose([s], [2])[0]
     assert single.tree is None and single.tokens == [5, 6]
+
+
+# ---------------------------------------------------------------- draft-model trees
+
+
+@pytest.mark.parametrize("method", ["self", "draft"])
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("shape", [(2, 3, None), (3, 4, 6)])
+def test_model_tree_greedy_equal(loaded, method, batch, shape):
+    topk, depth, nodes = shape
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    base = LLM(loaded("llama")).generate(PROMPTS, sp)
+    spec = SpecConfig(method=method, tree_topk=topk, tree_depth=depth, tree_nodes=nodes)
+    llm = LLM(loaded("llama"), draft=loaded("draft") if method == "draft" else None, speculative=spec)
+    outs = llm.generate(PROMPTS, sp) if batch == 3 else [llm.generate(p, sp)[0] for p in PROMPTS]
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    m = outs[0].metrics
+    assert m["draft_forwards"] > 0 and m["nodes_per_verify_step"] > depth  # branches were verified
+    if method == "self":  # the draft's best path is the target's greedy path, when the budget keeps it
+        assert m["accepted_tokens"] > 0
+
+
+def test_model_tree_draft_cache_keeps_accepted_path(loaded):
+    """After a tree round the drafter keeps the KV of the fed nodes on the committed path
+    (gathered to consecutive slots): continuing from its cache equals a fresh forward."""
+    from specdec.drafters import ModelDrafter
+
+    rt = loaded("llama").runtime
+    drafter = ModelDrafter(rt, 2, rt.vocab_size, topk=2)  # no node budget: every candidate
+    prompt = [40 + i % 50 for i in range(300)]  # past the initial cache capacity
+    s = Sequence(1, list(prompt), len(prompt), SamplingParams(), make_generator(0, "cpu"), frozenset())
+    s.slot = 1
+    tree = drafter.propose([s], [3])[0].tree
+    assert tree.num_drafts == 2 + 4 + 4 and max(tree.depths) == 3  # 2 best of each depth expanded
+    leaf = max(range(len(tree.tokens)), key=lambda r: (tree.depths[r], -r))  # a depth-3 row
+    path = [leaf]
+    while tree.parents[path[-1]] > 0:
+        path.append(tree.parents[path[-1]])
+    s.ids += [tree.tokens[r] for r in reversed(path)] + [7]  # the path, then a bonus token
+    drafter.observe(s, len(path))
+    cached = drafter.cached_ids[1]
+    assert cached == s.ids[: len(cached)] and len(cached) == len(prompt) + 2  # depths 1-2 were fed
+    assert drafter.cache.lengths[1] == len(cached)
+    ours = rt.forward(drafter.cache, [1], [s.ids[len(cached):]], last_only=True)[0]
+    fresh = rt.forward(rt.new_cache(1), [0], [s.ids], last_only=True)[0]
+    torch.testing.assert_close(ours, fresh, atol=1e-4, rtol=0)
+
+
+def test_model_tree_sampling_reproducible(loaded):
+    spec = SpecConfig(method="draft", tree_topk=2, tree_depth=3)
+    llm = LLM(loaded("llama"), draft=loaded("draft"), speculative=spec)
+    sp = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    a, b = (llm.generate(PROMPTS, sp) for _ in range(2))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) == 24 for o in a)
+
+
+def test_tree_metrics_by_depth(loaded):
+    """Scripted tree (a wrong 3-node branch, then the right 4-token branch): 7 nodes per step,
+    every depth accepted."""
+    ref = run(loaded, None, PROMPTS[0]).output_ids
+
+    def paths(s):
+        good = ref[s.num_output:s.num_output + 4]
+        return [[(good[0] + 1) % 256, 5, 6], good] if good else []
+
+    m = run(loaded, TreeScript(paths), PROMPTS[0]).metrics.to_dict()
+    # 23 tokens after the prefill: rounds commit 5, 5, 5, 5, then 3 (2 drafts left)
+    assert m["drafted_per_position"] == [5, 5, 4, 4]
+    assert m["acceptance_by_depth"] == [1.0, 1.0, 1.0, 1.0]
+    assert m["nodes_per_verify_step"] == (4 * 7 + 4) / 5
+
+
+def test_tree_config_errors(loaded):
+    with pytest.raises(ValueError, match="need a drafter"):
+        SpecConfig(method="none", tree_topk=2)
+    with pytest.raises(ValueError, match="torch runtime"):
+        LLM(loaded("llama", backend="hf"), speculative=SpecConfig(method="self", tree_topk=2))

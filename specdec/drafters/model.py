@@ -1,38 +1,111 @@
 """A draft model (or the target itself, for ``self``) with its own KV cache.
 
 Each round the drafter first catches up on committed tokens its cache has not seen (the
-recovered/bonus token, and on the first round the whole prompt), then drafts one token per
-forward for the whole batch. ``observe`` rewinds its cache to the longest prefix that
-still matches the committed ids.
+recovered/bonus token, and on the first round the whole prompt), then drafts for the whole
+batch, one forward per depth:
+
+* **chain** (``topk == 1``): the draft's own choice at each depth (argmax, or a draw from
+  q when sampling);
+* **tree** (``topk > 1``, EAGLE-2 style): each depth expands the ``topk`` best frontier
+  nodes (by cumulative draft log-probability) into their ``topk`` most likely children;
+  the tree keeps the ``max_nodes`` best nodes overall. The frontier of each depth is fed as
+  one chunk per sequence, positioned at its depth and masked to see only its ancestors
+  among the earlier depths' rows (the runtime's tail mask).
+
+``observe`` keeps the accepted path's KV (a gather for trees) and rewinds the rest.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from ..sampling import probs_from_logits, sample
 from ..sequence import Sequence
+from ..tree import DraftTree
 from .base import Draft
 
 
+@dataclass
+class _Growth:
+    """One sequence's tree while it grows. Node 0 is the root (the last committed id)."""
+
+    tokens: list[int]
+    parents: list[int]
+    scores: list[float]  # cumulative draft log-probability
+    depths: list[int]
+    fed: list[int] = field(default_factory=list)  # nodes fed to the draft cache, in cache order
+
+    def add(self, parent: int, token: int, logq: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(self.scores[parent] + logq)
+        self.depths.append(self.depths[parent] + 1)
+        return len(self.tokens) - 1
+
+    def feed_mask(self, frontier: list[int]) -> torch.Tensor:
+        """``[n, fed + n]``: each frontier node sees its fed ancestors and itself."""
+        cols = {node: j for j, node in enumerate(self.fed + frontier)}
+        m = torch.zeros(len(frontier), len(cols), dtype=torch.bool)
+        for i, node in enumerate(frontier):
+            while node > 0:
+                m[i, cols[node]] = True
+                node = self.parents[node]
+        return m
+
+    def best_tree(self, max_nodes: int) -> DraftTree:
+        """The ``max_nodes`` best nodes by score (a parent never scores below its child, and
+        sorts first on ties), in topological order."""
+        ranked = sorted(range(1, len(self.tokens)), key=lambda r: (-self.scores[r], self.depths[r], r))
+        keep = sorted(ranked[:max_nodes], key=lambda r: (self.depths[r], r))
+        row = {0: 0} | {node: i + 1 for i, node in enumerate(keep)}
+        return DraftTree([self.tokens[0]] + [self.tokens[r] for r in keep],
+                         [-1] + [row[self.parents[r]] for r in keep])
+
+
 class ModelDrafter:
-    def __init__(self, runtime, num_slots: int, target_vocab: int):
+    def __init__(self, runtime, num_slots: int, target_vocab: int, topk: int = 1,
+                 max_nodes: int | None = None):
+        if topk > 1 and not runtime.supports_masks:
+            raise ValueError("draft-model trees need the torch runtime (tree attention masks); "
+                             "the transformers fallback drafts chains only")
         self.runtime = runtime
         self.cache = runtime.new_cache(num_slots)
         self.cached_ids: list[list[int]] = [[] for _ in range(num_slots)]  # ids behind each slot's KV
         self.target_vocab = target_vocab
+        self.topk, self.max_nodes = topk, max_nodes
+        # per slot, the fed tree nodes after the committed ids: (parent fed index, token) -> index
+        self.tail: dict[int, dict[tuple[int, int], int]] = {}
 
     def propose(self, seqs, ks) -> list[Draft]:
-        drafts = [Draft([], [] if not s.sampling.greedy else None) for s in seqs]
-        # first forward: catch up on committed ids not yet in the cache
         active = [i for i, k in enumerate(ks) if k > 0]
-        feed = [seqs[i].ids[len(self.cached_ids[seqs[i].slot]):] for i in active]
+        logits = self._catch_up([seqs[i] for i in active])  # [B, vocab_d]
+        if self.topk == 1:
+            drafts = self._chains(seqs, ks, active, logits)
+        else:
+            drafts = self._trees(seqs, ks, active, logits)
+        return drafts
+
+    def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """Feed each sequence's committed ids the cache lacks; logits at the last one."""
+        if not seqs:
+            return None
+        for s in seqs:  # the last committed id is always fed: its logits start the draft
+            cached = self.cached_ids[s.slot]
+            if len(cached) >= len(s.ids):
+                del cached[len(s.ids) - 1:]
+                self.cache.rewind(s.slot, len(cached))
+        feed = [s.ids[len(self.cached_ids[s.slot]):] for s in seqs]
+        logits = self.runtime.forward(self.cache, [s.slot for s in seqs], feed, last_only=True)
+        for s, toks in zip(seqs, feed):
+            self.cached_ids[s.slot].extend(toks)
+        return logits
+
+    def _chains(self, seqs, ks, active, logits) -> list[Draft]:
+        drafts = [Draft([], [] if not s.sampling.greedy else None) for s in seqs]
         while active:
-            slots = [seqs[i].slot for i in active]
-            logits = self.runtime.forward(self.cache, slots, feed, last_only=True)  # [B, vocab_d]
-            for slot, toks in zip(slots, feed):
-                self.cached_ids[slot].extend(toks)
-            still, feed = [], []
+            still = []
             for row, i in zip(logits, active):
                 seq, d = seqs[i], drafts[i]
                 d.forwards += 1
@@ -42,8 +115,13 @@ class ModelDrafter:
                     d.q.append(q)
                 if len(d.tokens) < ks[i] and token not in seq.eos_ids:
                     still.append(i)
-                    feed.append([token])
             active = still
+            if active:
+                slots = [seqs[i].slot for i in active]
+                feed = [[drafts[i].tokens[-1]] for i in active]
+                logits = self.runtime.forward(self.cache, slots, feed, last_only=True)
+                for slot, toks in zip(slots, feed):
+                    self.cached_ids[slot].extend(toks)
         for d in drafts:
             d.q = torch.stack(d.q) if d.q else None  # [k, target_vocab]
         return drafts
@@ -57,8 +135,70 @@ class ModelDrafter:
         token = int(sample(q[None], seq.generator))
         return token, F.pad(q, (0, self.target_vocab - q.shape[0]))
 
+    def _trees(self, seqs, ks, active, logits) -> list[Draft]:
+        """Top-k expansion; children are chosen deterministically, so the trees carry no q
+        (the verifier treats them as one-hot proposals, which keeps sampling lossless)."""
+        drafts = [Draft([]) for _ in seqs]
+        grow = {i: _Growth([seqs[i].ids[-1]], [-1], [0.0], [0]) for i in active}
+        frontier = {i: [0] for i in active}  # nodes whose children the logits rows predict
+        rows = {i: [logits[b]] for b, i in enumerate(active)}  # [vocab_d] per frontier node
+        while active:
+            nxt = []
+            for i in active:
+                seq, g = seqs[i], grow[i]
+                drafts[i].forwards += 1
+                children = []
+                for node, row in zip(frontier[i], rows[i]):
+                    logq = self._log_q(row, seq)  # [target_vocab]
+                    top = torch.topk(logq, self.topk)
+                    children += [g.add(node, int(t), float(v))
+                                 for t, v in zip(top.indices, top.values) if v > float("-inf")]
+                best = sorted(children, key=lambda c: -g.scores[c])[: self.topk]
+                frontier[i] = [c for c in best if g.tokens[c] not in seq.eos_ids]
+                if frontier[i] and g.depths[frontier[i][0]] < ks[i]:
+                    nxt.append(i)
+            active = nxt
+            if active:  # one forward for every sequence's next depth
+                root_pos = [len(seqs[i].ids) - 1 for i in active]
+                out = self.runtime.forward(
+                    self.cache, [seqs[i].slot for i in active],
+                    [[grow[i].tokens[n] for n in frontier[i]] for i in active],
+                    positions=[[p + grow[i].depths[n] for n in frontier[i]] for i, p in zip(active, root_pos)],
+                    chunk_masks=[grow[i].feed_mask(frontier[i]) for i in active])  # [B, topk, vocab_d]
+                for b, i in enumerate(active):
+                    grow[i].fed += frontier[i]
+                    rows[i] = list(out[b, : len(frontier[i])])
+        for i, g in grow.items():
+            tree = g.best_tree(self.max_nodes or len(g.tokens) - 1)
+            drafts[i].tokens, drafts[i].tree = tree.tokens[1:], tree
+            row_of = {n: j for j, n in enumerate(g.fed)}
+            self.tail[seqs[i].slot] = {(row_of.get(g.parents[n], -1), g.tokens[n]): j
+                                       for j, n in enumerate(g.fed)}
+        return drafts
+
+    def _log_q(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """Draft log-probabilities over the target's vocab (after the request's temperature,
+        top-k and top-p when sampling; plain softmax for greedy requests)."""
+        logits = logits[: self.target_vocab].float()
+        if seq.sampling.greedy:
+            return logits.log_softmax(-1)
+        return probs_from_logits(logits[None], seq.sampling)[0].log()
+
     def observe(self, seq: Sequence, num_accepted: int) -> None:
         cached = self.cached_ids[seq.slot]
+        tail = self.tail.pop(seq.slot, None)
+        if tail is not None:  # keep the fed nodes on the committed path, in path order
+            base, path, parent = len(cached), [], -1
+            for token in seq.ids[base:]:
+                if (parent, token) not in tail:
+                    break
+                parent = tail[parent, token]
+                path.append(parent)
+            if path:
+                self.cache.keep(seq.slot, base, path)
+            else:
+                self.cache.rewind(seq.slot, base)
+            cached.extend(seq.ids[base: base + len(path)])
         n = min(len(cached), len(seq.ids))
         keep = seq.prompt_len if n >= seq.prompt_len else 0
         while keep < n and cached[keep] == seq.ids[keep]:
@@ -68,4 +208,5 @@ class ModelDrafter:
 
     def release(self, seq: Sequence) -> None:
         self.cached_ids[seq.slot].clear()
+        self.tail.pop(seq.slot, None)
         self.cache.rewind(seq.slot, 0)

@@ -49,6 +49,10 @@ class NgramDrafter:
     def __init__(self, n_max: int = 3, n_min: int = 1, branches: int = 1, max_nodes: int | None = None):
         self.n_max, self.n_min, self.branches, self.max_nodes = n_max, n_min, branches, max_nodes
 
+    def ready(self, seq: Sequence) -> bool:
+        """Whether the lookup finds a match for ``seq`` (what ``hybrid`` drafting checks)."""
+        return bool(lookup(seq.ids, 1, self.n_max, self.n_min))
+
     def propose(self, seqs, ks) -> list[Draft]:
         return [self._draft(seq, k) if k > 0 else Draft([]) for seq, k in zip(seqs, ks)]
 

@@ -42,9 +42,11 @@ class Runtime(Protocol):
         """Append ``tokens[b]`` (ragged) to ``slots[b]`` and return their logits.
 
         ``positions[b]`` default to consecutive positions after the slot's length;
-        ``chunk_masks[b]`` ``[n_b, n_b]`` (bool) says which new tokens each new token sees
-        (default causal; a ``None`` entry in either list means the default); every new
-        token always sees the slot's whole cached prefix.
+        ``chunk_masks[b]`` ``[n_b, m_b]`` (bool, ``m_b >= n_b``) says which of the slot's
+        last ``m_b`` keys each new token sees: the ``m_b - n_b`` cached keys just before the
+        chunk (e.g. a draft tree's earlier depths), then the chunk itself. Default causal over
+        the chunk; a ``None`` entry in either list means the default. Every key before those
+        ``m_b`` (the committed prefix) is always seen.
         Returns ``[batch, max_n, vocab]`` (rows past ``n_b`` are padding), or
         ``[batch, vocab]`` for each slot's last new token when ``last_only``.
         """

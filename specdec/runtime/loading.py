@@ -71,13 +71,19 @@ def _from_hub(repo_id: str) -> Path:
                          f"from the Hugging Face hub ({first})") from None
 
 
-def gguf_to_hf_dir(gguf: Path) -> Path:
-    """Dequantize ``gguf`` once into an HF directory in the cache; return that directory."""
+def gguf_to_hf_dir(gguf: Path, weights: bool = True) -> Path:
+    """Dequantize ``gguf`` once into an HF directory in the cache; return that directory.
+    ``weights=False`` (a runtime that reads the GGUF itself): config and tokenizer only,
+    unless the full directory exists already."""
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = cache_root() / "gguf" / f"{gguf.stem}-{key}"
     if (out / "model.safetensors").is_file():
         return out
+    if not weights:
+        out = out.with_name(out.name + "-meta")
+        if (out / "config.json").is_file():
+            return out
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -85,9 +91,11 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     meta = load_gguf_checkpoint(str(gguf), return_tensors=False)
     cfg_dict = dict(meta["config"])
     config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    tensors = {}
+    if weights:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -95,9 +103,22 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     tokenizer.save_pretrained(tmp)
     eos = sorted({i for i in (config.eos_token_id, tokenizer.eos_token_id) if i is not None})
     GenerationConfig(eos_token_id=eos, bos_token_id=config.bos_token_id).save_pretrained(tmp)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    if weights:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
     tmp.rename(out) if not out.exists() else None
     return out
+
+
+def gguf_file(model: str | None) -> Path:
+    """The .gguf file ``model`` names (a file, or a directory holding exactly one; None = the
+    default model); ``ValueError`` for anything else."""
+    path = Path(default_model_path() if model is None else model).expanduser()
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        path = ggufs[0] if len(ggufs) == 1 else path
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise ValueError(f"the llama.cpp backend runs .gguf files; {model!r} is not one")
+    return path
 
 
 class Weights(Mapping):
@@ -174,12 +195,16 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     """Load ``model`` (path, .gguf, hub id or None for the default) onto a runtime.
 
     ``quantize`` (draft models only, see ``torch_llama.Linear``): ``int8`` linears, ``none``,
-    or ``auto`` = int8 where it applies (torch runtime, CPU, float32)."""
+    or ``auto`` = int8 where it applies (torch runtime, CPU, float32).
+    ``backend="llamacpp"``: a GGUF on llama.cpp (CPU, the file's own quantization, torch's
+    thread count); config and tokenizer still come from transformers."""
     from transformers import AutoConfig, AutoTokenizer
 
     from .hf import HFRuntime
     from .torch_llama import ARCHS, TorchLlama, pick_linear
 
+    if backend == "llamacpp":
+        return load_llamacpp(model, device, dtype, quantize)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve(model)
@@ -197,6 +222,28 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     else:
         runtime = HFRuntime(path, dev, dt)
     return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer, eos_ids, config)
+
+
+def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quantize: str) -> LoadedModel:
+    """``load_model`` for ``backend="llamacpp"``: the GGUF's weights go to llama.cpp as they are."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .llamacpp import LlamaCppRuntime
+
+    if device not in (None, "cpu"):
+        raise ValueError(f"the llama.cpp backend runs on cpu, not {device!r}")
+    if dtype not in (None, "float32"):
+        raise ValueError(f"the llama.cpp backend runs the GGUF's own weight types; drop dtype {dtype!r}")
+    if quantize == "int8":
+        raise ValueError("int8 draft quantization needs the torch runtime; "
+                         "the llama.cpp backend runs the GGUF's own quantization")
+    gguf = gguf_file(model)
+    path = gguf_to_hf_dir(gguf, weights=False)
+    config = AutoConfig.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    runtime = LlamaCppRuntime(gguf, threads=torch.get_num_threads())
+    return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer,
+                       eos_ids_of(path, config, tokenizer), config)
 
 
 def load_tokenizer(model: str | None):

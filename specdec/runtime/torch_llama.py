@@ -215,7 +215,7 @@ class TorchLlama:
                     pos[b, : len(p)] = torch.tensor(p, device=dev)
         cache.ensure(int(write.max()) + 1)
         S = int(write.max()) + 1
-        mask = self._mask(lens, ar, S, T, chunk_masks, n)  # [B, 1, T, S]
+        mask = self._mask(lens, S, T, chunk_masks)  # [B, 1, T, S]
         slot_idx = torch.tensor(list(slots), device=dev)  # [B]
 
         freqs = pos[..., None].float() * self.inv_freq  # [B, T, head_dim/2]
@@ -254,18 +254,31 @@ class TorchLlama:
             h = h[torch.arange(B, device=dev), n - 1]  # [B, hidden]
         return self.lm_head(rms_norm(h, self.norm, self.eps)).float()
 
-    def _mask(self, lens, ar, S, T, chunk_masks, n) -> torch.Tensor:
-        """``[B, 1, T, S]`` bool: the cached prefix, plus the new tokens the chunk mask allows."""
-        B = lens.shape[0]
-        chunk = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()  # causal
-        chunk = chunk.expand(B, T, T).clone()
+    def _mask(self, lens, S, T, chunk_masks) -> torch.Tensor:
+        """``[B, 1, T, S]`` bool. Row b's chunk mask ``[n_b, m_b]`` covers its last ``m_b``
+        keys: the ``m_b - n_b`` cached keys before the chunk (a draft tree's earlier depths)
+        and the chunk itself; every key before those is the committed prefix, always seen.
+        No mask: causal over the chunk (``m_b = n_b``)."""
+        B, dev = lens.shape[0], self.device
+        tails = [0] * B
         if chunk_masks is not None:
-            for b, m in enumerate(chunk_masks):
-                if m is not None:
-                    chunk[b, : m.shape[0], : m.shape[1]] = m.to(self.device)
-        keys = torch.arange(S, device=self.device)
-        rel = keys[None, :] - lens[:, None]  # [B, S] index of each key within the chunk
-        prefix = rel < 0
-        in_chunk = (rel >= 0) & (rel < T)
-        seen = chunk.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S)) & in_chunk[:, None, :]
-        return (prefix[:, None, :] | seen)[:, None]
+            tails = [0 if m is None else m.shape[1] - m.shape[0] for m in chunk_masks]
+        M = T + max(tails)
+        # window[b, i, j]: new token i sees key (start_b + j), start_b = lens_b - tail_b
+        window = torch.zeros(B, T, M, dtype=torch.bool, device=dev)
+        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        for b in range(B):
+            m = None if chunk_masks is None else chunk_masks[b]
+            if m is None:
+                window[b, :, :T] = causal
+            else:
+                assert m.shape[1] >= m.shape[0] and tails[b] <= int(lens[b]), (m.shape, int(lens[b]))
+                n_b, t = m.shape[0], tails[b]
+                window[b, :n_b, : m.shape[1]] = m.to(dev)
+                pad = torch.arange(n_b, T, device=dev)  # padding rows see themselves (no NaN rows)
+                window[b, pad, t + pad] = True
+        start = lens - torch.tensor(tails, device=dev)  # [B]
+        rel = torch.arange(S, device=dev)[None, :] - start[:, None]  # [B, S] key index in the window
+        seen = window.gather(2, rel.clamp(0, M - 1)[:, None, :].expand(B, T, S))
+        seen &= ((rel >= 0) & (rel < M))[:, None, :]
+        return ((rel < 0)[:, None, :] | seen)[:, None]

@@ -1,0 +1,276 @@
+"""The llama.cpp runtime: a GGUF file run by llama.cpp through llama-cpp-python's low-level
+API (``pip install 'specdec[llamacpp]'``), on the CPU, with the GGUF's own quantization.
+
+A cache is one llama.cpp context with one *unified* KV buffer shared by all its slots. Slot
+``s`` is llama.cpp sequence ``s``: its committed rows are the cells of sequence ``s`` at
+positions ``0..C-1`` (row index = position), so a rewind is ``llama_memory_seq_rm``.
+
+Trees (chunks with a mask) go through sequence ids. llama.cpp stores a token's KV in one
+cell that carries every sequence id the token lists, and the token's query sees exactly the
+cells carrying its *first* id at positions up to its own. So each row of a masked chunk gets
+a temporary *own* sequence, listed first; the later rows of the chunk that see it list
+their own sequences after it. Before the decode, each own sequence is added
+(``llama_memory_seq_cp``: metadata only, no copy) to the slot's committed cells and to the
+cached tree rows the row sees: the cell of cached row j is the only one carrying j's own
+sequence at j's position. ``keep`` adds the slot's sequence to the accepted path's cells
+(a tree path sits at positions ``start + i`` already) and removes every temporary sequence,
+which frees the other rows' cells. Masks must be tree-shaped: a row sees itself and only
+earlier rows at lower positions (llama.cpp masks keys at higher positions anyway).
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+DEFAULT_CONTEXT = 4096  # tokens per slot; a cache's KV buffer holds num_slots of them
+TREE_SEQS_PER_SLOT = 32  # temporary sequence ids (one per tree row), pooled over a cache's slots
+TREE_HEADROOM = 256  # extra KV cells for tree rows beyond a full slot
+MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
+UBATCH = 512  # tokens per llama.cpp compute step (its default)
+
+_backend_ready = False
+
+
+def llama_lib():
+    """llama-cpp-python's ctypes bindings (``llama_cpp.llama_cpp``), backend initialised once,
+    its log reduced to errors unless the ``llama-cpp-python`` logger was configured."""
+    global _backend_ready
+    try:
+        from llama_cpp import llama_cpp as lib
+    except ImportError:
+        raise ValueError("the llama.cpp backend needs llama-cpp-python: "
+                         "pip install 'specdec[llamacpp]'") from None
+    if not _backend_ready:
+        logger = logging.getLogger("llama-cpp-python")  # the package's log callback reads its level
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.ERROR)
+        lib.llama_backend_init()
+        _backend_ready = True
+    return lib
+
+
+@dataclass
+class TreeRow:
+    """A cached row of a masked chunk: its position and its own temporary sequence id."""
+
+    pos: int
+    seq: int
+
+
+class LlamaCppCache:
+    """One llama.cpp context: ``lengths[s]`` rows per slot, the first ``committed[s]`` in
+    sequence ``s``, the rest tree rows (``tail[s]``) in temporary sequences."""
+
+    def __init__(self, runtime: "LlamaCppRuntime", num_slots: int):
+        lib = self.lib = runtime.lib
+        self.runtime = runtime  # the model must outlive the context
+        n_seq = min(MAX_SEQ, num_slots * (1 + TREE_SEQS_PER_SLOT))
+        if num_slots >= n_seq:
+            raise ValueError(f"the llama.cpp backend supports at most {MAX_SEQ - 1} slots, not {num_slots}")
+        p = lib.llama_context_default_params()
+        p.n_ctx = num_slots * runtime.max_context + TREE_HEADROOM
+        p.n_batch = p.n_ctx  # any forward fits one llama_decode
+        p.n_ubatch = UBATCH
+        p.n_seq_max = n_seq
+        p.n_threads = p.n_threads_batch = runtime.threads
+        p.kv_unified = True  # one buffer: sequences share cells, seq_cp is metadata only
+        p.no_perf = True
+        self.ctx = lib.llama_init_from_model(runtime.model, p)
+        if not self.ctx:
+            raise ValueError(f"llama.cpp could not create a context of {p.n_ctx} tokens")
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.lengths = [0] * num_slots
+        self.committed = [0] * num_slots
+        self.tail: list[list[TreeRow]] = [[] for _ in range(num_slots)]
+        self.free_seqs = list(range(n_seq - 1, num_slots - 1, -1))
+
+    def __del__(self):
+        ctx, self.ctx = getattr(self, "ctx", None), None
+        if ctx:
+            self.lib.llama_free(ctx)
+
+    def rewind(self, slot: int, length: int) -> None:
+        assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
+        c, tail = self.committed[slot], self.tail[slot]
+        if length >= c:
+            self._release(tail[length - c:])
+            del tail[length - c:]
+        else:
+            self._release(tail)
+            tail.clear()
+            self.lib.llama_memory_seq_rm(self.mem, slot, length, -1)
+            self.committed[slot] = length
+        self.lengths[slot] = length
+
+    def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
+        """Keep only rows ``start + rows[i]`` (increasing), moved to ``start + i``: the
+        accepted path of a token tree joins the slot's sequence, every tree row is dropped.
+        Rows that move must be tree rows already at position ``start + i`` (a tree path)."""
+        rows = list(rows)
+        assert rows == sorted(rows) and start + rows[-1] < self.lengths[slot], (rows, self.lengths[slot])
+        c, tail = self.committed[slot], self.tail[slot]
+        if start > c:
+            raise ValueError(f"keep from row {start}: the slot has only {c} committed rows before it")
+        same = 0  # committed rows that stay where they are
+        while same < len(rows) and start + same < c and rows[same] == same:
+            same += 1
+        moved = [tail[start + r - c] if start + r >= c else None for r in rows[same:]]
+        for i, row in enumerate(moved, start + same):
+            if row is None or row.pos != i:
+                raise ValueError(f"the llama.cpp runtime keeps tree paths only: row {i} would move "
+                                 "a committed row or change a position")
+        lib, mem = self.lib, self.mem
+        lib.llama_memory_seq_rm(mem, slot, start + same, -1)
+        for row in moved:  # the only cell with the row's own sequence at its position
+            lib.llama_memory_seq_cp(mem, row.seq, slot, row.pos, row.pos + 1)
+        self._release(tail)
+        tail.clear()
+        self.lengths[slot] = self.committed[slot] = start + len(rows)
+
+    def open_tree(self, slot: int, pos: list[int], mask: torch.Tensor) -> tuple[list[TreeRow], list[list[int]]]:
+        """Own sequences for the rows of a masked chunk, already given the keys each row sees
+        before the chunk; returns them and each token's sequence list for the batch."""
+        n, m = mask.shape
+        t, c, tail = m - n, self.committed[slot], self.tail[slot]
+        if m < n or len(pos) != n:
+            raise ValueError(f"chunk mask {tuple(mask.shape)} for {len(pos)} tokens: need [n, m >= n]")
+        sees = mask.tolist()
+        start = len(tail) - t  # tail index of the mask's first column (negative: committed rows)
+        if start < 0 and not all(all(r[:-start]) for r in sees):
+            raise ValueError("the llama.cpp runtime cannot hide committed rows from a chunk")
+        for i in range(n):
+            if not sees[i][t + i] or pos[i] < c or any(
+                    sees[i][t + r] and (r > i or pos[r] >= pos[i]) for r in range(n) if r != i):
+                raise ValueError("the llama.cpp runtime needs tree-shaped chunk masks: each row sees "
+                                 "itself and earlier rows at lower positions, after the committed ones")
+        rows = []
+        try:
+            for i in range(n):
+                seen = tail[: max(start, 0)] + [tail[start + j] for j in range(max(-start, 0), t) if sees[i][j]]
+                if any(row.pos >= pos[i] for row in seen):
+                    raise ValueError("a tree row must sit at a higher position than the cached rows it sees")
+                rows.append(TreeRow(pos[i], self._new_seq()))
+                own = rows[-1].seq
+                self.lib.llama_memory_seq_cp(self.mem, slot, own, -1, -1)
+                for row in seen:
+                    self.lib.llama_memory_seq_cp(self.mem, row.seq, own, row.pos, row.pos + 1)
+        except ValueError:
+            self._release(rows)
+            raise
+        seqs = [[rows[i].seq] + [rows[r].seq for r in range(i + 1, n) if sees[r][t + i]] for i in range(n)]
+        return rows, seqs
+
+    def _new_seq(self) -> int:
+        if not self.free_seqs:
+            raise ValueError(f"the llama.cpp runtime ran out of sequence ids for tree rows "
+                             f"({TREE_SEQS_PER_SLOT} per slot): use a smaller tree")
+        return self.free_seqs.pop()
+
+    def _release(self, rows: list[TreeRow]) -> None:
+        for row in rows:
+            self.lib.llama_memory_seq_rm(self.mem, row.seq, -1, -1)
+            self.free_seqs.append(row.seq)
+
+
+class LlamaCppRuntime:
+    """Runtime for a GGUF file on llama.cpp (CPU). ``threads``: default torch's thread count;
+    ``context``: tokens per slot (capped by the model's training context)."""
+
+    supports_masks = True
+
+    def __init__(self, gguf: str | Path, threads: int | None = None, context: int = DEFAULT_CONTEXT):
+        lib = self.lib = llama_lib()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
+        if not self.model:
+            raise ValueError(f"llama.cpp could not load {gguf}")
+        self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
+        self.max_context = min(lib.llama_model_n_ctx_train(self.model), context)
+        self.threads = threads or torch.get_num_threads()
+        self.device = torch.device("cpu")
+
+    def __del__(self):
+        model, self.model = getattr(self, "model", None), None
+        if model:
+            self.lib.llama_model_free(model)
+
+    def new_cache(self, num_slots: int) -> LlamaCppCache:
+        return LlamaCppCache(self, num_slots)
+
+    def forward(self, cache: LlamaCppCache, slots, tokens, *, positions=None, chunk_masks=None,
+                last_only: bool = False) -> torch.Tensor:
+        """One ``llama_decode`` over every slot's chunk; logits only for the rows returned."""
+        opened: list[tuple[int, list[TreeRow]]] = []  # (slot, rows) of masked chunks
+        pos, seqs = [], []
+        try:
+            for b, (slot, toks) in enumerate(zip(slots, tokens)):
+                p = positions[b] if positions is not None else None
+                m = chunk_masks[b] if chunk_masks is not None else None
+                length = cache.lengths[slot]
+                p = list(range(length, length + len(toks))) if p is None else list(p)
+                if m is None:
+                    if cache.tail[slot] or p != list(range(length, length + len(toks))):
+                        raise ValueError("the llama.cpp runtime appends chains at the slot's next "
+                                         "positions, after its tree rows were kept or rewound")
+                    seqs += [[slot]] * len(toks)
+                else:
+                    rows, chunk_seqs = cache.open_tree(slot, p, m)
+                    opened.append((slot, rows))
+                    seqs += chunk_seqs
+                pos += p
+            outputs = [int(i == len(t) - 1 or not last_only) for t in tokens for i in range(len(t))]
+            self._decode(cache, [x for t in tokens for x in t], pos, seqs, outputs)
+        except BaseException:
+            for _, rows in opened:
+                cache._release(rows)
+            for slot in slots:  # a failed decode may leave some of a chain behind
+                if not cache.tail[slot]:
+                    self.lib.llama_memory_seq_rm(cache.mem, slot, cache.lengths[slot], -1)
+            raise
+        for slot, rows in opened:
+            cache.tail[slot] += rows
+        for slot, toks in zip(slots, tokens):
+            cache.lengths[slot] += len(toks)
+        return self._logits(cache, [len(t) for t in tokens], sum(outputs), last_only)
+
+    def _decode(self, cache: LlamaCppCache, tokens: list[int], pos: list[int],
+                seqs: list[list[int]], outputs: list[int]) -> None:
+        lib = self.lib
+        token = np.asarray(tokens, dtype=np.int32)  # [N]
+        position = np.asarray(pos, dtype=np.int32)  # [N]
+        n_seq = np.asarray([len(s) for s in seqs], dtype=np.int32)  # [N]
+        flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int32)  # [sum n_seq]
+        first = np.concatenate(([0], np.cumsum(n_seq)[:-1]))  # [N] offset of each token's ids
+        seq_ptr = (flat.ctypes.data + flat.itemsize * first).astype(np.uintp)  # [N] int32 *
+        logits = np.asarray(outputs, dtype=np.int8)  # [N]
+        batch = lib.llama_batch()
+        batch.n_tokens = len(tokens)
+        batch.token = token.ctypes.data_as(ctypes.POINTER(lib.llama_token))
+        batch.pos = position.ctypes.data_as(ctypes.POINTER(lib.llama_pos))
+        batch.n_seq_id = n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        batch.seq_id = seq_ptr.ctypes.data_as(ctypes.POINTER(ctypes.POINTER(lib.llama_seq_id)))
+        batch.logits = logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        rc = lib.llama_decode(cache.ctx, batch)
+        if rc == 1:
+            raise ValueError("the llama.cpp KV cache is full: fewer slots or shorter requests")
+        if rc != 0:
+            raise ValueError(f"llama_decode failed with code {rc} (llama.cpp's log above says why)")
+
+    def _logits(self, cache: LlamaCppCache, sizes: list[int], rows: int, last_only: bool) -> torch.Tensor:
+        """The decode's output rows as ``[batch, vocab]`` (last_only) or ``[batch, max_n, vocab]``."""
+        ptr = self.lib.llama_get_logits(cache.ctx)
+        out = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self.vocab_size)).copy())  # [rows, V]
+        if last_only or len(set(sizes)) == 1:
+            return out if last_only else out.view(len(sizes), sizes[0], self.vocab_size)
+        padded = out.new_zeros(len(sizes), max(sizes), self.vocab_size)  # [B, T, V]
+        for b, chunk in enumerate(out.split(sizes)):
+            padded[b, : sizes[b]] = chunk
+        return padded

@@ -1,0 +1,349 @@
+"""The OpenAI-compatible HTTP API (FastAPI): ``/v1/completions``, ``/v1/chat/completions``,
+``/v1/models``, ``/health`` and ``/metrics``.
+
+A handler validates and encodes its request, hands a ``Sequence`` to the scheduler and
+reads the committed tokens back from its own asyncio queue, streaming them (SSE) or
+collecting them. A client that disconnects, or a stream that is cancelled, aborts its
+request; the scheduler frees its KV slot at the next engine step.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..api import LLM, encode_prompt
+from .metrics import ServerMetrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
+from .scheduler import QueueFull, Scheduler, ServerRequest, Update
+from .text import TextStream
+
+log = logging.getLogger("specdec.server")
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf
+
+
+def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int = 64,
+               api_key: str | None = None, max_request_bytes: int = 2_000_000) -> FastAPI:
+    """An app serving ``llm``: at most ``llm``'s max_batch_size requests run at once and
+    ``max_queue`` more wait; beyond that a request gets 429."""
+    if max_queue < 0:
+        raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    name = served_model_name or llm.target.name
+    slots = llm.engine_config.max_batch_size
+    metrics = ServerMetrics(name, slots)
+    scheduler = Scheduler(llm.engine, metrics, slots, max_queue)
+    api = _API(llm, name, scheduler, metrics, api_key, max_request_bytes)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(scheduler.stop)
+
+    app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler, app.state.metrics, app.state.served_model_name = scheduler, metrics, name
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        metrics.rejected(e.status).inc()
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
+        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return JSONResponse(bad_request(str(e.errors()[0].get("msg", e))).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(APIError(500, f"internal server error: {type(e).__name__}", "server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not scheduler.alive:
+            return JSONResponse({"status": "error", "error": scheduler.error or "scheduler stopped"},
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        api.check_auth(request)
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": api.created,
+                                             "owned_by": "specdec", "max_model_len": llm.context_window}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await api.generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await api.generate(request, chat=True)
+
+    return app
+
+
+class _API:
+    def __init__(self, llm: LLM, name: str, scheduler: Scheduler, metrics: ServerMetrics,
+                 api_key: str | None, max_request_bytes: int):
+        self.llm, self.name, self.scheduler, self.metrics = llm, name, scheduler, metrics
+        self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
+        # the handlers' own tokenizer: the scheduler thread decodes with the engine's
+        self.tok = copy.deepcopy(llm.tokenizer)
+        self.created = int(time.time())
+        self._token_text: dict[tuple[int, bool], str] = {}
+
+    # --- request intake ---------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           "authentication_error", code="invalid_api_key")
+
+    async def read_json(self, request: Request) -> object:
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = declared.isdigit() and int(declared) > limit
+        chunks, size = [], 0
+        async for chunk in request.stream():  # read it all (a clean 413, not a reset), keep <= limit
+            size += len(chunk)
+            too_big = too_big or size > limit
+            if not too_big:
+                chunks.append(chunk)
+            elif size > max(64 << 20, 4 * limit):
+                break
+        if too_big:
+            raise APIError(413, f"the request body is larger than {limit} bytes",
+                           code="request_too_large")
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, RecursionError) as e:
+            raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+    def prepare(self, body: object, chat: bool):
+        """Validate a request body; return the parsed request and a ``Sequence``."""
+        req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
+        if req.model is not None and req.model != self.name:
+            raise bad_request(f"the model {req.model!r} does not exist here; this server serves "
+                              f"{self.name!r}", "model", "model_not_found")
+        try:
+            ids = encode_prompt(self.tok, req.prompt_input())
+        except ValueError as e:
+            raise bad_request(str(e), "messages" if chat else "prompt") from None
+        except Exception as e:  # e.g. a chat template that rejects these roles (jinja2 errors)
+            raise bad_request(f"cannot encode the prompt: {type(e).__name__}: {e}",
+                              "messages" if chat else "prompt") from None
+        max_tokens = req.requested_max_tokens if chat else req.max_tokens
+        if max_tokens is None:  # chat default: whatever the context window leaves
+            max_tokens = max(1, self.llm.context_window - len(ids))
+        sp = req.sampling(max_tokens)
+        if chat:
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs = req.logprobs
+        try:
+            seq = self.llm.make_sequence({"prompt_token_ids": ids}, sp, logprobs=logprobs,
+                                         num_draft_tokens=req.num_draft_tokens)
+        except ValueError as e:
+            raise bad_request(str(e).replace("max_new_tokens", "max_tokens")) from None
+        return req, seq
+
+    async def generate(self, request: Request, chat: bool):
+        self.check_auth(request)
+        body = await self.read_json(request)
+        req, seq = self.prepare(body, chat)
+        if not self.scheduler.alive:
+            raise APIError(503, "the engine is not running", "server_error")
+        sreq = ServerRequest(seq, asyncio.get_running_loop())
+        try:
+            self.scheduler.submit(sreq)
+        except QueueFull as e:
+            raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, sreq))
+        out = _Output(self, req, sreq, chat)
+        if req.stream:
+            return StreamingResponse(self._stream(out, watcher), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return JSONResponse(await out.collect())
+        finally:
+            self._release(sreq, watcher)
+
+    async def _abort_on_disconnect(self, request: Request, sreq: ServerRequest) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.scheduler.abort(sreq)
+
+    def _release(self, sreq: ServerRequest, watcher: asyncio.Task) -> None:
+        watcher.cancel()
+        if not sreq.finished:  # cancelled or failed mid-way: free the slot
+            self.scheduler.abort(sreq)
+
+    async def _stream(self, out: "_Output", watcher: asyncio.Task):
+        try:
+            async for event in out.events():
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            self._release(out.sreq, watcher)
+
+    # --- token text ---------------------------------------------------------------------------
+    def token_text(self, token_id: int, skip_special: bool = False) -> str:
+        """One token's text (special tokens by name unless ``skip_special``, as in the output
+        text); a token that is part of a UTF-8 character is ``bytes:\\xNN...``, as OpenAI writes it."""
+        key = (token_id, skip_special)
+        text = self._token_text.get(key)
+        if text is None:
+            text = self.tok.decode([token_id], skip_special_tokens=skip_special)
+            if "\ufffd" in text:
+                raw = self.token_bytes(token_id)
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._token_text[key] = text
+        return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes: byte-fallback pieces (``<0xE2>``) and byte-level BPE pieces
+        map back to raw bytes; any other token is its decoded text."""
+        text = self.tok.decode([token_id])
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.tok.convert_ids_to_tokens(token_id)
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return bytes([int(piece[3:5], 16)])
+        table = _byte_decoder()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return text.encode("utf-8")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE: printable stand-in character -> byte (GPT-2's ``bytes_to_unicode``)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+class _Output:
+    """Shapes one request's updates into OpenAI responses or stream chunks."""
+
+    def __init__(self, api: _API, req, sreq: ServerRequest, chat: bool):
+        self.api, self.req, self.sreq, self.chat = api, req, sreq, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.text_offset = 0  # completions logprobs: offset of the next token's text
+
+    def usage(self) -> dict:
+        s = self.sreq.seq
+        return {"prompt_tokens": s.prompt_len, "completion_tokens": s.num_output,
+                "total_tokens": s.prompt_len + s.num_output}
+
+    async def collect(self) -> dict:
+        ids, lps = [], []
+        while True:
+            u: Update = await self.sreq.queue.get()
+            if u.error:
+                raise APIError(500, u.error, "server_error")
+            ids += u.token_ids
+            lps += u.logprobs
+            if u.finish_reason:
+                break
+        text = u.text if u.text is not None else self.api.tok.decode(ids, skip_special_tokens=True)
+        logprobs = self.logprobs(ids, lps) if self.sreq.seq.logprobs is not None else None
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": logprobs, "finish_reason": u.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.api.name, "choices": [choice], "usage": self.usage()}
+
+    async def events(self):
+        """Stream chunks: each verified chunk as soon as it arrives, the finish reason last."""
+        stream = TextStream(self.api.tok, self.sreq.seq.sampling.stop)
+        want_logprobs = self.sreq.seq.logprobs is not None
+        if self.chat:
+            yield self.chunk({"role": "assistant", "content": ""}, None, None)
+        while True:
+            u: Update = await self.sreq.queue.get()
+            if u.error:
+                yield {"error": APIError(500, u.error, "server_error").body()["error"]}
+                return
+            delta = stream.finish(u.token_ids, u.text) if u.finish_reason else stream.add(u.token_ids)
+            logprobs = self.logprobs(u.token_ids, u.logprobs) if want_logprobs and u.token_ids else None
+            if delta or logprobs or u.finish_reason:
+                yield self.chunk({"content": delta} if self.chat else delta, logprobs, u.finish_reason)
+            if u.finish_reason:
+                break
+        if self.req.include_usage:
+            yield {**self.chunk(None, None, None), "choices": [], "usage": self.usage()}
+
+    def chunk(self, delta, logprobs, finish_reason) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.api.name, "choices": [choice]}
+
+    def logprobs(self, ids: list[int], entries: list) -> dict:
+        text = self.api.token_text
+        if self.chat:
+            def item(t, lp):
+                return {"token": text(t), "logprob": max(lp, MIN_LOGPROB),
+                        "bytes": list(self.api.token_bytes(t))}
+            return {"content": [{**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in alts]}
+                                for t, (lp, alts) in zip(ids, entries)], "refusal": None}
+        tokens = [text(t) for t in ids]
+        offsets = []
+        for t in ids:  # offsets into the returned text, which has no special tokens
+            offsets.append(self.text_offset)
+            self.text_offset += len(text(t, skip_special=True))
+        tops = []
+        for t, (lp, alts) in zip(ids, entries):
+            top = {text(a): max(alp, MIN_LOGPROB) for a, alp in alts}
+            top.setdefault(text(t), max(lp, MIN_LOGPROB))  # the sampled token is always listed
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [max(lp, MIN_LOGPROB) for lp, _ in entries],
+                "top_logprobs": tops, "text_offset": offsets}

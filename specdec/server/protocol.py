@@ -1,0 +1,183 @@
+"""OpenAI request bodies (pydantic, strict types) and the errors the API returns."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..config import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOPS = 16
+
+
+class APIError(Exception):
+    """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI clients send
+    some (``user``, ``metadata``...); known fields we do not implement are refused when set
+    to anything but their neutral value."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # extension (vLLM): 0 or -1 = off
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2 ** 63), lt=2 ** 64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # extension (vLLM)
+    num_draft_tokens: int | None = None  # extension: cap this request's k (0 = no speculation)
+
+    def refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise bad_request("only n=1 is supported", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise bad_request(f"{name} is not supported (must be 0)", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOPS:
+            raise bad_request(f"at most {MAX_STOPS} stop strings", "stop")
+        if self.top_k < -1:
+            raise bad_request(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}", "top_k")
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop),
+                                  ignore_eos=self.ignore_eos)
+        except ValueError as e:
+            msg = str(e).replace("max_new_tokens", "max_tokens")
+            field_name = msg.split()[0] if msg.split()[0] in type(self).model_fields else None
+            raise bad_request(msg, "stop" if msg.startswith("stop") else field_name) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise bad_request("only best_of=1 is supported", "best_of")
+
+    def prompt_input(self) -> str | dict:
+        """One prompt: text or ``{"prompt_token_ids": [...]}``."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise bad_request("one prompt per request is supported (got a batch of "
+                                  f"{len(p)})", "prompt")
+            p = p[0]
+        if isinstance(p, list):
+            if not p:
+                raise bad_request("the prompt is empty", "prompt")
+            return {"prompt_token_ids": p}
+        return p
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+
+    def prompt_input(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse(model: type[_Request], body: object) -> _Request:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        req = model.model_validate(body)
+    except ValidationError as e:
+        errors = e.errors()
+        err = errors[0]
+        field_name = str(err["loc"][0]) if err["loc"] else None
+        if len(errors) > 1 and all(x["loc"][:1] == err["loc"][:1] for x in errors):
+            # a union (prompt, stop, content...): pydantic reports every branch that failed
+            msg = f"{field_name}: wrong type or value ({errors[0]['msg'].lower()}, ...)"
+        else:
+            path = ".".join(str(x) for x in err["loc"])
+            msg = f"{path or 'body'}: {err['msg']}"
+        raise bad_request(msg, field_name) from None
+    req.refuse_unsupported()
+    return req

@@ -1,0 +1,62 @@
+"""Incremental detokenization for streaming, holding back text that could begin a stop string."""
+from __future__ import annotations
+
+
+class TextStream:
+    """Turns committed token ids into text deltas that are safe to send.
+
+    Decoding is incremental (a window from the previous emission point, so the cost per
+    step does not grow with the output); a window whose text ends in an incomplete UTF-8
+    character (``\\ufffd``) waits for more tokens. While the request runs, the tail of the
+    text that could be the start of a stop string is held back, so nothing at or past a
+    stop is ever sent (the engine finishes the request as soon as a stop completes).
+    """
+
+    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
+        self.tok = tokenizer
+        self.stops = stops
+        self.ids: list[int] = []
+        self.prefix = 0  # window start (token index)
+        self.read = 0  # tokens whose text is in self.text
+        self.text = ""  # decoded so far (complete characters)
+        self.sent = 0  # characters of self.text already sent
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, ids: list[int]) -> str:
+        """Feed newly committed ids; return the text that may be sent now."""
+        self.ids.extend(ids)
+        before = self._decode(self.ids[self.prefix:self.read])
+        window = self._decode(self.ids[self.prefix:])
+        if len(window) > len(before) and not window.endswith("\ufffd"):
+            self.text += window[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+        safe = len(self.text) - self._held_back()
+        if safe <= self.sent:
+            return ""
+        delta = self.text[self.sent:safe]
+        self.sent = safe
+        return delta
+
+    def _held_back(self) -> int:
+        """Characters at the end of the text that are a proper prefix of some stop string."""
+        hold = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(stop[:n]):
+                    hold = n
+                    break
+        return hold
+
+    def finish(self, ids: list[int], final_text: str | None) -> str:
+        """The request finished with ``ids`` as its last committed tokens: the rest of its
+        text. ``final_text`` is the engine's (cut before a stop string), or None to decode
+        every id. (Not ``add``: the last tokens may complete a stop string.)"""
+        self.ids.extend(ids)
+        final = final_text if final_text is not None else self._decode(self.ids)
+        sent = self.text[:self.sent]
+        if not final.startswith(sent):  # cannot happen with a prefix-stable tokenizer
+            return ""
+        self.text, self.sent = final, len(final)
+        return final[len(sent):]

@@ -1,0 +1,117 @@
+"""The cost model (measured forward times, online acceptance, choice of drafter and k) and
+hybrid drafting: the planner's arithmetic, and greedy equality whatever it chooses."""
+import pytest
+
+from specdec import LLM, SamplingParams, SpecConfig
+from specdec.cost import Acceptance, Choice, ForwardCosts, Planner, forward_costs
+
+PROMPTS = ["Hello world, this is a test of speculative decoding", "abc",
+           "The quick brown fox jumps over the lazy dog. The quick brown"]
+
+
+@pytest.fixture(autouse=True)
+def cost_cache(tmp_path, monkeypatch):
+    path = tmp_path / "costs.json"
+    monkeypatch.setenv("SPECDEC_COST_CACHE", str(path))
+    return path
+
+
+def test_expected_tokens_and_updates():
+    acc = Acceptance(prior=[0.5, 0.5, 0.5], weight=2.0, decay=1.0)
+    assert acc.expected_tokens(0) == 1.0
+    assert acc.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)
+    acc.record(num_drafts=3, num_accepted=1)  # position 0 accepted, position 1 rejected, 2 not reached
+    assert acc.alpha(0) == pytest.approx((1 + 1) / (1 + 2))
+    assert acc.alpha(1) == pytest.approx((0 + 1) / (1 + 2))
+    assert acc.alpha(2) == pytest.approx(0.5)
+
+
+def test_forward_costs_extrapolate():
+    c = ForwardCosts((1.0, 1.5, 1.75))
+    assert c(2) == 1.5 and c(5) == pytest.approx(2.25)
+    assert c.relative() == [1.0, 1.5, 1.75]
+
+
+def test_planner_speculates_when_verify_is_cheap_and_drafts_are_good():
+    cheap = ForwardCosts((1.0, 1.05, 1.1, 1.15, 1.2))
+    p = Planner(cheap, {"draft": 0.05}, k_max=4, prior=0.9)
+    c = p.choose(1, limit=4)
+    assert c.drafter == "draft" and c.k == 4
+    assert p.choose(1, limit=2).k == 2  # the remaining budget caps k
+
+
+def test_planner_decodes_plainly_when_speculation_cannot_pay():
+    costly = ForwardCosts((1.0, 1.9, 2.5, 3.0, 3.4))  # this CPU without oneDNN
+    p = Planner(costly, {"ngram": 0.0}, k_max=4, prior=0.3)
+    assert p.choose(1, limit=4) == Choice(None, 0, pytest.approx(1.0))
+    for _ in range(12):  # an n-gram that keeps being right pushes k up again
+        p.record(1, Choice("ngram", 4, 0), num_drafts=4, num_accepted=4)
+    assert p.choose(1, limit=4).drafter == "ngram"
+
+
+def test_planner_probes_with_backoff_and_respects_availability():
+    costly = ForwardCosts((1.0, 1.9, 2.5))
+    p = Planner(costly, {"ngram": 0.0, "draft": 0.1}, k_max=2, prior=0.2)
+    for _ in range(7):
+        c = p.choose(5, limit=2)
+        assert c.drafter is None
+        p.record(5, c, 0, 0)
+    c = p.choose(5, limit=2)  # idle 7 -> not yet; after the 8th plain step a probe
+    p.record(5, c, 0, 0)
+    probe = p.choose(5, limit=2, available={"draft"})
+    assert probe == Choice("draft", 1, pytest.approx(probe.tokens_per_s))
+    p.record(5, probe, num_drafts=1, num_accepted=0)  # a failed probe doubles the back-off
+    assert p.tracks[5]["draft"].backoff == 16 and p.tracks[5]["draft"].idle == 0
+    assert p.chosen_k == {0: 8, 1: 1}
+    p.release(5)
+    assert 5 not in p.tracks and p.priors["draft"][0] < 0.2  # the failure lowers the prior
+
+
+def test_forward_costs_are_measured_once_and_cached(loaded, cost_cache, monkeypatch):
+    model = loaded("llama")
+    first = forward_costs(model, 3)
+    assert len(first.seconds) == 3 and all(s > 0 for s in first.seconds)
+    assert cost_cache.is_file()
+
+    def fail(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr("specdec.cost.measure", fail)
+    assert forward_costs(model, 2).seconds == first.seconds[:2]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "hybrid"])
+@pytest.mark.parametrize("cost_model", [False, True])
+def test_greedy_equal_whatever_the_plan(loaded, method, cost_model):
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    base = LLM(loaded("llama")).generate(PROMPTS, sp)
+    draft = loaded("llama") if method != "ngram" else None  # a perfect draft: every draft accepted
+    llm = LLM(loaded("llama"), draft=draft, speculative=SpecConfig(method=method, cost_model=cost_model))
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == [b.token_ids for b in base]
+    m = llm.last_run_metrics.to_dict()
+    assert sum(m["chosen_k"]) == llm.last_run_metrics.verify_steps
+    assert set(m["time_split_s"]) == {"prefill", "draft", "verify", "bookkeeping"}
+    if method == "hybrid":
+        assert set(m["drafter_steps"]) <= {"ngram", "draft"} and m["drafter_steps"].get("draft", 0) > 0
+
+
+def test_hybrid_prefers_ngram_when_it_matches(loaded):
+    from specdec.sampling import make_generator
+    from specdec.sequence import Sequence
+
+    llm = LLM(loaded("llama"), draft=loaded("draft"), speculative=SpecConfig(method="hybrid"))
+    assert list(llm.engine.drafters) == ["ngram", "draft"]
+
+    def seq(ids):
+        return Sequence(1, ids, 2, SamplingParams(), make_generator(0, "cpu"), frozenset())
+
+    plan = llm.engine._plan([seq([1, 2, 3, 1, 2]), seq([1, 2, 3, 4, 5])])
+    assert [(c.drafter, c.k) for c in plan] == [("ngram", 4), ("draft", 4)]
+
+
+def test_cost_model_needs_a_drafter():
+    with pytest.raises(ValueError, match="cost model needs a drafter"):
+        SpecConfig(cost_model=True)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        LLM(None, speculative=SpecConfig(method="hybrid"))

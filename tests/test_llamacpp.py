@@ -1,0 +1,205 @@
+"""The llama.cpp runtime on the embedded SmolLM2-135M-Instruct GGUF: logits against the torch
+runtime on the same file, rewind, ragged batches, trees through sequence ids, and greedy
+speculation equal to llama.cpp's own plain decoding.
+
+llama.cpp's batched evaluation is not bit-identical to one-token evaluation, so greedy
+outputs may part at a near-tie: a divergence passes only where the target's top-1 / top-2
+logit gap there is below ``NEAR_TIE`` (and it is printed); anywhere else it fails.
+"""
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp")
+
+from specdec import LLM, SamplingParams, SpecConfig  # noqa: E402
+from specdec.runtime import load_model  # noqa: E402
+from specdec.tree import DraftTree  # noqa: E402
+
+pytestmark = pytest.mark.real
+
+NEAR_TIE = 1e-2  # logits; a flip at a larger gap is a bug
+CHATS = [[{"role": "user", "content": c}] for c in (
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "List the days of the week, then list them again in reverse order.",
+    "Explain what a hash map is in two sentences.",
+)]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def lc():
+    return load_model(None, backend="llamacpp")
+
+
+@pytest.fixture(scope="module")
+def prompts(lc):
+    return [LLM(lc, max_batch_size=1).encode(c) for c in CHATS]
+
+
+def close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 2e-2) -> None:
+    """Two llama.cpp evaluations of the same rows: small difference, same argmax."""
+    diff = (a - b).abs().max().item()
+    print(f"{what}: max |logit diff| {diff:.2e}")
+    assert diff < tol, (what, diff)
+    assert torch.equal(a.argmax(-1), b.argmax(-1)), what
+
+
+def fresh(lc, ids: list[int]) -> torch.Tensor:
+    """Logits ``[vocab]`` after ``ids``, from a new cache."""
+    return lc.runtime.forward(lc.runtime.new_cache(1), [0], [ids], last_only=True)[0]
+
+
+def test_logits_close_to_torch(lc, prompts):
+    tt = load_model(None)  # the same GGUF, dequantized, on the torch runtime (fp32)
+    ids = prompts[0]
+    ref = tt.runtime.forward(tt.runtime.new_cache(1), [0], [ids])[0]  # [T, vocab]
+    ours = lc.runtime.forward(lc.runtime.new_cache(1), [0], [ids])[0]
+    assert ours.shape == ref.shape and ours.dtype == torch.float32
+    diff = (ours - ref).abs().max().item()
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"llama.cpp vs torch on SmolLM2 Q4_1: max |logit diff| {diff:.3f}, "
+          f"argmax agreement {agree:.1%} over {len(ids)} positions")
+    assert agree >= 0.9 and diff < 1.0
+
+
+def test_rewind_then_continue_equals_fresh(lc, prompts):
+    rt, ids = lc.runtime, prompts[0]
+    cache = rt.new_cache(2)
+    rt.forward(cache, [1], [ids])
+    cache.rewind(1, 10)
+    assert cache.lengths[1] == 10
+    out = rt.forward(cache, [1], [ids[10:20]])[0]  # [10, vocab]
+    ref_cache = rt.new_cache(1)
+    rt.forward(ref_cache, [0], [ids[:10]])
+    close(out, rt.forward(ref_cache, [0], [ids[10:20]])[0], "rewind then continue")
+    cache.rewind(1, 0)
+    close(rt.forward(cache, [1], [ids[:5]], last_only=True)[0], fresh(lc, ids[:5]), "rewind to 0")
+
+
+def test_ragged_batch_equals_single(lc, prompts):
+    rt = lc.runtime
+    cache = rt.new_cache(3)
+    last = rt.forward(cache, [2, 0, 1], prompts, last_only=True)  # [3, vocab]
+    for b, ids in enumerate(prompts):
+        close(last[b], fresh(lc, ids), f"ragged prefill, sequence {b}")
+    steps = [[11, 12, 13], [21], [31, 32]]
+    out = rt.forward(cache, [2, 0, 1], steps)  # [3, 3, vocab]
+    assert out.shape == (3, 3, rt.vocab_size) and cache.lengths == [len(prompts[1]) + 1,
+                                                                      len(prompts[2]) + 2, len(prompts[0]) + 3]
+    for b, (ids, step) in enumerate(zip(prompts, steps)):
+        single = rt.new_cache(1)
+        rt.forward(single, [0], [ids])
+        close(out[b, : len(step)], rt.forward(single, [0], [step])[0], f"ragged step, sequence {b}")
+
+
+def chain_logits(lc, prefix: list[int], chain: list[int]) -> torch.Tensor:
+    cache = lc.runtime.new_cache(1)
+    lc.runtime.forward(cache, [0], [prefix])
+    return lc.runtime.forward(cache, [0], [chain])[0]  # [len(chain), vocab]
+
+
+def test_tree_equals_chains_and_keep(lc, prompts):
+    """Target verification: root + two branches of two in one chunk (siblings share positions)."""
+    rt, ids = lc.runtime, prompts[1]
+    prefix, root = ids[:-1], ids[-1]
+    a, b, a1, b1 = 330, 1127, 2745, 28
+    tree = DraftTree([root, a, b, a1, b1], [-1, 0, 0, 1, 2])
+    cache = rt.new_cache(2)
+    rt.forward(cache, [1], [prefix])
+    out = rt.forward(cache, [1], [tree.tokens], positions=[tree.positions(len(prefix))],
+                     chunk_masks=[tree.mask()])[0]  # [5, vocab]
+    close(out[[0, 1, 3]], chain_logits(lc, prefix, [root, a, a1]), "tree path a")
+    close(out[[0, 2, 4]], chain_logits(lc, prefix, [root, b, b1]), "tree path b")
+    cache.keep(1, len(prefix), [0, 2, 4])
+    assert cache.lengths[1] == len(ids) + 2 and not cache.tail[1]
+    close(rt.forward(cache, [1], [[42, 43]])[0], chain_logits(lc, ids + [b, b1], [42, 43]), "keep then continue")
+
+
+def test_tree_fed_by_depth_and_keep(lc, prompts):
+    """The draft-model tree drafter's feed: one depth per forward, masked over the cached depths."""
+    rt, ids = lc.runtime, prompts[2]
+    a, b, a1, b1 = 330, 1127, 2745, 28
+    L = len(ids)
+    cache = rt.new_cache(1)
+    rt.forward(cache, [0], [ids])
+    d1 = rt.forward(cache, [0], [[a, b]], positions=[[L, L]], chunk_masks=[torch.eye(2, dtype=torch.bool)])[0]
+    mask = torch.tensor([[1, 0, 1, 0], [0, 1, 0, 1]], dtype=torch.bool)  # [2 new, 2 cached + 2 new]
+    d2 = rt.forward(cache, [0], [[a1, b1]], positions=[[L + 1, L + 1]], chunk_masks=[mask])[0]
+    close(torch.stack([d1[0], d2[0]]), chain_logits(lc, ids, [a, a1]), "fed tree path a")
+    close(torch.stack([d1[1], d2[1]]), chain_logits(lc, ids, [b, b1]), "fed tree path b")
+    cache.keep(0, L, [1, 3])
+    close(rt.forward(cache, [0], [[42]])[0], chain_logits(lc, ids + [b, b1], [42]), "fed keep then continue")
+    cache.rewind(0, L)  # and a rewind drops a partly kept tree
+    rt.forward(cache, [0], [[a]], positions=[[L]], chunk_masks=[torch.ones(1, 1, dtype=torch.bool)])
+    cache.rewind(0, L)
+    close(rt.forward(cache, [0], [[b]])[0, 0], fresh(lc, ids + [b]), "tree rows rewound")
+
+
+def test_bad_inputs(lc, prompts, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="gguf"):
+        load_model(str(tmp_path), backend="llamacpp")
+    with pytest.raises(ValueError, match="cpu"):
+        load_model(None, device="cuda", backend="llamacpp")
+    rt = lc.runtime
+    cache = rt.new_cache(1)
+    rt.forward(cache, [0], [prompts[0][:4]])
+    future = torch.tensor([[True, True], [False, True]])  # row 0 sees a later row
+    with pytest.raises(ValueError, match="tree-shaped"):
+        rt.forward(cache, [0], [[5, 6]], positions=[[4, 5]], chunk_masks=[future])
+    assert cache.lengths == [4] and len(cache.free_seqs) == 32  # nothing leaked
+
+
+def assert_same_greedy(lc, prompt: list[int], out: list[int], ref: list[int], what: str) -> int:
+    """``out == ref``, or they part where the target's top-2 logit gap is a near-tie (then only
+    the common prefix is compared). Returns the number of such flips (0 or 1)."""
+    j = next((i for i, (x, y) in enumerate(zip(out, ref)) if x != y), None)
+    if j is None:
+        assert len(out) == len(ref), what
+        return 0
+    top = fresh(lc, prompt + ref[:j]).topk(2).values
+    gap = (top[0] - top[1]).item()
+    print(f"{what}: near-tie flip at output token {j}, logit gap {gap:.2e}")
+    assert gap < NEAR_TIE, f"{what}: outputs part at token {j} with logit gap {gap:.3f}"
+    return 1
+
+
+@pytest.fixture(scope="module")
+def plain(lc, prompts):
+    outs = LLM(lc, max_batch_size=3).generate([{"prompt_token_ids": p} for p in prompts],
+                                              SamplingParams(max_new_tokens=N))
+    return [o.token_ids for o in outs]
+
+
+SPECS = {
+    "ngram": SpecConfig(method="ngram", num_draft_tokens=4),
+    "self": SpecConfig(method="self", num_draft_tokens=3),
+    "draft": SpecConfig(method="draft", num_draft_tokens=4),
+    "ngram-tree": SpecConfig(method="ngram", num_draft_tokens=4, tree_topk=2),
+    "self-tree": SpecConfig(method="self", num_draft_tokens=3, tree_topk=2),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_greedy_speculation_equals_plain(lc, prompts, plain, name, batch):
+    spec = SPECS[name]
+    llm = LLM(lc, draft=lc if spec.method == "draft" else None, speculative=spec, max_batch_size=3)
+    sp = SamplingParams(max_new_tokens=N)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(reqs, sp) if batch == 3 else [llm.generate(r, sp)[0] for r in reqs]
+    flips = sum(assert_same_greedy(lc, p, o.token_ids, ref, f"{name} batch {batch} prompt {i}")
+                for i, (p, o, ref) in enumerate(zip(prompts, outs, plain)))
+    assert flips <= 1
+    if spec.method == "self" and spec.tree_topk == 1:  # drafts by the same llama.cpp model
+        assert llm.last_run_metrics.to_dict()["acceptance_rate"] > 0.9
+
+
+def test_torch_draft_for_llamacpp_target(lc, prompts, plain):
+    """Per-model backends: a llama.cpp target with the torch runtime drafting."""
+    draft = load_model(None, quantize="none")
+    llm = LLM(lc, draft=draft, speculative=SpecConfig(method="draft", num_draft_tokens=4), max_batch_size=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_new_tokens=N))
+    for i, (p, o, ref) in enumerate(zip(prompts, outs, plain)):
+        assert_same_greedy(lc, p, o.token_ids, ref, f"torch draft prompt {i}")
+    assert llm.last_run_metrics.to_dict()["acceptance_rate"] > 0.5

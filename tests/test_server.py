@@ -1,0 +1,514 @@
+"""The OpenAI-compatible server, live on loopback, driven by the real ``openai`` client and httpx.
+
+Tiny random models where speed matters (concurrency, equality, aborts, metrics, bad input);
+the embedded SmolLM2 with n-gram drafting end to end (``real``).
+"""
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec import LLM, SamplingParams, SpecConfig
+from specdec.server import BackgroundServer, create_app
+from specdec.server.text import TextStream
+
+MODEL = "tiny"
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def llm(loaded):
+    """Self-drafting (every draft accepted: several tokens per verify step), 4 KV slots."""
+    return LLM(loaded("llama"), speculative=SpecConfig(method="self", num_draft_tokens=3), max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    with BackgroundServer(create_app(llm, served_model_name=MODEL, max_queue=64)) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def aclient(server):
+    return lambda: openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metrics(url: str) -> dict:
+    """``{(name, labels minus model_name): value}`` from /metrics, via prometheus_client's parser."""
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[s.name, labels] = s.value
+    return out
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        if (m[("specdec_kv_slots_used", ())] == 0 and m[("specdec_num_requests_running", ())] == 0
+                and m[("specdec_num_requests_waiting", ())] == 0 and m[("specdec_kv_cache_tokens", ())] == 0):
+            return m
+        assert time.monotonic() < deadline, {k: v for k, v in m.items() if "kv" in k[0] or "num_requests" in k[0]}
+        time.sleep(0.05)
+
+
+# --- the basics: both endpoints, streaming and not ---------------------------------------------
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_completion_stream_equals_non_stream(llm, client):
+    kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=40, temperature=0,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 40
+    assert whole.usage.prompt_tokens == len(llm.encode("The quick brown fox"))
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) > 2  # sent as verified, not all at the end
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == 40 and not chunks[-1].choices
+    # the same text as the library's own generate (no server involved)
+    ref = LLM(llm.target).generate("The quick brown fox", SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    assert whole.choices[0].text == ref.text
+
+
+def test_chat_stream_equals_non_stream(llm, client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Say hello"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    msg = whole.choices[0].message
+    assert whole.object == "chat.completion" and msg.role == "assistant"
+    assert whole.usage.prompt_tokens == len(llm.encode(messages))
+    deltas = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30,
+                                                 temperature=0, stream=True))
+    assert deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(d.choices[0].delta.content or "" for d in deltas) == msg.content
+    assert deltas[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    ref = LLM(llm.target).generate([messages], SamplingParams(max_new_tokens=30))[0]
+    assert msg.content == ref.text and whole.choices[0].finish_reason == ref.finish_reason
+
+
+def test_raw_sse_format(server):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    assert payloads[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_logprobs_from_verify_rows(llm, client):
+    """Logprobs come from the target's logits for each committed token: the same whether the
+    token was committed by prefill, as an accepted draft or as a bonus token."""
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, logprobs=3,
+                                  extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0 and tok in top and len(top) <= 4
+        assert val == pytest.approx(max(top.values()), abs=1e-5)  # greedy: the top token
+    # the reference: one full forward of the target over prompt + output
+    import torch
+
+    ids = llm.encode("Hello")
+    out = LLM(llm.target).generate("Hello", SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    rt = llm.target.runtime
+    logits = rt.forward(rt.new_cache(1), [0], [ids + out])[0]
+    ref = torch.log_softmax(logits.float(), -1)[len(ids) - 1:len(ids) - 1 + 12]
+    ref_chosen = ref[torch.arange(12), torch.tensor(out)].tolist()
+    assert lp.token_logprobs == pytest.approx(ref_chosen, abs=1e-4)
+    # chat form: logprobs=true + top_logprobs, streamed
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}],
+                                                 max_tokens=10, temperature=0, logprobs=True, top_logprobs=2,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    content = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert len(content) == 10 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-5) for c in content)
+
+
+# --- continuous batching ---------------------------------------------------------------------------
+
+
+def _requests():
+    """16 requests: different prompts, lengths, stops, streaming or not, chat or completion."""
+    reqs = []
+    for i in range(16):
+        prompt = f"Request {i}: " + "abcdefghij"[: i % 7 + 1] * (1 + i % 3)
+        reqs.append({"chat": i % 4 == 3, "stream": i % 2 == 1, "prompt": prompt,
+                     "max_tokens": 6 + 5 * i, "stop": None})
+    return reqs
+
+
+async def _send(aclient, r: dict) -> tuple[str, str]:
+    extra = {"ignore_eos": True}
+    common = dict(model=MODEL, max_tokens=r["max_tokens"], temperature=0, stop=r["stop"], extra_body=extra)
+    if r["chat"]:
+        kw = dict(messages=[{"role": "user", "content": r["prompt"]}], **common)
+        if r["stream"]:
+            stream = await aclient.chat.completions.create(**kw, stream=True)
+            parts, reason = [], None
+            async for c in stream:
+                parts.append(c.choices[0].delta.content or "")
+                reason = c.choices[0].finish_reason or reason
+            return "".join(parts), reason
+        out = await aclient.chat.completions.create(**kw)
+        return out.choices[0].message.content, out.choices[0].finish_reason
+    kw = dict(prompt=r["prompt"], **common)
+    if r["stream"]:
+        stream = await aclient.completions.create(**kw, stream=True)
+        parts, reason = [], None
+        async for c in stream:
+            parts.append(c.choices[0].text)
+            reason = c.choices[0].finish_reason or reason
+        return "".join(parts), reason
+    out = await aclient.completions.create(**kw)
+    return out.choices[0].text, out.choices[0].finish_reason
+
+
+def test_16_concurrent_equal_to_alone(server, aclient, llm):
+    reqs = _requests()
+
+    async def alone():
+        c = aclient()
+        return [await _send(c, r) for r in reqs]
+
+    refs = asyncio.run(alone())
+    # stops taken from each reference's own text, so they fire mid-output
+    for i, (r, (text, _)) in enumerate(zip(reqs, refs)):
+        if i % 3 == 0:
+            cut = next((j for j in range(len(text) // 3, len(text) - 1)
+                        if text[j:j + 2].isascii() and text[j:j + 2].isprintable()), None)
+            if cut is not None:
+                r["stop"] = [text[cut:cut + 2], "\x00never"]
+    assert sum(r["stop"] is not None for r in reqs) >= 3
+    refs = asyncio.run(alone())
+    for r, (text, reason) in zip(reqs, refs):
+        if r["stop"]:
+            assert reason == "stop" and r["stop"][0] not in text
+
+    async def together():
+        c = aclient()
+        return await asyncio.gather(*[_send(c, r) for r in reqs])
+
+    before = metrics(server.url)
+    outs = asyncio.run(together())
+    assert outs == refs
+    after = wait_idle(server.url)
+    # 16 requests on 4 KV slots: they queued, and joined the batch as others left
+    assert after[("specdec_request_queue_time_seconds_count", ())] - \
+        before[("specdec_request_queue_time_seconds_count", ())] == 16
+    # the library agrees (completions; chat prompts go through the template)
+    plain = LLM(llm.target)
+    for r, (text, reason) in zip(reqs, outs):
+        prompt = [{"role": "user", "content": r["prompt"]}] if r["chat"] else r["prompt"]
+        ref = plain.generate([prompt], SamplingParams(max_new_tokens=r["max_tokens"], stop=r["stop"] or (),
+                                                      ignore_eos=True))[0]
+        assert (text, reason) == (ref.text, ref.finish_reason)
+
+
+def test_seeded_sampling_reproducible(aclient):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=0.9, top_p=0.95,
+              extra_body={"ignore_eos": True, "top_k": 50})
+
+    async def run():
+        c = aclient()
+        alone = (await c.completions.create(seed=1234, **kw)).choices[0].text
+        # the same seed amid other sampling requests (different batch composition)
+        batch = await asyncio.gather(*[c.completions.create(seed=s, **kw) for s in (1234, 99, 1234, 7)])
+        return alone, [b.choices[0].text for b in batch]
+
+    alone, batch = asyncio.run(run())
+    assert batch[0] == alone and batch[2] == alone
+    assert batch[1] != alone or batch[3] != alone  # other seeds draw other text
+
+
+# --- aborts ------------------------------------------------------------------------------------------
+
+
+def test_abort_mid_stream_frees_kv(server, client):
+    before = wait_idle(server.url)
+    long = dict(model=MODEL, max_tokens=480, temperature=0, extra_body={"ignore_eos": True, "num_draft_tokens": 0})
+    running = [client.completions.create(prompt=f"stream {i}", stream=True, **long) for i in range(4)]
+    for s in running:  # all four are generating
+        next(iter(s))
+    m = metrics(server.url)
+    assert m[("specdec_kv_slots_used", ())] == 4 and m[("specdec_kv_cache_tokens", ())] > 0
+    # a fifth waits for a slot (its headers and role chunk come at once); cancel it while queued
+    queued = client.chat.completions.create(messages=[{"role": "user", "content": "q"}], stream=True, **long)
+    next(iter(queued))
+    queued.close()
+    for s in running:
+        next(iter(s))
+        s.close()
+    # a non-streaming client that gives up (its connection closes) aborts its request too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=0.2, json={
+            "model": MODEL, "prompt": "patience", "max_tokens": 480, "temperature": 0,
+            "ignore_eos": True, "num_draft_tokens": 0})
+    after = wait_idle(server.url)
+    aborted = after[("specdec_request_success_total", (("finished_reason", "abort"),))] - \
+        before[("specdec_request_success_total", (("finished_reason", "abort"),))]
+    assert aborted == 6
+    generated = after[("specdec_generation_tokens_total", ())] - before[("specdec_generation_tokens_total", ())]
+    assert generated < 5 * 480
+    # the server carries on
+    ok = client.completions.create(model=MODEL, prompt="after", max_tokens=5, temperature=0)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+# --- metrics -----------------------------------------------------------------------------------------
+
+
+def test_metrics_add_up(server, client, llm):
+    before = wait_idle(server.url)
+    usages, reasons = [], []
+    for i in range(5):
+        r = client.completions.create(model=MODEL, prompt=f"metrics {i} " * (i + 1), max_tokens=7 + i,
+                                      temperature=0, extra_body={"ignore_eos": True})
+        usages.append(r.usage)
+        reasons.append(r.choices[0].finish_reason)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=9, temperature=0, extra_body={"ignore_eos": True})
+    usages.append(chat.usage)
+    reasons.append(chat.choices[0].finish_reason)
+    after = wait_idle(server.url)
+
+    def d(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert reasons == ["length"] * 6
+    assert d("specdec_request_success_total", (("finished_reason", "length"),)) == 6
+    assert d("specdec_request_success_total", (("finished_reason", "stop"),)) == 0
+    assert d("specdec_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert d("specdec_generation_tokens_total") == sum(u.completion_tokens for u in usages) == 7 + 8 + 9 + 10 + 11 + 9
+    for hist in ("specdec_time_to_first_token_seconds", "specdec_e2e_request_latency_seconds"):
+        assert d(hist + "_count") == 6
+    assert d("specdec_inter_token_latency_seconds_count") > 0
+    # self-drafting with k=3: every draft accepted; per-position counts add up
+    drafted, accepted = d("specdec_spec_decode_num_draft_tokens_total"), d("specdec_spec_decode_num_accepted_tokens_total")
+    assert drafted > 0 and accepted == drafted
+    per_pos = [d("specdec_spec_decode_num_accepted_tokens_per_pos_total", (("position", str(i)),)) for i in range(3)]
+    assert sum(per_pos) == accepted and per_pos[0] == d("specdec_spec_decode_num_drafts_total")
+    # the same requests through the library: the same per-request speculation counters
+    lib = LLM(llm.target, speculative=SpecConfig(method="self", num_draft_tokens=3))
+    prompts = [f"metrics {i} " * (i + 1) for i in range(5)] + [[{"role": "user", "content": "hi"}]]
+    outs = lib.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (7, 8, 9, 10, 11, 9)])
+    assert drafted == sum(o.metrics["drafted_tokens"] for o in outs)
+    assert accepted == sum(o.metrics["accepted_tokens"] for o in outs)
+    assert per_pos == [sum(o.metrics["accepted_per_position"][i] for o in outs) for i in range(3)]
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+KEY = "sekrit"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def strict_server(tiny_dirs):
+    """An API key, one KV slot and no queue (a second concurrent request gets 429), small bodies."""
+    from specdec.runtime import load_model
+
+    llm = LLM(load_model(str(tiny_dirs["qwen2"])), max_batch_size=1)
+    with BackgroundServer(create_app(llm, served_model_name=MODEL, max_queue=0, api_key=KEY,
+                                     max_request_bytes=4096)) as srv:
+        yield srv
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+OK_C = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+@pytest.mark.parametrize("path, body, headers, status", [
+    (C, OK_C, {}, 401),
+    (C, OK_C, {"Authorization": "Bearer wrong"}, 401),
+    (C, OK_C, {"Authorization": KEY}, 401),
+    (CHAT, OK_CHAT, {}, 401),
+    (C, b'{"prompt": "hi",', AUTH, 400),
+    (C, b"\xff\xfe", AUTH, 400),
+    (C, [1, 2], AUTH, 400),
+    (C, {"model": MODEL}, AUTH, 400),
+    (C, {**OK_C, "prompt": 5}, AUTH, 400),
+    (C, {**OK_C, "prompt": ""}, AUTH, 400),
+    (C, {**OK_C, "prompt": [1, "a"]}, AUTH, 400),
+    (C, {**OK_C, "prompt": [999999]}, AUTH, 400),
+    (C, {**OK_C, "prompt": ["a", "b"]}, AUTH, 400),
+    (C, {**OK_C, "max_tokens": "5"}, AUTH, 400),
+    (C, {**OK_C, "max_tokens": 0}, AUTH, 400),
+    (C, {**OK_C, "max_tokens": -3}, AUTH, 400),
+    (C, {**OK_C, "max_tokens": 2.5}, AUTH, 400),
+    (C, {**OK_C, "max_tokens": 600}, AUTH, 400),
+    (C, {**OK_C, "prompt": "x" * 500, "max_tokens": 20}, AUTH, 400),
+    (C, {**OK_C, "model": "gpt-4"}, AUTH, 400),
+    (C, {**OK_C, "temperature": "hot"}, AUTH, 400),
+    (C, {**OK_C, "temperature": -1}, AUTH, 400),
+    (C, {**OK_C, "top_p": 0}, AUTH, 400),
+    (C, {**OK_C, "top_k": -5}, AUTH, 400),
+    (C, {**OK_C, "stop": 3}, AUTH, 400),
+    (C, {**OK_C, "stop": [""]}, AUTH, 400),
+    (C, {**OK_C, "stream": "yes"}, AUTH, 400),
+    (C, {**OK_C, "seed": 2 ** 70}, AUTH, 400),
+    (C, {**OK_C, "logprobs": 21}, AUTH, 400),
+    (C, {**OK_C, "n": 2}, AUTH, 400),
+    (C, {**OK_C, "num_draft_tokens": -1}, AUTH, 400),
+    (CHAT, {**OK_CHAT, "messages": "hi"}, AUTH, 400),
+    (CHAT, {**OK_CHAT, "messages": []}, AUTH, 400),
+    (CHAT, {**OK_CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, AUTH, 400),
+    (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": 5}]}, AUTH, 400),
+    (CHAT, {**OK_CHAT, "top_logprobs": 2}, AUTH, 400),
+    (CHAT, {**OK_CHAT, "max_completion_tokens": 0}, AUTH, 400),
+    (C, {**OK_C, "prompt": "x" * 5000}, AUTH, 413),
+    (C, OK_C, AUTH, 200),
+    (CHAT, OK_CHAT, AUTH, 200),
+])
+def test_bad_input(strict_server, path, body, headers, status):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(strict_server.url + path, content=content,
+                   headers={"Content-Type": "application/json", **headers})
+    assert r.status_code == status, r.text
+    if status != 200:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+def test_oversized_chunked_body_and_other_routes(strict_server):
+    def chunks():
+        for _ in range(10):
+            yield b" " * 1000
+
+    r = httpx.post(strict_server.url + C, content=chunks(), headers=AUTH)  # no content-length
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(strict_server.url + "/v1/models").status_code == 401
+    assert httpx.get(strict_server.url + "/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL
+    assert httpx.get(strict_server.url + "/nope").status_code == 404
+    assert httpx.get(strict_server.url + "/health").status_code == 200  # open, like /metrics
+
+
+def test_full_queue_429_and_openai_errors(strict_server):
+    rejected = ("specdec_http_requests_rejected_total", (("status", "429"),))
+    before = metrics(strict_server.url).get(rejected, 0)
+    client = openai.OpenAI(base_url=strict_server.url + "/v1", api_key=KEY, max_retries=0)
+    busy = client.completions.create(model=MODEL, prompt="busy", max_tokens=400, temperature=0, stream=True,
+                                     extra_body={"ignore_eos": True})
+    next(iter(busy))  # it holds the only slot
+    with pytest.raises(openai.RateLimitError) as e:
+        client.completions.create(model=MODEL, prompt="more", max_tokens=3)
+    assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+    busy.close()
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=strict_server.url + "/v1", api_key="bad", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="other", prompt="x", max_tokens=3)
+    assert e.value.body["param"] == "model"
+    # nothing above hurt the server: once the slot is free, requests run
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            out = client.completions.create(model=MODEL, prompt="again", max_tokens=4, temperature=0)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert out.usage.completion_tokens <= 4
+    assert metrics(strict_server.url)[rejected] - before == 1
+
+
+# --- the text streamer -------------------------------------------------------------------------------
+
+
+class ByteTok:
+    """Token = one byte; decodes like a byte-level tokenizer (invalid UTF-8 -> U+FFFD)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("text, stops, step", [
+    ("hello world, goodbye", ("bye",), 1),
+    ("hello world, goodbye", ("bye",), 2),
+    ("caf\u00e9 \u2603 snow", ("\u2603",), 1),
+    ("caf\u00e9 \u2603 snow", ("now",), 3),
+    ("aaab and more", ("aab", "xyz"), 1),
+    ("plain text", (), 1),
+    ("plain text", (), 4),
+])
+def test_text_stream_never_sends_past_a_stop(text, stops, step):
+    """Fed ``step`` bytes per engine step until the step that completes a stop string (where
+    the engine finishes the request, its text cut before the stop): nothing sent is ever
+    past the cut, no broken character is sent, and the pieces add up to the final text."""
+    data = text.encode()
+    cut = min([i for i in (text.find(s) for s in stops) if i >= 0], default=None)
+    if cut is None:
+        end, final = len(data), None
+    else:
+        stop = next(s for s in stops if text.find(s) == cut)
+        end, final = len(text[:cut + len(stop)].encode()), text[:cut]
+    chunks = [list(data[i:min(i + step, end)]) for i in range(0, end, step)]
+    stream, sent = TextStream(ByteTok(), stops), ""
+    for chunk in chunks[:-1]:
+        sent += stream.add(chunk)
+        assert (final or text).startswith(sent), (sent, final)
+        assert "\ufffd" not in sent
+    sent += stream.finish(chunks[-1], final)
+    assert sent == (final if final is not None else text)
+
+
+# --- the real model ------------------------------------------------------------------------------
+
+
+@pytest.mark.real
+def test_smollm2_ngram_end_to_end():
+    """The embedded SmolLM2 with n-gram drafting: both endpoints, streamed and not, at once;
+    each text equals the library's own greedy output, and the drafter's work shows in /metrics."""
+    llm = LLM(speculative=SpecConfig(method="ngram", num_draft_tokens=4), max_batch_size=4)
+    chat = [{"role": "user", "content": "List the days of the week, then list them again in reverse order."}]
+    code = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+    ref_chat, ref_code = llm.generate([chat, code], SamplingParams(max_new_tokens=32))
+    with BackgroundServer(create_app(llm)) as srv:
+        name = openai.OpenAI(base_url=srv.url + "/v1", api_key="x").models.list().data[0].id
+        assert name == llm.target.name  # served under the model's own name by default
+
+        async def run():
+            c = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+            kw = dict(model=name, max_tokens=32, temperature=0)
+
+            async def chat_stream():
+                s = await c.chat.completions.create(messages=chat, stream=True, **kw)
+                return "".join([ch.choices[0].delta.content or "" async for ch in s])
+
+            async def code_stream():
+                s = await c.completions.create(prompt=code, stream=True, **kw)
+                return "".join([ch.choices[0].text async for ch in s])
+
+            whole_chat = c.chat.completions.create(messages=chat, **kw)
+            whole_code = c.completions.create(prompt=code, **kw)
+            return await asyncio.gather(chat_stream(), code_stream(), whole_chat, whole_code)
+
+        chat_s, code_s, chat_w, code_w = asyncio.run(run())
+        assert chat_s == chat_w.choices[0].message.content == ref_chat.text
+        assert code_s == code_w.choices[0].text == ref_code.text
+        assert chat_w.usage.completion_tokens == len(ref_chat.token_ids)
+        m = wait_idle(srv.url)
+        assert m[("specdec_spec_decode_num_accepted_tokens_total", ())] > 0
+        assert m[("specdec_request_success_total", (("finished_reason", "length"),))] + \
+            m[("specdec_request_success_total", (("finished_reason", "stop"),))] == 4
