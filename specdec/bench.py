@@ -38,6 +38,7 @@ DEFAULT_TREE_SHAPES = "2x4x8"
 NGRAM_TREE_TOPK = 3  # specdec-ngram-tree: up to 3 matches' continuations as branches
 HF_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
+COST_CURVE_TOKENS = 17  # the cost curve in the report: forwards of 1..17 tokens
 DEFAULT_MODEL = "~/.cache/specdec-models/qwen2.5-coder-1.5b-instruct/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 DEFAULT_DRAFT = "~/.cache/specdec-models/qwen2.5-coder-0.5b-instruct/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 DEFAULT_PROMPTS = os.path.join("..", "shared", "bench", "prompts.jsonl")
@@ -308,6 +309,7 @@ def run_bench(args) -> int:
 
     results: dict[str, list[dict]] = {}
     load_s: dict[str, float] = {}
+    cost_curve: dict[str, list[float]] = {}  # seconds of one forward of n = 1.. tokens
 
     # --- transformers' generate (its models are freed before specdec loads its own copy)
     hf_methods = [m for m in methods if m.startswith("hf-")]
@@ -357,6 +359,13 @@ def run_bench(args) -> int:
             draft_model = draft_model or llms[m].draft
         load_s["specdec"] = time.perf_counter() - t0
         log(f"specdec models loaded in {load_s['specdec']:.1f}s (rss {_rss_gb()})")
+        from .cost import forward_costs
+
+        cost_curve["target"] = list(forward_costs(plain.target, COST_CURVE_TOKENS).seconds)
+        if draft_model is not None:
+            cost_curve["draft"] = list(forward_costs(draft_model, COST_CURVE_TOKENS).seconds)
+        log("forward cost relative to 1 token: " + " ".join(
+            f"{n + 1}:{t / cost_curve['target'][0]:.2f}" for n, t in enumerate(cost_curve["target"])))
         for m in sd_methods:
             log(f"{m}:")
             results[m] = _time_method(m, _specdec_runner(llms[m]), prompts, args, device, eos, log)
@@ -431,7 +440,8 @@ def run_bench(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(
         {"command": command, "config": config, "machine": machine, "summary": summary,
-         "per_prompt": results}, indent=1) + "\n")
+         "cost_curve_s": cost_curve, "per_prompt": results}, indent=1) + "\n")
+    plot = write_plot(out / "bench.png", methods, summary, results, prompts, cost_curve)
     ok = all(s["diverged"] == 0 for s in summary.values())
     verdict = ("OK: every method's greedy tokens equal " if ok else "FAILED: greedy divergence from ") + ref
     md = ["# specdec bench", "", "```", command, "```", "",
@@ -449,8 +459,63 @@ def run_bench(args) -> int:
     print(tables)
     print()
     print(verdict)
-    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f" and {plot}" if plot else
+                                                                " (no plot: pip install matplotlib)"))
     return 0 if ok else 1
+
+
+def prompt_group(prompt_id: str) -> str:
+    """``edit-typehints`` -> ``edit``: prompts are grouped by the part before the first dash."""
+    return prompt_id.split("-", 1)[0]
+
+
+def write_plot(path: Path, methods, summary, results, prompts, cost_curve) -> Path | None:
+    """One PNG: median tokens/s per method and prompt group; the measured forward cost curve;
+    acceptance by draft position. None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    groups = sorted({prompt_group(p["id"]) for p in prompts})
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
+    ax = axes[0]
+    width = 0.8 / max(len(methods), 1)
+    for j, m in enumerate(methods):
+        vals = [_median(r["tokens_per_s"] for r, p in zip(results[m], prompts) if prompt_group(p["id"]) == g)
+                for g in groups]
+        ax.bar([i + j * width for i in range(len(groups))], [v or 0 for v in vals], width, label=m)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))], groups)
+    ax.set_ylabel("tokens/s (median over the group's prompts)")
+    ax.set_title("speed per prompt group")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    for name, secs in cost_curve.items():
+        ax.plot(range(1, len(secs) + 1), [t / secs[0] for t in secs], marker="o", label=name)
+    ax.set_xlabel("tokens in one forward")
+    ax.set_ylabel("time / time of 1 token")
+    ax.set_title("measured forward cost")
+    ax.grid(alpha=0.3)
+    if cost_curve:
+        ax.legend()
+    ax = axes[2]
+    for m in methods:
+        by_depth = summary[m].get("acceptance_by_depth")
+        if by_depth:
+            ax.plot(range(1, len(by_depth) + 1), [a if a is not None else float("nan") for a in by_depth],
+                    marker="o", label=m)
+    ax.set_xlabel("draft position (tree depth)")
+    ax.set_ylabel("P(accepted | drafted that deep)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("acceptance by position")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def _sum_lists(lists) -> list[int]:

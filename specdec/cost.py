@@ -70,6 +70,7 @@ def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> F
 def cost_key(model, threads: int | None = None) -> str:
     rt = model.runtime
     kinds = sorted({layer["qkv"].kind for layer in getattr(rt, "layers", [])}) or [type(rt).__name__]
+    kinds += ["multi-row"] if getattr(rt, "multi_row", False) else []
     return "|".join([str(model.path), type(rt).__name__, ",".join(kinds),
                      str(getattr(rt, "dtype", "")), str(getattr(rt, "device", "")),
                      f"threads={threads or torch.get_num_threads()}", _machine(), f"torch={torch.__version__}"])

@@ -92,9 +92,12 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[Sequence]:
-        """Admit waiting sequences (prefill), run one round for the batch; return finished ones."""
-        self._admit()
-        seqs = [s for s in self.running if not s.finished]
+        """Admit waiting sequences (prefill: each commits its first token) and run one round
+        for the sequences that were already running; return the finished ones. A newly
+        admitted sequence joins the rounds from the next step, so a caller streaming after
+        each step sends its first token right after its prefill."""
+        new = self._admit()
+        seqs = [s for s in self.running if not s.finished and s not in new]
         if seqs:
             self._round(seqs)
         return self._retire()
@@ -162,7 +165,7 @@ class Engine:
             self.cache.keep(s.slot, len(s.ids) - 1, v.rows)  # path rows -> consecutive slots
         return v
 
-    def _admit(self) -> None:
+    def _admit(self) -> list[Sequence]:
         new = []
         while self.waiting and self.free_slots:
             s = self.waiting.popleft()
@@ -170,7 +173,7 @@ class Engine:
             s.started_at = time.perf_counter()
             new.append(s)
         if not new:
-            return
+            return new
         t0 = time.perf_counter()
         logits = self.runtime.forward(self.cache, [s.slot for s in new], [s.ids for s in new],
                                       last_only=True)  # [B, vocab]
@@ -185,6 +188,7 @@ class Engine:
                 capture_logprobs(s, row[None], [token])
             self._commit(s, [token])
             self.running.append(s)
+        return new
 
     def _commit(self, s: Sequence, tokens: list[int]) -> int:
         kept, hit_eos = truncate(tokens, s.remaining, s.eos_ids)

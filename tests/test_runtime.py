@@ -8,15 +8,17 @@ ATOL = 1e-4  # fp32 logits, tiny random models
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-@pytest.mark.parametrize("linear", ["dense", "onednn"])
+@pytest.mark.parametrize("linear", ["dense", "onednn", "onednn-multi-row"])
 def test_logits_match_transformers(tiny_dirs, arch, linear):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specdec.runtime.loading import Weights
 
     path = tiny_dirs[arch]
+    multi = linear == "onednn-multi-row"  # 2+ row products through the verify-packed weights
     rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"),
-                    torch.float32, linear=linear)
+                    torch.float32, linear=linear.removesuffix("-multi-row"), multi_row=multi)
+    assert (rt.layers[0]["qkv"].multi is not None) == multi
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
