@@ -1,10 +1,13 @@
-"""The llama.cpp runtime on the embedded SmolLM2-135M-Instruct GGUF: logits against the torch
-runtime on the same file, rewind, ragged batches, trees through sequence ids, and greedy
-speculation equal to llama.cpp's own plain decoding.
+"""The llama.cpp runtime on the embedded SmolLM2-135M-Instruct GGUF: logits against
+llama-cpp-python's own evaluation and the torch runtime on the same file, rewind, ragged
+batches, trees through sequence ids, and greedy speculation equal to llama.cpp's own plain
+decoding.
 
-llama.cpp's batched evaluation is not bit-identical to one-token evaluation, so greedy
-outputs may part at a near-tie: a divergence passes only where the target's top-1 / top-2
-logit gap there is below ``NEAR_TIE`` (and it is printed); anywhere else it fails.
+llama.cpp's batched evaluation is not bit-identical to one-token evaluation in general
+(other kernels from 64 tokens per forward, other rounding when a sequence's cells are out of
+order), so greedy outputs may part at a near-tie: a divergence passes only where the
+target's top-1 / top-2 logit gap there is below ``NEAR_TIE`` (and it is printed); anywhere
+else it fails. On this model and these prompts none happens: every output is identical.
 """
 import pytest
 import torch
@@ -18,12 +21,12 @@ from specdec.tree import DraftTree  # noqa: E402
 pytestmark = pytest.mark.real
 
 NEAR_TIE = 1e-2  # logits; a flip at a larger gap is a bug
-CHATS = [[{"role": "user", "content": c}] for c in (
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "List the days of the week, then list them again in reverse order.",
-    "Explain what a hash map is in two sentences.",
-)]
-N = 40
+TEXTS = (
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday,",
+    "A hash map is a data structure that",
+)
+N = 24
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +35,19 @@ def lc():
 
 
 @pytest.fixture(scope="module")
+def tt():
+    """The same GGUF, dequantized, on the torch runtime (fp32)."""
+    return load_model(None, quantize="none")
+
+
+@pytest.fixture(scope="module")
 def prompts(lc):
-    return [LLM(lc, max_batch_size=1).encode(c) for c in CHATS]
+    return [LLM(lc, max_batch_size=1).encode(t) for t in TEXTS]
 
 
-def close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 2e-2) -> None:
-    """Two llama.cpp evaluations of the same rows: small difference, same argmax."""
+def close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 1e-3) -> None:
+    """Two llama.cpp evaluations of the same rows: the same logits (in fact bit-identical here,
+    as long as no forward has 64 tokens or more, see ``LlamaCppCache``)."""
     diff = (a - b).abs().max().item()
     print(f"{what}: max |logit diff| {diff:.2e}")
     assert diff < tol, (what, diff)
@@ -49,17 +59,24 @@ def fresh(lc, ids: list[int]) -> torch.Tensor:
     return lc.runtime.forward(lc.runtime.new_cache(1), [0], [ids], last_only=True)[0]
 
 
-def test_logits_close_to_torch(lc, prompts):
-    tt = load_model(None)  # the same GGUF, dequantized, on the torch runtime (fp32)
+def test_logits_match_llama_cpp_python_and_torch(lc, tt, prompts):
+    import numpy as np
+    from llama_cpp import Llama
+
+    from specdec.runtime.loading import default_model_path
+
     ids = prompts[0]
-    ref = tt.runtime.forward(tt.runtime.new_cache(1), [0], [ids])[0]  # [T, vocab]
-    ours = lc.runtime.forward(lc.runtime.new_cache(1), [0], [ids])[0]
-    assert ours.shape == ref.shape and ours.dtype == torch.float32
-    diff = (ours - ref).abs().max().item()
+    ours = lc.runtime.forward(lc.runtime.new_cache(1), [0], [ids])[0]  # [T, vocab]
+    assert ours.shape == (len(ids), lc.runtime.vocab_size) and ours.dtype == torch.float32
+    ll = Llama(default_model_path(), n_ctx=256, n_threads=1, flash_attn=True, logits_all=True, verbose=False)
+    ll.eval(ids)
+    close(ours, torch.from_numpy(np.array(ll.scores[: len(ids)])), "vs llama-cpp-python's Llama.eval")
+    ref = tt.runtime.forward(tt.runtime.new_cache(1), [0], [ids])[0]
+    diff = (ours - ref).abs()
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    print(f"llama.cpp vs torch on SmolLM2 Q4_1: max |logit diff| {diff:.3f}, "
-          f"argmax agreement {agree:.1%} over {len(ids)} positions")
-    assert agree >= 0.9 and diff < 1.0
+    print(f"llama.cpp vs torch (SmolLM2 Q4_1 dequantized, fp32): max |logit diff| {diff.max():.2f}, "
+          f"mean {diff.mean():.3f}, argmax agreement {agree:.1%} over {len(ids)} positions")
+    assert agree >= 0.9 and diff.mean() < 0.5  # llama.cpp quantizes activations to 8 bits
 
 
 def test_rewind_then_continue_equals_fresh(lc, prompts):
@@ -78,6 +95,7 @@ def test_rewind_then_continue_equals_fresh(lc, prompts):
 
 def test_ragged_batch_equals_single(lc, prompts):
     rt = lc.runtime
+    prompts = [p[-20:] for p in prompts][:2] + [prompts[2][-9:]]  # < 64 tokens: the same kernels
     cache = rt.new_cache(3)
     last = rt.forward(cache, [2, 0, 1], prompts, last_only=True)  # [3, vocab]
     for b, ids in enumerate(prompts):
@@ -144,10 +162,11 @@ def test_bad_inputs(lc, prompts, tmp_path):
     rt = lc.runtime
     cache = rt.new_cache(1)
     rt.forward(cache, [0], [prompts[0][:4]])
+    free = len(cache.free_seqs)
     future = torch.tensor([[True, True], [False, True]])  # row 0 sees a later row
     with pytest.raises(ValueError, match="tree-shaped"):
         rt.forward(cache, [0], [[5, 6]], positions=[[4, 5]], chunk_masks=[future])
-    assert cache.lengths == [4] and len(cache.free_seqs) == 32  # nothing leaked
+    assert cache.lengths == [4] and len(cache.free_seqs) == free  # nothing leaked
 
 
 def assert_same_greedy(lc, prompt: list[int], out: list[int], ref: list[int], what: str) -> int:
@@ -164,11 +183,18 @@ def assert_same_greedy(lc, prompt: list[int], out: list[int], ref: list[int], wh
     return 1
 
 
+def generate(llm, prompts, batch: int) -> list[list[int]]:
+    """Greedy outputs, all prompts as one batch or one at a time (so that the prefills, which
+    llama.cpp evaluates with other kernels past 64 tokens, are the same as plain decoding's)."""
+    sp, reqs = SamplingParams(max_new_tokens=N), [{"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(reqs, sp) if batch == 3 else [llm.generate(r, sp)[0] for r in reqs]
+    return [o.token_ids for o in outs]
+
+
 @pytest.fixture(scope="module")
 def plain(lc, prompts):
-    outs = LLM(lc, max_batch_size=3).generate([{"prompt_token_ids": p} for p in prompts],
-                                              SamplingParams(max_new_tokens=N))
-    return [o.token_ids for o in outs]
+    llm = LLM(lc, max_batch_size=3)
+    return {batch: generate(llm, prompts, batch) for batch in (1, 3)}
 
 
 SPECS = {
@@ -176,30 +202,26 @@ SPECS = {
     "self": SpecConfig(method="self", num_draft_tokens=3),
     "draft": SpecConfig(method="draft", num_draft_tokens=4),
     "ngram-tree": SpecConfig(method="ngram", num_draft_tokens=4, tree_topk=2),
-    "self-tree": SpecConfig(method="self", num_draft_tokens=3, tree_topk=2),
+    "self-tree": SpecConfig(method="self", num_draft_tokens=3, tree_topk=2),  # fed depth by depth
 }
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name,batch", [("ngram", 1), ("ngram", 3), ("self", 1), ("self", 3), ("draft", 1),
+                                        ("draft", 3), ("ngram-tree", 3), ("self-tree", 1)])
 def test_greedy_speculation_equals_plain(lc, prompts, plain, name, batch):
     spec = SPECS[name]
     llm = LLM(lc, draft=lc if spec.method == "draft" else None, speculative=spec, max_batch_size=3)
-    sp = SamplingParams(max_new_tokens=N)
-    reqs = [{"prompt_token_ids": p} for p in prompts]
-    outs = llm.generate(reqs, sp) if batch == 3 else [llm.generate(r, sp)[0] for r in reqs]
-    flips = sum(assert_same_greedy(lc, p, o.token_ids, ref, f"{name} batch {batch} prompt {i}")
-                for i, (p, o, ref) in enumerate(zip(prompts, outs, plain)))
+    outs = generate(llm, prompts, batch)
+    flips = sum(assert_same_greedy(lc, p, out, ref, f"{name} batch {batch} prompt {i}")
+                for i, (p, out, ref) in enumerate(zip(prompts, outs, plain[batch])))
     assert flips <= 1
     if spec.method == "self" and spec.tree_topk == 1:  # drafts by the same llama.cpp model
         assert llm.last_run_metrics.to_dict()["acceptance_rate"] > 0.9
 
 
-def test_torch_draft_for_llamacpp_target(lc, prompts, plain):
+def test_torch_draft_for_llamacpp_target(lc, tt, prompts, plain):
     """Per-model backends: a llama.cpp target with the torch runtime drafting."""
-    draft = load_model(None, quantize="none")
-    llm = LLM(lc, draft=draft, speculative=SpecConfig(method="draft", num_draft_tokens=4), max_batch_size=3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_new_tokens=N))
-    for i, (p, o, ref) in enumerate(zip(prompts, outs, plain)):
-        assert_same_greedy(lc, p, o.token_ids, ref, f"torch draft prompt {i}")
+    llm = LLM(lc, draft=tt, speculative=SpecConfig(method="draft", num_draft_tokens=4), max_batch_size=3)
+    for i, (p, out, ref) in enumerate(zip(prompts, generate(llm, prompts, 3), plain[3])):
+        assert_same_greedy(lc, p, out, ref, f"torch draft prompt {i}")
     assert llm.last_run_metrics.to_dict()["acceptance_rate"] > 0.5

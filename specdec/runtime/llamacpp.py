@@ -13,15 +13,16 @@ their own sequences after it. Before the decode, each own sequence is added
 (``llama_memory_seq_cp``: metadata only, no copy) to the slot's committed cells and to the
 cached tree rows the row sees: the cell of cached row j is the only one carrying j's own
 sequence at j's position. ``keep`` adds the slot's sequence to the accepted path's cells
-(a tree path sits at positions ``start + i`` already) and removes every temporary sequence,
-which frees the other rows' cells. Masks must be tree-shaped: a row sees itself and only
-earlier rows at lower positions (llama.cpp masks keys at higher positions anyway).
+(a tree path sits at positions ``start + i`` already), parks the other rows' cells (see
+``LlamaCppCache``) and releases every temporary sequence. Masks must be tree-shaped: a row
+sees itself and only earlier rows at lower positions (llama.cpp masks keys at higher
+positions anyway).
 """
 from __future__ import annotations
 
 import ctypes
 import itertools
-import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -32,27 +33,34 @@ import torch
 DEFAULT_CONTEXT = 4096  # tokens per slot; a cache's KV buffer holds num_slots of them
 TREE_SEQS_PER_SLOT = 32  # temporary sequence ids (one per tree row), pooled over a cache's slots
 TREE_HEADROOM = 256  # extra KV cells for tree rows beyond a full slot
+PARK_LIMIT = 512  # dropped rows a slot keeps parked before it frees them (see LlamaCppCache)
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 UBATCH = 512  # tokens per llama.cpp compute step (its default)
 
-_backend_ready = False
+GGML_LOG_ERROR, GGML_LOG_CONT = 4, 5  # ggml_log_level
+_log_callback = None  # the ctypes callback must stay alive
 
 
 def llama_lib():
-    """llama-cpp-python's ctypes bindings (``llama_cpp.llama_cpp``), backend initialised once,
-    its log reduced to errors unless the ``llama-cpp-python`` logger was configured."""
-    global _backend_ready
+    """llama-cpp-python's ctypes bindings (``llama_cpp.llama_cpp``); the first call initialises
+    the backend and routes llama.cpp's log (process-wide) to stderr for errors only."""
+    global _log_callback
     try:
         from llama_cpp import llama_cpp as lib
     except ImportError:
         raise ValueError("the llama.cpp backend needs llama-cpp-python: "
                          "pip install 'specdec[llamacpp]'") from None
-    if not _backend_ready:
-        logger = logging.getLogger("llama-cpp-python")  # the package's log callback reads its level
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.ERROR)
+    if _log_callback is None:
+        last = [0]
+
+        def log(level: int, text: bytes, _user_data) -> None:
+            last[0] = last[0] if level == GGML_LOG_CONT else level
+            if last[0] == GGML_LOG_ERROR:
+                sys.stderr.write(text.decode("utf-8", "replace"))
+
+        _log_callback = lib.llama_log_callback(log)
+        lib.llama_log_set(_log_callback, ctypes.c_void_p(0))
         lib.llama_backend_init()
-        _backend_ready = True
     return lib
 
 
@@ -66,21 +74,31 @@ class TreeRow:
 
 class LlamaCppCache:
     """One llama.cpp context: ``lengths[s]`` rows per slot, the first ``committed[s]`` in
-    sequence ``s``, the rest tree rows (``tail[s]``) in temporary sequences."""
+    sequence ``s``, the rest tree rows (``tail[s]``) in temporary sequences.
+
+    Dropped rows are *parked* (sequence ``num_slots + s``) rather than freed, until the slot's
+    next forward from length 0 or until it parks more than ``PARK_LIMIT`` rows. llama.cpp
+    attends over cells in cell order and quantizes activations, so a token placed in a freed
+    cell below its sequence's newer cells gets visibly different logits (up to ~0.9 on
+    SmolLM2-135M Q4_1); with parking, a slot's cells stay in position order, as in plain
+    decoding, and a chunk of fewer than 64 tokens then gives exactly its one-by-one logits."""
 
     def __init__(self, runtime: "LlamaCppRuntime", num_slots: int):
         lib = self.lib = runtime.lib
         self.runtime = runtime  # the model must outlive the context
-        n_seq = min(MAX_SEQ, num_slots * (1 + TREE_SEQS_PER_SLOT))
-        if num_slots >= n_seq:
-            raise ValueError(f"the llama.cpp backend supports at most {MAX_SEQ - 1} slots, not {num_slots}")
+        n_seq = min(MAX_SEQ, num_slots * (2 + TREE_SEQS_PER_SLOT))
+        if 2 * num_slots >= n_seq:
+            raise ValueError(f"the llama.cpp backend supports at most {MAX_SEQ // 2 - 1} slots, not {num_slots}")
         p = lib.llama_context_default_params()
-        p.n_ctx = num_slots * runtime.max_context + TREE_HEADROOM
+        p.n_ctx = num_slots * (runtime.max_context + PARK_LIMIT) + TREE_HEADROOM
         p.n_batch = p.n_ctx  # any forward fits one llama_decode
         p.n_ubatch = UBATCH
         p.n_seq_max = n_seq
         p.n_threads = p.n_threads_batch = runtime.threads
         p.kv_unified = True  # one buffer: sequences share cells, seq_cp is metadata only
+        # flash attention: a chunk of fewer than 64 tokens per ubatch then gives the same
+        # logits as feeding its tokens one by one (without it, llama.cpp's CPU kernels differ)
+        p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         p.no_perf = True
         self.ctx = lib.llama_init_from_model(runtime.model, p)
         if not self.ctx:
@@ -89,7 +107,8 @@ class LlamaCppCache:
         self.lengths = [0] * num_slots
         self.committed = [0] * num_slots
         self.tail: list[list[TreeRow]] = [[] for _ in range(num_slots)]
-        self.free_seqs = list(range(n_seq - 1, num_slots - 1, -1))
+        self.parked = [0] * num_slots
+        self.free_seqs = list(range(n_seq - 1, 2 * num_slots - 1, -1))
 
     def __del__(self):
         ctx, self.ctx = getattr(self, "ctx", None), None
@@ -98,16 +117,20 @@ class LlamaCppCache:
 
     def rewind(self, slot: int, length: int) -> None:
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
-        c, tail = self.committed[slot], self.tail[slot]
-        if length >= c:
-            self._release(tail[length - c:])
-            del tail[length - c:]
-        else:
-            self._release(tail)
-            tail.clear()
-            self.lib.llama_memory_seq_rm(self.mem, slot, length, -1)
-            self.committed[slot] = length
+        tail, cut = self.tail[slot], max(length - self.committed[slot], 0)
+        self._park_rows(slot, tail[cut:])
+        del tail[cut:]
+        if length < self.committed[slot]:
+            self._park_committed(slot, length)
         self.lengths[slot] = length
+        if self.parked[slot] > PARK_LIMIT and length:
+            self.unpark(slot)
+
+    def unpark(self, slot: int) -> None:
+        """Free the slot's parked rows (their cells go back to llama.cpp)."""
+        if self.parked[slot]:
+            self.lib.llama_memory_seq_rm(self.mem, self.park_seq(slot), -1, -1)
+            self.parked[slot] = 0
 
     def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
         """Keep only rows ``start + rows[i]`` (increasing), moved to ``start + i``: the
@@ -126,13 +149,16 @@ class LlamaCppCache:
             if row is None or row.pos != i:
                 raise ValueError(f"the llama.cpp runtime keeps tree paths only: row {i} would move "
                                  "a committed row or change a position")
-        lib, mem = self.lib, self.mem
-        lib.llama_memory_seq_rm(mem, slot, start + same, -1)
+        if start + same < c:
+            self._park_committed(slot, start + same)
         for row in moved:  # the only cell with the row's own sequence at its position
-            lib.llama_memory_seq_cp(mem, row.seq, slot, row.pos, row.pos + 1)
-        self._release(tail)
+            self.lib.llama_memory_seq_cp(self.mem, row.seq, slot, row.pos, row.pos + 1)
+        self._park_rows(slot, [row for row in tail if all(row is not m for m in moved)])
+        self._release(moved)
         tail.clear()
         self.lengths[slot] = self.committed[slot] = start + len(rows)
+        if self.parked[slot] > PARK_LIMIT:
+            self.unpark(slot)
 
     def open_tree(self, slot: int, pos: list[int], mask: torch.Tensor) -> tuple[list[TreeRow], list[list[int]]]:
         """Own sequences for the rows of a masked chunk, already given the keys each row sees
@@ -167,6 +193,24 @@ class LlamaCppCache:
         seqs = [[rows[i].seq] + [rows[r].seq for r in range(i + 1, n) if sees[r][t + i]] for i in range(n)]
         return rows, seqs
 
+    def park_seq(self, slot: int) -> int:
+        return len(self.lengths) + slot
+
+    def _park_committed(self, slot: int, length: int) -> None:
+        """Move the slot's committed rows from ``length`` on to its parking."""
+        lib, mem = self.lib, self.mem
+        lib.llama_memory_seq_cp(mem, slot, self.park_seq(slot), length, -1)
+        lib.llama_memory_seq_rm(mem, slot, length, -1)
+        self.parked[slot] += self.committed[slot] - length
+        self.committed[slot] = length
+
+    def _park_rows(self, slot: int, rows: list[TreeRow]) -> None:
+        """Park tree rows' cells and release their sequences."""
+        for row in rows:
+            self.lib.llama_memory_seq_cp(self.mem, row.seq, self.park_seq(slot), row.pos, row.pos + 1)
+        self.parked[slot] += len(rows)
+        self._release(rows)
+
     def _new_seq(self) -> int:
         if not self.free_seqs:
             raise ValueError(f"the llama.cpp runtime ran out of sequence ids for tree rows "
@@ -181,14 +225,21 @@ class LlamaCppCache:
 
 class LlamaCppRuntime:
     """Runtime for a GGUF file on llama.cpp (CPU). ``threads``: default torch's thread count;
-    ``context``: tokens per slot (capped by the model's training context)."""
+    ``context``: tokens per slot (capped by the model's training context); ``repack``:
+    llama.cpp's repacked CPU weights for Q4_0/Q4_K/IQ4_NL (cheaper products of 4+ rows, i.e.
+    verification, but rounded differently from the 1-row kernel, so a verify step can flip a
+    near-tie that plain decoding resolves the other way: 3-4 of the 12 bench prompts on
+    Qwen2.5-Coder-1.5B Q4_K_M, none without). Off by default: then a forward of up to 7 rows
+    gives the logits of feeding its tokens one at a time."""
 
     supports_masks = True
 
-    def __init__(self, gguf: str | Path, threads: int | None = None, context: int = DEFAULT_CONTEXT):
+    def __init__(self, gguf: str | Path, threads: int | None = None, context: int = DEFAULT_CONTEXT,
+                 repack: bool = False):
         lib = self.lib = llama_lib()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        params.use_extra_bufts = repack
         self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
         if not self.model:
             raise ValueError(f"llama.cpp could not load {gguf}")
@@ -210,6 +261,9 @@ class LlamaCppRuntime:
         """One ``llama_decode`` over every slot's chunk; logits only for the rows returned."""
         opened: list[tuple[int, list[TreeRow]]] = []  # (slot, rows) of masked chunks
         pos, seqs = [], []
+        for slot in slots:  # a new sequence: its own tokens fill its old cells, in order
+            if cache.lengths[slot] == 0:
+                cache.unpark(slot)
         try:
             for b, (slot, toks) in enumerate(zip(slots, tokens)):
                 p = positions[b] if positions is not None else None
@@ -237,7 +291,9 @@ class LlamaCppRuntime:
             raise
         for slot, rows in opened:
             cache.tail[slot] += rows
-        for slot, toks in zip(slots, tokens):
+        for b, (slot, toks) in enumerate(zip(slots, tokens)):
+            if chunk_masks is None or chunk_masks[b] is None:
+                cache.committed[slot] += len(toks)
             cache.lengths[slot] += len(toks)
         return self._logits(cache, [len(t) for t in tokens], sum(outputs), last_only)
 
