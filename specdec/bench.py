@@ -519,11 +519,11 @@ def write_plot(path: Path, methods, summary, results, prompts, cost_curve) -> Pa
 
 
 def _sum_lists(lists) -> list[int]:
+    from .metrics import add_counts
+
     total: list[int] = []
     for xs in lists:
-        total += [0] * (len(xs or []) - len(total))
-        for i, x in enumerate(xs or []):
-            total[i] += x
+        add_counts(total, xs or [])
     return total
 
 

@@ -58,10 +58,7 @@ class Metrics:
         for name, n in other.drafter_steps.items():
             self.drafter_steps[name] = self.drafter_steps.get(name, 0) + n
         for name in ("accepted_per_position", "drafted_per_position", "chosen_k"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            mine += [0] * (len(theirs) - len(mine))
-            for i, c in enumerate(theirs):
-                mine[i] += c
+            add_counts(getattr(self, name), getattr(other, name))
 
     def to_dict(self) -> dict:
         return {
@@ -85,6 +82,14 @@ class Metrics:
             "tokens_per_s": self.generated_tokens / self.wall_s if self.wall_s > 0 else None,
             "wall_s": self.wall_s,
         }
+
+
+def add_counts(total: list[int], counts: list[int]) -> list[int]:
+    """Add ``counts`` element-wise into ``total`` (growing it as needed); return ``total``."""
+    total += [0] * (len(counts) - len(total))
+    for i, c in enumerate(counts):
+        total[i] += c
+    return total
 
 
 def _bump(counts: list[int], n: int) -> None:
