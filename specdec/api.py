@@ -7,13 +7,14 @@ from typing import Any, Union
 
 from .config import EngineConfig, SamplingParams, SpecConfig
 from .drafters import ModelDrafter, NgramDrafter
-from .cost import Planner, forward_costs
+from .cost import DraftCost, Planner, forward_costs
 from .engine import Engine
 from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
 from .sampling import make_generator
 from .sequence import Sequence
 
+CATCH_UP_TOKENS = 16  # draft forward costs measured up to this many tokens (then extrapolated)
 Prompt = Union[str, list[dict], dict]  # text | chat messages | {"prompt_token_ids": [...]}
 
 
@@ -112,12 +113,18 @@ class LLM:
 
     def _planner(self, drafters: dict) -> Planner:
         """The cost model: measured (or cached) forward times of the target for every verify
-        size a step may use, and of the draft model per depth."""
+        size a step may use, and of the draft model per depth and for its catch-up on the
+        tokens committed since it last drafted."""
         spec = self.spec
         tree = spec.tree_topk > 1
         target = forward_costs(self.target, 1 + (spec.node_budget if tree else spec.depth))
-        cost = {name: 0.0 if name == "ngram" else
-                forward_costs(self.draft or self.target, spec.tree_topk)(spec.tree_topk) for name in drafters}
+        cost = {}
+        for name in drafters:
+            if name != "ngram":
+                draft = forward_costs(self.draft or self.target, max(CATCH_UP_TOKENS, spec.tree_topk))
+                cost[name] = DraftCost(per_depth=draft(spec.tree_topk), catch_up=draft)
+            else:
+                cost[name] = DraftCost()
         nodes = {name: (spec.tree_topk, spec.node_budget) for name in drafters} if tree else None
         return Planner(target, cost, spec.depth, nodes)
 

@@ -1,6 +1,7 @@
-"""``specdec bench``: specdec vs transformers' own ``generate``, side by side, in one run.
+"""``specdec bench``: specdec vs transformers' ``generate`` and llama-cpp-python, side by
+side, in one run.
 
-Eight methods, greedy, batch size 1, on the prompts of a JSONL file:
+The methods, greedy, batch size 1, on the prompts of a JSONL file:
 
 * ``specdec-plain`` / ``specdec-draft`` / ``specdec-ngram`` - ``specdec.LLM`` with
   ``SpecConfig(method="none" | "draft" | "ngram")``;
@@ -8,13 +9,23 @@ Eight methods, greedy, batch size 1, on the prompts of a JSONL file:
 * ``specdec-draft-tree`` - the draft model's top-k token tree (EAGLE-2 style), one method per
   ``--tree-shapes`` entry ``TOPKxDEPTHxNODES``, labelled e.g. ``specdec-draft-tree:2x4x8``;
 * ``hf-plain`` / ``hf-assisted`` / ``hf-lookup`` - ``model.generate(do_sample=False)``, plain,
-  with ``assistant_model=`` the draft, and with ``prompt_lookup_num_tokens=10``.
+  with ``assistant_model=`` the draft, and with ``prompt_lookup_num_tokens=10``;
+* ``llamacpp-plain`` / ``llamacpp-lookup`` - llama-cpp-python's ``Llama.create_completion``
+  (temperature 0) on the target GGUF, plain and with ``LlamaPromptLookupDecoding(num_pred_tokens=10)``.
 
-Every method gets the same prompt token ids (``encode_prompt``, as ``LLM.encode``) and the same eos ids. Only the
+``--backend`` is the runtime of the specdec methods: ``torch`` (the GGUF dequantized to
+float32, or an HF checkpoint) or ``llamacpp`` (the GGUF on llama.cpp). Every method gets the
+same prompt token ids (``encode_prompt``, as ``LLM.encode``) and the same eos ids. Only the
 generation call is timed (one untimed 8-token warm-up per method first). The transformers
-models and specdec's are never held at the same time. Every method's greedy tokens (up to
-and including the first eos) must equal those of ``hf-plain`` (the reference); the exit code
-is 1 when any prompt diverges. Writes ``<out>/bench.json`` and ``<out>/bench.md``.
+models, llama-cpp-python's and specdec's are never held at the same time.
+
+Greedy outputs are checked within each numeric family: every method's tokens (up to and
+including the first eos) must equal its family's reference - ``hf-plain`` for the
+transformers methods and specdec on torch (the same float32 weights), ``llamacpp-plain`` for
+llama-cpp-python's, ``specdec-plain`` for specdec on llama.cpp (llama-cpp-python's defaults
+repack the weights and differ from specdec's settings in rounding). The exit code is 1 when
+any prompt of a specdec method diverges (a peer's divergence is reported, e.g.
+llama-cpp-python's prompt lookup verifies with other kernels than its plain decoding). Writes ``<out>/bench.json``, ``<out>/bench.md`` and ``<out>/bench.png``.
 """
 from __future__ import annotations
 
@@ -32,11 +43,13 @@ from pathlib import Path
 from .sequence import cut_after_eos
 
 METHODS = ("specdec-plain", "specdec-draft", "specdec-ngram", "specdec-hybrid", "specdec-ngram-tree",
-           "specdec-draft-tree", "hf-plain", "hf-assisted", "hf-lookup")
+           "specdec-draft-tree", "hf-plain", "hf-assisted", "hf-lookup", "llamacpp-plain", "llamacpp-lookup")
+BASELINES = ("hf-plain", "llamacpp-plain")  # speed ratios are reported against each one present
 COST_SUFFIX = "+cost"  # e.g. specdec-ngram+cost: the same drafter with the cost model choosing k
 DEFAULT_TREE_SHAPES = "2x4x8"
 NGRAM_TREE_TOPK = 3  # specdec-ngram-tree: up to 3 matches' continuations as branches
 HF_LOOKUP_TOKENS = 10
+LLAMACPP_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
 COST_CURVE_TOKENS = 17  # the cost curve in the report: forwards of 1..17 tokens
 DEFAULT_MODEL = "~/.cache/specdec-models/qwen2.5-coder-1.5b-instruct/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
@@ -69,10 +82,14 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="timed runs per prompt and method; medians are reported (default %(default)s)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma list, a subset of: " + ",".join(METHODS) + " (default all)")
+    p.add_argument("--backend", choices=["torch", "llamacpp"], default="torch",
+                   help="runtime of the specdec methods: torch (float32 on cpu) or llamacpp "
+                        "(the .gguf files as they are; needs llama-cpp-python) (default %(default)s)")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="for both sides (default: float32 on cpu, bfloat16 on cuda)")
-    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--threads", type=int,
+                   help="torch.set_num_threads, also llama.cpp's threads (default: torch's)")
     p.add_argument("--out", default="bench-results", help="output directory (default %(default)s/)")
 
 
@@ -236,6 +253,55 @@ def _hf_runner(model, eos: list[int], device, **extra):
     return run
 
 
+def _llamacpp_runner(gguf: Path, context: int, threads: int, lookup: bool):
+    """llama-cpp-python's ``Llama.create_completion`` (temperature 0, its default settings
+    otherwise), optionally with its ``LlamaPromptLookupDecoding``. The tokens come from the
+    ``Llama.generate`` calls that ``create_completion`` makes (wrapped on the instance);
+    ``reset()`` before each run, so every run prefills its whole prompt as specdec does."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    counts = {"target_forwards": 0, "drafted_tokens": 0}
+
+    class CountedLookup(LlamaPromptLookupDecoding):
+        def __call__(self, input_ids, *a, **kw):
+            draft = super().__call__(input_ids, *a, **kw)
+            counts["drafted_tokens"] += len(draft)
+            return draft
+
+    draft = CountedLookup(num_pred_tokens=LLAMACPP_LOOKUP_TOKENS) if lookup else None
+    llm = Llama(str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                n_gpu_layers=0, draft_model=draft, verbose=False)
+    got: list[int] = []
+    generate, evaluate = llm.generate, llm.eval
+
+    def recorded_generate(*a, **kw):
+        for token in generate(*a, **kw):
+            got.append(token)
+            yield token
+
+    def counted_eval(tokens):
+        counts["target_forwards"] += 1
+        return evaluate(tokens)
+
+    llm.generate, llm.eval = recorded_generate, counted_eval
+
+    def run(ids, max_new_tokens):
+        got.clear()
+        counts.update(target_forwards=0, drafted_tokens=0)
+        llm.reset()
+        llm.create_completion(list(ids), max_tokens=max_new_tokens, temperature=0.0)
+        stats = {"target_forwards": counts["target_forwards"]}
+        if lookup:  # the prefill commits one token, each later forward its accepted drafts + 1
+            drafted, accepted = counts["drafted_tokens"], max(len(got) - counts["target_forwards"], 0)
+            stats.update(drafted_tokens=drafted, accepted_tokens=accepted,
+                         acceptance_rate=accepted / drafted if drafted else None)
+        return list(got), stats
+
+    run.close = llm.close
+    return run
+
+
 def _time_method(name, run, prompts, args, device, eos, log) -> list[dict]:
     """Warm up once, then time every prompt ``args.repeats`` times; one record per prompt."""
     run(prompts[0]["ids"], min(WARMUP_TOKENS, args.max_new_tokens))  # untimed warm-up
@@ -272,7 +338,7 @@ def run_bench(args) -> int:
     from .api import LLM, encode_prompt
     from .cli import read_prompts_file
     from .config import SpecConfig
-    from .runtime.loading import eos_ids_of, pick_device, pick_dtype, resolve
+    from .runtime.loading import eos_ids_of, gguf_file, gguf_to_hf_dir, pick_device, pick_dtype, resolve
 
     shapes = parse_tree_shapes(args.tree_shapes)
     methods = _labels(_parse_methods(args.methods), shapes)
@@ -288,6 +354,13 @@ def run_bench(args) -> int:
     needs_draft = any(m.startswith(("specdec-draft", "specdec-hybrid", "hf-assisted")) for m in methods)
     if needs_draft and not args.draft:
         raise ValueError("specdec-draft, specdec-hybrid, specdec-draft-tree and hf-assisted need --draft")
+    on_llamacpp = args.backend == "llamacpp"
+    sd_methods = [m for m in methods if m.startswith("specdec-")]
+    gguf = gguf_file(args.model) if on_llamacpp or any(m.startswith("llamacpp-") for m in methods) else None
+    draft_gguf = gguf_file(args.draft) if on_llamacpp and needs_draft else None
+    if on_llamacpp and sd_methods and (args.device not in (None, "cpu") or args.dtype not in (None, "float32")):
+        raise ValueError("--backend llamacpp runs on cpu with the GGUF's own weight types: "
+                         "drop --device / --dtype")
     items = read_prompts_file(args.prompts_file)[: args.limit]
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -295,8 +368,11 @@ def run_bench(args) -> int:
     dtype = pick_dtype(args.dtype, device)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
-    target_path = resolve(args.model)
-    draft_path = resolve(args.draft) if needs_draft else None
+    # float32 weights only where transformers or specdec's torch runtime run them
+    full = any(m.startswith("hf-") for m in methods) or (sd_methods and not on_llamacpp)
+    target_path = resolve(args.model) if full else gguf_to_hf_dir(gguf, weights=False)
+    draft_path = (resolve(args.draft) if full else gguf_to_hf_dir(draft_gguf, weights=False)) \
+        if needs_draft else None
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_path)
@@ -304,8 +380,8 @@ def run_bench(args) -> int:
     eos_list = sorted(eos)
     prompts = [{"id": pid, "ids": encode_prompt(tokenizer, prompt)} for pid, prompt in items]
     log(f"specdec bench: {len(prompts)} prompt(s), methods {','.join(methods)}, greedy, "
-        f"max_new_tokens {args.max_new_tokens}, repeats {args.repeats}, {device} {str(dtype)[6:]}, "
-        f"{torch.get_num_threads()} threads")
+        f"max_new_tokens {args.max_new_tokens}, repeats {args.repeats}, specdec on {args.backend}, "
+        f"{device} {str(dtype)[6:]}, {torch.get_num_threads()} threads")
 
     results: dict[str, list[dict]] = {}
     load_s: dict[str, float] = {}
@@ -336,12 +412,21 @@ def run_bench(args) -> int:
             torch.cuda.empty_cache()
         log(f"transformers models freed (rss {_rss_gb()})")
 
+    # --- llama-cpp-python (one Llama at a time, closed before the next)
+    context = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + LLAMACPP_LOOKUP_TOKENS + 1
+    for m in (m for m in methods if m.startswith("llamacpp-")):
+        t0 = time.perf_counter()
+        run = _llamacpp_runner(gguf, context, torch.get_num_threads(), lookup=m == "llamacpp-lookup")
+        load_s[m] = time.perf_counter() - t0
+        log(f"{m}:")
+        results[m] = _time_method(m, run, prompts, args, device, eos, log)
+        run.close()
+
     # --- specdec
-    sd_methods = [m for m in methods if m.startswith("specdec-")]
     if sd_methods:
         t0 = time.perf_counter()
-        plain = LLM(str(target_path), speculative=SpecConfig(method="none"), device=args.device,
-                    dtype=args.dtype, max_batch_size=1)
+        backend = {"backend": args.backend, "device": args.device, "dtype": args.dtype, "max_batch_size": 1}
+        plain = LLM(str(gguf if on_llamacpp else target_path), speculative=SpecConfig(method="none"), **backend)
         if plain.target.eos_ids != eos:
             raise RuntimeError(f"eos ids differ: bench {sorted(eos)} vs specdec {sorted(plain.target.eos_ids)}")
         for p, (_, prompt) in zip(prompts, items):  # the ids every method gets are specdec's own
@@ -354,8 +439,8 @@ def run_bench(args) -> int:
                 continue
             spec = _spec(m, args)
             uses_draft = spec.method in ("draft", "hybrid")
-            llms[m] = LLM(plain.target, draft=(draft_model or str(draft_path)) if uses_draft else None,
-                          device=args.device, dtype=args.dtype, speculative=spec, max_batch_size=1)
+            draft = draft_model or str(draft_gguf if on_llamacpp else draft_path)
+            llms[m] = LLM(plain.target, draft=draft if uses_draft else None, speculative=spec, **backend)
             draft_model = draft_model or llms[m].draft
         load_s["specdec"] = time.perf_counter() - t0
         log(f"specdec models loaded in {load_s['specdec']:.1f}s (rss {_rss_gb()})")
@@ -372,13 +457,13 @@ def run_bench(args) -> int:
         del llms, plain
         gc.collect()
 
-    # --- equality vs the reference, summary, reports
-    ref = "hf-plain" if "hf-plain" in results else methods[0]
-    ref_ids = [r["token_ids"] for r in results[ref]]
+    # --- equality vs each family's reference, summary, reports
+    refs = references(methods, args.backend)
     summary = {}
     for m in methods:
         recs = results[m]
         diverged = {}
+        ref_ids = [r["token_ids"] for r in results[refs[m]]]
         for rec, want in zip(recs, ref_ids):
             idx = [i for i in (_first_diff(got, want) for got in rec.pop("_all_ids")) if i is not None]
             rec["first_diff_vs_ref"] = min(idx) if idx else None
@@ -390,8 +475,8 @@ def run_bench(args) -> int:
              "total_tokens": tokens, "total_seconds": secs,
              "aggregate_tokens_per_s": tokens / secs if secs > 0 else None,
              "target_forwards": sum(r["target_forwards"] for r in recs),
-             "diverged": len(diverged), "diverged_first_index": diverged}
-        if m not in ("specdec-plain", "hf-plain"):
+             "reference": refs[m], "diverged": len(diverged), "diverged_first_index": diverged}
+        if m not in ("specdec-plain",) + BASELINES:
             drafted = sum(r["drafted_tokens"] or 0 for r in recs)
             accepted = sum(r["accepted_tokens"] or 0 for r in recs)
             s["acceptance_rate"] = accepted / drafted if drafted else None
@@ -412,11 +497,12 @@ def run_bench(args) -> int:
             else:
                 s["mean_accepted_length"] = tokens / s["target_forwards"] if s["target_forwards"] else None
         summary[m] = s
-    base = summary.get("hf-plain")
-    for s in summary.values():
-        for key, out in (("median_tokens_per_s", "vs_hf_plain_median"),
-                         ("aggregate_tokens_per_s", "vs_hf_plain_aggregate")):
-            s[out] = s[key] / base[key] if base and base[key] and s[key] else None
+    baselines = [b for b in BASELINES if b in summary]
+    for b in baselines:
+        for s in summary.values():
+            for how in ("median", "aggregate"):
+                key = f"{how}_tokens_per_s"
+                s[_vs(b, how)] = _ratio(s[key], summary[b][key])
 
     machine = {"platform": platform.platform(), "python": platform.python_version(),
                "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
@@ -424,36 +510,45 @@ def run_bench(args) -> int:
                "device": str(device), "dtype": str(dtype).replace("torch.", "")}
     if device.type == "cuda":
         machine["gpu"] = torch.cuda.get_device_name(device)
+    if gguf is not None:
+        machine["llama_cpp_python"] = __import__("llama_cpp").__version__
     argv0 = os.path.basename(sys.argv[0]) if sys.argv else "specdec"
     command = shlex.join(["specdec" if argv0 in ("specdec", "cli.py", "__main__.py") else argv0]
                          + sys.argv[1:])
-    config = {"model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
+    config = {"backend": args.backend, "model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
               "draft_dir": str(draft_path) if draft_path else None, "num_draft_tokens": args.num_draft_tokens,
               "ngram_tree": {"topk": args.tree_topk, "depth": args.tree_depth, "nodes": args.tree_nodes},
               "draft_tree_shapes": [list(x) for x in shapes],
               "max_new_tokens": args.max_new_tokens, "prompts_file": os.path.abspath(args.prompts_file),
               "num_prompts": len(prompts), "repeats": args.repeats, "methods": methods,
-              "reference": ref, "eos_ids": eos_list, "hf_prompt_lookup_num_tokens": HF_LOOKUP_TOKENS,
+              "references": refs, "eos_ids": eos_list, "hf_prompt_lookup_num_tokens": HF_LOOKUP_TOKENS,
+              "llamacpp_lookup_num_pred_tokens": LLAMACPP_LOOKUP_TOKENS,
               "warmup_tokens": WARMUP_TOKENS, "load_seconds": load_s}
-    tables = _tables(methods, summary, results, prompts, ref)
+    tables = _tables(methods, summary, results, prompts, baselines)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(
         {"command": command, "config": config, "machine": machine, "summary": summary,
          "cost_curve_s": cost_curve, "per_prompt": results}, indent=1) + "\n")
     plot = write_plot(out / "bench.png", methods, summary, results, prompts, cost_curve)
-    ok = all(s["diverged"] == 0 for s in summary.values())
-    verdict = ("OK: every method's greedy tokens equal " if ok else "FAILED: greedy divergence from ") + ref
+    ok = all(s["diverged"] == 0 for m, s in summary.items() if m.startswith("specdec-"))
+    peers = [m for m, s in summary.items() if s["diverged"] and not m.startswith("specdec-")]
+    verdict = ("OK: every specdec method's greedy tokens equal its reference's" if ok
+               else "FAILED: a specdec method's greedy tokens differ from its reference's") + \
+        (f"; peers that differ from their own plain decoding: {', '.join(peers)}" if peers else "")
     md = ["# specdec bench", "", "```", command, "```", "",
           f"- target `{args.model}`" + (f", draft `{args.draft}`, k={args.num_draft_tokens}" if needs_draft else ""),
           f"- {len(prompts)} prompt(s) from `{args.prompts_file}`, greedy, max_new_tokens {args.max_new_tokens}, "
           f"batch size 1, repeats {args.repeats} (medians), {WARMUP_TOKENS}-token warm-up per method",
-          f"- machine: {machine['platform']}, {machine['cpu_count']} CPUs, torch {machine['torch']} with "
-          f"{machine['torch_threads']} threads, transformers {machine['transformers']}, "
+          f"- specdec on the {args.backend} backend; machine: {machine['platform']}, {machine['cpu_count']} CPUs, "
+          f"torch {machine['torch']} with {machine['torch_threads']} threads, transformers {machine['transformers']}, "
+          + (f"llama-cpp-python {machine['llama_cpp_python']} (same threads), " if gguf is not None else "") +
           f"{machine['device']}{' (' + machine['gpu'] + ')' if 'gpu' in machine else ''} {machine['dtype']}",
           f"- hf-assisted uses transformers' default assistant settings; hf-lookup uses "
           f"prompt_lookup_num_tokens={HF_LOOKUP_TOKENS}; "
-          f"HF mean accepted length = tokens / target forwards", "",
+          f"HF mean accepted length = tokens / target forwards; llamacpp-lookup uses "
+          f"LlamaPromptLookupDecoding(num_pred_tokens={LLAMACPP_LOOKUP_TOKENS})",
+          "- greedy references: " + ", ".join(f"{m} -> {r}" for m, r in refs.items() if m != r), "",
           tables, "", verdict, ""]
     (out / "bench.md").write_text("\n".join(md))
     print(tables)
@@ -462,6 +557,23 @@ def run_bench(args) -> int:
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f" and {plot}" if plot else
                                                                 " (no plot: pip install matplotlib)"))
     return 0 if ok else 1
+
+
+def references(methods: list[str], backend: str) -> dict[str, str]:
+    """For each method, the method whose greedy tokens it must reproduce: the plain decoding
+    of its numeric family (``hf-plain`` for transformers and specdec on torch,
+    ``llamacpp-plain`` for llama-cpp-python, ``specdec-plain`` for specdec on llama.cpp),
+    else the family's first method run."""
+    def plain_of(m: str) -> str:
+        if m.startswith("llamacpp-"):
+            return "llamacpp-plain"
+        return "specdec-plain" if m.startswith("specdec-") and backend == "llamacpp" else "hf-plain"
+
+    out = {}
+    for m in methods:
+        ref = plain_of(m)
+        out[m] = ref if ref in methods else next(x for x in methods if plain_of(x) == ref)
+    return out
 
 
 def prompt_group(prompt_id: str) -> str:
@@ -531,26 +643,51 @@ def _fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
-def _tables(methods, summary, results, prompts, ref) -> str:
-    rows = ["| method | tok/s (median) | tok/s (total) | vs hf-plain | tokens | target fwd "
-            "| accept rate | mean acc len | nodes/step | accept by depth | diverged |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+def _vs(baseline: str, how: str) -> str:
+    """Summary key of the speed ratio to ``baseline``: ``vs_hf_plain_median`` ..."""
+    return f"vs_{baseline.replace('-', '_')}_{how}"
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def _tables(methods, summary, results, prompts, baselines) -> str:
+    vs = "".join(f" vs {b} |" for b in baselines)
+    rows = [f"| method | tok/s (median) | tok/s (total) |{vs} tokens | target fwd "
+            "| accept rate | mean acc len | nodes/step | accept by depth | diverged from reference |",
+            "|---|---:|---:|" + "---:|" * len(baselines) + "---:|---:|---:|---:|---:|---|---|"]
     for m in methods:
         s = summary[m]
-        div = "ref" if m == ref and not s["diverged"] else str(s["diverged"])
+        div = "(is the reference)" if m == s["reference"] else f"{s['diverged']} ({s['reference']})"
         if s["diverged"]:
-            div += " (" + ", ".join(f"{k}@{v}" for k, v in s["diverged_first_index"].items()) + ")"
-        rows.append(f"| {m} | {_fmt(s['median_tokens_per_s'])} | {_fmt(s['aggregate_tokens_per_s'])} "
-                    f"| {_fmt(s['vs_hf_plain_median'])}{'x' if s['vs_hf_plain_median'] else ''} "
-                    f"| {s['total_tokens']} | {s['target_forwards']} "
+            div += ": " + ", ".join(f"{k}@{v}" for k, v in s["diverged_first_index"].items())
+        ratios = "".join(f" {_fmt(s[_vs(b, 'median')])}x |" for b in baselines)
+        rows.append(f"| {m} | {_fmt(s['median_tokens_per_s'])} | {_fmt(s['aggregate_tokens_per_s'])} |{ratios} "
+                    f"{s['total_tokens']} | {s['target_forwards']} "
                     f"| {_fmt(s.get('acceptance_rate'))} | {_fmt(s.get('mean_accepted_length'))} "
                     f"| {_fmt(s.get('nodes_per_verify_step'))} "
                     f"| {' '.join(_fmt(a) for a in s.get('acceptance_by_depth') or []) or '-'} | {div} |")
     per = ["| prompt | tokens | " + " | ".join(methods) + " |",
            "|---|---:|" + "---:|" * len(methods)]
     for i, p in enumerate(prompts):
-        per.append(f"| {p['id']} | {results[ref][i]['generated_tokens']} | "
+        per.append(f"| {p['id']} | {results[methods[0]][i]['generated_tokens']} | "
                    + " | ".join(_fmt(results[m][i]["tokens_per_s"]) for m in methods) + " |")
+    text = "\n".join(rows) + "\n\nper prompt, tokens/s:\n\n" + "\n".join(per)
+    if baselines:  # per prompt and per group, speed relative to the main baseline
+        b = baselines[-1]  # llamacpp-plain when present (the llama.cpp bench), else hf-plain
+        rel = {m: [_ratio(results[m][i]["tokens_per_s"], results[b][i]["tokens_per_s"])
+                   for i in range(len(prompts))] for m in methods if m != b}
+        ms = list(rel)
+        lines = [f"| prompt | " + " | ".join(ms) + " |", "|---|" + "---:|" * len(ms)]
+        lines += [f"| {p['id']} | " + " | ".join(_fmt(rel[m][i]) for m in ms) + " |" for i, p in enumerate(prompts)]
+        for g in sorted({prompt_group(p["id"]) for p in prompts}):
+            idx = [i for i, p in enumerate(prompts) if prompt_group(p["id"]) == g]
+            lines.append(f"| **{g}-\\* (median)** | " + " | ".join(
+                _fmt(_median(rel[m][i] for i in idx)) for m in ms) + " |")
+        lines.append("| **lowest** | " + " | ".join(
+            _fmt(min((x for x in rel[m] if x is not None), default=None)) for m in ms) + " |")
+        text += f"\n\nper prompt, speed relative to {b} (same prompt):\n\n" + "\n".join(lines)
     split = ["| method | prefill s | draft s | verify s | bookkeeping s | chosen k (count for k=0,1,...) "
              "| steps per drafter |", "|---|---:|---:|---:|---:|---|---|"]
     for m in methods:
@@ -561,5 +698,4 @@ def _tables(methods, summary, results, prompts, ref) -> str:
             split.append(f"| {m} | " + " | ".join(_fmt(t[x]) for x in ("prefill", "draft", "verify", "bookkeeping"))
                          + f" | {' '.join(map(str, k)) if k else '-'} "
                          f"| {', '.join(f'{n} {c}' for n, c in steps.items()) if steps else '-'} |")
-    return ("\n".join(rows) + "\n\nper prompt, tokens/s:\n\n" + "\n".join(per)
-            + "\n\nspecdec time split (summed over prompts) and the drafts chosen:\n\n" + "\n".join(split))
+    return text + "\n\nspecdec time split (summed over prompts) and the drafts chosen:\n\n" + "\n".join(split)

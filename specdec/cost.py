@@ -4,13 +4,16 @@ decoding) that maximise expected committed tokens per second.
 * ``ForwardCosts``: seconds of one forward of n tokens (batch 1), measured at load for
   n = 1..k+1 and cached on disk, keyed by model, runtime kind, dtype, device, threads and
   machine.
-* ``Acceptance``: per request and per drafter, an online estimate of
-  ``alpha_i = P(draft i accepted | drafts before i accepted)``, smoothed towards a prior
-  that learns across requests, with recent steps weighing more.
+* ``Acceptance``: an online estimate of ``alpha_i = P(draft i accepted | drafts before i
+  accepted)``, with recent steps weighing more: per request for a draft model (smoothed
+  towards a prior learned from finished requests), per *context* for the n-gram drafter
+  (the length of the match it drafts from, learned across requests).
 * ``Planner``: for a chain of k drafts, ``E[committed] = 1 + sum_{i<=k} prod_{j<=i} alpha_j``
-  and ``time = draft_time(k) + target(k+1)``; it picks the best (drafter, k), including k = 0.
-  A drafter that has not been tried for a while gets a one-draft probe (with exponential
-  back-off), so a request whose text turns predictable can start speculating again.
+  and ``time = draft_time(k) + target(k+1)``, where a model drafter's first depth is a
+  forward over the tokens it has not seen yet; it picks the best (drafter, k), including
+  k = 0. A drafter that has not been tried for a while gets a one-draft probe (with
+  exponential back-off until it is chosen on merit again), so a request whose text turns
+  predictable can start speculating again.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Hashable
 
 import torch
 
@@ -73,7 +77,8 @@ def cost_key(model, threads: int | None = None) -> str:
     kinds += ["multi-row"] if getattr(rt, "multi_row", False) else []
     return "|".join([str(model.path), type(rt).__name__, ",".join(kinds),
                      str(getattr(rt, "dtype", "")), str(getattr(rt, "device", "")),
-                     f"threads={threads or torch.get_num_threads()}", _machine(), f"torch={torch.__version__}"])
+                     f"threads={threads or getattr(rt, 'threads', None) or torch.get_num_threads()}",
+                     _machine(), f"torch={torch.__version__}"])
 
 
 def _machine() -> str:
@@ -150,65 +155,141 @@ class Acceptance:
         return total
 
 
+def match_bucket(m: int) -> int:
+    """Match lengths grouped for learning: 1..6 alone, then 7-10, 11-16, 17-24, 25+."""
+    return m if m <= 6 else 7 if m <= 10 else 8 if m <= 16 else 9 if m <= 24 else 10
+
+
+@dataclass
+class MatchAcceptance:
+    """Acceptance of a draft that copies what followed an earlier match of the text's last
+    ``match`` tokens (the n-gram drafter's int context): once draft i-1 is accepted, draft i
+    continues a match of ``match + i`` tokens, so ``alpha_i`` is the first-draft acceptance
+    learned for matches that long (across requests). Every step then teaches every depth, and
+    a long copy is trusted as deep as its match lengths have earned."""
+
+    planner: "Planner"
+    name: str
+    match: int
+
+    def alpha(self, i: int) -> float:
+        return self.planner._first(self.name, self.match + i).alpha(0)
+
+    def expected_tokens(self, k: int) -> float:
+        return Acceptance.expected_tokens(self, k)  # the same product over alpha_i
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        for i in range(min(num_accepted + 1, num_drafts)):  # draft i was reached
+            self.planner._first(self.name, self.match + i).record(1, int(i < num_accepted))
+
+
 @dataclass
 class Choice:
     drafter: str | None  # None = plain decoding this step
     k: int
     tokens_per_s: float
+    context: Hashable = None  # the drafter's situation this step (see ``Planner``)
+    probe: bool = False  # chosen to re-test the drafter, not for its expected rate
 
 
 @dataclass
 class _Track:
-    """A request's state with one drafter: its acceptance and when it was last tried."""
+    """A request's state with one drafter: when it was last tried."""
 
-    acceptance: Acceptance
     idle: int = 0  # steps since this drafter last drafted for the request
-    backoff: int = 8  # probe after this many idle steps; doubles after each failed probe
+    backoff: int = 8  # probe after this many idle steps; doubles after each probe that does not pay
+
+
+@dataclass(frozen=True)
+class DraftCost:
+    """What drafting costs: ``per_depth`` seconds for each depth after the first; the first
+    depth is a forward over the tokens the drafter has not seen yet (``catch_up``: its
+    ``ForwardCosts``, None for a drafter without a model, e.g. n-gram: free)."""
+
+    per_depth: float = 0.0
+    catch_up: ForwardCosts | None = None
+
+    def __call__(self, k: int, behind: int = 1) -> float:
+        if k == 0:
+            return 0.0
+        first = self.catch_up(max(behind, 1)) if self.catch_up is not None else self.per_depth
+        return first + self.per_depth * (k - 1)
 
 
 class Planner:
     """Chooses (drafter, k) per request and step from measured forward costs.
 
-    ``draft_cost``: drafter name -> seconds per draft depth (0 for n-gram); ``target``: the
+    ``draft_cost``: drafter name -> ``DraftCost`` (or seconds per depth); ``target``: the
     target's ``ForwardCosts``; ``nodes``: drafter name -> (nodes per depth, node budget) for
     tree drafters (a verify step over depth k checks ``1 + min(budget, k * width)`` tokens;
-    chains check ``k + 1``). A drafter may be unavailable for a step (n-gram without a
-    match): pass ``available``.
+    chains check ``k + 1``).
+
+    ``choose(..., available={name: context})`` lists the drafters that can draft this step
+    (n-gram only with a match) and each one's *context*: a key saying which situation the
+    draft comes from, whose acceptance is learned across requests. The n-gram drafter's is
+    the length of the longest earlier match of the text's end (a long match is a copy in
+    progress); ``None`` (a draft model) learns per request instead, starting from a prior
+    learned from the finished requests. ``behind``: tokens a model drafter must catch up on
+    before its first depth (it skips the steps it does not draft).
     """
 
-    def __init__(self, target: ForwardCosts, draft_cost: dict[str, float], k_max: int,
+    def __init__(self, target: ForwardCosts, draft_cost: dict[str, DraftCost | float], k_max: int,
                  nodes: dict[str, tuple[int, int]] | None = None, prior: float = 0.6):
-        self.target, self.draft_cost, self.k_max = target, draft_cost, k_max
+        self.target, self.k_max = target, k_max
+        self.draft_cost = {n: c if isinstance(c, DraftCost) else DraftCost(c) for n, c in draft_cost.items()}
         self.nodes = nodes or {}
         self.priors = {name: [prior] * k_max for name in draft_cost}  # learned across requests
+        self.stats: dict[tuple, Acceptance] = {}  # (name, context or request id) -> acceptance
         self.tracks: dict[int, dict[str, _Track]] = {}
         self.chosen_k: dict[int, int] = {}  # histogram of chosen k over all requests and steps
 
     def _tracks(self, request_id: int) -> dict[str, _Track]:
         if request_id not in self.tracks:
-            self.tracks[request_id] = {n: _Track(Acceptance(list(self.priors[n]))) for n in self.draft_cost}
+            self.tracks[request_id] = {n: _Track() for n in self.draft_cost}
         return self.tracks[request_id]
 
-    def rate(self, name: str, acc: Acceptance, k: int) -> float:
+    def acceptance(self, name: str, context: Hashable, request_id: int) -> Acceptance:
+        """The acceptance estimate for a draft from ``context`` (an int context: see
+        ``MatchAcceptance``)."""
+        if isinstance(context, int):
+            return MatchAcceptance(self, name, context)
+        key = (name, "context", context) if context is not None else (name, "request", request_id)
+        if key not in self.stats:
+            self.stats[key] = Acceptance(list(self.priors[name]))
+        return self.stats[key]
+
+    def _first(self, name: str, match: int) -> Acceptance:
+        """Acceptance of a first draft token that continues a match of ``match`` tokens."""
+        key = (name, "match", match_bucket(match))
+        if key not in self.stats:
+            self.stats[key] = Acceptance(self.priors[name][:1])
+        return self.stats[key]
+
+    def rate(self, name: str, acc: Acceptance, k: int, behind: int = 1) -> float:
         width, budget = self.nodes.get(name, (1, k))
-        seconds = self.target(1 + min(budget, k * width)) + self.draft_cost[name] * k
+        seconds = self.target(1 + min(budget, k * width)) + self.draft_cost[name](k, behind)
         return acc.expected_tokens(k) / seconds
 
-    def choose(self, request_id: int, limit: int, available: set[str] | None = None) -> Choice:
+    def choose(self, request_id: int, limit: int, available: dict[str, Hashable] | None = None,
+               behind: dict[str, int] | None = None) -> Choice:
         """Best (drafter, k <= min(k_max, limit)) for this request's next step."""
         best = Choice(None, 0, 1.0 / self.target(1))
         if limit <= 0:
             return best
+        available = {n: None for n in self.draft_cost} if available is None else available
+        behind = behind or {}
         probe = None
         for name, track in self._tracks(request_id).items():
-            if available is not None and name not in available:
+            if name not in available:
                 continue
+            ctx, lag = available[name], behind.get(name, 1)
+            acc = self.acceptance(name, ctx, request_id)
             for k in range(1, min(self.k_max, limit) + 1):
-                r = self.rate(name, track.acceptance, k)
+                r = self.rate(name, acc, k, lag)
                 if r > best.tokens_per_s:
-                    best = Choice(name, k, r)
+                    best = Choice(name, k, r, ctx)
             if track.idle >= track.backoff and probe is None:
-                probe = Choice(name, 1, self.rate(name, track.acceptance, 1))
+                probe = Choice(name, 1, self.rate(name, acc, 1, lag), ctx, probe=True)
         if best.drafter is None and probe is not None:
             best = probe
         return best
@@ -219,17 +300,16 @@ class Planner:
             if name != choice.drafter or num_drafts == 0:
                 track.idle += 1
                 continue
-            was_probe = track.idle >= track.backoff
-            track.acceptance.record(num_drafts, num_accepted)
+            self.acceptance(name, choice.context, request_id).record(num_drafts, num_accepted)
             track.idle = 0
-            if was_probe and num_accepted == 0:
-                track.backoff *= 2
-            elif num_accepted:
-                track.backoff = 8
+            # a probe re-tests a drafter that did not pay; it is tried again on merit (its
+            # acceptance estimate now includes the probe) or after twice the wait
+            track.backoff = track.backoff * 2 if choice.probe else 8
 
     def release(self, request_id: int) -> None:
-        """A request finished: fold its acceptance into the prior for later requests."""
-        for name, track in self.tracks.pop(request_id, {}).items():
-            acc = track.acceptance
-            if acc.tried and acc.tried[0] >= 1:
+        """A request finished: fold its per-request acceptance into the prior for later requests."""
+        self.tracks.pop(request_id, None)
+        for name in self.draft_cost:
+            acc = self.stats.pop((name, "request", request_id), None)
+            if acc is not None and acc.tried and acc.tried[0] >= 1:
                 self.priors[name] = [0.5 * p + 0.5 * acc.alpha(i) for i, p in enumerate(self.priors[name])]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Hashable
 
 import torch
 
@@ -49,10 +50,15 @@ def capture_logprobs(s: Sequence, rows: torch.Tensor, tokens: list[int]) -> None
     s.token_logprobs.extend(zip(chosen, alts))
 
 
-def ready(drafter: Drafter, seq: Sequence) -> bool:
-    """Whether ``drafter`` has something to propose for ``seq`` (n-gram: a match)."""
-    check = getattr(drafter, "ready", None)
-    return check is None or check(seq)
+def draft_context(drafter: Drafter, seq: Sequence) -> tuple[bool, Hashable]:
+    """(whether ``drafter`` can draft for ``seq`` now, its context for the cost model).
+    A drafter with a ``context(seq)`` method can draft when it returns a key (n-gram: when
+    there is a match); one without (a draft model) always can, context None."""
+    get = getattr(drafter, "context", None)
+    if get is None:
+        return True, None
+    ctx = get(seq)
+    return ctx is not None, ctx
 
 
 class Engine:
@@ -139,11 +145,16 @@ class Engine:
             elif len(self.drafters) == 1 and self.planner is None:
                 plan.append(Choice(next(iter(self.drafters)), limit, 0.0))
             else:
-                avail = [n for n, d in self.drafters.items() if ready(d, s)]
+                avail = {}
+                for name, d in self.drafters.items():
+                    ok, ctx = draft_context(d, s)
+                    if ok:
+                        avail[name] = ctx
                 if self.planner:
-                    plan.append(self.planner.choose(s.request_id, limit, set(avail)))
+                    behind = {n: d.behind(s) for n, d in self.drafters.items() if hasattr(d, "behind")}
+                    plan.append(self.planner.choose(s.request_id, limit, avail, behind))
                 else:
-                    plan.append(Choice(avail[0], limit, 0.0) if avail else Choice(None, 0, 0.0))
+                    plan.append(Choice(next(iter(avail)), limit, 0.0) if avail else Choice(None, 0, 0.0))
         return plan
 
     def _propose(self, seqs: list[Sequence], plan: list[Choice]) -> list[Draft]:

@@ -58,13 +58,60 @@ def test_planner_probes_with_backoff_and_respects_availability():
         p.record(5, c, 0, 0)
     c = p.choose(5, limit=2)  # idle 7 -> not yet; after the 8th plain step a probe
     p.record(5, c, 0, 0)
-    probe = p.choose(5, limit=2, available={"draft"})
-    assert probe == Choice("draft", 1, pytest.approx(probe.tokens_per_s))
-    p.record(5, probe, num_drafts=1, num_accepted=0)  # a failed probe doubles the back-off
-    assert p.tracks[5]["draft"].backoff == 16 and p.tracks[5]["draft"].idle == 0
+    probe = p.choose(5, limit=2, available={"draft": None})
+    assert probe == Choice("draft", 1, pytest.approx(probe.tokens_per_s), probe=True)
+    p.record(5, probe, num_drafts=1, num_accepted=1)  # a probe doubles the back-off, even
+    assert p.tracks[5]["draft"].backoff == 16 and p.tracks[5]["draft"].idle == 0  # if accepted
+    assert p.choose(5, limit=2, available={"draft": None}).drafter is None  # still not worth it
     assert p.chosen_k == {0: 8, 1: 1}
     p.release(5)
-    assert 5 not in p.tracks and p.priors["draft"][0] < 0.2  # the failure lowers the prior
+    assert 5 not in p.tracks and ("draft", "request", 5) not in p.stats
+
+
+def test_planner_learns_acceptance_per_context_across_requests():
+    """n-gram: a long match (context 8) is accepted, a 1-token match (context 1) is not; the
+    planner learns each across requests and drafts only from long matches."""
+    verify = ForwardCosts((1.0, 1.5, 1.9, 2.2, 2.4))
+    p = Planner(verify, {"ngram": 0.0}, k_max=4, prior=0.6)
+    for request in range(1, 30):
+        for ctx, accepted in ((8, 4), (1, 0)):
+            c = p.choose(request, limit=4, available={"ngram": ctx})
+            if c.drafter:
+                p.record(request, c, num_drafts=c.k, num_accepted=min(accepted, c.k))
+        p.release(request)
+    assert p.choose(99, limit=4, available={"ngram": 8}) == Choice("ngram", 4, pytest.approx(5 / 2.4, rel=0.1), 8)
+    assert p.choose(99, limit=4, available={"ngram": 1}).drafter is None
+    assert p.choose(99, limit=4, available={}).drafter is None  # no match, no n-gram draft
+
+
+def test_planner_prices_a_draft_models_catch_up():
+    """A draft model idle for a while first feeds the tokens it missed: that forward costs
+    more, and can tip the choice to plain decoding."""
+    from specdec.cost import DraftCost
+
+    verify = ForwardCosts((1.0, 1.2, 1.4))
+    draft = DraftCost(per_depth=0.2, catch_up=ForwardCosts((0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.4)))
+    assert draft(0) == 0 and draft(2, behind=1) == pytest.approx(0.4) and draft(2, behind=9) == pytest.approx(1.6)
+    p = Planner(verify, {"draft": draft}, k_max=2, prior=0.8)
+    assert p.choose(1, limit=2, behind={"draft": 1}).k == 2  # (1 + .8 + .64) / (1.4 + .4) > 1
+    assert p.choose(1, limit=2, behind={"draft": 9}).drafter is None  # 2.44 / (1.4 + 1.6) < 1
+
+
+def test_ngram_context_is_the_match_length():
+    from specdec.cost import match_bucket
+    from specdec.drafters.ngram import NgramDrafter, longest_match
+    from specdec.sequence import Sequence
+
+    assert longest_match([1, 2, 3, 9, 1, 2, 3]) == 3
+    assert longest_match([1, 2, 3]) == 0 and longest_match([5]) == 0 and longest_match([5, 5]) == 1
+    assert longest_match(list(range(50)) * 2) == 32  # capped
+    assert [match_bucket(m) for m in (1, 6, 7, 10, 11, 17, 25, 32)] == [1, 6, 7, 7, 8, 9, 10, 10]
+    d = NgramDrafter()
+    seq = Sequence(request_id=1, ids=[4, 5, 6, 7, 4, 5, 6], prompt_len=7, sampling=SamplingParams(),
+                   generator=None, eos_ids=frozenset())
+    assert d.context(seq) == 3
+    seq.ids.append(8)
+    assert d.context(seq) is None
 
 
 def test_forward_costs_are_measured_once_and_cached(loaded, cost_cache, monkeypatch):

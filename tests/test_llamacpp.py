@@ -225,3 +225,36 @@ def test_torch_draft_for_llamacpp_target(lc, tt, prompts, plain):
     for i, (p, out, ref) in enumerate(zip(prompts, generate(llm, prompts, 3), plain[3])):
         assert_same_greedy(lc, p, out, ref, f"torch draft prompt {i}")
     assert llm.last_run_metrics.to_dict()["acceptance_rate"] > 0.5
+
+
+def test_bench_on_llamacpp(tmp_path, monkeypatch):
+    """``specdec bench --backend llamacpp``: specdec on llama.cpp side by side with
+    llama-cpp-python's own plain decoding and prompt lookup; each checked against its own
+    family's plain decoding."""
+    import json
+
+    from specdec.cli import main
+    from specdec.runtime.loading import default_model_path
+
+    monkeypatch.setenv("SPECDEC_COST_CACHE", str(tmp_path / "costs.json"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "edit-a", "kind": "completion", "prompt": TEXTS[1]}) + "\n"
+                       + json.dumps({"id": "comp-b", "kind": "completion", "prompt": TEXTS[0]}) + "\n")
+    gguf, out = default_model_path(), tmp_path / "out"
+    methods = "specdec-plain,specdec-ngram+cost,specdec-draft,llamacpp-plain,llamacpp-lookup"
+    code = main(["bench", "--backend", "llamacpp", "--model", gguf, "--draft", gguf, "--threads", "1",
+                 "--prompts-file", str(prompts), "--methods", methods, "--max-new-tokens", "12",
+                 "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    s = report["summary"]
+    assert report["config"]["references"] == {
+        "specdec-plain": "specdec-plain", "specdec-ngram+cost": "specdec-plain", "specdec-draft": "specdec-plain",
+        "llamacpp-plain": "llamacpp-plain", "llamacpp-lookup": "llamacpp-plain"}
+    assert all(x["diverged"] == 0 for x in s.values())
+    assert s["llamacpp-plain"]["target_forwards"] == 24  # one prefill + 11 decode forwards per prompt
+    assert s["llamacpp-lookup"]["target_forwards"] < 24 and s["llamacpp-lookup"]["acceptance_rate"] > 0
+    assert s["specdec-draft"]["acceptance_rate"] > 0.9  # the target drafting for itself
+    assert s["specdec-ngram+cost"]["vs_llamacpp_plain_median"] > 0
+    md = (out / "bench.md").read_text()
+    assert "speed relative to llamacpp-plain" in md and "llama-cpp-python" in md

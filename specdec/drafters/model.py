@@ -78,6 +78,11 @@ class ModelDrafter:
         # per slot, the fed tree nodes after the committed ids: (parent fed index, token) -> index
         self.tail: dict[int, dict[tuple[int, int], int]] = {}
 
+    def behind(self, seq: Sequence) -> int:
+        """Tokens the next ``propose`` for ``seq`` feeds before its first depth (at least the
+        last committed one): the cost model prices that catch-up."""
+        return max(len(seq.ids) - len(self.cached_ids[seq.slot]), 1)
+
     def propose(self, seqs, ks) -> list[Draft]:
         active = [i for i, k in enumerate(ks) if k > 0]
         logits = self._catch_up([seqs[i] for i in active])  # [B, vocab_d]

@@ -1,6 +1,8 @@
 """Prompt lookup: propose what followed the most recent earlier occurrence of the last n tokens."""
 from __future__ import annotations
 
+import numpy as np
+
 from ..sequence import Sequence, cut_after_eos
 from ..tree import DraftTree
 from .base import Draft
@@ -26,6 +28,25 @@ def lookup(ids: list[int], k: int, n_max: int, n_min: int) -> list[int]:
     return []
 
 
+MATCH_CAP = 32
+
+
+def longest_match(ids: list[int], cap: int = MATCH_CAP) -> int:
+    """The largest m <= cap such that ``ids``' last m tokens also occur earlier (0: the last
+    token never occurred before)."""
+    a = np.asarray(ids)  # [L]
+    L = len(a)
+    if L < 2:
+        return 0
+    cand = np.nonzero(a[:-1] == a[-1])[0]  # ends of earlier occurrences of the last token
+    m = 0
+    while len(cand) and m < cap:
+        m += 1
+        cand = cand[cand >= m]
+        cand = cand[a[cand - m] == a[L - 1 - m]] if m < L else cand[:0]
+    return m
+
+
 def lookup_branches(ids: list[int], k: int, n_max: int, n_min: int, branches: int) -> list[list[int]]:
     """Up to ``branches`` distinct continuations (<= k tokens) of earlier matches of the last
     n tokens: longest n first, most recent match first within an n."""
@@ -49,9 +70,14 @@ class NgramDrafter:
     def __init__(self, n_max: int = 3, n_min: int = 1, branches: int = 1, max_nodes: int | None = None):
         self.n_max, self.n_min, self.branches, self.max_nodes = n_max, n_min, branches, max_nodes
 
-    def ready(self, seq: Sequence) -> bool:
-        """Whether the lookup finds a match for ``seq`` (what ``hybrid`` drafting checks)."""
-        return bool(lookup(seq.ids, 1, self.n_max, self.n_min))
+    def context(self, seq: Sequence) -> int | None:
+        """None when the lookup finds no match for ``seq`` (then ``hybrid`` drafts with the
+        model); else the cost model's context: the length of the longest earlier match of the
+        text's end (``cost.MatchAcceptance``). A long match means a copy in progress, and its
+        drafts are accepted far more often than those of a 1-token match."""
+        if not lookup(seq.ids, 1, self.n_max, self.n_min):
+            return None
+        return longest_match(seq.ids)
 
     def propose(self, seqs, ks) -> list[Draft]:
         return [self._draft(seq, k) if k > 0 else Draft([]) for seq, k in zip(seqs, ks)]
