@@ -1,5 +1,5 @@
 """``specdec bench``: specdec vs transformers' ``generate`` and llama-cpp-python, side by
-side, in one run.
+side, in one run (llama-cpp-python's and specdec's methods in turns, run by run).
 
 The methods, greedy, batch size 1, on the prompts of a JSONL file:
 
@@ -17,7 +17,9 @@ The methods, greedy, batch size 1, on the prompts of a JSONL file:
 float32, or an HF checkpoint) or ``llamacpp`` (the GGUF on llama.cpp). Every method gets the
 same prompt token ids (``encode_prompt``, as ``LLM.encode``) and the same eos ids. Only the
 generation call is timed (one untimed 8-token warm-up per method first). The transformers
-models, llama-cpp-python's and specdec's are never held at the same time.
+models are freed before the others load (never both in memory); llama-cpp-python's and
+specdec's methods are then timed in turns, prompt by prompt and repeat by repeat, so that a
+drift in the machine's speed reaches every method alike.
 
 Greedy outputs are checked within each numeric family: every method's tokens (up to and
 including the first eos) must equal its family's reference - ``hf-plain`` for the
@@ -302,30 +304,35 @@ def _llamacpp_runner(gguf: Path, context: int, threads: int, lookup: bool):
     return run
 
 
-def _time_method(name, run, prompts, args, device, eos, log) -> list[dict]:
-    """Warm up once, then time every prompt ``args.repeats`` times; one record per prompt."""
-    run(prompts[0]["ids"], min(WARMUP_TOKENS, args.max_new_tokens))  # untimed warm-up
-    records = []
+def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list[dict]]:
+    """Warm each method up once, then time every prompt ``args.repeats`` times, the methods
+    taking turns run by run (so a drift in the machine's speed hits them all alike); one
+    record per method and prompt."""
+    for run in runs.values():
+        run(prompts[0]["ids"], min(WARMUP_TOKENS, args.max_new_tokens))  # untimed warm-up
+    records: dict[str, list[dict]] = {m: [] for m in runs}
     for p in prompts:
-        secs, runs_ids, stats = [], [], None
+        secs = {m: [] for m in runs}
+        outs = {m: [] for m in runs}
+        stats = {}
         for _ in range(args.repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            ids, st = run(p["ids"], args.max_new_tokens)
-            _sync(device)
-            secs.append(time.perf_counter() - t0)
-            runs_ids.append(cut_after_eos(ids, eos))
-            stats = stats or st
-        n = len(runs_ids[0])
-        med = statistics.median(secs)
-        rec = {"id": p["id"], "prompt_tokens": len(p["ids"]), "generated_tokens": n,
-               "hit_eos": bool(n and runs_ids[0][-1] in eos), "seconds": secs, "median_s": med,
-               "tokens_per_s": n / med if med > 0 else None, **stats,
-               "token_ids": runs_ids[0],
-               "repeats_identical": all(r == runs_ids[0] for r in runs_ids),
-               "_all_ids": runs_ids}
-        records.append(rec)
-        log(f"  {name:<14} {p['id']:<20} {n:>4} tok  {med:7.2f}s  {rec['tokens_per_s']:7.2f} tok/s")
+            for m, run in runs.items():
+                _sync(device)
+                t0 = time.perf_counter()
+                ids, st = run(p["ids"], args.max_new_tokens)
+                _sync(device)
+                secs[m].append(time.perf_counter() - t0)
+                outs[m].append(cut_after_eos(ids, eos))
+                stats.setdefault(m, st)
+        for m in runs:
+            first, n = outs[m][0], len(outs[m][0])
+            med = statistics.median(secs[m])
+            rec = {"id": p["id"], "prompt_tokens": len(p["ids"]), "generated_tokens": n,
+                   "hit_eos": bool(n and first[-1] in eos), "seconds": secs[m], "median_s": med,
+                   "tokens_per_s": n / med if med > 0 else None, **stats[m], "token_ids": first,
+                   "repeats_identical": all(r == first for r in outs[m]), "_all_ids": outs[m]}
+            records[m].append(rec)
+            log(f"  {m:<24} {p['id']:<16} {n:>4} tok  {med:7.2f}s  {rec['tokens_per_s']:7.2f} tok/s")
     return records
 
 
@@ -404,7 +411,7 @@ def run_bench(args) -> int:
                      "hf-lookup": {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS}}[m]
             log(f"{m}:")
             run = _hf_runner(hf_target, eos_list, device, **extra)
-            results[m] = _time_method(m, run, prompts, args, device, eos, log)
+            results.update(_time_methods({m: run}, prompts, args, device, eos, log))
             run.close()
         del hf_target, hf_draft, extra, run
         gc.collect()
@@ -412,15 +419,13 @@ def run_bench(args) -> int:
             torch.cuda.empty_cache()
         log(f"transformers models freed (rss {_rss_gb()})")
 
-    # --- llama-cpp-python (one Llama at a time, closed before the next)
+    # --- llama-cpp-python and specdec, timed in turns (llama.cpp maps the GGUF: little memory)
     context = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + LLAMACPP_LOOKUP_TOKENS + 1
+    runs = {}
     for m in (m for m in methods if m.startswith("llamacpp-")):
         t0 = time.perf_counter()
-        run = _llamacpp_runner(gguf, context, torch.get_num_threads(), lookup=m == "llamacpp-lookup")
+        runs[m] = _llamacpp_runner(gguf, context, torch.get_num_threads(), lookup=m == "llamacpp-lookup")
         load_s[m] = time.perf_counter() - t0
-        log(f"{m}:")
-        results[m] = _time_method(m, run, prompts, args, device, eos, log)
-        run.close()
 
     # --- specdec
     if sd_methods:
@@ -451,10 +456,14 @@ def run_bench(args) -> int:
             cost_curve["draft"] = list(forward_costs(draft_model, COST_CURVE_TOKENS).seconds)
         log("forward cost relative to 1 token: " + " ".join(
             f"{n + 1}:{t / cost_curve['target'][0]:.2f}" for n, t in enumerate(cost_curve["target"])))
-        for m in sd_methods:
-            log(f"{m}:")
-            results[m] = _time_method(m, _specdec_runner(llms[m]), prompts, args, device, eos, log)
-        del llms, plain
+        runs.update({m: _specdec_runner(llms[m]) for m in sd_methods})
+    if runs:
+        log("timing " + ", ".join(runs) + " in turns:")
+        results.update(_time_methods(runs, prompts, args, device, eos, log))
+        for run in runs.values():
+            getattr(run, "close", lambda: None)()
+        runs.clear()
+        llms = plain = None
         gc.collect()
 
     # --- equality vs each family's reference, summary, reports

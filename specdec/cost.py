@@ -10,8 +10,8 @@ decoding) that maximise expected committed tokens per second.
   (the length of the match it drafts from, learned across requests).
 * ``Planner``: for a chain of k drafts, ``E[committed] = 1 + sum_{i<=k} prod_{j<=i} alpha_j``
   and ``time = draft_time(k) + target(k+1)``, where a model drafter's first depth is a
-  forward over the tokens it has not seen yet; it picks the best (drafter, k), including
-  k = 0. A drafter that has not been tried for a while gets a one-draft probe (with
+  forward over the tokens it has not seen yet, and the target's measured costs are corrected
+  online by the verify steps actually timed; it picks the best (drafter, k), including k = 0. A drafter that has not been tried for a while gets a one-draft probe (with
   exponential back-off until it is chosen on merit again), so a request whose text turns
   predictable can start speculating again.
 """
@@ -172,15 +172,27 @@ class MatchAcceptance:
     name: str
     match: int
 
+    request_id: int
+
     def alpha(self, i: int) -> float:
-        return self.planner._first(self.name, self.match + i).alpha(0)
+        """The request's own record at this match length, smoothed towards the table learned
+        across requests (a request whose copies go wrong stops trusting them quickly)."""
+        shared = self.planner._first(self.name, self.match + i).alpha(0)
+        own = self.planner._first(self.name, self.match + i, self.request_id)
+        tried = own.tried[0] if own.tried else 0.0
+        accepted = own.accepted[0] if own.accepted else 0.0
+        return (accepted + own.weight * shared) / (tried + own.weight)
 
     def expected_tokens(self, k: int) -> float:
         return Acceptance.expected_tokens(self, k)  # the same product over alpha_i
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         for i in range(min(num_accepted + 1, num_drafts)):  # draft i was reached
-            self.planner._first(self.name, self.match + i).record(1, int(i < num_accepted))
+            for request in (None, self.request_id):
+                self.planner._first(self.name, self.match + i, request).record(1, int(i < num_accepted))
+
+
+SCALE_RATE = 0.1  # weight of each new observation in the verify-cost correction
 
 
 @dataclass
@@ -242,6 +254,7 @@ class Planner:
         self.stats: dict[tuple, Acceptance] = {}  # (name, context or request id) -> acceptance
         self.tracks: dict[int, dict[str, _Track]] = {}
         self.chosen_k: dict[int, int] = {}  # histogram of chosen k over all requests and steps
+        self.scale: dict[int, float] = {}  # verify tokens -> observed / measured seconds
 
     def _tracks(self, request_id: int) -> dict[str, _Track]:
         if request_id not in self.tracks:
@@ -252,28 +265,50 @@ class Planner:
         """The acceptance estimate for a draft from ``context`` (an int context: see
         ``MatchAcceptance``)."""
         if isinstance(context, int):
-            return MatchAcceptance(self, name, context)
+            return MatchAcceptance(self, name, context, request_id)
         key = (name, "context", context) if context is not None else (name, "request", request_id)
         if key not in self.stats:
             self.stats[key] = Acceptance(list(self.priors[name]))
         return self.stats[key]
 
-    def _first(self, name: str, match: int) -> Acceptance:
-        """Acceptance of a first draft token that continues a match of ``match`` tokens."""
-        key = (name, "match", match_bucket(match))
+    def _first(self, name: str, match: int, request_id: int | None = None) -> Acceptance:
+        """Acceptance of a first draft token that continues a match of ``match`` tokens,
+        across requests (``request_id`` None) or in one request."""
+        key = (name, "match", match_bucket(match), request_id)
         if key not in self.stats:
             self.stats[key] = Acceptance(self.priors[name][:1])
         return self.stats[key]
 
     def rate(self, name: str, acc: Acceptance, k: int, behind: int = 1) -> float:
         width, budget = self.nodes.get(name, (1, k))
-        seconds = self.target(1 + min(budget, k * width)) + self.draft_cost[name](k, behind)
+        seconds = self.verify_seconds(1 + min(budget, k * width)) + self.draft_cost[name](k, behind)
         return acc.expected_tokens(k) / seconds
+
+    def could_pay(self, name: str, limit: int, behind: int = 1) -> bool:
+        """Whether ``name`` would beat plain decoding if every draft were accepted (a probe is
+        pointless otherwise: e.g. a draft model that must first catch up on a whole prompt)."""
+        perfect = Acceptance([1.0] * self.k_max)
+        plain = 1.0 / self.verify_seconds(1)
+        return any(self.rate(name, perfect, k, behind) > plain for k in range(1, min(self.k_max, limit) + 1))
+
+    def verify_seconds(self, n: int) -> float:
+        """A target forward of n tokens: the measured cost, times the correction learned from
+        this process's own verify steps of n tokens (those of one token until n was seen)."""
+        return self.target(n) * self.scale.get(n, self.scale.get(1, 1.0))
+
+    def observe_verify(self, n: int, seconds: float) -> None:
+        """A verify forward of n tokens (batch size 1) took ``seconds``: the correction for n
+        moves towards it. Real requests have longer contexts than the measurement's 128
+        tokens, and there a forward of several tokens costs relatively more (on llama.cpp,
+        5 tokens after ~600: about 3x one token instead of the measured 2.5x)."""
+        ratio = seconds / self.target(n)
+        old = self.scale.get(n)
+        self.scale[n] = ratio if old is None else old + SCALE_RATE * (ratio - old)
 
     def choose(self, request_id: int, limit: int, available: dict[str, Hashable] | None = None,
                behind: dict[str, int] | None = None) -> Choice:
         """Best (drafter, k <= min(k_max, limit)) for this request's next step."""
-        best = Choice(None, 0, 1.0 / self.target(1))
+        best = Choice(None, 0, 1.0 / self.verify_seconds(1))
         if limit <= 0:
             return best
         available = {n: None for n in self.draft_cost} if available is None else available
@@ -288,7 +323,7 @@ class Planner:
                 r = self.rate(name, acc, k, lag)
                 if r > best.tokens_per_s:
                     best = Choice(name, k, r, ctx)
-            if track.idle >= track.backoff and probe is None:
+            if track.idle >= track.backoff and probe is None and self.could_pay(name, limit, lag):
                 probe = Choice(name, 1, self.rate(name, acc, 1, lag), ctx, probe=True)
         if best.drafter is None and probe is not None:
             best = probe
@@ -309,6 +344,8 @@ class Planner:
     def release(self, request_id: int) -> None:
         """A request finished: fold its per-request acceptance into the prior for later requests."""
         self.tracks.pop(request_id, None)
+        for key in [k for k in self.stats if k[1] == "match" and k[3] == request_id]:
+            del self.stats[key]
         for name in self.draft_cost:
             acc = self.stats.pop((name, "request", request_id), None)
             if acc is not None and acc.tried and acc.tried[0] >= 1:

@@ -95,6 +95,40 @@ def test_planner_prices_a_draft_models_catch_up():
     p = Planner(verify, {"draft": draft}, k_max=2, prior=0.8)
     assert p.choose(1, limit=2, behind={"draft": 1}).k == 2  # (1 + .8 + .64) / (1.4 + .4) > 1
     assert p.choose(1, limit=2, behind={"draft": 9}).drafter is None  # 2.44 / (1.4 + 1.6) < 1
+    p.tracks[1]["draft"].idle = 100  # due for a probe, but even perfect drafts would not pay
+    assert p.could_pay("draft", 2, behind=1) and not p.could_pay("draft", 2, behind=9)
+    assert p.choose(1, limit=2, behind={"draft": 9}).drafter is None
+    assert p.choose(1, limit=2, behind={"draft": 1}).drafter == "draft"
+
+
+def test_planner_corrects_verify_costs_from_observed_steps():
+    """Verify steps that take longer than measured make speculation look (rightly) worse."""
+    verify = ForwardCosts((1.0, 1.5))
+    p = Planner(verify, {"ngram": 0.0}, k_max=1, prior=0.7)
+    assert p.choose(1, limit=1, available={"ngram": None}).k == 1  # 1.7 / 1.5 > 1
+    p.observe_verify(1, 1.1)  # unseen sizes take the one-token correction: same choice
+    assert p.verify_seconds(2) == pytest.approx(1.65)
+    for _ in range(40):
+        p.observe_verify(2, 1.5 * 1.3)  # 2-token forwards really cost 1.3x the measurement
+    assert p.verify_seconds(2) == pytest.approx(1.95, rel=0.01)
+    assert p.choose(1, limit=1, available={"ngram": None}).drafter is None  # 1.7 / 1.95 < 1 / 1.1
+
+
+def test_match_acceptance_is_shared_across_requests_and_corrected_per_request():
+    p = Planner(ForwardCosts((1.0, 1.2, 1.4, 1.6, 1.8)), {"ngram": 0.0}, k_max=4, prior=0.6)
+    for request in range(1, 11):  # long matches copy well
+        c = p.choose(request, limit=4, available={"ngram": 9})
+        p.record(request, c, num_drafts=c.k, num_accepted=c.k)
+        p.release(request)
+    assert p.choose(11, limit=4, available={"ngram": 9}).k == 4
+    for _ in range(6):  # ... but not in request 11
+        c = p.choose(11, limit=4, available={"ngram": 9})
+        if c.drafter:
+            p.record(11, c, num_drafts=c.k, num_accepted=0)
+    assert p.choose(11, limit=4, available={"ngram": 9}).drafter is None
+    assert p.choose(12, limit=4, available={"ngram": 9}).k >= 2  # another request still trusts them
+    p.release(11)
+    assert not [k for k in p.stats if k[-1] == 11]
 
 
 def test_ngram_context_is_the_match_length():
