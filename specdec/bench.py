@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -363,7 +364,11 @@ def run_bench(args) -> int:
         raise ValueError("specdec-draft, specdec-hybrid, specdec-draft-tree and hf-assisted need --draft")
     on_llamacpp = args.backend == "llamacpp"
     sd_methods = [m for m in methods if m.startswith("specdec-")]
-    gguf = gguf_file(args.model) if on_llamacpp or any(m.startswith("llamacpp-") for m in methods) else None
+    peers = [m for m in methods if m.startswith("llamacpp-")]
+    if (peers or on_llamacpp) and importlib.util.find_spec("llama_cpp") is None:
+        raise ValueError(f"{', '.join(peers) or '--backend llamacpp'} need(s) llama-cpp-python: "
+                         "pip install 'specdec[llamacpp]', or leave them out of --methods")
+    gguf = gguf_file(args.model) if on_llamacpp or peers else None
     draft_gguf = gguf_file(args.draft) if on_llamacpp and needs_draft else None
     if on_llamacpp and sd_methods and (args.device not in (None, "cpu") or args.dtype not in (None, "float32")):
         raise ValueError("--backend llamacpp runs on cpu with the GGUF's own weight types: "

@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("draft")
     c.set_defaults(func=cmd_check_vocab)
 
-    b = sub.add_parser("bench", help="side-by-side tokens/s: specdec vs transformers (see docs)")
+    b = sub.add_parser("bench", help="side-by-side tokens/s: specdec vs transformers and llama-cpp-python (see docs/bench.md)")
     from .bench import add_bench_flags
 
     add_bench_flags(b)
