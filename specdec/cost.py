@@ -11,9 +11,10 @@ decoding) that maximise expected committed tokens per second.
 * ``Planner``: for a chain of k drafts, ``E[committed] = 1 + sum_{i<=k} prod_{j<=i} alpha_j``
   and ``time = draft_time(k) + target(k+1)``, where a model drafter's first depth is a
   forward over the tokens it has not seen yet, and the target's measured costs are corrected
-  online by the verify steps actually timed; it picks the best (drafter, k), including k = 0. A drafter that has not been tried for a while gets a one-draft probe (with
-  exponential back-off until it is chosen on merit again), so a request whose text turns
-  predictable can start speculating again.
+  online by the verify steps actually timed; it picks the best (drafter, k), including k = 0.
+  A drafter that has not been tried for a while gets a one-draft probe (with exponential
+  back-off until it is chosen on merit again, and only if perfect drafts would pay), so a
+  request whose text turns predictable can start speculating again.
 """
 from __future__ import annotations
 
@@ -129,8 +130,9 @@ class Acceptance:
     tried: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
 
-    def alpha(self, i: int) -> float:
-        p = self.prior[min(i, len(self.prior) - 1)]
+    def alpha(self, i: int, prior: float | None = None) -> float:
+        """``prior``: smooth towards this instead of the stored prior."""
+        p = self.prior[min(i, len(self.prior) - 1)] if prior is None else prior
         t = self.tried[i] if i < len(self.tried) else 0.0
         a = self.accepted[i] if i < len(self.accepted) else 0.0
         return (a + self.weight * p) / (t + self.weight)
@@ -171,17 +173,13 @@ class MatchAcceptance:
     planner: "Planner"
     name: str
     match: int
-
     request_id: int
 
     def alpha(self, i: int) -> float:
         """The request's own record at this match length, smoothed towards the table learned
         across requests (a request whose copies go wrong stops trusting them quickly)."""
         shared = self.planner._first(self.name, self.match + i).alpha(0)
-        own = self.planner._first(self.name, self.match + i, self.request_id)
-        tried = own.tried[0] if own.tried else 0.0
-        accepted = own.accepted[0] if own.accepted else 0.0
-        return (accepted + own.weight * shared) / (tried + own.weight)
+        return self.planner._first(self.name, self.match + i, self.request_id).alpha(0, prior=shared)
 
     def expected_tokens(self, k: int) -> float:
         return Acceptance.expected_tokens(self, k)  # the same product over alpha_i

@@ -75,9 +75,8 @@ class NgramDrafter:
         model); else the cost model's context: the length of the longest earlier match of the
         text's end (``cost.MatchAcceptance``). A long match means a copy in progress, and its
         drafts are accepted far more often than those of a 1-token match."""
-        if not lookup(seq.ids, 1, self.n_max, self.n_min):
-            return None
-        return longest_match(seq.ids)
+        m = longest_match(seq.ids, max(MATCH_CAP, self.n_min))  # >= n_min: the lookup matches
+        return m if m >= self.n_min else None
 
     def propose(self, seqs, ks) -> list[Draft]:
         return [self._draft(seq, k) if k > 0 else Draft([]) for seq, k in zip(seqs, ks)]
