@@ -13,7 +13,7 @@ decoding) that maximise expected committed tokens per second.
   forward over the tokens it has not seen yet, and the target's measured costs are corrected
   online by the verify steps actually timed; it picks the best (drafter, k), including k = 0.
   A drafter that has not been tried for a while gets a one-draft probe (with exponential
-  back-off until it is chosen on merit again, and only if perfect drafts would pay), so a
+  back-off until it is chosen on merit again, and only if perfect drafts would gain 10%), so a
   request whose text turns predictable can start speculating again.
 """
 from __future__ import annotations
@@ -25,39 +25,50 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Hashable
 
 import torch
 
 
+LONG_TOKENS = 64  # one longer forward is measured too: it prices a draft model's long catch-up
+
+
 @dataclass(frozen=True)
 class ForwardCosts:
-    """``seconds[n - 1]``: one forward of n new tokens at batch size 1."""
+    """``seconds[n - 1]``: one forward of n new tokens at batch size 1, for n = 1..len;
+    ``long``: (n, seconds) of one longer forward. Beyond the measured sizes the cost grows
+    linearly towards (and past) ``long``, else at the measured sizes' mean slope; never
+    downwards (measured costs are not monotone: at 16 tokens llama.cpp may be faster than at
+    15, and a negative slope would price a 200-token catch-up below zero)."""
 
     seconds: tuple[float, ...]
+    long: tuple[int, float] | None = None
 
     def __call__(self, n: int) -> float:
-        if n <= len(self.seconds):
+        m, last = len(self.seconds), self.seconds[-1]
+        if n <= m:
             return self.seconds[n - 1]
-        last = self.seconds[-1]  # linear extrapolation from the last measured step
-        slope = (last - self.seconds[-2]) if len(self.seconds) > 1 else last
-        return last + slope * (n - len(self.seconds))
+        if self.long is not None and self.long[0] > m:
+            slope = (self.long[1] - last) / (self.long[0] - m)
+        else:
+            slope = (last - self.seconds[0]) / (m - 1) if m > 1 else last
+        return last + max(slope, 0.0) * (n - m)
 
     def relative(self) -> list[float]:
         return [s / self.seconds[0] for s in self.seconds]
 
 
 def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> ForwardCosts:
-    """Time forwards of 1..max_tokens tokens after a ``context``-token prefix (median of
-    ``repeats``, after one warm-up each)."""
+    """Time forwards of 1..max_tokens tokens, and of ``LONG_TOKENS``, after a
+    ``context``-token prefix (median of ``repeats``, after one warm-up each)."""
+    context = min(context, runtime.max_context - LONG_TOKENS)
     cache = runtime.new_cache(1)
     g = torch.Generator().manual_seed(0)
     vocab = min(runtime.vocab_size, 1000)
     prefix = torch.randint(0, vocab, (context,), generator=g).tolist()
     runtime.forward(cache, [0], [prefix], last_only=True)
     sync = torch.cuda.synchronize if getattr(runtime, "device", torch.device("cpu")).type == "cuda" else None
-    seconds = []
-    for n in range(1, max_tokens + 1):
+
+    def timed(n: int) -> float:
         chunk = torch.randint(0, vocab, (n,), generator=g).tolist()
         times = []
         for r in range(repeats + 1):
@@ -68,8 +79,11 @@ def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> F
             if r:  # the first run warms up
                 times.append(time.perf_counter() - t0)
             cache.rewind(0, context)
-        seconds.append(statistics.median(times))
-    return ForwardCosts(tuple(seconds))
+        return statistics.median(times)
+
+    seconds = tuple(timed(n) for n in range(1, max_tokens + 1))
+    long = (LONG_TOKENS, timed(LONG_TOKENS)) if LONG_TOKENS > max_tokens else None
+    return ForwardCosts(seconds, long)
 
 
 def cost_key(model, threads: int | None = None) -> str:
@@ -107,15 +121,16 @@ def forward_costs(model, max_tokens: int) -> ForwardCosts:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
         table = {}
-    have = table.get(key, [])
-    if len(have) < max_tokens:
-        have = list(measure(model.runtime, max_tokens).seconds)
-        table[key] = have
+    have = table.get(key)  # {"seconds": [...], "long": [n, seconds] or null}
+    if not isinstance(have, dict) or len(have["seconds"]) < max_tokens:
+        costs = measure(model.runtime, max_tokens)
+        have = table[key] = {"seconds": list(costs.seconds), "long": costs.long and list(costs.long)}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(table, indent=1))
         tmp.replace(path)
-    return ForwardCosts(tuple(have[:max_tokens]))
+    long = have.get("long")
+    return ForwardCosts(tuple(have["seconds"][:max_tokens]), tuple(long) if long else None)
 
 
 @dataclass
@@ -191,6 +206,18 @@ class MatchAcceptance:
 
 
 SCALE_RATE = 0.1  # weight of each new observation in the verify-cost correction
+PROBE_MARGIN = 1.1  # probe a drafter only if perfect drafts would beat plain decoding by this much
+
+
+@dataclass(frozen=True)
+class StatsKey:
+    """Whose acceptance an ``Acceptance`` in ``Planner.stats`` records: a drafter's, in one
+    request (``request_id``) or across requests (None); for a whole draft (``match`` None) or
+    for first drafts after a match of one ``match_bucket``."""
+
+    name: str
+    request_id: int | None
+    match: int | None = None
 
 
 @dataclass
@@ -198,7 +225,7 @@ class Choice:
     drafter: str | None  # None = plain decoding this step
     k: int
     tokens_per_s: float
-    context: Hashable = None  # the drafter's situation this step (see ``Planner``)
+    context: int | None = None  # the n-gram drafter's match length this step (see ``Planner``)
     probe: bool = False  # chosen to re-test the drafter, not for its expected rate
 
 
@@ -235,11 +262,10 @@ class Planner:
     chains check ``k + 1``).
 
     ``choose(..., available={name: context})`` lists the drafters that can draft this step
-    (n-gram only with a match) and each one's *context*: a key saying which situation the
-    draft comes from, whose acceptance is learned across requests. The n-gram drafter's is
-    the length of the longest earlier match of the text's end (a long match is a copy in
-    progress); ``None`` (a draft model) learns per request instead, starting from a prior
-    learned from the finished requests. ``behind``: tokens a model drafter must catch up on
+    (n-gram only with a match) and each one's *context*. The n-gram drafter's is the length
+    of the longest earlier match of the text's end (a long match is a copy in progress), whose
+    acceptance is learned across requests (``MatchAcceptance``); ``None`` (a draft model)
+    learns per request instead, starting from a prior learned from the finished requests. ``behind``: tokens a model drafter must catch up on
     before its first depth (it skips the steps it does not draft).
     """
 
@@ -249,7 +275,7 @@ class Planner:
         self.draft_cost = {n: c if isinstance(c, DraftCost) else DraftCost(c) for n, c in draft_cost.items()}
         self.nodes = nodes or {}
         self.priors = {name: [prior] * k_max for name in draft_cost}  # learned across requests
-        self.stats: dict[tuple, Acceptance] = {}  # (name, context or request id) -> acceptance
+        self.stats: dict[StatsKey, Acceptance] = {}
         self.tracks: dict[int, dict[str, _Track]] = {}
         self.chosen_k: dict[int, int] = {}  # histogram of chosen k over all requests and steps
         self.scale: dict[int, float] = {}  # verify tokens -> observed / measured seconds
@@ -259,12 +285,12 @@ class Planner:
             self.tracks[request_id] = {n: _Track() for n in self.draft_cost}
         return self.tracks[request_id]
 
-    def acceptance(self, name: str, context: Hashable, request_id: int) -> Acceptance:
-        """The acceptance estimate for a draft from ``context`` (an int context: see
-        ``MatchAcceptance``)."""
-        if isinstance(context, int):
+    def acceptance(self, name: str, context: int | None, request_id: int) -> Acceptance:
+        """The acceptance estimate for a draft from ``context``: a match length (see
+        ``MatchAcceptance``), or None for the request's own record."""
+        if context is not None:
             return MatchAcceptance(self, name, context, request_id)
-        key = (name, "context", context) if context is not None else (name, "request", request_id)
+        key = StatsKey(name, request_id)
         if key not in self.stats:
             self.stats[key] = Acceptance(list(self.priors[name]))
         return self.stats[key]
@@ -272,7 +298,7 @@ class Planner:
     def _first(self, name: str, match: int, request_id: int | None = None) -> Acceptance:
         """Acceptance of a first draft token that continues a match of ``match`` tokens,
         across requests (``request_id`` None) or in one request."""
-        key = (name, "match", match_bucket(match), request_id)
+        key = StatsKey(name, request_id, match_bucket(match))
         if key not in self.stats:
             self.stats[key] = Acceptance(self.priors[name][:1])
         return self.stats[key]
@@ -283,10 +309,12 @@ class Planner:
         return acc.expected_tokens(k) / seconds
 
     def could_pay(self, name: str, limit: int, behind: int = 1) -> bool:
-        """Whether ``name`` would beat plain decoding if every draft were accepted (a probe is
-        pointless otherwise: e.g. a draft model that must first catch up on a whole prompt)."""
+        """Whether ``name`` would beat plain decoding by ``PROBE_MARGIN`` if every draft were
+        accepted. A probe is pointless otherwise: e.g. a draft model that must first catch up on
+        a whole prompt, or one that costs so much that even its best case gains a few percent
+        (the probes' losses would eat that)."""
         perfect = Acceptance([1.0] * self.k_max)
-        plain = 1.0 / self.verify_seconds(1)
+        plain = PROBE_MARGIN / self.verify_seconds(1)
         return any(self.rate(name, perfect, k, behind) > plain for k in range(1, min(self.k_max, limit) + 1))
 
     def verify_seconds(self, n: int) -> float:
@@ -303,7 +331,7 @@ class Planner:
         old = self.scale.get(n)
         self.scale[n] = ratio if old is None else old + SCALE_RATE * (ratio - old)
 
-    def choose(self, request_id: int, limit: int, available: dict[str, Hashable] | None = None,
+    def choose(self, request_id: int, limit: int, available: dict[str, int | None] | None = None,
                behind: dict[str, int] | None = None) -> Choice:
         """Best (drafter, k <= min(k_max, limit)) for this request's next step."""
         best = Choice(None, 0, 1.0 / self.verify_seconds(1))
@@ -342,9 +370,9 @@ class Planner:
     def release(self, request_id: int) -> None:
         """A request finished: fold its per-request acceptance into the prior for later requests."""
         self.tracks.pop(request_id, None)
-        for key in [k for k in self.stats if k[1] == "match" and k[3] == request_id]:
+        for key in [k for k in self.stats if k.match is not None and k.request_id == request_id]:
             del self.stats[key]
         for name in self.draft_cost:
-            acc = self.stats.pop((name, "request", request_id), None)
+            acc = self.stats.pop(StatsKey(name, request_id), None)
             if acc is not None and acc.tried and acc.tried[0] >= 1:
                 self.priors[name] = [0.5 * p + 0.5 * acc.alpha(i) for i, p in enumerate(self.priors[name])]

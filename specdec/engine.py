@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Hashable
 
 import torch
 
@@ -50,10 +49,10 @@ def capture_logprobs(s: Sequence, rows: torch.Tensor, tokens: list[int]) -> None
     s.token_logprobs.extend(zip(chosen, alts))
 
 
-def draft_context(drafter: Drafter, seq: Sequence) -> tuple[bool, Hashable]:
+def draft_context(drafter: Drafter, seq: Sequence) -> tuple[bool, int | None]:
     """(whether ``drafter`` can draft for ``seq`` now, its context for the cost model).
-    A drafter with a ``context(seq)`` method can draft when it returns a key (n-gram: when
-    there is a match); one without (a draft model) always can, context None."""
+    A drafter with a ``context(seq)`` method can draft when it returns one (n-gram: its match
+    length, when there is a match); one without (a draft model) always can, context None."""
     get = getattr(drafter, "context", None)
     if get is None:
         return True, None

@@ -3,7 +3,7 @@ hybrid drafting: the planner's arithmetic, and greedy equality whatever it choos
 import pytest
 
 from specdec import LLM, SamplingParams, SpecConfig
-from specdec.cost import Acceptance, Choice, ForwardCosts, Planner, forward_costs
+from specdec.cost import Acceptance, Choice, ForwardCosts, Planner, StatsKey, forward_costs
 
 PROMPTS = ["Hello world, this is a test of speculative decoding", "abc",
            "The quick brown fox jumps over the lazy dog. The quick brown"]
@@ -28,8 +28,14 @@ def test_expected_tokens_and_updates():
 
 def test_forward_costs_extrapolate():
     c = ForwardCosts((1.0, 1.5, 1.75))
-    assert c(2) == 1.5 and c(5) == pytest.approx(2.25)
+    assert c(2) == 1.5 and c(5) == pytest.approx(1.75 + 2 * 0.375)  # the mean slope
     assert c.relative() == [1.0, 1.5, 1.75]
+    with_long = ForwardCosts((1.0, 1.5, 1.75), long=(13, 2.75))  # 0.1 s per token after 3
+    assert with_long(8) == pytest.approx(2.25) and with_long(23) == pytest.approx(3.75)
+    # a measured dip at the last size (llama.cpp: 16 tokens cheaper than 15) must not make a
+    # long catch-up cheap, let alone negative
+    dip = ForwardCosts((0.04, 0.1, 0.3, 0.34, 0.31))
+    assert dip(200) >= 0.31 and ForwardCosts((1.0, 0.9))(50) == 0.9
 
 
 def test_planner_speculates_when_verify_is_cheap_and_drafts_are_good():
@@ -65,7 +71,7 @@ def test_planner_probes_with_backoff_and_respects_availability():
     assert p.choose(5, limit=2, available={"draft": None}).drafter is None  # still not worth it
     assert p.chosen_k == {0: 8, 1: 1}
     p.release(5)
-    assert 5 not in p.tracks and ("draft", "request", 5) not in p.stats
+    assert 5 not in p.tracks and StatsKey("draft", 5) not in p.stats
 
 
 def test_planner_learns_acceptance_per_context_across_requests():
@@ -101,6 +107,12 @@ def test_planner_prices_a_draft_models_catch_up():
     assert p.choose(1, limit=2, behind={"draft": 1}).drafter == "draft"
 
 
+def test_no_probe_for_a_drafter_whose_best_case_gains_a_few_percent():
+    """Perfect drafts at 1.05x plain decoding would not repay the probes that find that out."""
+    assert not Planner(ForwardCosts((1.0, 1.9)), {"ngram": 0.0}, k_max=1).could_pay("ngram", 1)
+    assert Planner(ForwardCosts((1.0, 1.7)), {"ngram": 0.0}, k_max=1).could_pay("ngram", 1)
+
+
 def test_planner_corrects_verify_costs_from_observed_steps():
     """Verify steps that take longer than measured make speculation look (rightly) worse."""
     verify = ForwardCosts((1.0, 1.5))
@@ -128,7 +140,7 @@ def test_match_acceptance_is_shared_across_requests_and_corrected_per_request():
     assert p.choose(11, limit=4, available={"ngram": 9}).drafter is None
     assert p.choose(12, limit=4, available={"ngram": 9}).k >= 2  # another request still trusts them
     p.release(11)
-    assert not [k for k in p.stats if k[-1] == 11]
+    assert not [k for k in p.stats if k.request_id == 11]
 
 
 def test_ngram_context_is_the_match_length():
