@@ -265,8 +265,9 @@ class Planner:
     (n-gram only with a match) and each one's *context*. The n-gram drafter's is the length
     of the longest earlier match of the text's end (a long match is a copy in progress), whose
     acceptance is learned across requests (``MatchAcceptance``); ``None`` (a draft model)
-    learns per request instead, starting from a prior learned from the finished requests. ``behind``: tokens a model drafter must catch up on
-    before its first depth (it skips the steps it does not draft).
+    learns per request instead, starting from a prior learned from the finished requests.
+    ``behind``: tokens a model drafter must catch up on before its first depth (it skips the
+    steps it does not draft).
     """
 
     def __init__(self, target: ForwardCosts, draft_cost: dict[str, DraftCost | float], k_max: int,
