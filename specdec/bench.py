@@ -54,7 +54,7 @@ NGRAM_TREE_TOPK = 3  # specdec-ngram-tree: up to 3 matches' continuations as bra
 HF_LOOKUP_TOKENS = 10
 LLAMACPP_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 8
-COST_CURVE_TOKENS = 17  # the cost curve in the report: forwards of 1..17 tokens
+COST_CURVE_TOKENS = 17  # the target's cost curve in the report: forwards of 1..17 tokens (the draft's: 1..16)
 DEFAULT_MODEL = "~/.cache/specdec-models/qwen2.5-coder-1.5b-instruct/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 DEFAULT_DRAFT = "~/.cache/specdec-models/qwen2.5-coder-0.5b-instruct/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 DEFAULT_PROMPTS = os.path.join("..", "shared", "bench", "prompts.jsonl")
@@ -442,6 +442,7 @@ def run_bench(args) -> int:
         for p, (_, prompt) in zip(prompts, items):  # the ids every method gets are specdec's own
             if plain.encode(prompt) != p["ids"]:
                 raise RuntimeError(f"prompt {p['id']}: token ids differ from LLM.encode")
+        from .api import CATCH_UP_TOKENS
         from .cost import forward_costs
 
         t_cost = time.perf_counter()  # measured (or read) before the +cost LLMs load: they
@@ -460,7 +461,8 @@ def run_bench(args) -> int:
         load_s["specdec"] = time.perf_counter() - t0 - t_cost
         log(f"specdec models loaded in {load_s['specdec']:.1f}s (rss {_rss_gb()})")
         if draft_model is not None:
-            cost_curve["draft"] = list(forward_costs(draft_model, COST_CURVE_TOKENS).seconds)
+            # the sizes a +cost planner measured (and cached) for it: read, not measured again
+            cost_curve["draft"] = list(forward_costs(draft_model, CATCH_UP_TOKENS).seconds)
         log("forward cost relative to 1 token: " + " ".join(
             f"{n + 1}:{t / cost_curve['target'][0]:.2f}" for n, t in enumerate(cost_curve["target"])))
         runs.update({m: _specdec_runner(llms[m]) for m in sd_methods})

@@ -18,9 +18,7 @@ decoding) that maximise expected committed tokens per second.
 """
 from __future__ import annotations
 
-import json
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -28,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from . import disk_cache
 
 LONG_TOKENS = 64  # one longer forward is measured too: it prices a draft model's long catch-up
 
@@ -59,7 +58,8 @@ class ForwardCosts:
 
 def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> ForwardCosts:
     """Time forwards of 1..max_tokens tokens, and of ``LONG_TOKENS``, after a
-    ``context``-token prefix (median of ``repeats``, after one warm-up each)."""
+    ``context``-token prefix: medians of ``repeats`` rounds over all sizes in turn (so that a
+    slow spell touches every size alike), after one warm-up round."""
     context = min(context, runtime.max_context - LONG_TOKENS)
     cache = runtime.new_cache(1)
     g = torch.Generator().manual_seed(0)
@@ -67,22 +67,20 @@ def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> F
     prefix = torch.randint(0, vocab, (context,), generator=g).tolist()
     runtime.forward(cache, [0], [prefix], last_only=True)
     sync = torch.cuda.synchronize if getattr(runtime, "device", torch.device("cpu")).type == "cuda" else None
-
-    def timed(n: int) -> float:
-        chunk = torch.randint(0, vocab, (n,), generator=g).tolist()
-        times = []
-        for r in range(repeats + 1):
+    sizes = list(range(1, max_tokens + 1)) + ([LONG_TOKENS] if LONG_TOKENS > max_tokens else [])
+    chunks = {n: torch.randint(0, vocab, (n,), generator=g).tolist() for n in sizes}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in range(repeats + 1):
+        for n in sizes:
             t0 = time.perf_counter()
-            runtime.forward(cache, [0], [chunk])
+            runtime.forward(cache, [0], [chunks[n]])
             if sync:
                 sync()
-            if r:  # the first run warms up
-                times.append(time.perf_counter() - t0)
+            if r:  # round 0 warms up
+                times[n].append(time.perf_counter() - t0)
             cache.rewind(0, context)
-        return statistics.median(times)
-
-    seconds = tuple(timed(n) for n in range(1, max_tokens + 1))
-    long = (LONG_TOKENS, timed(LONG_TOKENS)) if LONG_TOKENS > max_tokens else None
+    seconds = tuple(statistics.median(times[n]) for n in range(1, max_tokens + 1))
+    long = (LONG_TOKENS, statistics.median(times[LONG_TOKENS])) if LONG_TOKENS > max_tokens else None
     return ForwardCosts(seconds, long)
 
 
@@ -90,45 +88,26 @@ def cost_key(model, threads: int | None = None) -> str:
     rt = model.runtime
     kinds = sorted({layer["qkv"].kind for layer in getattr(rt, "layers", [])}) or [type(rt).__name__]
     kinds += ["multi-row"] if getattr(rt, "multi_row", False) else []
+    kinds += [f"max-rows={rt.max_rows}"] if getattr(rt, "exact", False) else []  # llama.cpp's pieces
     return "|".join([str(model.path), type(rt).__name__, ",".join(kinds),
                      str(getattr(rt, "dtype", "")), str(getattr(rt, "device", "")),
                      f"threads={threads or getattr(rt, 'threads', None) or torch.get_num_threads()}",
-                     _machine(), f"torch={torch.__version__}"])
-
-
-def _machine() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" x{os.cpu_count()}"
-    except OSError:
-        pass
-    return f"{platform.machine()} x{os.cpu_count()}"
+                     disk_cache.machine(), f"torch={torch.__version__}"])
 
 
 def cache_file() -> Path:
     """``$SPECDEC_COST_CACHE``, else ``forward_costs.json`` in specdec's cache directory."""
-    if os.environ.get("SPECDEC_COST_CACHE"):
-        return Path(os.environ["SPECDEC_COST_CACHE"])
-    root = os.environ.get("SPECDEC_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specdec")
-    return Path(root) / "forward_costs.json"
+    return Path(os.environ.get("SPECDEC_COST_CACHE") or disk_cache.directory() / "forward_costs.json")
 
 
 def forward_costs(model, max_tokens: int) -> ForwardCosts:
     """Measured costs for ``model`` (a ``LoadedModel``), read from / written to the cache."""
     path, key = cache_file(), cost_key(model)
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    have = table.get(key)  # {"seconds": [...], "long": [n, seconds] or null}
+    have = disk_cache.read(path).get(key)  # {"seconds": [...], "long": [n, seconds] or null}
     if not isinstance(have, dict) or len(have["seconds"]) < max_tokens:
         costs = measure(model.runtime, max_tokens)
-        have = table[key] = {"seconds": list(costs.seconds), "long": costs.long and list(costs.long)}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(table, indent=1))
-        tmp.replace(path)
+        have = {"seconds": list(costs.seconds), "long": costs.long and list(costs.long)}
+        disk_cache.store(path, key, have)
     long = have.get("long")
     return ForwardCosts(tuple(have["seconds"][:max_tokens]), tuple(long) if long else None)
 

@@ -35,3 +35,18 @@ def loaded(tiny_dirs):
         return cache[name, backend]
 
     return get
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    """specdec's cache directory (measured costs, llama.cpp's row limit) in a temporary one, so
+    that tests measure afresh and leave the user's cache alone."""
+    import os
+
+    old = os.environ.get("SPECDEC_CACHE")
+    os.environ["SPECDEC_CACHE"] = str(tmp_path_factory.mktemp("specdec-cache"))
+    yield
+    if old is None:
+        del os.environ["SPECDEC_CACHE"]
+    else:
+        os.environ["SPECDEC_CACHE"] = old

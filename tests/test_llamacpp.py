@@ -153,6 +153,85 @@ def test_tree_fed_by_depth_and_keep(lc, prompts):
     close(rt.forward(cache, [0], [[b]])[0, 0], fresh(lc, ids + [b]), "tree rows rewound")
 
 
+def decode_sizes(rt) -> list[int]:
+    """Record the row count of each ``llama_decode`` the runtime makes from now on."""
+    sizes, decode = [], rt._decode
+
+    def counted(cache, tokens, *args):
+        sizes.append(len(tokens))
+        return decode(cache, tokens, *args)
+
+    rt._decode = counted
+    return sizes
+
+
+@pytest.fixture(scope="module")
+def pieces(lc):
+    """The same GGUF on a second runtime that feeds continuations in pieces of at most 2 rows
+    (its checked limit is larger, so pieces of 2 are exact as well)."""
+    model = load_model(None, backend="llamacpp")
+    assert model.runtime.exact and lc.runtime.max_rows >= 2
+    model.runtime.max_rows = 2
+    return model
+
+
+def test_continuations_go_in_exact_pieces(lc, pieces, prompts):
+    """Verification's shape: a prompt goes whole, a continuation of 5 or of 3 + 2 (a batch)
+    goes in balanced pieces of at most ``max_rows``, with one-row decoding's logits, and a
+    tree of 5 in pieces still sees exactly its ancestors."""
+    from specdec.runtime.llamacpp import ROW_CHECKS
+
+    assert lc.runtime.max_rows in (1,) + ROW_CHECKS  # found at load (this machine: see the README)
+    rt, ids = pieces.runtime, prompts[1]
+    sizes = decode_sizes(rt)
+    cache = rt.new_cache(2)
+    rt.forward(cache, [0, 1], [ids, ids[:-3]], last_only=True)
+    assert sizes == [2 * len(ids) - 3]  # prompts: one llama_decode
+    chain = [330, 1127, 2745, 28, 42]
+    out = rt.forward(cache, [0], [chain])[0]  # [5, vocab] in pieces 1 + 2 + 2
+    assert sizes[1:] == [1, 2, 2]
+    ref = lc.runtime.new_cache(1)
+    lc.runtime.forward(ref, [0], [ids])
+    one = torch.cat([lc.runtime.forward(ref, [0], [[t]])[0] for t in chain])  # [5, vocab]
+    assert torch.equal(out, one)
+    batch = rt.forward(cache, [1, 0], [ids[-3:], [7, 8]])  # [2, 3, vocab]: 5 rows, 3 pieces
+    assert sizes[4:] == [1, 2, 2]
+    close(batch[0], chain_logits(lc, ids[:-3], ids[-3:]), "batched pieces, sequence 1")
+    close(batch[1, :2], chain_logits(lc, ids + chain, [7, 8]), "batched pieces, sequence 0")
+    root, a, b, a1, b1 = ids[-1], 330, 1127, 2745, 28
+    tree = DraftTree([root, a, b, a1, b1], [-1, 0, 0, 1, 2])
+    cache.rewind(0, len(ids) - 1)
+    out = rt.forward(cache, [0], [tree.tokens], positions=[tree.positions(len(ids) - 1)],
+                     chunk_masks=[tree.mask()])[0]  # [5, vocab]
+    close(out[[0, 1, 3]], chain_logits(lc, ids[:-1], [root, a, a1]), "tree in pieces, path a")
+    close(out[[0, 2, 4]], chain_logits(lc, ids[:-1], [root, b, b1]), "tree in pieces, path b")
+
+
+def test_greedy_speculation_in_pieces_equals_plain(pieces, lc, prompts, plain):
+    """n-gram chains of 6 rows per sequence, three sequences at once, fed 2 rows at a time."""
+    llm = LLM(pieces, speculative=SpecConfig(method="ngram", num_draft_tokens=5), max_batch_size=3)
+    for i, (p, out, ref) in enumerate(zip(prompts, generate(llm, prompts, 3), plain[3])):
+        assert_same_greedy(lc, p, out, ref, f"ngram in pieces, prompt {i}")
+
+
+def test_row_limit_is_cached_and_drafts_skip_it(monkeypatch, tmp_path, lc):
+    """``max_rows`` is checked once per file, threads and machine, then read back; a separate
+    draft model drops the pieces (its rounding only sways its proposals)."""
+    import json
+
+    from specdec.runtime import llamacpp
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(llamacpp, "exact_rows", lambda rt: calls.append(rt) or 5)
+    first, second = (load_model(None, backend="llamacpp") for _ in range(2))
+    assert first.runtime.max_rows == 5 and second.runtime.max_rows == 5 and len(calls) == 1
+    (entry,) = json.loads((tmp_path / "llamacpp_rows.json").read_text()).items()
+    assert "threads=" in entry[0] and entry[1] == 5
+    llm = LLM(lc, draft=first, speculative=SpecConfig(method="draft"))
+    assert lc.runtime.exact and not llm.draft.runtime.exact
+
+
 def test_bad_inputs(lc, prompts, tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="gguf"):

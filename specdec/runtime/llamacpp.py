@@ -17,10 +17,22 @@ sequence at j's position. ``keep`` adds the slot's sequence to the accepted path
 ``LlamaCppCache``) and releases every temporary sequence. Masks must be tree-shaped: a row
 sees itself and only earlier rows at lower positions (llama.cpp masks keys at higher
 positions anyway).
+
+Exactness: on the CPU, llama.cpp's matrix products round differently once a batch has more
+than a few rows (Qwen2.5-Coder Q4_K_M: up to 7 rows give the logits of one-row decoding, 8
+differ by up to 0.4), so a verify step could resolve a near-tie differently from plain
+decoding. At load the runtime finds ``max_rows``, the largest forward whose logits equal
+feeding its tokens one at a time (checked once per model file, thread count and machine, then
+read from ``llamacpp_rows.json`` in specdec's cache directory), and feeds every continuation
+(a forward whose slots all hold rows already: verification, decoding, a draft's catch-up) in
+balanced pieces of at most that many rows, one ``llama_decode`` each. Prompts go whole: plain
+and speculative decoding prefill alike. ``exact=False`` (a draft model, whose rounding only
+sways its proposals) skips the check and the pieces.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import sys
 from dataclasses import dataclass
@@ -30,12 +42,15 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .. import disk_cache
+
 DEFAULT_CONTEXT = 4096  # tokens per slot; a cache's KV buffer holds num_slots of them
 TREE_SEQS_PER_SLOT = 32  # temporary sequence ids (one per tree row), pooled over a cache's slots
 TREE_HEADROOM = 256  # extra KV cells for tree rows beyond a full slot
 PARK_LIMIT = 512  # dropped rows a slot keeps parked before it frees them (see LlamaCppCache)
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 UBATCH = 512  # tokens per llama.cpp compute step (its default)
+ROW_CHECKS = (2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32)  # forward sizes compared with one-row decoding
 
 GGML_LOG_ERROR, GGML_LOG_CONT = 4, 5  # ggml_log_level
 _log_callback = None  # the ctypes callback must stay alive
@@ -225,17 +240,18 @@ class LlamaCppCache:
 
 class LlamaCppRuntime:
     """Runtime for a GGUF file on llama.cpp (CPU). ``threads``: default torch's thread count;
-    ``context``: tokens per slot (capped by the model's training context); ``repack``:
-    llama.cpp's repacked CPU weights for Q4_0/Q4_K/IQ4_NL (cheaper products of 4+ rows, i.e.
-    verification, but rounded differently from the 1-row kernel, so a verify step can flip a
-    near-tie that plain decoding resolves the other way: 3-4 of the 12 bench prompts on
-    Qwen2.5-Coder-1.5B Q4_K_M, none without). Off by default: then a forward of up to 7 rows
-    gives the logits of feeding its tokens one at a time."""
+    ``context``: tokens per slot (capped by the model's training context); ``exact``: feed
+    continuations in pieces of at most ``max_rows`` rows, so they give one-row decoding's
+    logits (see the module docstring); ``repack``: llama.cpp's repacked CPU weights for
+    Q4_0/Q4_K/IQ4_NL (cheaper products of 4+ rows, i.e. verification, but rounded differently
+    from the 1-row kernel at any row count, so a verify step can flip a near-tie that plain
+    decoding resolves the other way: 3-4 of the 12 bench prompts on Qwen2.5-Coder-1.5B
+    Q4_K_M, none without)."""
 
     supports_masks = True
 
     def __init__(self, gguf: str | Path, threads: int | None = None, context: int = DEFAULT_CONTEXT,
-                 repack: bool = False):
+                 repack: bool = False, exact: bool = True):
         lib = self.lib = llama_lib()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -243,10 +259,28 @@ class LlamaCppRuntime:
         self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
         if not self.model:
             raise ValueError(f"llama.cpp could not load {gguf}")
+        self.gguf, self.repack, self.exact = Path(gguf).resolve(), repack, exact
         self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
         self.max_context = min(lib.llama_model_n_ctx_train(self.model), context)
         self.threads = threads or torch.get_num_threads()
         self.device = torch.device("cpu")
+
+    @functools.cached_property
+    def max_rows(self) -> int:
+        """The largest forward (in rows) checked to give one-row decoding's logits: measured
+        once by ``exact_rows``, then read from specdec's cache directory."""
+        from importlib.metadata import version
+
+        stat = self.gguf.stat()
+        key = "|".join([str(self.gguf), str(stat.st_size), str(stat.st_mtime_ns), f"threads={self.threads}",
+                        f"repack={self.repack}", f"llama_cpp={version('llama_cpp_python')}",
+                        disk_cache.machine()])
+        path = disk_cache.directory() / "llamacpp_rows.json"
+        rows = disk_cache.read(path).get(key)
+        if not isinstance(rows, int):
+            rows = exact_rows(self)
+            disk_cache.store(path, key, rows)
+        return rows
 
     def __del__(self):
         model, self.model = getattr(self, "model", None), None
@@ -258,7 +292,16 @@ class LlamaCppRuntime:
 
     def forward(self, cache: LlamaCppCache, slots, tokens, *, positions=None, chunk_masks=None,
                 last_only: bool = False) -> torch.Tensor:
-        """One ``llama_decode`` over every slot's chunk; logits only for the rows returned."""
+        """Every slot's chunk in one ``llama_decode`` (a continuation on an ``exact`` runtime: in
+        pieces of at most ``max_rows`` rows); logits only for the rows returned."""
+        limit = self.max_rows if self.exact and all(cache.lengths[s] for s in slots) else None
+        return self._forward(cache, slots, tokens, positions=positions, chunk_masks=chunk_masks,
+                             last_only=last_only, limit=limit)
+
+    def _forward(self, cache: LlamaCppCache, slots, tokens, *, positions=None, chunk_masks=None,
+                 last_only: bool = False, limit: int | None = None) -> torch.Tensor:
+        """``forward`` in one ``llama_decode``, or in balanced pieces of at most ``limit`` rows
+        (sizes differing by at most one)."""
         opened: list[tuple[int, list[TreeRow]]] = []  # (slot, rows) of masked chunks
         pos, seqs = [], []
         for slot in slots:  # a new sequence: its own tokens fill its old cells, in order
@@ -281,7 +324,12 @@ class LlamaCppRuntime:
                     seqs += chunk_seqs
                 pos += p
             outputs = [int(i == len(t) - 1 or not last_only) for t in tokens for i in range(len(t))]
-            self._decode(cache, [x for t in tokens for x in t], pos, seqs, outputs)
+            flat = [x for t in tokens for x in t]
+            n = len(flat)
+            pieces = -(-n // limit) if limit else 1
+            bounds = [n * i // pieces for i in range(pieces + 1)]  # balanced: sizes differ by <= 1
+            out = [self._decode(cache, flat[a:b], pos[a:b], seqs[a:b], outputs[a:b])
+                   for a, b in zip(bounds, bounds[1:])]
         except BaseException:
             for _, rows in opened:
                 cache._release(rows)
@@ -295,10 +343,11 @@ class LlamaCppRuntime:
             if chunk_masks is None or chunk_masks[b] is None:
                 cache.committed[slot] += len(toks)
             cache.lengths[slot] += len(toks)
-        return self._logits(cache, [len(t) for t in tokens], sum(outputs), last_only)
+        return self._logits(torch.cat(out), [len(t) for t in tokens], last_only)
 
     def _decode(self, cache: LlamaCppCache, tokens: list[int], pos: list[int],
-                seqs: list[list[int]], outputs: list[int]) -> None:
+                seqs: list[list[int]], outputs: list[int]) -> torch.Tensor:
+        """One ``llama_decode``; the logits of its output rows, ``[sum(outputs), vocab]``."""
         lib = self.lib
         token = np.asarray(tokens, dtype=np.int32)  # [N]
         position = np.asarray(pos, dtype=np.int32)  # [N]
@@ -319,14 +368,36 @@ class LlamaCppRuntime:
             raise ValueError("the llama.cpp KV cache is full: fewer slots or shorter requests")
         if rc != 0:
             raise ValueError(f"llama_decode failed with code {rc} (llama.cpp's log above says why)")
+        rows = int(logits.sum())
+        if not rows:
+            return torch.empty(0, self.vocab_size)
+        ptr = lib.llama_get_logits(cache.ctx)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self.vocab_size)).copy())  # [rows, V]
 
-    def _logits(self, cache: LlamaCppCache, sizes: list[int], rows: int, last_only: bool) -> torch.Tensor:
-        """The decode's output rows as ``[batch, vocab]`` (last_only) or ``[batch, max_n, vocab]``."""
-        ptr = self.lib.llama_get_logits(cache.ctx)
-        out = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self.vocab_size)).copy())  # [rows, V]
+    def _logits(self, out: torch.Tensor, sizes: list[int], last_only: bool) -> torch.Tensor:
+        """The output rows ``out`` ``[rows, vocab]`` as ``[batch, vocab]`` (last_only) or
+        ``[batch, max_n, vocab]``."""
         if last_only or len(set(sizes)) == 1:
             return out if last_only else out.view(len(sizes), sizes[0], self.vocab_size)
         padded = out.new_zeros(len(sizes), max(sizes), self.vocab_size)  # [B, T, V]
         for b, chunk in enumerate(out.split(sizes)):
             padded[b, : sizes[b]] = chunk
         return padded
+
+
+def exact_rows(runtime: LlamaCppRuntime, prefix: int = 32) -> int:
+    """The largest of ``ROW_CHECKS`` up to which every checked forward size gives exactly the
+    logits of feeding its tokens one at a time (after a ``prefix``-token context), else 1."""
+    cache = LlamaCppCache(runtime, 1)
+    g = torch.Generator().manual_seed(0)
+    vocab = min(runtime.vocab_size, 1000)
+    ids = torch.randint(0, vocab, (prefix + max(ROW_CHECKS),), generator=g).tolist()
+    runtime._forward(cache, [0], [ids[:prefix]], last_only=True)
+    one = torch.cat([runtime._forward(cache, [0], [[t]])[0] for t in ids[prefix:]])  # [max, V]
+    good = 1
+    for n in ROW_CHECKS:
+        cache.rewind(0, prefix)
+        if not torch.equal(runtime._forward(cache, [0], [ids[prefix: prefix + n]])[0], one[:n]):
+            break
+        good = n
+    return good
