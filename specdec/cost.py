@@ -10,7 +10,8 @@ decoding) that maximise expected committed tokens per second.
   (the length of the match it drafts from, learned across requests).
 * ``Planner``: for a chain of k drafts, ``E[committed] = 1 + sum_{i<=k} prod_{j<=i} alpha_j``
   and ``time = draft_time(k) + target(k+1)``, where a model drafter's first depth is a
-  forward over the tokens it has not seen yet, and the target's measured costs are corrected
+  forward over the tokens it has not seen yet (a long one spread over the tokens the request
+  has left, see ``DraftCost``), and the target's measured costs are corrected
   online by the verify steps actually timed; it picks the best (drafter, k), including k = 0.
   A drafter that has not been tried for a while gets a one-draft probe (with exponential
   back-off until it is chosen on merit again, and only if perfect drafts would gain 10%), so a
@@ -29,6 +30,8 @@ import torch
 from . import disk_cache
 
 LONG_TOKENS = 64  # one longer forward is measured too: it prices a draft model's long catch-up
+STEADY_BEHIND = 2  # tokens a draft model in use is behind at each step (last draft, bonus)
+CATCH_UP_HORIZON = 256  # a long catch-up is spread over at most this many tokens (requests stop early)
 
 
 @dataclass(frozen=True)
@@ -220,16 +223,24 @@ class _Track:
 class DraftCost:
     """What drafting costs: ``per_depth`` seconds for each depth after the first; the first
     depth is a forward over the tokens the drafter has not seen yet (``catch_up``: its
-    ``ForwardCosts``, None for a drafter without a model, e.g. n-gram: free)."""
+    ``ForwardCosts``, None for a drafter without a model, e.g. n-gram: free).
+
+    A catch-up longer than a drafting step leaves behind (``STEADY_BEHIND``: the last draft
+    and the bonus token) is an investment: a draft model catches up on each committed token
+    once and then serves the rest of the request. ``share`` is the part of that excess charged
+    to this step (the planner spreads it over the tokens the request has left)."""
 
     per_depth: float = 0.0
     catch_up: ForwardCosts | None = None
 
-    def __call__(self, k: int, behind: int = 1) -> float:
+    def __call__(self, k: int, behind: int = 1, share: float = 1.0) -> float:
         if k == 0:
             return 0.0
-        first = self.catch_up(max(behind, 1)) if self.catch_up is not None else self.per_depth
-        return first + self.per_depth * (k - 1)
+        if self.catch_up is None:
+            return self.per_depth * k
+        behind = max(behind, 1)
+        steady = self.catch_up(min(behind, STEADY_BEHIND))
+        return steady + share * (self.catch_up(behind) - steady) + self.per_depth * (k - 1)
 
 
 class Planner:
@@ -246,7 +257,8 @@ class Planner:
     acceptance is learned across requests (``MatchAcceptance``); ``None`` (a draft model)
     learns per request instead, starting from a prior learned from the finished requests.
     ``behind``: tokens a model drafter must catch up on before its first depth (it skips the
-    steps it does not draft).
+    steps it does not draft); ``left``: tokens the request may still generate (see
+    ``DraftCost``).
     """
 
     def __init__(self, target: ForwardCosts, draft_cost: dict[str, DraftCost | float], k_max: int,
@@ -283,19 +295,23 @@ class Planner:
             self.stats[key] = Acceptance(self.priors[name][:1])
         return self.stats[key]
 
-    def rate(self, name: str, acc: Acceptance, k: int, behind: int = 1) -> float:
+    def rate(self, name: str, acc: Acceptance, k: int, behind: int = 1, left: int | None = None) -> float:
+        """Expected committed tokens per second of a step drafting k with ``name``; ``left``:
+        tokens the request may still generate, over which a long catch-up is spread."""
         width, budget = self.nodes.get(name, (1, k))
-        seconds = self.verify_seconds(1 + min(budget, k * width)) + self.draft_cost[name](k, behind)
-        return acc.expected_tokens(k) / seconds
+        tokens = acc.expected_tokens(k)
+        share = 1.0 if left is None else min(1.0, tokens / min(left, CATCH_UP_HORIZON))
+        seconds = self.verify_seconds(1 + min(budget, k * width)) + self.draft_cost[name](k, behind, share)
+        return tokens / seconds
 
-    def could_pay(self, name: str, limit: int, behind: int = 1) -> bool:
+    def could_pay(self, name: str, limit: int, behind: int = 1, left: int | None = None) -> bool:
         """Whether ``name`` would beat plain decoding by ``PROBE_MARGIN`` if every draft were
         accepted. A probe is pointless otherwise: e.g. a draft model that must first catch up on
-        a whole prompt, or one that costs so much that even its best case gains a few percent
-        (the probes' losses would eat that)."""
+        a whole prompt a short request cannot repay, or one that costs so much that even its
+        best case gains a few percent (the probes' losses would eat that)."""
         perfect = Acceptance([1.0] * self.k_max)
         plain = PROBE_MARGIN / self.verify_seconds(1)
-        return any(self.rate(name, perfect, k, behind) > plain for k in range(1, min(self.k_max, limit) + 1))
+        return any(self.rate(name, perfect, k, behind, left) > plain for k in range(1, min(self.k_max, limit) + 1))
 
     def verify_seconds(self, n: int) -> float:
         """A target forward of n tokens: the measured cost, times the correction learned from
@@ -312,8 +328,9 @@ class Planner:
         self.scale[n] = ratio if old is None else old + SCALE_RATE * (ratio - old)
 
     def choose(self, request_id: int, limit: int, available: dict[str, int | None] | None = None,
-               behind: dict[str, int] | None = None) -> Choice:
-        """Best (drafter, k <= min(k_max, limit)) for this request's next step."""
+               behind: dict[str, int] | None = None, left: int | None = None) -> Choice:
+        """Best (drafter, k <= min(k_max, limit)) for this request's next step (``left``: tokens
+        it may still generate)."""
         best = Choice(None, 0, 1.0 / self.verify_seconds(1))
         if limit <= 0:
             return best
@@ -326,11 +343,11 @@ class Planner:
             ctx, lag = available[name], behind.get(name, 1)
             acc = self.acceptance(name, ctx, request_id)
             for k in range(1, min(self.k_max, limit) + 1):
-                r = self.rate(name, acc, k, lag)
+                r = self.rate(name, acc, k, lag, left)
                 if r > best.tokens_per_s:
                     best = Choice(name, k, r, ctx)
-            if track.idle >= track.backoff and probe is None and self.could_pay(name, limit, lag):
-                probe = Choice(name, 1, self.rate(name, acc, 1, lag), ctx, probe=True)
+            if track.idle >= track.backoff and probe is None and self.could_pay(name, limit, lag, left):
+                probe = Choice(name, 1, self.rate(name, acc, 1, lag, left), ctx, probe=True)
         if best.drafter is None and probe is not None:
             best = probe
         return best

@@ -153,7 +153,7 @@ class Engine:
                         avail[name] = ctx
                 if self.planner:
                     behind = {n: d.behind(s) for n, d in self.drafters.items() if hasattr(d, "behind")}
-                    plan.append(self.planner.choose(s.request_id, limit, avail, behind))
+                    plan.append(self.planner.choose(s.request_id, limit, avail, behind, s.remaining))
                 else:
                     plan.append(Choice(next(iter(avail)), limit, 0.0) if avail else Choice(None, 0, 0.0))
         return plan

@@ -107,6 +107,24 @@ def test_planner_prices_a_draft_models_catch_up():
     assert p.choose(1, limit=2, behind={"draft": 1}).drafter == "draft"
 
 
+def test_planner_spreads_a_long_catch_up_over_the_tokens_left():
+    """A caught-up draft model serves the rest of the request, so the catch-up beyond a
+    step's steady 2 tokens is charged in proportion to this step's share of the tokens left:
+    a long request repays it, a short one does not."""
+    from specdec.cost import DraftCost
+
+    verify = ForwardCosts((1.0, 1.2, 1.4))
+    draft = DraftCost(per_depth=0.2, catch_up=ForwardCosts((0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.4)))
+    assert draft(2, behind=9, share=0.5) == pytest.approx(0.3 + 0.5 * 1.1 + 0.2)
+    assert draft(2, behind=2, share=0.0) == draft(2, behind=2) == pytest.approx(0.5)  # steady: all of it
+    p = Planner(verify, {"draft": draft}, k_max=2, prior=0.8)
+    assert p.choose(1, limit=2, behind={"draft": 9}, left=100).drafter == "draft"  # 2.44 / (1.4 + 0.53)
+    assert p.choose(1, limit=2, behind={"draft": 9}, left=3).drafter is None  # 2.44 / (1.4 + 1.39)
+    assert p.choose(1, limit=2, behind={"draft": 9}, left=10**6).tokens_per_s == pytest.approx(
+        2.44 / (1.4 + 0.5 + 1.1 * 2.44 / 256))  # spread over at most CATCH_UP_HORIZON tokens
+    assert p.could_pay("draft", 2, behind=9, left=100) and not p.could_pay("draft", 2, behind=9, left=3)
+
+
 def test_no_probe_for_a_drafter_whose_best_case_gains_a_few_percent():
     """Perfect drafts at 1.05x plain decoding would not repay the probes that find that out."""
     assert not Planner(ForwardCosts((1.0, 1.9)), {"ngram": 0.0}, k_max=1).could_pay("ngram", 1)
@@ -158,6 +176,34 @@ def test_ngram_context_is_the_match_length():
     assert d.context(seq) == 3
     seq.ids.append(8)
     assert d.context(seq) is None
+
+
+def test_measure_times_every_size_in_turns(monkeypatch):
+    """``measure``: a warm-up round, then ``repeats`` rounds over all sizes in turn (so that a
+    slow spell touches every size alike), medians per size; a fake clock that advances by
+    the chunk length, ten times as fast once (the slow spell the median drops)."""
+    from specdec import cost
+
+    clock, calls = [0.0], []
+
+    class Cache:
+        def rewind(self, slot, length):
+            assert length == 128
+
+    class Runtime:
+        max_context, vocab_size = 1000, 50
+
+        def new_cache(self, num_slots):
+            return Cache()
+
+        def forward(self, cache, slots, chunks, last_only=False):
+            calls.append(len(chunks[0]))
+            clock[0] += len(chunks[0]) * (10 if len(calls) == 7 else 1)
+
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: clock[0])
+    costs = cost.measure(Runtime(), 3, repeats=3)
+    assert calls == [128] + [1, 2, 3, cost.LONG_TOKENS] * 4  # the prefix, then 4 rounds
+    assert costs == ForwardCosts((1.0, 2.0, 3.0), (cost.LONG_TOKENS, float(cost.LONG_TOKENS)))
 
 
 def test_forward_costs_are_measured_once_and_cached(loaded, cost_cache, monkeypatch):

@@ -153,15 +153,15 @@ def test_tree_fed_by_depth_and_keep(lc, prompts):
     close(rt.forward(cache, [0], [[b]])[0, 0], fresh(lc, ids + [b]), "tree rows rewound")
 
 
-def decode_sizes(rt) -> list[int]:
-    """Record the row count of each ``llama_decode`` the runtime makes from now on."""
+def decode_sizes(rt, monkeypatch) -> list[int]:
+    """Record the row count of each ``llama_decode`` the runtime makes (in this test)."""
     sizes, decode = [], rt._decode
 
     def counted(cache, tokens, *args):
         sizes.append(len(tokens))
         return decode(cache, tokens, *args)
 
-    rt._decode = counted
+    monkeypatch.setattr(rt, "_decode", counted)
     return sizes
 
 
@@ -175,7 +175,7 @@ def pieces(lc):
     return model
 
 
-def test_continuations_go_in_exact_pieces(lc, pieces, prompts):
+def test_continuations_go_in_exact_pieces(lc, pieces, prompts, monkeypatch):
     """Verification's shape: a prompt goes whole, a continuation of 5 or of 3 + 2 (a batch)
     goes in balanced pieces of at most ``max_rows``, with one-row decoding's logits, and a
     tree of 5 in pieces still sees exactly its ancestors."""
@@ -183,7 +183,7 @@ def test_continuations_go_in_exact_pieces(lc, pieces, prompts):
 
     assert lc.runtime.max_rows in (1,) + ROW_CHECKS  # found at load (this machine: see the README)
     rt, ids = pieces.runtime, prompts[1]
-    sizes = decode_sizes(rt)
+    sizes = decode_sizes(rt, monkeypatch)
     cache = rt.new_cache(2)
     rt.forward(cache, [0, 1], [ids, ids[:-3]], last_only=True)
     assert sizes == [2 * len(ids) - 3]  # prompts: one llama_decode

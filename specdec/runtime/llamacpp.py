@@ -343,7 +343,8 @@ class LlamaCppRuntime:
             if chunk_masks is None or chunk_masks[b] is None:
                 cache.committed[slot] += len(toks)
             cache.lengths[slot] += len(toks)
-        return self._logits(torch.cat(out), [len(t) for t in tokens], last_only)
+        rows = out[0] if len(out) == 1 else torch.cat(out)  # [sum(outputs), vocab]
+        return self._logits(rows, [len(t) for t in tokens], last_only)
 
     def _decode(self, cache: LlamaCppCache, tokens: list[int], pos: list[int],
                 seqs: list[list[int]], outputs: list[int]) -> torch.Tensor:
