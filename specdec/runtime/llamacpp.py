@@ -18,16 +18,20 @@ sequence at j's position. ``keep`` adds the slot's sequence to the accepted path
 sees itself and only earlier rows at lower positions (llama.cpp masks keys at higher
 positions anyway).
 
-Exactness: on the CPU, llama.cpp's matrix products round differently once a batch has more
-than a few rows (Qwen2.5-Coder Q4_K_M: up to 7 rows give the logits of one-row decoding, 8
-differ by up to 0.4), so a verify step could resolve a near-tie differently from plain
-decoding. At load the runtime finds ``max_rows``, the largest forward whose logits equal
-feeding its tokens one at a time (checked once per model file, thread count and machine, then
-read from ``llamacpp_rows.json`` in specdec's cache directory), and feeds every continuation
+Exactness: on the CPU, llama.cpp computes one row and several rows with different kernels
+that round differently (up to 0.4 logits on Qwen2.5-Coder Q4_K_M), so a verify step could
+resolve a near-tie unlike plain decoding. Two such switches matter here: K-quant matrix
+products take a tiled kernel from 8 rows on, and with an F16 KV cache the attention of a
+single row is split over the threads once 512 or more cells are cached (so even 2-row chunks
+part from one-row decoding past ~260 tokens of context). An exact runtime therefore keeps
+its KV cache in Q8_0, whose attention takes one kernel for any row count, and at load finds
+``max_rows``, the largest forward whose logits equal feeding its tokens one at a time
+(checked once per model file, thread count and machine, then read from
+``llamacpp_rows.json`` in specdec's cache directory), and feeds every continuation
 (a forward whose slots all hold rows already: verification, decoding, a draft's catch-up) in
 balanced pieces of at most that many rows, one ``llama_decode`` each. Prompts go whole: plain
 and speculative decoding prefill alike. ``exact=False`` (a draft model, whose rounding only
-sways its proposals) skips the check and the pieces.
+sways its proposals) keeps llama.cpp's F16 KV cache and skips the check and the pieces.
 """
 from __future__ import annotations
 
@@ -115,6 +119,10 @@ class LlamaCppCache:
         # logits as feeding its tokens one by one (without it, llama.cpp's CPU kernels differ)
         p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         p.no_perf = True
+        # an exact runtime's KV cache is Q8_0: with F16 (the default) llama.cpp splits one
+        # row's attention over the threads from 512 cached tokens on, which rounds unlike the
+        # attention of several rows (see the module docstring)
+        p.type_k = p.type_v = lib.GGML_TYPE_Q8_0 if runtime.exact else lib.GGML_TYPE_F16
         self.ctx = lib.llama_init_from_model(runtime.model, p)
         if not self.ctx:
             raise ValueError(f"llama.cpp could not create a context of {p.n_ctx} tokens")
@@ -273,7 +281,7 @@ class LlamaCppRuntime:
 
         stat = self.gguf.stat()
         key = "|".join([str(self.gguf), str(stat.st_size), str(stat.st_mtime_ns), f"threads={self.threads}",
-                        f"repack={self.repack}", f"llama_cpp={version('llama_cpp_python')}",
+                        f"repack={self.repack}", "kv=q8_0", f"llama_cpp={version('llama_cpp_python')}",
                         disk_cache.machine()])
         path = disk_cache.directory() / "llamacpp_rows.json"
         rows = disk_cache.read(path).get(key)
