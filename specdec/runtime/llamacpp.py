@@ -119,10 +119,7 @@ class LlamaCppCache:
         # logits as feeding its tokens one by one (without it, llama.cpp's CPU kernels differ)
         p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         p.no_perf = True
-        # an exact runtime's KV cache is Q8_0: with F16 (the default) llama.cpp splits one
-        # row's attention over the threads from 512 cached tokens on, which rounds unlike the
-        # attention of several rows (see the module docstring)
-        p.type_k = p.type_v = lib.GGML_TYPE_Q8_0 if runtime.exact else lib.GGML_TYPE_F16
+        p.type_k = p.type_v = runtime.kv_type
         self.ctx = lib.llama_init_from_model(runtime.model, p)
         if not self.ctx:
             raise ValueError(f"llama.cpp could not create a context of {p.n_ctx} tokens")
@@ -273,6 +270,13 @@ class LlamaCppRuntime:
         self.threads = threads or torch.get_num_threads()
         self.device = torch.device("cpu")
 
+    @property
+    def kv_type(self) -> int:
+        """The KV cache's ggml type: Q8_0 for an exact runtime (with F16, llama.cpp's default,
+        it splits one row's attention over the threads from 512 cached cells on, which rounds
+        unlike the attention of several rows; see the module docstring), else F16."""
+        return self.lib.GGML_TYPE_Q8_0 if self.exact else self.lib.GGML_TYPE_F16
+
     @functools.cached_property
     def max_rows(self) -> int:
         """The largest forward (in rows) checked to give one-row decoding's logits: measured
@@ -281,7 +285,7 @@ class LlamaCppRuntime:
 
         stat = self.gguf.stat()
         key = "|".join([str(self.gguf), str(stat.st_size), str(stat.st_mtime_ns), f"threads={self.threads}",
-                        f"repack={self.repack}", "kv=q8_0", f"llama_cpp={version('llama_cpp_python')}",
+                        f"repack={self.repack}", f"kv_type={self.kv_type}", f"llama_cpp={version('llama_cpp_python')}",
                         disk_cache.machine()])
         path = disk_cache.directory() / "llamacpp_rows.json"
         rows = disk_cache.read(path).get(key)
