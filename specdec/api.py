@@ -87,9 +87,7 @@ class LLM:
 
             if not isinstance(draft, LoadedModel):
                 draft = load_model(draft, device, dtype, draft_backend or backend,
-                                   quantize=speculative.draft_quantization)
-            if draft.runtime is not self.target.runtime and getattr(draft.runtime, "exact", False):
-                draft.runtime.exact = False  # its rounding only sways proposals: skip the pieces
+                                   quantize=speculative.draft_quantization, draft=True)
             self.draft = draft
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
         if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:

@@ -119,7 +119,12 @@ def forward_costs(model, max_tokens: int) -> ForwardCosts:
 class Acceptance:
     """Smoothed counts per draft position: ``tried[i]`` steps reached position i (the
     drafts before it were accepted), ``accepted[i]`` of them accepted it. Older steps decay
-    by ``decay`` per record."""
+    by ``decay`` per record.
+
+    Position i's estimate is smoothed towards its ``prior`` scaled by how position i-1 does
+    against its own prior, so a position the request has not reached yet leans on the one
+    before it: drafts accepted at depths 0-1 raise the estimate of depth 2, and the planner
+    tries deeper drafts instead of staying at the depths it has evidence for."""
 
     prior: list[float]
     weight: float = 2.0
@@ -127,12 +132,19 @@ class Acceptance:
     tried: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
 
+    def alphas(self, k: int, prior: float | None = None) -> list[float]:
+        """``alpha_i`` for i < k; ``prior``: smooth position 0 towards this instead."""
+        out, ratio = [], 1.0  # ratio: the previous position's estimate over its prior
+        for i in range(k):
+            p = self.prior[min(i, len(self.prior) - 1)] if i or prior is None else prior
+            t = self.tried[i] if i < len(self.tried) else 0.0
+            a = self.accepted[i] if i < len(self.accepted) else 0.0
+            out.append((a + self.weight * min(1.0, p * ratio)) / (t + self.weight))
+            ratio = out[-1] / p if p > 0 else 1.0
+        return out
+
     def alpha(self, i: int, prior: float | None = None) -> float:
-        """``prior``: smooth towards this instead of the stored prior."""
-        p = self.prior[min(i, len(self.prior) - 1)] if prior is None else prior
-        t = self.tried[i] if i < len(self.tried) else 0.0
-        a = self.accepted[i] if i < len(self.accepted) else 0.0
-        return (a + self.weight * p) / (t + self.weight)
+        return self.alphas(i + 1, prior)[i]
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         self.tried = [x * self.decay for x in self.tried]
@@ -147,11 +159,16 @@ class Acceptance:
 
     def expected_tokens(self, k: int) -> float:
         """Expected tokens committed by a verify step over k drafts (recovered/bonus included)."""
-        total, reach = 1.0, 1.0
-        for i in range(k):
-            reach *= self.alpha(i)
-            total += reach
-        return total
+        return chain_tokens(self.alphas(k))
+
+
+def chain_tokens(alphas: list[float]) -> float:
+    """``1 + sum_i prod_{j<=i} alpha_j``: expected tokens a chain step commits."""
+    total, reach = 1.0, 1.0
+    for a in alphas:
+        reach *= a
+        total += reach
+    return total
 
 
 def match_bucket(m: int) -> int:
@@ -179,7 +196,7 @@ class MatchAcceptance:
         return self.planner._first(self.name, self.match + i, self.request_id).alpha(0, prior=shared)
 
     def expected_tokens(self, k: int) -> float:
-        return Acceptance.expected_tokens(self, k)  # the same product over alpha_i
+        return chain_tokens([self.alpha(i) for i in range(k)])
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         for i in range(min(num_accepted + 1, num_drafts)):  # draft i was reached
@@ -372,4 +389,4 @@ class Planner:
         for name in self.draft_cost:
             acc = self.stats.pop(StatsKey(name, request_id), None)
             if acc is not None and acc.tried and acc.tried[0] >= 1:
-                self.priors[name] = [0.5 * p + 0.5 * acc.alpha(i) for i, p in enumerate(self.priors[name])]
+                self.priors[name] = [0.5 * p + 0.5 * a for p, a in zip(self.priors[name], acc.alphas(self.k_max))]

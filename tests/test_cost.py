@@ -22,8 +22,32 @@ def test_expected_tokens_and_updates():
     assert acc.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)
     acc.record(num_drafts=3, num_accepted=1)  # position 0 accepted, position 1 rejected, 2 not reached
     assert acc.alpha(0) == pytest.approx((1 + 1) / (1 + 2))
-    assert acc.alpha(1) == pytest.approx((0 + 1) / (1 + 2))
-    assert acc.alpha(2) == pytest.approx(0.5)
+    # each position's prior is scaled as the position before compares with its own prior
+    # (position 0: 2/3 against 0.5)
+    assert acc.alpha(1) == pytest.approx((0 + 2 * 0.5 * (2 / 3) / 0.5) / (1 + 2))
+    assert acc.alpha(2) == pytest.approx(0.5 * (4 / 9) / 0.5)  # not reached: the prior, scaled
+    assert acc.expected_tokens(3) == pytest.approx(1 + 2 / 3 + 2 / 3 * 4 / 9 + 2 / 3 * 4 / 9 * 4 / 9)
+
+
+def test_untried_depths_lean_on_the_depths_before():
+    """A request whose drafts are all accepted at k=2 raises its estimate of depths 2-3 (not
+    tried yet) above the prior, and the planner goes deeper within a few steps; one whose
+    drafts fail lowers it."""
+    acc = Acceptance(prior=[0.6] * 4)
+    for _ in range(3):
+        acc.record(num_drafts=2, num_accepted=2)
+    assert acc.alpha(2) == pytest.approx(acc.alpha(1)) and acc.alpha(3) > 0.8
+    bad = Acceptance(prior=[0.6] * 4)
+    bad.record(num_drafts=1, num_accepted=0)
+    assert bad.alpha(3) < 0.6
+    curve = ForwardCosts((1.0, 1.3, 1.5, 1.7, 1.9))  # verify of k+1 tokens, relative
+    p = Planner(curve, {"draft": 0.1}, k_max=4)
+    ks = []
+    for _ in range(4):
+        c = p.choose(1, limit=4)
+        ks.append(c.k)
+        p.record(1, c, num_drafts=c.k, num_accepted=c.k)
+    assert ks[0] < 4 and ks[-1] == 4, ks
 
 
 def test_forward_costs_extrapolate():

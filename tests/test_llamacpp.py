@@ -216,8 +216,8 @@ def test_greedy_speculation_in_pieces_equals_plain(pieces, lc, prompts, plain):
 
 
 def test_row_limit_is_cached_and_drafts_skip_it(monkeypatch, tmp_path, lc):
-    """``max_rows`` is checked once per file, threads and machine, then read back; a separate
-    draft model drops the pieces (its rounding only sways its proposals)."""
+    """``max_rows`` is checked once per file, threads and machine, then read back; a draft
+    model drops the pieces (its rounding only sways its proposals)."""
     import json
 
     from specdec.runtime import llamacpp
@@ -229,8 +229,24 @@ def test_row_limit_is_cached_and_drafts_skip_it(monkeypatch, tmp_path, lc):
     assert first.runtime.max_rows == 5 and second.runtime.max_rows == 5 and len(calls) == 1
     (entry,) = json.loads((tmp_path / "llamacpp_rows.json").read_text()).items()
     assert "threads=" in entry[0] and entry[1] == 5
-    llm = LLM(lc, draft=first, speculative=SpecConfig(method="draft"))
+    assert not load_model(None, backend="llamacpp", draft=True).runtime.exact
+    llm = LLM(lc, draft=str(lc.runtime.gguf), speculative=SpecConfig(method="draft"), backend="llamacpp")
     assert lc.runtime.exact and not llm.draft.runtime.exact
+    assert LLM(lc, draft=first, speculative=SpecConfig(method="draft")).draft.runtime.exact  # left as loaded
+
+
+def test_row_check_sees_long_context_kernels():
+    """With llama.cpp's F16 KV cache, one row's attention is split over the threads from 512
+    cached cells on (several rows take all keys at once): a check after a short context alone
+    misses that; the check after the long one finds it. The exact runtime's Q8_0 cache has
+    no such switch."""
+    from specdec.runtime.llamacpp import ROW_CONTEXTS, LlamaCppRuntime, exact_rows
+    from specdec.runtime.loading import gguf_file
+
+    f16 = LlamaCppRuntime(gguf_file(None), threads=2, exact=False)
+    assert max(ROW_CONTEXTS) > 256 and exact_rows(f16, (min(ROW_CONTEXTS),)) >= 2
+    assert exact_rows(f16) == 1
+    assert exact_rows(LlamaCppRuntime(gguf_file(None), threads=2)) >= 2
 
 
 def test_bad_inputs(lc, prompts, tmp_path):

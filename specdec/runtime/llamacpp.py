@@ -26,12 +26,14 @@ single row is split over the threads once 512 or more cells are cached (so even 
 part from one-row decoding past ~260 tokens of context). An exact runtime therefore keeps
 its KV cache in Q8_0, whose attention takes one kernel for any row count, and at load finds
 ``max_rows``, the largest forward whose logits equal feeding its tokens one at a time
-(checked once per model file, thread count and machine, then read from
+after a short and after a long context (``ROW_CONTEXTS``: the long one is past 512 cells, so
+the check itself would catch the attention switch above; checked once per model file,
+thread count and machine, then read from
 ``llamacpp_rows.json`` in specdec's cache directory), and feeds every continuation
 (a forward whose slots all hold rows already: verification, decoding, a draft's catch-up) in
 balanced pieces of at most that many rows, one ``llama_decode`` each. Prompts go whole: plain
-and speculative decoding prefill alike. ``exact=False`` (a draft model, whose rounding only
-sways its proposals) keeps llama.cpp's F16 KV cache and skips the check and the pieces.
+and speculative decoding prefill alike. ``exact=False`` (a draft model, ``load_model(...,
+draft=True)``, whose rounding only sways its proposals) keeps llama.cpp's F16 KV cache and skips the check and the pieces.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ PARK_LIMIT = 512  # dropped rows a slot keeps parked before it frees them (see L
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 UBATCH = 512  # tokens per llama.cpp compute step (its default)
 ROW_CHECKS = (2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32)  # forward sizes compared with one-row decoding
+ROW_CONTEXTS = (32, 300)  # ... after these many cached tokens (300: over 512 cells once padded to 256)
 
 GGML_LOG_ERROR, GGML_LOG_CONT = 4, 5  # ggml_log_level
 _log_callback = None  # the ctypes callback must stay alive
@@ -285,7 +288,8 @@ class LlamaCppRuntime:
 
         stat = self.gguf.stat()
         key = "|".join([str(self.gguf), str(stat.st_size), str(stat.st_mtime_ns), f"threads={self.threads}",
-                        f"repack={self.repack}", f"kv_type={self.kv_type}", f"llama_cpp={version('llama_cpp_python')}",
+                        f"repack={self.repack}", f"kv_type={self.kv_type}",
+                        "contexts=" + ",".join(map(str, ROW_CONTEXTS)), f"llama_cpp={version('llama_cpp_python')}",
                         disk_cache.machine()])
         path = disk_cache.directory() / "llamacpp_rows.json"
         rows = disk_cache.read(path).get(key)
@@ -398,19 +402,26 @@ class LlamaCppRuntime:
         return padded
 
 
-def exact_rows(runtime: LlamaCppRuntime, prefix: int = 32) -> int:
+def exact_rows(runtime: LlamaCppRuntime, contexts: Sequence[int] = ROW_CONTEXTS) -> int:
     """The largest of ``ROW_CHECKS`` up to which every checked forward size gives exactly the
-    logits of feeding its tokens one at a time (after a ``prefix``-token context), else 1."""
-    cache = LlamaCppCache(runtime, 1)
+    logits of feeding its tokens one at a time, after each context length of ``contexts``
+    (kernels may switch with the number of cached cells), else 1."""
     g = torch.Generator().manual_seed(0)
     vocab = min(runtime.vocab_size, 1000)
-    ids = torch.randint(0, vocab, (prefix + max(ROW_CHECKS),), generator=g).tolist()
-    runtime._forward(cache, [0], [ids[:prefix]], last_only=True)
-    one = torch.cat([runtime._forward(cache, [0], [[t]])[0] for t in ids[prefix:]])  # [max, V]
-    good = 1
-    for n in ROW_CHECKS:
-        cache.rewind(0, prefix)
-        if not torch.equal(runtime._forward(cache, [0], [ids[prefix: prefix + n]])[0], one[:n]):
+    ids = torch.randint(0, vocab, (max(contexts) + max(ROW_CHECKS),), generator=g).tolist()
+    good = max(ROW_CHECKS)
+    for context in contexts:
+        cache = LlamaCppCache(runtime, 1)
+        runtime._forward(cache, [0], [ids[:context]], last_only=True)
+        sizes = [n for n in ROW_CHECKS if n <= good]
+        one = torch.cat([runtime._forward(cache, [0], [[t]])[0]
+                         for t in ids[context: context + max(sizes)]])  # [rows, V]
+        good = 1
+        for n in sizes:
+            cache.rewind(0, context)
+            if not torch.equal(runtime._forward(cache, [0], [ids[context: context + n]])[0], one[:n]):
+                break
+            good = n
+        if good == 1:
             break
-        good = n
     return good

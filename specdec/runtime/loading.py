@@ -191,11 +191,13 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_model(model: str | None, device: str | None = None, dtype: str | None = None,
-               backend: str = "auto", quantize: str = "none") -> LoadedModel:
+               backend: str = "auto", quantize: str = "none", draft: bool = False) -> LoadedModel:
     """Load ``model`` (path, .gguf, hub id or None for the default) onto a runtime.
 
     ``quantize`` (draft models only, see ``torch_llama.Linear``): ``int8`` linears, ``none``,
     or ``auto`` = int8 where it applies (torch runtime, CPU, float32).
+    ``draft``: the model only proposes tokens, so its rounding need not match one-row
+    decoding (on llama.cpp: no exact pieces, llama.cpp's F16 KV cache).
     ``backend="llamacpp"``: a GGUF on llama.cpp (CPU, the file's own quantization, torch's
     thread count); config and tokenizer still come from transformers."""
     from transformers import AutoConfig, AutoTokenizer
@@ -204,7 +206,7 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     from .torch_llama import ARCHS, TorchLlama, pick_linear
 
     if backend == "llamacpp":
-        return load_llamacpp(model, device, dtype, quantize)
+        return load_llamacpp(model, device, dtype, quantize, draft)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve(model)
@@ -224,7 +226,8 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer, eos_ids, config)
 
 
-def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quantize: str) -> LoadedModel:
+def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quantize: str,
+                  draft: bool) -> LoadedModel:
     """``load_model`` for ``backend="llamacpp"``: the GGUF's weights go to llama.cpp as they are."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -241,7 +244,7 @@ def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quan
     path = gguf_to_hf_dir(gguf, weights=False)
     config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    runtime = LlamaCppRuntime(gguf, threads=torch.get_num_threads())
+    runtime = LlamaCppRuntime(gguf, threads=torch.get_num_threads(), exact=not draft)
     return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer,
                        eos_ids_of(path, config, tokenizer), config)
 
