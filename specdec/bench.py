@@ -16,7 +16,8 @@ The methods, greedy, batch size 1, on the prompts of a JSONL file:
 ``--backend`` is the runtime of the specdec methods: ``torch`` (the GGUF dequantized to
 float32, or an HF checkpoint) or ``llamacpp`` (the GGUF on llama.cpp). Every method gets the
 same prompt token ids (``encode_prompt``, as ``LLM.encode``) and the same eos ids. Only the
-generation call is timed (one untimed 8-token warm-up per method first). The transformers
+generation call is timed (one untimed 8-token warm-up per method first), with its time to
+the first token, so that decode speed (prefill left out) is reported too. The transformers
 models are freed before the others load (never both in memory); llama-cpp-python's and
 specdec's methods are then timed in turns, prompt by prompt and repeat by repeat, so that a
 drift in the machine's speed reaches every method alike.
@@ -189,12 +190,32 @@ def _specdec_runner(llm):
     def run(ids, max_new_tokens):
         out = llm.generate({"prompt_token_ids": list(ids)}, SamplingParams(max_new_tokens=max_new_tokens))[0]
         m = out.metrics
-        return list(out.token_ids), {k: m.get(k) for k in (
+        stats = {k: m.get(k) for k in (
             "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens",
             "acceptance_rate", "mean_accepted_length", "nodes_per_verify_step",
             "accepted_per_position", "drafted_per_position", "chosen_k", "drafter_steps", "time_split_s")}
+        return list(out.token_ids), {**stats, "ttft_s": m["time_split_s"]["prefill"]}  # prefill commits token 1
 
     return run
+
+
+class FirstToken:
+    """A ``generate(streamer=...)`` that notes when the first new token arrives (its first
+    ``put`` is the prompt, each later one new tokens)."""
+
+    def __init__(self):
+        self.start, self.first, self.puts = time.perf_counter(), None, 0
+
+    def put(self, _value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+    def seconds(self) -> float | None:
+        return None if self.first is None else self.first - self.start
 
 
 def _hf_runner(model, eos: list[int], device, **extra):
@@ -233,12 +254,13 @@ def _hf_runner(model, eos: list[int], device, **extra):
     def run(ids, max_new_tokens):
         counts.update(target_forwards=0, drafted_tokens=0, accepted_tokens=0, verify_steps=0)
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
+        first = FirstToken()
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                  do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                 pad_token_id=eos[0], **extra)
+                                 pad_token_id=eos[0], streamer=first, **extra)
         new = out[0, input_ids.shape[1]:].tolist()
-        stats = {"target_forwards": counts["target_forwards"]}
+        stats = {"target_forwards": counts["target_forwards"], "ttft_s": first.seconds()}
         if extra:
             n = len(cut_after_eos(new, frozenset(eos)))
             drafted = counts["drafted_tokens"]
@@ -276,11 +298,13 @@ def _llamacpp_runner(gguf: Path, context: int, threads: int, lookup: bool):
     llm = Llama(str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads,
                 n_gpu_layers=0, draft_model=draft, verbose=False)
     got: list[int] = []
+    first = {}  # when the run started and when its first token came
     generate, evaluate = llm.generate, llm.eval
 
     def recorded_generate(*a, **kw):
         for token in generate(*a, **kw):
             got.append(token)
+            first.setdefault("token", time.perf_counter())
             yield token
 
     def counted_eval(tokens):
@@ -292,9 +316,12 @@ def _llamacpp_runner(gguf: Path, context: int, threads: int, lookup: bool):
     def run(ids, max_new_tokens):
         got.clear()
         counts.update(target_forwards=0, drafted_tokens=0)
+        first.clear()
+        first["start"] = time.perf_counter()
         llm.reset()
         llm.create_completion(list(ids), max_tokens=max_new_tokens, temperature=0.0)
-        stats = {"target_forwards": counts["target_forwards"]}
+        stats = {"target_forwards": counts["target_forwards"],
+                 "ttft_s": first["token"] - first["start"] if "token" in first else None}
         if lookup:  # the prefill commits one token, each later forward its accepted drafts + 1
             drafted, accepted = counts["drafted_tokens"], max(len(got) - counts["target_forwards"], 0)
             stats.update(drafted_tokens=drafted, accepted_tokens=accepted,
@@ -314,6 +341,7 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
     records: dict[str, list[dict]] = {m: [] for m in runs}
     for p in prompts:
         secs = {m: [] for m in runs}
+        ttft = {m: [] for m in runs}
         outs = {m: [] for m in runs}
         stats = {}
         for _ in range(args.repeats):
@@ -323,14 +351,20 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
                 ids, st = run(p["ids"], args.max_new_tokens)
                 _sync(device)
                 secs[m].append(time.perf_counter() - t0)
+                ttft[m].append(st.pop("ttft_s", None))
                 outs[m].append(cut_after_eos(ids, eos))
                 stats.setdefault(m, st)
         for m in runs:
             first, n = outs[m][0], len(outs[m][0])
             med = statistics.median(secs[m])
+            decode = None  # tokens after the first one per second after it (prefill left out)
+            if n > 1 and None not in ttft[m]:
+                decode_s = statistics.median(t - f for t, f in zip(secs[m], ttft[m]))
+                decode = (n - 1) / decode_s if decode_s > 0 else None
             rec = {"id": p["id"], "prompt_tokens": len(p["ids"]), "generated_tokens": n,
                    "hit_eos": bool(n and first[-1] in eos), "seconds": secs[m], "median_s": med,
-                   "tokens_per_s": n / med if med > 0 else None, **stats[m], "token_ids": first,
+                   "tokens_per_s": n / med if med > 0 else None, "ttft_s": ttft[m],
+                   "decode_tokens_per_s": decode, **stats[m], "token_ids": first,
                    "repeats_identical": all(r == first for r in outs[m]), "_all_ids": outs[m]}
             records[m].append(rec)
             log(f"  {m:<24} {p['id']:<16} {n:>4} tok  {med:7.2f}s  {rec['tokens_per_s']:7.2f} tok/s")
@@ -490,6 +524,7 @@ def run_bench(args) -> int:
         tokens = sum(r["generated_tokens"] for r in recs)
         secs = sum(r["median_s"] for r in recs)
         s = {"median_tokens_per_s": _median(r["tokens_per_s"] for r in recs),
+             "median_decode_tokens_per_s": _median(r["decode_tokens_per_s"] for r in recs),
              "total_tokens": tokens, "total_seconds": secs,
              "aggregate_tokens_per_s": tokens / secs if secs > 0 else None,
              "target_forwards": sum(r["target_forwards"] for r in recs),
@@ -518,7 +553,7 @@ def run_bench(args) -> int:
     baselines = [b for b in BASELINES if b in summary]
     for b in baselines:
         for s in summary.values():
-            for how in ("median", "aggregate"):
+            for how in ("median", "aggregate", "median_decode"):
                 key = f"{how}_tokens_per_s"
                 s[_vs(b, how)] = _ratio(s[key], summary[b][key])
 
@@ -672,17 +707,19 @@ def _ratio(a, b):
 
 def _tables(methods, summary, results, prompts, baselines) -> str:
     vs = "".join(f" vs {b} |" for b in baselines)
-    rows = [f"| method | tok/s (median) | tok/s (total) |{vs} tokens | target fwd "
-            "| accept rate | mean acc len | nodes/step | accept by depth | diverged from reference |",
-            "|---|---:|---:|" + "---:|" * len(baselines) + "---:|---:|---:|---:|---:|---|---|"]
+    vs_decode = "".join(f" decode vs {b} |" for b in baselines)
+    rows = [f"| method | tok/s (median) | tok/s (total) |{vs} decode tok/s (median) |{vs_decode} tokens "
+            "| target fwd | accept rate | mean acc len | nodes/step | accept by depth | diverged from reference |",
+            "|---|---:|---:|" + "---:|" * (1 + 2 * len(baselines)) + "---:|---:|---:|---:|---:|---|---|"]
     for m in methods:
         s = summary[m]
         div = "(is the reference)" if m == s["reference"] else f"{s['diverged']} ({s['reference']})"
         if s["diverged"]:
             div += ": " + ", ".join(f"{k}@{v}" for k, v in s["diverged_first_index"].items())
         ratios = "".join(f" {_fmt(s[_vs(b, 'median')])}x |" for b in baselines)
+        decode = "".join(f" {_fmt(s[_vs(b, 'median_decode')])}x |" for b in baselines)
         rows.append(f"| {m} | {_fmt(s['median_tokens_per_s'])} | {_fmt(s['aggregate_tokens_per_s'])} |{ratios} "
-                    f"{s['total_tokens']} | {s['target_forwards']} "
+                    f"{_fmt(s['median_decode_tokens_per_s'])} |{decode} {s['total_tokens']} | {s['target_forwards']} "
                     f"| {_fmt(s.get('acceptance_rate'))} | {_fmt(s.get('mean_accepted_length'))} "
                     f"| {_fmt(s.get('nodes_per_verify_step'))} "
                     f"| {' '.join(_fmt(a) for a in s.get('acceptance_by_depth') or []) or '-'} | {div} |")
@@ -694,18 +731,20 @@ def _tables(methods, summary, results, prompts, baselines) -> str:
     text = "\n".join(rows) + "\n\nper prompt, tokens/s:\n\n" + "\n".join(per)
     if baselines:  # per prompt and per group, speed relative to the main baseline
         b = baselines[-1]  # llamacpp-plain when present (the llama.cpp bench), else hf-plain
-        rel = {m: [_ratio(results[m][i]["tokens_per_s"], results[b][i]["tokens_per_s"])
-                   for i in range(len(prompts))] for m in methods if m != b}
-        ms = list(rel)
-        lines = [f"| prompt | " + " | ".join(ms) + " |", "|---|" + "---:|" * len(ms)]
-        lines += [f"| {p['id']} | " + " | ".join(_fmt(rel[m][i]) for m in ms) + " |" for i, p in enumerate(prompts)]
-        for g in sorted({prompt_group(p["id"]) for p in prompts}):
-            idx = [i for i, p in enumerate(prompts) if prompt_group(p["id"]) == g]
-            lines.append(f"| **{g}-\\* (median)** | " + " | ".join(
-                _fmt(_median(rel[m][i] for i in idx)) for m in ms) + " |")
-        lines.append("| **lowest** | " + " | ".join(
-            _fmt(min((x for x in rel[m] if x is not None), default=None)) for m in ms) + " |")
-        text += f"\n\nper prompt, speed relative to {b} (same prompt):\n\n" + "\n".join(lines)
+        for key, what in (("tokens_per_s", "speed"), ("decode_tokens_per_s", "decode speed (after the first token)")):
+            rel = {m: [_ratio(results[m][i][key], results[b][i][key])
+                       for i in range(len(prompts))] for m in methods if m != b}
+            ms = list(rel)
+            lines = [f"| prompt | " + " | ".join(ms) + " |", "|---|" + "---:|" * len(ms)]
+            lines += [f"| {p['id']} | " + " | ".join(_fmt(rel[m][i]) for m in ms) + " |"
+                      for i, p in enumerate(prompts)]
+            for g in sorted({prompt_group(p["id"]) for p in prompts}):
+                idx = [i for i, p in enumerate(prompts) if prompt_group(p["id"]) == g]
+                lines.append(f"| **{g}-\\* (median)** | " + " | ".join(
+                    _fmt(_median(rel[m][i] for i in idx)) for m in ms) + " |")
+            lines.append("| **lowest** | " + " | ".join(
+                _fmt(min((x for x in rel[m] if x is not None), default=None)) for m in ms) + " |")
+            text += f"\n\nper prompt, {what} relative to {b} (same prompt):\n\n" + "\n".join(lines)
     split = ["| method | prefill s | draft s | verify s | bookkeeping s | chosen k (count for k=0,1,...) "
              "| steps per drafter |", "|---|---:|---:|---:|---:|---|---|"]
     for m in methods:

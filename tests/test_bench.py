@@ -28,4 +28,9 @@ def test_bench_runs_all_kinds_of_methods(tiny_dirs, tmp_path, monkeypatch):
     assert sum(summary["specdec-hybrid+cost"]["chosen_k"]) > 0
     assert len(report["cost_curve_s"]["target"]) == 17
     assert (out / "bench.png").stat().st_size > 10_000
-    assert "chosen k" in (out / "bench.md").read_text()
+    assert "chosen k" in (out / "bench.md").read_text() and "decode speed" in (out / "bench.md").read_text()
+    for m in ("specdec-plain", "specdec-draft", "hf-plain", "hf-assisted"):  # time to first token noted
+        for rec in report["per_prompt"][m]:
+            assert all(0 < t < max(rec["seconds"]) for t in rec["ttft_s"]), (m, rec["ttft_s"])
+            assert rec["decode_tokens_per_s"] > rec["tokens_per_s"] * 0.5, m
+    assert summary["hf-plain"]["vs_hf_plain_median_decode"] == 1.0

@@ -220,6 +220,7 @@ def test_row_limit_is_cached_and_drafts_skip_it(monkeypatch, tmp_path, lc):
     model drops the pieces (its rounding only sways its proposals)."""
     import json
 
+    from specdec.cost import cost_key
     from specdec.runtime import llamacpp
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
@@ -229,7 +230,9 @@ def test_row_limit_is_cached_and_drafts_skip_it(monkeypatch, tmp_path, lc):
     assert first.runtime.max_rows == 5 and second.runtime.max_rows == 5 and len(calls) == 1
     (entry,) = json.loads((tmp_path / "llamacpp_rows.json").read_text()).items()
     assert "threads=" in entry[0] and entry[1] == 5
-    assert not load_model(None, backend="llamacpp", draft=True).runtime.exact
+    draft = load_model(None, backend="llamacpp", draft=True)
+    assert not draft.runtime.exact
+    assert "max-rows=5" in cost_key(first) and cost_key(draft) != cost_key(first)  # F16 KV, no pieces
     llm = LLM(lc, draft=str(lc.runtime.gguf), speculative=SpecConfig(method="draft"), backend="llamacpp")
     assert lc.runtime.exact and not llm.draft.runtime.exact
     assert LLM(lc, draft=first, speculative=SpecConfig(method="draft")).draft.runtime.exact  # left as loaded
@@ -354,5 +357,8 @@ def test_bench_on_llamacpp(tmp_path, monkeypatch):
     # so its near-ties may round the other way from the exact target's
     assert s["specdec-draft"]["acceptance_rate"] > 0.7
     assert s["specdec-ngram+cost"]["vs_llamacpp_plain_median"] > 0
+    for m in ("llamacpp-plain", "llamacpp-lookup"):  # time to the first token llama-cpp-python yields
+        for rec in report["per_prompt"][m]:
+            assert all(0 < t < max(rec["seconds"]) for t in rec["ttft_s"]) and rec["decode_tokens_per_s"] > 0
     md = (out / "bench.md").read_text()
     assert "speed relative to llamacpp-plain" in md and "llama-cpp-python" in md

@@ -27,13 +27,14 @@ part from one-row decoding past ~260 tokens of context). An exact runtime theref
 its KV cache in Q8_0, whose attention takes one kernel for any row count, and at load finds
 ``max_rows``, the largest forward whose logits equal feeding its tokens one at a time
 after a short and after a long context (``ROW_CONTEXTS``: the long one is past 512 cells, so
-the check itself would catch the attention switch above; checked once per model file,
-thread count and machine, then read from
-``llamacpp_rows.json`` in specdec's cache directory), and feeds every continuation
-(a forward whose slots all hold rows already: verification, decoding, a draft's catch-up) in
-balanced pieces of at most that many rows, one ``llama_decode`` each. Prompts go whole: plain
+the check itself catches the attention switch above; checked once per model file, thread
+count and machine, then read from ``llamacpp_rows.json`` in specdec's cache directory), and
+feeds every continuation (a forward whose slots all hold rows already: verification,
+decoding, a draft's catch-up) in balanced pieces of at most that many rows, one
+``llama_decode`` each. Prompts go whole: plain
 and speculative decoding prefill alike. ``exact=False`` (a draft model, ``load_model(...,
-draft=True)``, whose rounding only sways its proposals) keeps llama.cpp's F16 KV cache and skips the check and the pieces.
+draft=True)``, whose rounding only sways its proposals) keeps llama.cpp's F16 KV cache and
+skips the check and the pieces.
 """
 from __future__ import annotations
 
@@ -251,10 +252,9 @@ class LlamaCppRuntime:
     ``context``: tokens per slot (capped by the model's training context); ``exact``: feed
     continuations in pieces of at most ``max_rows`` rows, so they give one-row decoding's
     logits (see the module docstring); ``repack``: llama.cpp's repacked CPU weights for
-    Q4_0/Q4_K/IQ4_NL (cheaper products of 4+ rows, i.e. verification, but rounded differently
-    from the 1-row kernel at any row count, so a verify step can flip a near-tie that plain
-    decoding resolves the other way: 3-4 of the 12 bench prompts on Qwen2.5-Coder-1.5B
-    Q4_K_M, none without)."""
+    Q4_0/Q4_K/IQ4_NL, whose products of 4+ rows round unlike one row (so an exact runtime's
+    check then finds 3 rows at most on Qwen2.5-Coder Q4_K_M); no faster end to end on the
+    bench prompts (docs/bench.md), so off by default."""
 
     supports_masks = True
 
