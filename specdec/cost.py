@@ -205,7 +205,10 @@ class MatchAcceptance:
                 self.planner._first(self.name, self.match + i, request).record(1, int(i < num_accepted))
 
 
-SCALE_RATE = 0.1  # weight of each new observation in the verify-cost correction
+LEVEL_RATE = 0.3  # weight of a verify step's timing in the current speed level of all forwards
+SHAPE_RATE = 0.1  # ... in its size's cost relative to that level (the verify-cost correction)
+SHAPE_GRACE, SHAPE_HALF_LIFE = 16, 50  # a size not timed for 16 verify steps: its correction
+# fades towards 1, halving every 50 steps
 PROBE_MARGIN = 1.1  # probe a drafter only if perfect drafts would beat plain decoding by this much
 
 
@@ -288,7 +291,10 @@ class Planner:
         self.stats: dict[StatsKey, Acceptance] = {}
         self.tracks: dict[int, dict[str, _Track]] = {}
         self.chosen_k: dict[int, int] = {}  # histogram of chosen k over all requests and steps
-        self.scale: dict[int, float] = {}  # verify tokens -> observed / measured seconds
+        self.level = 1.0  # observed / measured seconds of recent verify steps, any size
+        self.shape: dict[int, float] = {}  # verify tokens -> its observed / measured, over the level
+        self.timed: dict[int, int] = {}  # verify tokens -> ``verify_steps`` when last timed
+        self.verify_steps = 0
 
     def _tracks(self, request_id: int) -> dict[str, _Track]:
         if request_id not in self.tracks:
@@ -332,18 +338,35 @@ class Planner:
         return any(self.rate(name, perfect, k, behind, left) > plain for k in range(1, min(self.k_max, limit) + 1))
 
     def verify_seconds(self, n: int) -> float:
-        """A target forward of n tokens: the measured cost, times the correction learned from
-        this process's own verify steps of n tokens (those of one token until n was seen)."""
-        return self.target(n) * self.scale.get(n, self.scale.get(1, 1.0))
+        """A target forward of n tokens: the measured cost, times how this process's verify
+        steps of n tokens have compared lately with its verify steps of every size
+        (``shape``, 1 for a size not seen yet). What slows every forward alike (another
+        process on the CPU, a longer context) goes into ``level`` and is left out: it slows
+        drafting as much and changes no choice. Kept per size instead, a passing load made
+        the sizes timed under it look dear for good, since a size not chosen is never timed
+        again (a bench run with the CPU shared for a few minutes then stayed at k <= 1)."""
+        return self.target(n) * self._shape(n)
+
+    def _shape(self, n: int) -> float:
+        """``shape[n]``, faded towards 1 by the verify steps since n was last timed."""
+        if n not in self.shape:
+            return 1.0
+        fade = 0.5 ** (max(self.verify_steps - self.timed[n] - SHAPE_GRACE, 0) / SHAPE_HALF_LIFE)
+        return 1.0 + (self.shape[n] - 1.0) * fade
 
     def observe_verify(self, n: int, seconds: float) -> None:
-        """A verify forward of n tokens (batch size 1) took ``seconds``: the correction for n
-        moves towards it. Real requests have longer contexts than the measurement's 128
-        tokens, and there a forward of several tokens costs relatively more (on llama.cpp,
-        5 tokens after ~600: about 3x one token instead of the measured 2.5x)."""
+        """A verify forward of n tokens (batch size 1) took ``seconds``. Real requests have
+        longer contexts than the measurement's 128 tokens, and there a forward of several
+        tokens can cost relatively more (on llama.cpp, 5 tokens after ~600: about 3x one
+        token instead of the measured 2.5x); ``shape`` learns that where sizes are timed
+        side by side (the level follows whatever is timed most). The correction of a size
+        not timed fades back to the measurement, so none is ruled out for good."""
+        self.verify_steps += 1
         ratio = seconds / self.target(n)
-        old = self.scale.get(n)
-        self.scale[n] = ratio if old is None else old + SCALE_RATE * (ratio - old)
+        shape = self._shape(n)
+        self.level += LEVEL_RATE * (ratio / shape - self.level)
+        self.shape[n] = shape + SHAPE_RATE * (ratio / self.level - shape)
+        self.timed[n] = self.verify_steps
 
     def choose(self, request_id: int, limit: int, available: dict[str, int | None] | None = None,
                behind: dict[str, int] | None = None, left: int | None = None) -> Choice:
