@@ -91,8 +91,8 @@ def cost_key(model, threads: int | None = None) -> str:
     rt = model.runtime
     kinds = sorted({layer["qkv"].kind for layer in getattr(rt, "layers", [])}) or [type(rt).__name__]
     kinds += ["multi-row"] if getattr(rt, "multi_row", False) else []
-    if hasattr(rt, "kv_type"):  # llama.cpp: its KV cache type, repacked weights, pieces
-        kinds += [f"kv_type={rt.kv_type}", f"repack={rt.repack}"] + ([f"max-rows={rt.max_rows}"] if rt.exact else [])
+    if hasattr(rt, "settings"):  # llama.cpp: its KV cache type, repacked weights, pieces
+        kinds += [rt.settings] + ([f"max-rows={rt.max_rows}"] if rt.exact else [])
     return "|".join([str(model.path), type(rt).__name__, ",".join(kinds),
                      str(getattr(rt, "dtype", "")), str(getattr(rt, "device", "")),
                      f"threads={threads or getattr(rt, 'threads', None) or torch.get_num_threads()}",

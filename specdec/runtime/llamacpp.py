@@ -31,10 +31,9 @@ the check itself catches the attention switch above; checked once per model file
 count and machine, then read from ``llamacpp_rows.json`` in specdec's cache directory), and
 feeds every continuation (a forward whose slots all hold rows already: verification,
 decoding, a draft's catch-up) in balanced pieces of at most that many rows, one
-``llama_decode`` each. Prompts go whole: plain
-and speculative decoding prefill alike. ``exact=False`` (a draft model, ``load_model(...,
-draft=True)``, whose rounding only sways its proposals) keeps llama.cpp's F16 KV cache and
-skips the check and the pieces.
+``llama_decode`` each. Prompts go whole: plain and speculative decoding prefill alike.
+``exact=False`` (a draft model, ``load_model(..., draft=True)``, whose rounding only sways
+its proposals) keeps llama.cpp's F16 KV cache and skips the check and the pieces.
 """
 from __future__ import annotations
 
@@ -280,6 +279,12 @@ class LlamaCppRuntime:
         unlike the attention of several rows; see the module docstring), else F16."""
         return self.lib.GGML_TYPE_Q8_0 if self.exact else self.lib.GGML_TYPE_F16
 
+    @property
+    def settings(self) -> str:
+        """What besides the file and the threads sets this runtime's rounding and speed (part
+        of the keys of the row-limit and forward-cost caches)."""
+        return f"repack={self.repack},kv_type={self.kv_type}"
+
     @functools.cached_property
     def max_rows(self) -> int:
         """The largest forward (in rows) checked to give one-row decoding's logits: measured
@@ -288,8 +293,7 @@ class LlamaCppRuntime:
 
         stat = self.gguf.stat()
         key = "|".join([str(self.gguf), str(stat.st_size), str(stat.st_mtime_ns), f"threads={self.threads}",
-                        f"repack={self.repack}", f"kv_type={self.kv_type}",
-                        "contexts=" + ",".join(map(str, ROW_CONTEXTS)), f"llama_cpp={version('llama_cpp_python')}",
+                        self.settings, "contexts=" + ",".join(map(str, ROW_CONTEXTS)), f"llama_cpp={version('llama_cpp_python')}",
                         disk_cache.machine()])
         path = disk_cache.directory() / "llamacpp_rows.json"
         rows = disk_cache.read(path).get(key)
