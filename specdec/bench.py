@@ -550,6 +550,8 @@ def run_bench(args) -> int:
             else:
                 s["mean_accepted_length"] = tokens / s["target_forwards"] if s["target_forwards"] else None
         summary[m] = s
+    if "specdec-plain" in results and "target" in cost_curve:
+        add_chain_bounds(prompts, results["specdec-plain"], cost_curve["target"], args.num_draft_tokens)
     baselines = [b for b in BASELINES if b in summary]
     for b in baselines:
         for s in summary.values():
@@ -577,7 +579,7 @@ def run_bench(args) -> int:
               "references": refs, "eos_ids": eos_list, "hf_prompt_lookup_num_tokens": HF_LOOKUP_TOKENS,
               "llamacpp_lookup_num_pred_tokens": LLAMACPP_LOOKUP_TOKENS,
               "warmup_tokens": WARMUP_TOKENS, "load_seconds": load_s}
-    tables = _tables(methods, summary, results, prompts, baselines)
+    tables = _tables(methods, summary, results, prompts, baselines) + _bound_table(methods, results, prompts)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(
@@ -610,6 +612,52 @@ def run_bench(args) -> int:
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f" and {plot}" if plot else
                                                                 " (no plot: pip install matplotlib)"))
     return 0 if ok else 1
+
+
+def add_chain_bounds(prompts, plain_records: list[dict], cost_curve: list[float], k_max: int) -> None:
+    """Give each specdec-plain record ``ngram_chain_bound``: the speed-up over its own plain
+    decoding that the best schedule of n-gram chains (at most ``k_max`` drafts, the
+    cost model's limit too) could reach on that output (``bound.ngram_chain_bound``), with
+    target forwards priced by ``cost_curve`` (seconds of 1.. tokens), after the first token
+    (``decode``) and with the measured prefill added (``end_to_end``)."""
+    from .bound import ngram_chain_bound
+    from .config import SpecConfig
+    from .cost import ForwardCosts
+
+    costs, spec = ForwardCosts(tuple(cost_curve)), SpecConfig(method="ngram")
+    for p, rec in zip(prompts, plain_records):
+        b = ngram_chain_bound(p["ids"], rec["token_ids"], costs, k_max, spec.ngram_max, spec.ngram_min)
+        e2e = None
+        if None not in rec["ttft_s"]:
+            first = statistics.median(rec["ttft_s"])
+            decode = statistics.median(t - f for t, f in zip(rec["seconds"], rec["ttft_s"]))
+            e2e = (first + decode) / (first + decode / b.speedup)
+        rec["ngram_chain_bound"] = {"decode": b.speedup, "end_to_end": e2e,
+                                    "steps": len(b.ks), "chosen_k": _sum_lists([[0] * k + [1] for k in b.ks])}
+
+
+def _bound_table(methods, results, prompts) -> str:
+    """Per prompt: the n-gram chain bound next to what each n-gram method measured (relative
+    to specdec-plain, same prompt)."""
+    plain = results.get("specdec-plain")
+    if not plain or "ngram_chain_bound" not in plain[0]:
+        return ""
+    ms = [m for m in methods if m.startswith(("specdec-ngram", "specdec-hybrid")) and "tree" not in m]
+    rows = {"bound, decode": [r["ngram_chain_bound"]["decode"] for r in plain],
+            "bound, end to end": [r["ngram_chain_bound"]["end_to_end"] for r in plain]}
+    for m in ms:
+        for key, what in (("decode_tokens_per_s", "decode"), ("tokens_per_s", "end to end")):
+            rows[f"{m}, {what}"] = [_ratio(results[m][i][key], plain[i][key]) for i in range(len(prompts))]
+    lines = ["| prompt | " + " | ".join(rows) + " |", "|---|" + "---:|" * len(rows)]
+    lines += [f"| {p['id']} | " + " | ".join(_fmt(v[i]) for v in rows.values()) + " |"
+              for i, p in enumerate(prompts)]
+    for g in sorted({prompt_group(p["id"]) for p in prompts}):
+        idx = [i for i, p in enumerate(prompts) if prompt_group(p["id"]) == g]
+        lines.append(f"| **{g}-\\* (median)** | " + " | ".join(
+            _fmt(_median(v[i] for i in idx)) for v in rows.values()) + " |")
+    return ("\n\nthe most any n-gram chain policy could gain (the best schedule of draft lengths "
+            "for each output, found knowing it; target forwards priced by the cost curve) and what "
+            "the n-gram methods measured, relative to specdec-plain (same prompt):\n\n" + "\n".join(lines))
 
 
 def references(methods: list[str], backend: str) -> dict[str, str]:

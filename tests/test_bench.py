@@ -34,3 +34,7 @@ def test_bench_runs_all_kinds_of_methods(tiny_dirs, tmp_path, monkeypatch):
             assert all(0 < t < max(rec["seconds"]) for t in rec["ttft_s"]), (m, rec["ttft_s"])
             assert rec["decode_tokens_per_s"] > rec["tokens_per_s"] * 0.5, m
     assert summary["hf-plain"]["vs_hf_plain_median_decode"] == 1.0
+    for rec in report["per_prompt"]["specdec-plain"]:  # plain decoding is one of the schedules
+        bound = rec["ngram_chain_bound"]
+        assert bound["decode"] >= 1.0 and bound["end_to_end"] >= 1.0
+    assert "could gain" in (out / "bench.md").read_text()
