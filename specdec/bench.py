@@ -357,14 +357,15 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
         for m in runs:
             first, n = outs[m][0], len(outs[m][0])
             med = statistics.median(secs[m])
-            decode = None  # tokens after the first one per second after it (prefill left out)
-            if n > 1 and None not in ttft[m]:
+            decode = decode_s = None  # seconds after the first token, tokens after it per second
+            if None not in ttft[m]:
                 decode_s = statistics.median(t - f for t, f in zip(secs[m], ttft[m]))
-                decode = (n - 1) / decode_s if decode_s > 0 else None
+                decode = (n - 1) / decode_s if n > 1 and decode_s > 0 else None
             rec = {"id": p["id"], "prompt_tokens": len(p["ids"]), "generated_tokens": n,
                    "hit_eos": bool(n and first[-1] in eos), "seconds": secs[m], "median_s": med,
                    "tokens_per_s": n / med if med > 0 else None, "ttft_s": ttft[m],
-                   "decode_tokens_per_s": decode, **stats[m], "token_ids": first,
+                   "median_decode_s": decode_s, "decode_tokens_per_s": decode, **stats[m],
+                   "token_ids": first,
                    "repeats_identical": all(r == first for r in outs[m]), "_all_ids": outs[m]}
             records[m].append(rec)
             log(f"  {m:<24} {p['id']:<16} {n:>4} tok  {med:7.2f}s  {rec['tokens_per_s']:7.2f} tok/s")
@@ -627,13 +628,12 @@ def add_chain_bounds(prompts, plain_records: list[dict], cost_curve: list[float]
     costs, spec = ForwardCosts(tuple(cost_curve)), SpecConfig(method="ngram")
     for p, rec in zip(prompts, plain_records):
         b = ngram_chain_bound(p["ids"], rec["token_ids"], costs, k_max, spec.ngram_max, spec.ngram_min)
-        e2e = None
-        if None not in rec["ttft_s"]:
+        e2e, decode = None, rec["median_decode_s"]
+        if decode is not None:
             first = statistics.median(rec["ttft_s"])
-            decode = statistics.median(t - f for t, f in zip(rec["seconds"], rec["ttft_s"]))
             e2e = (first + decode) / (first + decode / b.speedup)
-        rec["ngram_chain_bound"] = {"decode": b.speedup, "end_to_end": e2e,
-                                    "steps": len(b.ks), "chosen_k": _sum_lists([[0] * k + [1] for k in b.ks])}
+        rec["ngram_chain_bound"] = {"decode": b.speedup, "end_to_end": e2e, "steps": len(b.ks),
+                                    "chosen_k": [b.ks.count(k) for k in range(max(b.ks) + 1)] if b.ks else []}
 
 
 def _bound_table(methods, results, prompts) -> str:

@@ -53,8 +53,9 @@ def ngram_chain_bound(prompt: list[int], output: list[int], costs: ForwardCosts,
             while accepted < len(draft) and draft[accepted] == output[t + accepted]:
                 accepted += 1
             after = min(t + accepted + 1, T)
-            if costs(len(draft) + 1) + best[after] < best[t]:
-                best[t], step[t] = costs(len(draft) + 1) + best[after], (k, after)
+            seconds = costs(len(draft) + 1) + best[after]
+            if seconds < best[t]:
+                best[t], step[t] = seconds, (k, after)
     ks, t = [], 1
     while t < T:
         ks.append(step[t][0])

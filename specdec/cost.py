@@ -292,8 +292,8 @@ class Planner:
         self.tracks: dict[int, dict[str, _Track]] = {}
         self.chosen_k: dict[int, int] = {}  # histogram of chosen k over all requests and steps
         self.level = 1.0  # observed / measured seconds of recent verify steps, any size
-        self.shape: dict[int, float] = {}  # verify tokens -> its observed / measured, over the level
-        self.timed: dict[int, int] = {}  # verify tokens -> ``verify_steps`` when last timed
+        # verify tokens -> (its observed / measured over the level, ``verify_steps`` when last timed)
+        self.shape: dict[int, tuple[float, int]] = {}
         self.verify_steps = 0
 
     def _tracks(self, request_id: int) -> dict[str, _Track]:
@@ -351,8 +351,9 @@ class Planner:
         """``shape[n]``, faded towards 1 by the verify steps since n was last timed."""
         if n not in self.shape:
             return 1.0
-        fade = 0.5 ** (max(self.verify_steps - self.timed[n] - SHAPE_GRACE, 0) / SHAPE_HALF_LIFE)
-        return 1.0 + (self.shape[n] - 1.0) * fade
+        shape, timed = self.shape[n]
+        fade = 0.5 ** (max(self.verify_steps - timed - SHAPE_GRACE, 0) / SHAPE_HALF_LIFE)
+        return 1.0 + (shape - 1.0) * fade
 
     def observe_verify(self, n: int, seconds: float) -> None:
         """A verify forward of n tokens (batch size 1) took ``seconds``. Real requests have
@@ -365,8 +366,7 @@ class Planner:
         ratio = seconds / self.target(n)
         shape = self._shape(n)
         self.level += LEVEL_RATE * (ratio / shape - self.level)
-        self.shape[n] = shape + SHAPE_RATE * (ratio / self.level - shape)
-        self.timed[n] = self.verify_steps
+        self.shape[n] = (shape + SHAPE_RATE * (ratio / self.level - shape), self.verify_steps)
 
     def choose(self, request_id: int, limit: int, available: dict[str, int | None] | None = None,
                behind: dict[str, int] | None = None, left: int | None = None) -> Choice:
