@@ -61,18 +61,18 @@ class LLM:
     (SmolLM2-135M-Instruct). ``speculative.method``: ``none``,
     ``draft`` (needs ``draft``), ``ngram`` or ``self``. ``backend``: ``auto``, ``torch``,
     ``hf`` or ``llamacpp`` (a .gguf on llama.cpp); ``draft_backend`` (default: ``backend``)
-    for the draft model.
+    for the draft model. ``repack``: llama.cpp's repacked CPU weights (``LlamaCppRuntime``).
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
                  speculative: SpecConfig | None = None, device: str | None = None,
                  dtype: str | None = None, max_batch_size: int = 8, backend: str = "auto",
-                 draft_backend: str | None = None):
+                 draft_backend: str | None = None, repack: bool = True):
         if speculative is None:
             speculative = SpecConfig(method="draft" if draft else "none")
         self.spec = speculative
         self.engine_config = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size,
-                                          backend=backend, draft_backend=draft_backend)
+                                          backend=backend, draft_backend=draft_backend, repack=repack)
         uses_draft = speculative.method in ("draft", "hybrid")
         if uses_draft and not draft:
             raise ValueError(f"method {speculative.method!r} needs a draft model (draft=... / --draft)")
@@ -80,14 +80,14 @@ class LLM:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
                              "use method 'draft' or 'hybrid'")
         self.target: LoadedModel = model if isinstance(model, LoadedModel) \
-            else load_model(model, device, dtype, backend)
+            else load_model(model, device, dtype, backend, repack=repack)
         self.draft: LoadedModel | None = None
         if uses_draft:
             from .vocab import require_compatible
 
             if not isinstance(draft, LoadedModel):
                 draft = load_model(draft, device, dtype, draft_backend or backend,
-                                   quantize=speculative.draft_quantization, draft=True)
+                                   quantize=speculative.draft_quantization, draft=True, repack=repack)
             self.draft = draft
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
         if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:

@@ -25,8 +25,8 @@ drift in the machine's speed reaches every method alike.
 Greedy outputs are checked within each numeric family: every method's tokens (up to and
 including the first eos) must equal its family's reference - ``hf-plain`` for the
 transformers methods and specdec on torch (the same float32 weights), ``llamacpp-plain`` for
-llama-cpp-python's, ``specdec-plain`` for specdec on llama.cpp (llama-cpp-python's defaults
-repack the weights and differ from specdec's settings in rounding). The exit code is 1 when
+llama-cpp-python's, ``specdec-plain`` for specdec on llama.cpp (llama-cpp-python's F16 KV
+cache and whole products of several rows round unlike specdec's exact settings). The exit code is 1 when
 any prompt of a specdec method diverges (a peer's divergence is reported, e.g.
 llama-cpp-python's prompt lookup verifies with other kernels than its plain decoding). Writes ``<out>/bench.json``, ``<out>/bench.md`` and ``<out>/bench.png``.
 """
@@ -92,6 +92,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="for both sides (default: float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--repack", action=argparse.BooleanOptionalAction, default=True,
+                   help="--backend llamacpp: llama.cpp's repacked CPU weights for specdec's models "
+                        "(llama-cpp-python's runners always use them, its default) (default on)")
     p.add_argument("--threads", type=int,
                    help="torch.set_num_threads, also llama.cpp's threads (default: torch's)")
     p.add_argument("--out", default="bench-results", help="output directory (default %(default)s/)")
@@ -470,7 +473,8 @@ def run_bench(args) -> int:
     # --- specdec
     if sd_methods:
         t0 = time.perf_counter()
-        backend = {"backend": args.backend, "device": args.device, "dtype": args.dtype, "max_batch_size": 1}
+        backend = {"backend": args.backend, "device": args.device, "dtype": args.dtype, "max_batch_size": 1,
+                   "repack": args.repack}
         plain = LLM(str(gguf if on_llamacpp else target_path), speculative=SpecConfig(method="none"), **backend)
         if plain.target.eos_ids != eos:
             raise RuntimeError(f"eos ids differ: bench {sorted(eos)} vs specdec {sorted(plain.target.eos_ids)}")
@@ -571,7 +575,7 @@ def run_bench(args) -> int:
     argv0 = os.path.basename(sys.argv[0]) if sys.argv else "specdec"
     command = shlex.join(["specdec" if argv0 in ("specdec", "cli.py", "__main__.py") else argv0]
                          + sys.argv[1:])
-    config = {"backend": args.backend, "model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
+    config = {"backend": args.backend, "repack": args.repack if on_llamacpp else None, "model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
               "draft_dir": str(draft_path) if draft_path else None, "num_draft_tokens": args.num_draft_tokens,
               "ngram_tree": {"topk": args.tree_topk, "depth": args.tree_depth, "nodes": args.tree_nodes},
               "draft_tree_shapes": [list(x) for x in shapes],
@@ -596,7 +600,8 @@ def run_bench(args) -> int:
           f"- target `{args.model}`" + (f", draft `{args.draft}`, k={args.num_draft_tokens}" if needs_draft else ""),
           f"- {len(prompts)} prompt(s) from `{args.prompts_file}`, greedy, max_new_tokens {args.max_new_tokens}, "
           f"batch size 1, repeats {args.repeats} (medians), {WARMUP_TOKENS}-token warm-up per method",
-          f"- specdec on the {args.backend} backend; machine: {machine['platform']}, {machine['cpu_count']} CPUs, "
+          f"- specdec on the {args.backend} backend"
+          f"{(' (repacked weights)' if args.repack else ' (weights not repacked)') if on_llamacpp else ''}; machine: {machine['platform']}, {machine['cpu_count']} CPUs, "
           f"torch {machine['torch']} with {machine['torch_threads']} threads, transformers {machine['transformers']}, "
           + (f"llama-cpp-python {machine['llama_cpp_python']} (same threads), " if gguf is not None else "") +
           f"{machine['device']}{' (' + machine['gpu'] + ')' if 'gpu' in machine else ''} {machine['dtype']}",

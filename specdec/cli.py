@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from .config import BACKENDS, METHODS, SamplingParams, SpecConfig
+from .config import BACKENDS, METHODS, EngineConfig, SamplingParams, SpecConfig
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -43,6 +43,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "auto picks torch when the architecture allows")
     g.add_argument("--draft-backend", choices=BACKENDS, help="for the draft model (default: --backend)")
     g.add_argument("--max-batch-size", type=int, default=8)
+    g.add_argument("--repack", action=argparse.BooleanOptionalAction, default=EngineConfig.repack,
+                   help="llama.cpp: its repacked CPU weights (one-row decoding ~5%% faster; exact "
+                        "verification then goes in pieces of <= 3 rows, so long n-gram copies gain "
+                        "less; default on)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -74,7 +78,7 @@ def make_llm(a):
 
     return LLM(a.model, draft=a.draft, speculative=spec_from_args(a), device=a.device,
                dtype=a.dtype, max_batch_size=a.max_batch_size, backend=a.backend,
-               draft_backend=a.draft_backend)
+               draft_backend=a.draft_backend, repack=a.repack)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:

@@ -114,6 +114,7 @@ class EngineConfig:
     backend: str = "auto"  # auto | torch | hf | llamacpp  (hf = transformers' own model and cache)
     threads: int | None = None  # torch intra-op threads on cpu; None = torch's default
     draft_backend: str | None = None  # None = backend; e.g. a llamacpp target with a torch draft
+    repack: bool = True  # llama.cpp: its repacked CPU weights (see LlamaCppRuntime)
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")

@@ -236,6 +236,14 @@ def test_row_limit_is_cached_and_drafts_skip_it(monkeypatch, tmp_path, lc):
     llm = LLM(lc, draft=str(lc.runtime.gguf), speculative=SpecConfig(method="draft"), backend="llamacpp")
     assert lc.runtime.exact and not llm.draft.runtime.exact
     assert LLM(lc, draft=first, speculative=SpecConfig(method="draft")).draft.runtime.exact  # left as loaded
+    # --no-repack reaches both models' runtimes and keys its own row check and cost curve
+    from specdec.cli import build_parser, make_llm
+
+    args = build_parser().parse_args(["generate", "--backend", "llamacpp", "--no-repack", "--method", "draft",
+                                      "--draft", str(lc.runtime.gguf), "--prompt", "hi"])
+    llm = make_llm(args)
+    assert first.runtime.repack and not llm.target.runtime.repack and not llm.draft.runtime.repack
+    assert llm.target.runtime.max_rows == 5 and len(calls) == 2 and cost_key(llm.target) != cost_key(first)
 
 
 def test_row_check_sees_long_context_kernels():

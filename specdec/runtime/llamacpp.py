@@ -21,9 +21,10 @@ positions anyway).
 Exactness: on the CPU, llama.cpp computes one row and several rows with different kernels
 that round differently (up to 0.4 logits on Qwen2.5-Coder Q4_K_M), so a verify step could
 resolve a near-tie unlike plain decoding. Two such switches matter here: K-quant matrix
-products take a tiled kernel from 8 rows on, and with an F16 KV cache the attention of a
-single row is split over the threads once 512 or more cells are cached (so even 2-row chunks
-part from one-row decoding past ~260 tokens of context). An exact runtime therefore keeps
+products take a tiled kernel from 8 rows on (from 4 rows on with repacked weights), and with
+an F16 KV cache the attention of a single row is split over the threads once 512 or more
+cells are cached (so even 2-row chunks part from one-row decoding past ~260 tokens of
+context). An exact runtime therefore keeps
 its KV cache in Q8_0, whose attention takes one kernel for any row count, and at load finds
 ``max_rows``, the largest forward whose logits equal feeding its tokens one at a time
 after a short and after a long context (``ROW_CONTEXTS``: the long one is past 512 cells, so
@@ -251,14 +252,16 @@ class LlamaCppRuntime:
     ``context``: tokens per slot (capped by the model's training context); ``exact``: feed
     continuations in pieces of at most ``max_rows`` rows, so they give one-row decoding's
     logits (see the module docstring); ``repack``: llama.cpp's repacked CPU weights for
-    Q4_0/Q4_K/IQ4_NL, whose products of 4+ rows round unlike one row (so an exact runtime's
-    check then finds 3 rows at most on Qwen2.5-Coder Q4_K_M); no faster end to end on the
-    bench prompts (docs/bench.md), so off by default."""
+    Q4_0/Q4_K/IQ4_NL (llama-cpp-python's default too): one-row forwards ~5% faster on
+    Qwen2.5-Coder-1.5B Q4_K_M, but their products of 4+ rows round unlike one row, so an
+    exact runtime's check finds 3 rows at most there and long verifications cost more (5
+    rows: 3.75x one row, against 3.03x unrepacked); on the bench prompts that is faster
+    everywhere but on long n-gram copies (docs/bench.md)."""
 
     supports_masks = True
 
     def __init__(self, gguf: str | Path, threads: int | None = None, context: int = DEFAULT_CONTEXT,
-                 repack: bool = False, exact: bool = True):
+                 repack: bool = True, exact: bool = True):
         lib = self.lib = llama_lib()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0

@@ -191,7 +191,8 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_model(model: str | None, device: str | None = None, dtype: str | None = None,
-               backend: str = "auto", quantize: str = "none", draft: bool = False) -> LoadedModel:
+               backend: str = "auto", quantize: str = "none", draft: bool = False,
+               repack: bool = True) -> LoadedModel:
     """Load ``model`` (path, .gguf, hub id or None for the default) onto a runtime.
 
     ``quantize`` (draft models only, see ``torch_llama.Linear``): ``int8`` linears, ``none``,
@@ -199,14 +200,15 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     ``draft``: the model only proposes tokens, so its rounding need not match one-row
     decoding (on llama.cpp: no exact pieces, llama.cpp's F16 KV cache).
     ``backend="llamacpp"``: a GGUF on llama.cpp (CPU, the file's own quantization, torch's
-    thread count); config and tokenizer still come from transformers."""
+    thread count, ``repack``: its repacked CPU weights); config and tokenizer still come from
+    transformers."""
     from transformers import AutoConfig, AutoTokenizer
 
     from .hf import HFRuntime
     from .torch_llama import ARCHS, TorchLlama, pick_linear
 
     if backend == "llamacpp":
-        return load_llamacpp(model, device, dtype, quantize, draft)
+        return load_llamacpp(model, device, dtype, quantize, draft, repack)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve(model)
@@ -227,7 +229,7 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
 
 
 def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quantize: str,
-                  draft: bool) -> LoadedModel:
+                  draft: bool, repack: bool) -> LoadedModel:
     """``load_model`` for ``backend="llamacpp"``: the GGUF's weights go to llama.cpp as they are."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -244,7 +246,7 @@ def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quan
     path = gguf_to_hf_dir(gguf, weights=False)
     config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    runtime = LlamaCppRuntime(gguf, threads=torch.get_num_threads(), exact=not draft)
+    runtime = LlamaCppRuntime(gguf, threads=torch.get_num_threads(), exact=not draft, repack=repack)
     return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer,
                        eos_ids_of(path, config, tokenizer), config)
 
