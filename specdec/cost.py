@@ -87,15 +87,12 @@ def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> F
     return ForwardCosts(seconds, long)
 
 
-def cost_key(model, threads: int | None = None) -> str:
+def cost_key(model) -> str:
+    """The measured cost curve's cache key: the model, its runtime's ``speed_key``, the
+    threads (llama.cpp's own, else torch's), the machine and the torch version."""
     rt = model.runtime
-    kinds = sorted({layer["qkv"].kind for layer in getattr(rt, "layers", [])}) or [type(rt).__name__]
-    kinds += ["multi-row"] if getattr(rt, "multi_row", False) else []
-    if hasattr(rt, "settings"):  # llama.cpp: its KV cache type, repacked weights, pieces
-        kinds += [rt.settings] + ([f"max-rows={rt.max_rows}"] if rt.exact else [])
-    return "|".join([str(model.path), type(rt).__name__, ",".join(kinds),
-                     str(getattr(rt, "dtype", "")), str(getattr(rt, "device", "")),
-                     f"threads={threads or getattr(rt, 'threads', None) or torch.get_num_threads()}",
+    return "|".join([str(model.path), type(rt).__name__, rt.speed_key,
+                     f"threads={getattr(rt, 'threads', None) or torch.get_num_threads()}",
                      disk_cache.machine(), f"torch={torch.__version__}"])
 
 

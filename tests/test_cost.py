@@ -263,6 +263,19 @@ def test_forward_costs_are_measured_once_and_cached(loaded, cost_cache, monkeypa
     assert forward_costs(model, 2).seconds == first.seconds[:2]
 
 
+def test_cost_key_tells_runtimes_and_dtypes_apart(tiny_dirs):
+    """Each runtime says what sets its speed (``speed_key``): the torch runtime's linears and
+    dtype, the transformers fallback's dtype (it once shared one key for all dtypes)."""
+    from specdec.cost import cost_key
+    from specdec.runtime.loading import load_model
+
+    path = str(tiny_dirs["llama"])
+    keys = [cost_key(load_model(path, "cpu", dtype, backend, quantize=quantize))
+            for backend in ("torch", "hf") for dtype in ("float32", "bfloat16")
+            for quantize in (("none", "int8") if backend == "torch" and dtype == "float32" else ("none",))]
+    assert len(set(keys)) == len(keys) == 5 and all(path in k and "threads=" in k for k in keys)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft", "hybrid"])
 @pytest.mark.parametrize("cost_model", [False, True])
 def test_greedy_equal_whatever_the_plan(loaded, method, cost_model, monkeypatch):

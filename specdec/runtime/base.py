@@ -27,6 +27,12 @@ class Runtime(Protocol):
     max_context: int  # positions the model supports
     supports_masks: bool  # custom chunk masks and positions (trees)
 
+    @property
+    def speed_key(self) -> str:
+        """What besides the weights file and the thread count sets this runtime's forward
+        times (part of the key of the measured cost curves, ``cost.cost_key``)."""
+        ...
+
     def new_cache(self, num_slots: int) -> Cache: ...
 
     def forward(

@@ -35,10 +35,14 @@ class HFRuntime:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        self.device = device
+        self.device, self.dtype = device, dtype
         cfg = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.max_context = getattr(cfg, "max_position_embeddings", None) or 1 << 20
+
+    @property
+    def speed_key(self) -> str:
+        return f"{self.dtype},{self.device}"
 
     def new_cache(self, num_slots: int) -> HFCache:
         return HFCache(num_slots, self.model.config)

@@ -288,6 +288,11 @@ class LlamaCppRuntime:
         of the keys of the row-limit and forward-cost caches)."""
         return f"repack={self.repack},kv_type={self.kv_type}"
 
+    @property
+    def speed_key(self) -> str:
+        """``settings``, and an exact runtime's piece size."""
+        return self.settings + (f",max-rows={self.max_rows}" if self.exact else "")
+
     @functools.cached_property
     def max_rows(self) -> int:
         """The largest forward (in rows) checked to give one-row decoding's logits: measured

@@ -225,6 +225,12 @@ class TorchLlama:
         self.inv_freq = inv_freq.float().to(self.device)  # [head_dim / 2]
         self.rope_scale = scale
 
+    @property
+    def speed_key(self) -> str:
+        """The linears' kinds (and their multi-row copies), dtype and device."""
+        kinds = sorted({layer["qkv"].kind for layer in self.layers}) + (["multi-row"] if self.multi_row else [])
+        return ",".join(kinds + [str(self.dtype), str(self.device)])
+
     def new_cache(self, num_slots: int) -> KVCache:
         return KVCache(self.num_layers, num_slots, self.kv_heads, self.head_dim, self.device, self.dtype)
 
