@@ -26,8 +26,8 @@ Greedy outputs are checked within each numeric family: every method's tokens (up
 including the first eos) must equal its family's reference - ``hf-plain`` for the
 transformers methods and specdec on torch (the same float32 weights), ``llamacpp-plain`` for
 llama-cpp-python's, ``specdec-plain`` for specdec on llama.cpp (llama-cpp-python's F16 KV
-cache and whole products of several rows round unlike specdec's exact settings). The exit code is 1 when
-any prompt of a specdec method diverges (a peer's divergence is reported, e.g.
+cache and whole products of several rows round unlike specdec's exact settings). The exit
+code is 1 when any prompt of a specdec method diverges (a peer's divergence is reported, e.g.
 llama-cpp-python's prompt lookup verifies with other kernels than its plain decoding). Writes ``<out>/bench.json``, ``<out>/bench.md`` and ``<out>/bench.png``.
 """
 from __future__ import annotations

@@ -46,7 +46,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repack", action=argparse.BooleanOptionalAction, default=EngineConfig.repack,
                    help="llama.cpp: its repacked CPU weights (one-row decoding ~5%% faster on Q4_K; "
                         "exact verification then goes in smaller pieces, 3 rows on Qwen2.5-Coder "
-                        "Q4_K_M, so long n-gram copies gain less; default on)")
+                        "Q4_K_M, which lowers the ceiling of long n-gram copies; default on)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:

@@ -24,17 +24,17 @@ resolve a near-tie unlike plain decoding. Two such switches matter here: K-quant
 products take a tiled kernel from 8 rows on (from 4 rows on with repacked weights), and with
 an F16 KV cache the attention of a single row is split over the threads once 512 or more
 cells are cached (so even 2-row chunks part from one-row decoding past ~260 tokens of
-context). An exact runtime therefore keeps
-its KV cache in Q8_0, whose attention takes one kernel for any row count, and at load finds
-``max_rows``, the largest forward whose logits equal feeding its tokens one at a time
-after a short and after a long context (``ROW_CONTEXTS``: the long one is past 512 cells, so
-the check itself catches the attention switch above; checked once per model file, thread
-count and machine, then read from ``llamacpp_rows.json`` in specdec's cache directory), and
-feeds every continuation (a forward whose slots all hold rows already: verification,
-decoding, a draft's catch-up) in balanced pieces of at most that many rows, one
-``llama_decode`` each. Prompts go whole: plain and speculative decoding prefill alike.
-``exact=False`` (a draft model, ``load_model(..., draft=True)``, whose rounding only sways
-its proposals) keeps llama.cpp's F16 KV cache and skips the check and the pieces.
+context). An exact runtime therefore keeps its KV cache in Q8_0, whose attention takes one
+kernel for any row count, and at load finds ``max_rows``, the largest forward whose logits
+equal feeding its tokens one at a time after a short and after a long context
+(``ROW_CONTEXTS``: the long one is past 512 cells, so the check itself catches the attention
+switch above; checked once per model file, thread count and machine, then read from
+``llamacpp_rows.json`` in specdec's cache directory), and feeds every continuation (a
+forward whose slots all hold rows already: verification, decoding, a draft's catch-up) in
+balanced pieces of at most that many rows, one ``llama_decode`` each. Prompts go whole:
+plain and speculative decoding prefill alike. ``exact=False`` (a draft model,
+``load_model(..., draft=True)``, whose rounding only sways its proposals) keeps llama.cpp's
+F16 KV cache and skips the check and the pieces.
 """
 from __future__ import annotations
 
@@ -255,8 +255,8 @@ class LlamaCppRuntime:
     Q4_0/Q4_K/IQ4_NL (llama-cpp-python's default too): one-row forwards ~5% faster on
     Qwen2.5-Coder-1.5B Q4_K_M, but their products of 4+ rows round unlike one row, so an
     exact runtime's check finds 3 rows at most there and long verifications cost more (5
-    rows: 3.75x one row, against 3.03x unrepacked); on the bench prompts that is faster
-    everywhere but on long n-gram copies (docs/bench.md)."""
+    rows: 3.75x one row, against 3.03x unrepacked); on the bench that is faster on the chat
+    and completion prompts and within the noise on the edits (docs/bench.md)."""
 
     supports_masks = True
 
