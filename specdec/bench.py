@@ -62,6 +62,8 @@ DEFAULT_PROMPTS = os.path.join("..", "shared", "bench", "prompts.jsonl")
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
+    from .config import EngineConfig
+
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="target: .gguf file, HF model dir or hub id (default %(default)s)")
     p.add_argument("--draft", default=DEFAULT_DRAFT,
@@ -92,7 +94,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="for both sides (default: float32 on cpu, bfloat16 on cuda)")
-    p.add_argument("--repack", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--repack", action=argparse.BooleanOptionalAction, default=EngineConfig.repack,
                    help="--backend llamacpp: llama.cpp's repacked CPU weights for specdec's models "
                         "(llama-cpp-python's runners always use them, its default) (default on)")
     p.add_argument("--threads", type=int,
@@ -575,7 +577,8 @@ def run_bench(args) -> int:
     argv0 = os.path.basename(sys.argv[0]) if sys.argv else "specdec"
     command = shlex.join(["specdec" if argv0 in ("specdec", "cli.py", "__main__.py") else argv0]
                          + sys.argv[1:])
-    config = {"backend": args.backend, "repack": args.repack if on_llamacpp else None, "model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
+    repacked = args.repack if on_llamacpp else None  # only llama.cpp repacks
+    config = {"backend": args.backend, "repack": repacked, "model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
               "draft_dir": str(draft_path) if draft_path else None, "num_draft_tokens": args.num_draft_tokens,
               "ngram_tree": {"topk": args.tree_topk, "depth": args.tree_depth, "nodes": args.tree_nodes},
               "draft_tree_shapes": [list(x) for x in shapes],
@@ -601,7 +604,8 @@ def run_bench(args) -> int:
           f"- {len(prompts)} prompt(s) from `{args.prompts_file}`, greedy, max_new_tokens {args.max_new_tokens}, "
           f"batch size 1, repeats {args.repeats} (medians), {WARMUP_TOKENS}-token warm-up per method",
           f"- specdec on the {args.backend} backend"
-          f"{(' (repacked weights)' if args.repack else ' (weights not repacked)') if on_llamacpp else ''}; machine: {machine['platform']}, {machine['cpu_count']} CPUs, "
+          + {True: " (repacked weights)", False: " (weights not repacked)", None: ""}[repacked] +
+          f"; machine: {machine['platform']}, {machine['cpu_count']} CPUs, "
           f"torch {machine['torch']} with {machine['torch_threads']} threads, transformers {machine['transformers']}, "
           + (f"llama-cpp-python {machine['llama_cpp_python']} (same threads), " if gguf is not None else "") +
           f"{machine['device']}{' (' + machine['gpu'] + ')' if 'gpu' in machine else ''} {machine['dtype']}",

@@ -270,10 +270,10 @@ def test_cost_key_tells_runtimes_and_dtypes_apart(tiny_dirs):
     from specdec.runtime.loading import load_model
 
     path = str(tiny_dirs["llama"])
-    keys = [cost_key(load_model(path, "cpu", dtype, backend, quantize=quantize))
-            for backend in ("torch", "hf") for dtype in ("float32", "bfloat16")
-            for quantize in (("none", "int8") if backend == "torch" and dtype == "float32" else ("none",))]
-    assert len(set(keys)) == len(keys) == 5 and all(path in k and "threads=" in k for k in keys)
+    variants = [("torch", "float32", "none"), ("torch", "float32", "int8"), ("torch", "bfloat16", "none"),
+                ("hf", "float32", "none"), ("hf", "bfloat16", "none")]  # (backend, dtype, quantize)
+    keys = [cost_key(load_model(path, "cpu", dtype, backend, quantize=quantize)) for backend, dtype, quantize in variants]
+    assert len(set(keys)) == len(keys) and all(path in k and "threads=" in k for k in keys)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft", "hybrid"])
