@@ -62,17 +62,20 @@ class LLM:
     ``draft`` (needs ``draft``), ``ngram`` or ``self``. ``backend``: ``auto``, ``torch``,
     ``hf`` or ``llamacpp`` (a .gguf on llama.cpp); ``draft_backend`` (default: ``backend``)
     for the draft model. ``repack``: llama.cpp's repacked CPU weights (``LlamaCppRuntime``).
+    ``load_format="dummy"``: random weights of the checkpoints' shapes (``DummyWeights``; only
+    config and tokenizer are read), to measure speed without the weights.
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
                  speculative: SpecConfig | None = None, device: str | None = None,
                  dtype: str | None = None, max_batch_size: int = 8, backend: str = "auto",
-                 draft_backend: str | None = None, repack: bool = True):
+                 draft_backend: str | None = None, repack: bool = True, load_format: str = "auto"):
         if speculative is None:
             speculative = SpecConfig(method="draft" if draft else "none")
         self.spec = speculative
         self.engine_config = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size,
-                                          backend=backend, draft_backend=draft_backend, repack=repack)
+                                          backend=backend, draft_backend=draft_backend, repack=repack,
+                                          load_format=load_format)
         uses_draft = speculative.method in ("draft", "hybrid")
         if uses_draft and not draft:
             raise ValueError(f"method {speculative.method!r} needs a draft model (draft=... / --draft)")
@@ -80,14 +83,15 @@ class LLM:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
                              "use method 'draft' or 'hybrid'")
         self.target: LoadedModel = model if isinstance(model, LoadedModel) \
-            else load_model(model, device, dtype, backend, repack=repack)
+            else load_model(model, device, dtype, backend, repack=repack, load_format=load_format)
         self.draft: LoadedModel | None = None
         if uses_draft:
             from .vocab import require_compatible
 
             if not isinstance(draft, LoadedModel):
                 draft = load_model(draft, device, dtype, draft_backend or backend,
-                                   quantize=speculative.draft_quantization, draft=True, repack=repack)
+                                   quantize=speculative.draft_quantization, draft=True, repack=repack,
+                                   load_format=load_format)
             self.draft = draft
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
         if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:

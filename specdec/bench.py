@@ -24,9 +24,11 @@ drift in the machine's speed reaches every method alike.
 
 Greedy outputs are checked within each numeric family: every method's tokens (up to and
 including the first eos) must equal its family's reference - ``hf-plain`` for the
-transformers methods and specdec on torch (the same float32 weights), ``llamacpp-plain`` for
-llama-cpp-python's, ``specdec-plain`` for specdec on llama.cpp (llama-cpp-python's F16 KV
-cache and whole products of several rows round unlike specdec's exact settings). The exit
+transformers methods and for specdec on torch on the CPU in float32 (the same weights, logits
+equal to 1e-4), ``llamacpp-plain`` for llama-cpp-python's, ``specdec-plain`` for specdec on
+llama.cpp (llama-cpp-python's F16 KV cache and whole products of several rows round unlike
+specdec's exact settings), on a GPU or in 16-bit. ``--load-format dummy`` runs specdec and
+transformers on random weights of the models' shapes (their speed without the weights). The exit
 code is 1 when any prompt of a specdec method diverges (a peer's divergence is reported, e.g.
 llama-cpp-python's prompt lookup verifies with other kernels than its plain decoding). Writes ``<out>/bench.json``, ``<out>/bench.md`` and ``<out>/bench.png``.
 """
@@ -62,7 +64,7 @@ DEFAULT_PROMPTS = os.path.join("..", "shared", "bench", "prompts.jsonl")
 
 
 def add_bench_flags(p: argparse.ArgumentParser) -> None:
-    from .config import EngineConfig
+    from .config import LOAD_FORMATS, EngineConfig
 
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="target: .gguf file, HF model dir or hub id (default %(default)s)")
@@ -97,6 +99,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repack", action=argparse.BooleanOptionalAction, default=EngineConfig.repack,
                    help="--backend llamacpp: llama.cpp's repacked CPU weights for specdec's models "
                         "(llama-cpp-python's runners always use them, its default) (default on)")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default=EngineConfig.load_format,
+                   help="dummy: random weights of the models' shapes for specdec and transformers "
+                        "(only config and tokenizer are read; not with llama.cpp), to measure speed "
+                        "without the weights: acceptance then means nothing (default %(default)s)")
     p.add_argument("--threads", type=int,
                    help="torch.set_num_threads, also llama.cpp's threads (default: torch's)")
     p.add_argument("--out", default="bench-results", help="output directory (default %(default)s/)")
@@ -386,7 +392,8 @@ def run_bench(args) -> int:
     from .api import LLM, encode_prompt
     from .cli import read_prompts_file
     from .config import SpecConfig
-    from .runtime.loading import eos_ids_of, gguf_file, gguf_to_hf_dir, pick_device, pick_dtype, resolve
+    from .runtime.loading import (eos_ids_of, gguf_file, gguf_to_hf_dir, load_hf_model, pick_device,
+                                  pick_dtype, resolve)
 
     shapes = parse_tree_shapes(args.tree_shapes)
     methods = _labels(_parse_methods(args.methods), shapes)
@@ -405,6 +412,10 @@ def run_bench(args) -> int:
     on_llamacpp = args.backend == "llamacpp"
     sd_methods = [m for m in methods if m.startswith("specdec-")]
     peers = [m for m in methods if m.startswith("llamacpp-")]
+    dummy = args.load_format == "dummy"
+    if dummy and (peers or (on_llamacpp and sd_methods)):
+        raise ValueError("--load-format dummy: llama.cpp runs a GGUF's own weights; "
+                         "use --backend torch and leave the llamacpp-* methods out")
     if (peers or on_llamacpp) and importlib.util.find_spec("llama_cpp") is None:
         raise ValueError(f"{', '.join(peers) or '--backend llamacpp'} need(s) llama-cpp-python: "
                          "pip install 'specdec[llamacpp]', or leave them out of --methods")
@@ -421,9 +432,9 @@ def run_bench(args) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
     # float32 weights only where transformers or specdec's torch runtime run them
-    full = any(m.startswith("hf-") for m in methods) or (sd_methods and not on_llamacpp)
-    target_path = resolve(args.model) if full else gguf_to_hf_dir(gguf, weights=False)
-    draft_path = (resolve(args.draft) if full else gguf_to_hf_dir(draft_gguf, weights=False)) \
+    full = (any(m.startswith("hf-") for m in methods) or (sd_methods and not on_llamacpp)) and not dummy
+    target_path = resolve(args.model, full) if not on_llamacpp else gguf_to_hf_dir(gguf, weights=full)
+    draft_path = (resolve(args.draft, full) if not on_llamacpp else gguf_to_hf_dir(draft_gguf, weights=full)) \
         if needs_draft else None
     from transformers import AutoConfig, AutoTokenizer
 
@@ -442,13 +453,11 @@ def run_bench(args) -> int:
     # --- transformers' generate (its models are freed before specdec loads its own copy)
     hf_methods = [m for m in methods if m.startswith("hf-")]
     if hf_methods:
-        from transformers import AutoModelForCausalLM
-
         t0 = time.perf_counter()
-        hf_target = AutoModelForCausalLM.from_pretrained(target_path, dtype=dtype).to(device).eval()
+        hf_target = load_hf_model(target_path, device, dtype, args.load_format)
         hf_draft = None
         if "hf-assisted" in hf_methods:
-            hf_draft = AutoModelForCausalLM.from_pretrained(draft_path, dtype=dtype).to(device).eval()
+            hf_draft = load_hf_model(draft_path, device, dtype, args.load_format)
         load_s["hf"] = time.perf_counter() - t0
         log(f"transformers models loaded in {load_s['hf']:.1f}s (rss {_rss_gb()})")
         for m in hf_methods:
@@ -476,7 +485,7 @@ def run_bench(args) -> int:
     if sd_methods:
         t0 = time.perf_counter()
         backend = {"backend": args.backend, "device": args.device, "dtype": args.dtype, "max_batch_size": 1,
-                   "repack": args.repack}
+                   "repack": args.repack, "load_format": args.load_format}
         plain = LLM(str(gguf if on_llamacpp else target_path), speculative=SpecConfig(method="none"), **backend)
         if plain.target.eos_ids != eos:
             raise RuntimeError(f"eos ids differ: bench {sorted(eos)} vs specdec {sorted(plain.target.eos_ids)}")
@@ -517,7 +526,7 @@ def run_bench(args) -> int:
         gc.collect()
 
     # --- equality vs each family's reference, summary, reports
-    refs = references(methods, args.backend)
+    refs = references(methods, own_family=on_llamacpp or (device.type, dtype) != ("cpu", torch.float32))
     summary = {}
     for m in methods:
         recs = results[m]
@@ -578,7 +587,7 @@ def run_bench(args) -> int:
     command = shlex.join(["specdec" if argv0 in ("specdec", "cli.py", "__main__.py") else argv0]
                          + sys.argv[1:])
     repacked = args.repack if on_llamacpp else None  # only llama.cpp repacks
-    config = {"backend": args.backend, "repack": repacked, "model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
+    config = {"backend": args.backend, "repack": repacked, "load_format": args.load_format, "model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
               "draft_dir": str(draft_path) if draft_path else None, "num_draft_tokens": args.num_draft_tokens,
               "ngram_tree": {"topk": args.tree_topk, "depth": args.tree_depth, "nodes": args.tree_nodes},
               "draft_tree_shapes": [list(x) for x in shapes],
@@ -600,7 +609,9 @@ def run_bench(args) -> int:
                else "FAILED: a specdec method's greedy tokens differ from its reference's") + \
         (f"; peers that differ from their own plain decoding: {', '.join(peers)}" if peers else "")
     md = ["# specdec bench", "", "```", command, "```", "",
-          f"- target `{args.model}`" + (f", draft `{args.draft}`, k={args.num_draft_tokens}" if needs_draft else ""),
+          f"- target `{args.model}`" + (f", draft `{args.draft}`, k={args.num_draft_tokens}" if needs_draft else "")
+          + (" - **random weights** (`--load-format dummy`): the speeds of these shapes; acceptance "
+             "and output mean nothing" if dummy else ""),
           f"- {len(prompts)} prompt(s) from `{args.prompts_file}`, greedy, max_new_tokens {args.max_new_tokens}, "
           f"batch size 1, repeats {args.repeats} (medians), {WARMUP_TOKENS}-token warm-up per method",
           f"- specdec on the {args.backend} backend"
@@ -669,15 +680,18 @@ def _bound_table(methods, results, prompts) -> str:
             "the n-gram methods measured, relative to specdec-plain (same prompt):\n\n" + "\n".join(lines))
 
 
-def references(methods: list[str], backend: str) -> dict[str, str]:
+def references(methods: list[str], own_family: bool) -> dict[str, str]:
     """For each method, the method whose greedy tokens it must reproduce: the plain decoding
-    of its numeric family (``hf-plain`` for transformers and specdec on torch,
-    ``llamacpp-plain`` for llama-cpp-python, ``specdec-plain`` for specdec on llama.cpp),
-    else the family's first method run."""
+    of its numeric family (``hf-plain`` for transformers, ``llamacpp-plain`` for
+    llama-cpp-python, ``hf-plain`` for specdec too unless ``own_family``, then
+    ``specdec-plain``), else the family's first method run. specdec's torch runtime and
+    transformers agree to 1e-4 in float32 on the CPU (tested), so their greedy tokens match
+    there; on llama.cpp, on a GPU or in 16-bit their kernels round differently, and a near-tie
+    can part them without either being wrong."""
     def plain_of(m: str) -> str:
         if m.startswith("llamacpp-"):
             return "llamacpp-plain"
-        return "specdec-plain" if m.startswith("specdec-") and backend == "llamacpp" else "hf-plain"
+        return "specdec-plain" if m.startswith("specdec-") and own_family else "hf-plain"
 
     out = {}
     for m in methods:

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from .config import BACKENDS, METHODS, EngineConfig, SamplingParams, SpecConfig
+from .config import BACKENDS, LOAD_FORMATS, METHODS, EngineConfig, SamplingParams, SpecConfig
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -47,6 +47,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp: its repacked CPU weights (one-row decoding ~5%% faster on Q4_K; "
                         "exact verification then goes in smaller pieces, 3 rows on Qwen2.5-Coder "
                         "Q4_K_M, which lowers the ceiling of long n-gram copies; default on)")
+    g.add_argument("--load-format", choices=LOAD_FORMATS, default=EngineConfig.load_format,
+                   help="auto = the checkpoint's weights; dummy = random weights of its shapes (only "
+                        "config and tokenizer are read), to measure speed (default %(default)s)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -78,7 +81,7 @@ def make_llm(a):
 
     return LLM(a.model, draft=a.draft, speculative=spec_from_args(a), device=a.device,
                dtype=a.dtype, max_batch_size=a.max_batch_size, backend=a.backend,
-               draft_backend=a.draft_backend, repack=a.repack)
+               draft_backend=a.draft_backend, repack=a.repack, load_format=a.load_format)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:

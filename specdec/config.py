@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 METHODS = ("none", "draft", "ngram", "self", "hybrid")
 BACKENDS = ("auto", "torch", "hf", "llamacpp")
+LOAD_FORMATS = ("auto", "dummy")  # the checkpoint's weights, or random ones of its shapes (vLLM's dummy)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -115,6 +116,7 @@ class EngineConfig:
     threads: int | None = None  # torch intra-op threads on cpu; None = torch's default
     draft_backend: str | None = None  # None = backend; e.g. a llamacpp target with a torch draft
     repack: bool = True  # llama.cpp: its repacked CPU weights (see LlamaCppRuntime)
+    load_format: str = "auto"  # auto | dummy: random weights of the checkpoint's shapes, to measure speed
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
@@ -125,3 +127,8 @@ class EngineConfig:
         _check(self.dtype in (None, "float32", "bfloat16", "float16"),
                f"unknown dtype {self.dtype!r}; choose float32, bfloat16 or float16")
         _check(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        _check(self.load_format in LOAD_FORMATS,
+               f"unknown load_format {self.load_format!r}; choose {', '.join(LOAD_FORMATS)}")
+        _check(self.load_format == "auto" or "llamacpp" not in (self.backend, self.draft_backend),
+               "the llama.cpp backend runs a GGUF's own weights; load_format 'dummy' needs the "
+               "torch or hf backend")

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from specdec import LLM, SamplingParams, SpecConfig
+from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
 
 
 @pytest.mark.parametrize("make, match", [
@@ -16,6 +16,8 @@ from specdec import LLM, SamplingParams, SpecConfig
     (lambda: SamplingParams(top_p=1.5), "top_p"),
     (lambda: SamplingParams(max_new_tokens=0), "max_new_tokens"),
     (lambda: SamplingParams(top_k=-1), "top_k"),
+    (lambda: EngineConfig(load_format="zeros"), "unknown load_format"),
+    (lambda: EngineConfig(draft_backend="llamacpp", load_format="dummy"), "GGUF's own weights"),
 ])
 def test_config_errors(make, match):
     with pytest.raises(ValueError, match=match):

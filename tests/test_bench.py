@@ -38,3 +38,33 @@ def test_bench_runs_all_kinds_of_methods(tiny_dirs, tmp_path, monkeypatch):
         bound = rec["ngram_chain_bound"]
         assert bound["decode"] >= 1.0 and bound["end_to_end"] >= 1.0
     assert "could gain" in (out / "bench.md").read_text()
+
+
+def test_bench_and_generate_on_dummy_weights(tiny_dirs, tmp_path, capsys):
+    """``--load-format dummy``: the bench and ``generate`` run on random weights of the
+    models' shapes from directories with no weights; specdec and transformers get the same
+    weights, so on the CPU in float32 their greedy tokens still agree."""
+    from specdec.cli import main
+    from test_api_errors import run_cli
+    from test_runtime import weightless
+
+    target = weightless(tiny_dirs["llama"], tmp_path / "target")
+    draft = weightless(tiny_dirs["draft"], tmp_path / "draft")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "comp-a", "kind": "completion", "prompt": "abc abc abc"}\n')
+    out = tmp_path / "out"
+    common = ["bench", "--model", str(target), "--draft", str(draft), "--prompts-file", str(prompts),
+              "--max-new-tokens", "8", "--load-format", "dummy"]
+    assert main(common + ["--methods", "specdec-plain,specdec-draft,hf-plain,hf-assisted",
+                          "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["config"]["load_format"] == "dummy"
+    assert report["config"]["references"]["specdec-draft"] == "hf-plain"
+    assert all(s["diverged"] == 0 for s in report["summary"].values())
+    assert "random weights" in (out / "bench.md").read_text()
+    assert main(common + ["--methods", "specdec-plain,llamacpp-plain", "--out", str(out)]) == 2
+    assert "llama.cpp runs a GGUF's own weights" in capsys.readouterr().err
+    r = run_cli("generate", "--model", str(target), "--draft", str(draft), "--load-format", "dummy",
+                "-k", "3", "--max-new-tokens", "6", "--ignore-eos", "--json", "--prompt", "abc")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["token_ids"]) == 6

@@ -131,3 +131,42 @@ def test_tail_mask_reaches_earlier_chunks(loaded):
     torch.testing.assert_close(out[0, 0], a, atol=1e-5, rtol=0)
     torch.testing.assert_close(out[0, 1], b, atol=1e-5, rtol=0)
     torch.testing.assert_close(out[1], c, atol=1e-5, rtol=0)
+
+
+def weightless(src, dest, **config_changes):
+    """A copy of the HF directory ``src`` without its weights (config and tokenizer only)."""
+    import json
+    import shutil
+
+    dest.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dest / f.name)
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, **config_changes}))
+    return dest
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, tmp_path, tied):
+    """``load_format="dummy"`` reads only config and tokenizer; the torch runtime and
+    transformers' model get the same random weights (so the same logits, as on a real
+    checkpoint), every load alike; tied embeddings stay tied (transformers ties its head to
+    the embedding: a separate random head in the torch runtime would part the logits)."""
+    from specdec.runtime import load_model
+
+    path = weightless(tiny_dirs["qwen2"], tmp_path / "cfg", tie_word_embeddings=tied)
+    with pytest.raises(ValueError, match="no .safetensors"):
+        load_model(str(path))
+    ids = list(range(40, 57))
+    logits = {}
+    for name, backend in (("torch", "torch"), ("torch again", "torch"), ("hf", "hf")):
+        rt = load_model(str(path), backend=backend, load_format="dummy").runtime
+        logits[name] = rt.forward(rt.new_cache(1), [0], [ids])[0]  # [17, vocab]
+    assert torch.equal(logits["torch"], logits["torch again"])
+    assert (logits["torch"] - logits["hf"]).abs().max().item() < ATOL
+    assert logits["torch"].std().item() > 0.1  # not all ties: greedy decoding is well defined
+    with pytest.raises(ValueError, match="GGUF's own weights"):
+        load_model(str(path), backend="llamacpp", load_format="dummy")
+    with pytest.raises(ValueError, match="unknown load_format"):
+        load_model(str(path), load_format="zeros")

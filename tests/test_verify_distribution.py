@@ -69,20 +69,22 @@ def chi2_pvalue(counts: np.ndarray, p: torch.Tensor) -> float:
 
 def first_token_counts(verify_fn, target_row: torch.Tensor, q_row: torch.Tensor | None,
                        sp: SamplingParams, n: int, seed: int, fixed_draft: int = 0,
-                       bonus_counts: np.ndarray | None = None) -> np.ndarray:
+                       bonus_counts: np.ndarray | None = None, device: str = "cpu") -> np.ndarray:
     """Histogram of the first committed token over ``n`` single-draft (k=1) rounds.
 
     ``q_row`` [vocab] draft probs, or None: a one-hot draft of ``fixed_draft`` (n-gram style).
     Row 0 of the target logits is ``target_row``; the bonus row 1 is its reverse, so a
     verifier that read the wrong row would show up as a distribution mismatch. If given,
-    ``bonus_counts`` accumulates the bonus tokens (second token of accepted rounds).
+    ``bonus_counts`` accumulates the bonus tokens (second token of accepted rounds). Tensors
+    and generator live on ``device``.
     """
     vocab = target_row.shape[-1]
-    g = torch.Generator().manual_seed(seed)
-    target_logits = torch.stack([target_row, target_row.flip(0)])
+    g = torch.Generator(device).manual_seed(seed)
+    target_logits = torch.stack([target_row, target_row.flip(0)]).to(device)
     if q_row is None:
         q, drafts = None, [fixed_draft] * n
     else:
+        q_row = q_row.to(device)
         q = q_row.reshape(1, vocab)
         drafts = torch.multinomial(q_row, n, replacement=True, generator=g).tolist()  # x ~ q
     counts = np.zeros(vocab, dtype=np.int64)

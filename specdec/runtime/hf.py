@@ -31,10 +31,10 @@ class HFCache:
 class HFRuntime:
     supports_masks = False
 
-    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype):
-        from transformers import AutoModelForCausalLM
+    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, load_format: str = "auto"):
+        from .loading import load_hf_model
 
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        self.model = load_hf_model(path, device, dtype, load_format)
         self.device, self.dtype = device, dtype
         cfg = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]

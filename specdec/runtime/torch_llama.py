@@ -208,8 +208,8 @@ class TorchLlama:
                 "down": Linear(w(pre + "mlp.down_proj.weight"), None, linear, multi_row),
             })
         self.norm = w("model.norm.weight")
-        head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-        self.lm_head = Linear(head.to(device=device, dtype=dtype), None, linear, multi_row)
+        head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed  # tied
+        self.lm_head = Linear(head, None, linear, multi_row)
 
     def _init_rope(self, config) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
