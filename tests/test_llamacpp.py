@@ -177,26 +177,28 @@ def pieces(lc):
 
 
 def test_continuations_go_in_exact_pieces(lc, pieces, prompts, monkeypatch):
-    """Verification's shape: a prompt goes whole, a continuation of 5 or of 3 + 2 (a batch)
-    goes in balanced pieces of at most ``max_rows``, with one-row decoding's logits, and a
-    tree of 5 in pieces still sees exactly its ancestors."""
+    """Verification's shape: a prompt goes whole and alone (two prompts: two decodes, each
+    with the logits of the prompt alone), a continuation of 5 or of 3 + 2 (a batch) goes in
+    balanced pieces of at most ``max_rows``, with one-row decoding's logits, and a tree of 5
+    in pieces still sees exactly its ancestors."""
     from specdec.runtime.llamacpp import ROW_CHECKS
 
     assert lc.runtime.max_rows in (1,) + ROW_CHECKS  # found at load (this machine: see the README)
     rt, ids = pieces.runtime, prompts[1]
     sizes = decode_sizes(rt, monkeypatch)
     cache = rt.new_cache(2)
-    rt.forward(cache, [0, 1], [ids, ids[:-3]], last_only=True)
-    assert sizes == [2 * len(ids) - 3]  # prompts: one llama_decode
+    first = rt.forward(cache, [0, 1], [ids, ids[:-3]], last_only=True)  # [2, vocab]
+    assert sizes == [len(ids), len(ids) - 3]  # prompts: one llama_decode each
+    assert torch.equal(first[0], fresh(lc, ids)) and torch.equal(first[1], fresh(lc, ids[:-3]))
     chain = [330, 1127, 2745, 28, 42]
     out = rt.forward(cache, [0], [chain])[0]  # [5, vocab] in pieces 1 + 2 + 2
-    assert sizes[1:] == [1, 2, 2]
+    assert sizes[2:] == [1, 2, 2]
     ref = lc.runtime.new_cache(1)
     lc.runtime.forward(ref, [0], [ids])
     one = torch.cat([lc.runtime.forward(ref, [0], [[t]])[0] for t in chain])  # [5, vocab]
     assert torch.equal(out, one)
     batch = rt.forward(cache, [1, 0], [ids[-3:], [7, 8]])  # [2, 3, vocab]: 5 rows, 3 pieces
-    assert sizes[4:] == [1, 2, 2]
+    assert sizes[5:] == [1, 2, 2]
     close(batch[0], chain_logits(lc, ids[:-3], ids[-3:]), "batched pieces, sequence 1")
     close(batch[1, :2], chain_logits(lc, ids + chain, [7, 8]), "batched pieces, sequence 0")
     root, a, b, a1, b1 = ids[-1], 330, 1127, 2745, 28

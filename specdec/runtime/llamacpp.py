@@ -104,7 +104,9 @@ class LlamaCppCache:
     attends over cells in cell order and quantizes activations, so a token placed in a freed
     cell below its sequence's newer cells gets visibly different logits (up to ~0.9 on
     SmolLM2-135M Q4_1); with parking, a slot's cells stay in position order, as in plain
-    decoding, and a chunk of fewer than 64 tokens then gives exactly its one-by-one logits."""
+    decoding, and a chunk of fewer than 64 tokens then gives exactly its one-by-one logits.
+    Not yet between requests: the cells freed when a slot's next request starts, beyond those
+    its prompt refills, can take other running sequences' next tokens (README, "Left open")."""
 
     def __init__(self, runtime: "LlamaCppRuntime", num_slots: int):
         lib = self.lib = runtime.lib
@@ -321,7 +323,20 @@ class LlamaCppRuntime:
     def forward(self, cache: LlamaCppCache, slots, tokens, *, positions=None, chunk_masks=None,
                 last_only: bool = False) -> torch.Tensor:
         """Every slot's chunk in one ``llama_decode`` (a continuation on an ``exact`` runtime: in
-        pieces of at most ``max_rows`` rows); logits only for the rows returned."""
+        pieces of at most ``max_rows`` rows); logits only for the rows returned. An ``exact``
+        runtime decodes each prompt (a slot at length 0) alone: llama.cpp's matrix products
+        take rows in groups (of 4 with repacked weights), so a prompt's last rows batched
+        after another prompt's would round unlike the same prompt alone."""
+        if self.exact and len(slots) > 1 and not all(cache.lengths[s] for s in slots):
+            parts = [self.forward(cache, [slot], [toks], last_only=last_only,
+                                  positions=positions and [positions[b]], chunk_masks=chunk_masks and [chunk_masks[b]])
+                     for b, (slot, toks) in enumerate(zip(slots, tokens))]  # [1, vocab] or [1, n_b, vocab]
+            if last_only:
+                return torch.cat(parts)  # [batch, vocab]
+            out = parts[0].new_zeros(len(parts), max(len(t) for t in tokens), self.vocab_size)
+            for b, part in enumerate(parts):
+                out[b, : len(tokens[b])] = part[0]
+            return out  # [batch, max_n, vocab]
         limit = self.max_rows if self.exact and all(cache.lengths[s] for s in slots) else None
         return self._forward(cache, slots, tokens, positions=positions, chunk_masks=chunk_masks,
                              last_only=last_only, limit=limit)
