@@ -38,6 +38,7 @@ F16 KV cache and skips the check and the pieces.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import itertools
@@ -99,14 +100,13 @@ class LlamaCppCache:
     """One llama.cpp context: ``lengths[s]`` rows per slot, the first ``committed[s]`` in
     sequence ``s``, the rest tree rows (``tail[s]``) in temporary sequences.
 
-    Dropped rows are *parked* (sequence ``num_slots + s``) rather than freed, until the slot's
-    next forward from length 0 or until it parks more than ``PARK_LIMIT`` rows. llama.cpp
+    Dropped rows are *parked* (sequence ``num_slots + s``) rather than freed, until a new
+    prompt refills their cells or the slot parks more than ``PARK_LIMIT`` rows. llama.cpp
     attends over cells in cell order and quantizes activations, so a token placed in a freed
     cell below its sequence's newer cells gets visibly different logits (up to ~0.9 on
     SmolLM2-135M Q4_1); with parking, a slot's cells stay in position order, as in plain
     decoding, and a chunk of fewer than 64 tokens then gives exactly its one-by-one logits.
-    Not yet between requests: the cells freed when a slot's next request starts, beyond those
-    its prompt refills, can take other running sequences' next tokens (README, "Left open")."""
+    Between requests too: a new prompt frees only parked cells it refills (``make_room``)."""
 
     def __init__(self, runtime: "LlamaCppRuntime", num_slots: int):
         lib = self.lib = runtime.lib
@@ -133,7 +133,7 @@ class LlamaCppCache:
         self.lengths = [0] * num_slots
         self.committed = [0] * num_slots
         self.tail: list[list[TreeRow]] = [[] for _ in range(num_slots)]
-        self.parked = [0] * num_slots
+        self.parked: list[list[int]] = [[] for _ in range(num_slots)]  # positions of parked cells, sorted
         self.free_seqs = list(range(n_seq - 1, 2 * num_slots - 1, -1))
 
     def __del__(self):
@@ -149,14 +149,47 @@ class LlamaCppCache:
         if length < self.committed[slot]:
             self._park_committed(slot, length)
         self.lengths[slot] = length
-        if self.parked[slot] > PARK_LIMIT and length:
+        if len(self.parked[slot]) > PARK_LIMIT and length:
             self.unpark(slot)
 
     def unpark(self, slot: int) -> None:
         """Free the slot's parked rows (their cells go back to llama.cpp)."""
         if self.parked[slot]:
             self.lib.llama_memory_seq_rm(self.mem, self.park_seq(slot), -1, -1)
-            self.parked[slot] = 0
+            self.parked[slot].clear()
+
+    def make_room(self, slot: int, n: int) -> None:
+        """Before a prompt of ``n`` tokens in ``slot``: free at most ``n`` parked cells (the
+        slot's own first, then other slots'), so that the prompt refills every cell freed.
+        llama.cpp searches for free cells from the lowest one freed, so the prompt's tokens
+        take exactly those, in order, and then the free cells past every used one; had more
+        been freed, the rest would lie below running sequences' newest cells, and their next
+        tokens, put there, would be attended out of order (rounding unlike plain decoding).
+        With no other slot running, every parked cell is freed (no order to keep); beyond
+        ``PARK_LIMIT`` the slot's own are freed anyway, so that parking stays bounded."""
+        others = [x for x in range(len(self.lengths)) if x != slot]
+        if not any(self.lengths[x] for x in others):
+            for x in [slot] + others:
+                self.unpark(x)
+            return
+        for s in [slot] + others:
+            pos = self.parked[s]
+            if n <= 0:
+                break
+            if not pos:
+                continue
+            if len(pos) <= n:
+                freed, end = len(pos), -1
+            else:  # the cells below position pos[n]: at most n of them
+                end = pos[n]
+                freed = bisect.bisect_left(pos, end)
+                if not freed:
+                    continue
+            self.lib.llama_memory_seq_rm(self.mem, self.park_seq(s), 0 if end >= 0 else -1, end)
+            del pos[:freed]
+            n -= freed
+        if len(self.parked[slot]) > PARK_LIMIT:
+            self.unpark(slot)
 
     def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
         """Keep only rows ``start + rows[i]`` (increasing), moved to ``start + i``: the
@@ -183,7 +216,7 @@ class LlamaCppCache:
         self._release(moved)
         tail.clear()
         self.lengths[slot] = self.committed[slot] = start + len(rows)
-        if self.parked[slot] > PARK_LIMIT:
+        if len(self.parked[slot]) > PARK_LIMIT:
             self.unpark(slot)
 
     def open_tree(self, slot: int, pos: list[int], mask: torch.Tensor) -> tuple[list[TreeRow], list[list[int]]]:
@@ -227,15 +260,19 @@ class LlamaCppCache:
         lib, mem = self.lib, self.mem
         lib.llama_memory_seq_cp(mem, slot, self.park_seq(slot), length, -1)
         lib.llama_memory_seq_rm(mem, slot, length, -1)
-        self.parked[slot] += self.committed[slot] - length
+        self._add_parked(slot, range(length, self.committed[slot]))
         self.committed[slot] = length
 
     def _park_rows(self, slot: int, rows: list[TreeRow]) -> None:
         """Park tree rows' cells and release their sequences."""
         for row in rows:
             self.lib.llama_memory_seq_cp(self.mem, row.seq, self.park_seq(slot), row.pos, row.pos + 1)
-        self.parked[slot] += len(rows)
+        self._add_parked(slot, [row.pos for row in rows])
         self._release(rows)
+
+    def _add_parked(self, slot: int, positions) -> None:
+        for p in positions:
+            bisect.insort(self.parked[slot], p)
 
     def _new_seq(self) -> int:
         if not self.free_seqs:
@@ -347,9 +384,9 @@ class LlamaCppRuntime:
         (sizes differing by at most one)."""
         opened: list[tuple[int, list[TreeRow]]] = []  # (slot, rows) of masked chunks
         pos, seqs = [], []
-        for slot in slots:  # a new sequence: its own tokens fill its old cells, in order
+        for slot, toks in zip(slots, tokens):  # a new sequence refills parked cells, in order
             if cache.lengths[slot] == 0:
-                cache.unpark(slot)
+                cache.make_room(slot, len(toks))
         try:
             for b, (slot, toks) in enumerate(zip(slots, tokens)):
                 p = positions[b] if positions is not None else None
