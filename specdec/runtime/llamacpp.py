@@ -173,21 +173,15 @@ class LlamaCppCache:
                 self.unpark(x)
             return
         for s in [slot] + others:
-            pos = self.parked[s]
-            if n <= 0:
-                break
-            if not pos:
-                continue
-            if len(pos) <= n:
-                freed, end = len(pos), -1
-            else:  # the cells below position pos[n]: at most n of them
-                end = pos[n]
-                freed = bisect.bisect_left(pos, end)
-                if not freed:
-                    continue
-            self.lib.llama_memory_seq_rm(self.mem, self.park_seq(s), 0 if end >= 0 else -1, end)
-            del pos[:freed]
-            n -= freed
+            pos = self.parked[s]  # sorted
+            if len(pos) <= n:  # all of them (positions -1..-1: any)
+                freed, first, end = len(pos), -1, -1
+            else:  # those below position pos[n]: at most n
+                freed, first, end = bisect.bisect_left(pos, pos[n]), 0, pos[n]
+            if freed:
+                self.lib.llama_memory_seq_rm(self.mem, self.park_seq(s), first, end)
+                del pos[:freed]
+                n -= freed
         if len(self.parked[slot]) > PARK_LIMIT:
             self.unpark(slot)
 
