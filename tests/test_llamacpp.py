@@ -404,3 +404,23 @@ def test_a_new_prompt_frees_only_the_parked_cells_it_refills(lc, prompts):
     rt.forward(cache, [1], [ids + ids[:4]])  # slot 1's own n - 2, and no more: none are left
     assert parked() == [0, 0, 0]
     close(rt.forward(cache, [0], [[7]])[0], chain_logits(lc, ids[:4], [7]), "slot 0 after others came and went")
+
+
+def test_rejected_chain_rows_are_freed_only_when_alone(lc, prompts):
+    """Rejected drafts of a chain are the slot's newest cells: with no other slot running they
+    are freed (the next forward refills them in order, so long requests never reach the
+    parking limit, whose freeing would leave holes: at batch 1, n-gram k=8 over 400 tokens of
+    Qwen2.5-Coder-1.5B parted from plain decoding at token 345 before); beside a running slot
+    they are parked. Either way, continuing gives one-row decoding's logits."""
+    rt, ids = lc.runtime, prompts[1]
+    cache = rt.new_cache(2)
+    rt.forward(cache, [0], [ids])
+    rt.forward(cache, [0], [[5, 6, 7]])  # drafts, rejected
+    cache.rewind(0, len(ids))
+    assert [len(p) for p in cache.parked] == [0, 0]
+    close(rt.forward(cache, [0], [[8]])[0], chain_logits(lc, ids, [8]), "after freed drafts")
+    rt.forward(cache, [1], [ids[:5]])  # slot 1 runs now
+    rt.forward(cache, [0], [[5, 6, 7]])
+    cache.rewind(0, len(ids) + 1)
+    assert [len(p) for p in cache.parked] == [3, 0]
+    close(rt.forward(cache, [0], [[9]])[0], chain_logits(lc, ids, [8, 9])[1:], "after parked drafts")

@@ -142,11 +142,19 @@ class LlamaCppCache:
             self.lib.llama_free(ctx)
 
     def rewind(self, slot: int, length: int) -> None:
+        """Drop the slot's rows from ``length`` on. A chain's rows dropped mid-request while no
+        other slot runs (rejected drafts) are its newest cells, above every used one: they
+        are freed, and the next forward refills them in order. Any other dropped rows are
+        parked: freed, they would leave free cells below newer ones."""
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         tail, cut = self.tail[slot], max(length - self.committed[slot], 0)
+        newest = length and not tail and self.alone(slot)
         self._park_rows(slot, tail[cut:])
         del tail[cut:]
-        if length < self.committed[slot]:
+        if length < self.committed[slot] and newest:
+            self.lib.llama_memory_seq_rm(self.mem, slot, length, -1)
+            self.committed[slot] = length
+        elif length < self.committed[slot]:
             self._park_committed(slot, length)
         self.lengths[slot] = length
         if len(self.parked[slot]) > PARK_LIMIT and length:
@@ -158,6 +166,10 @@ class LlamaCppCache:
             self.lib.llama_memory_seq_rm(self.mem, self.park_seq(slot), -1, -1)
             self.parked[slot].clear()
 
+    def alone(self, slot: int) -> bool:
+        """No other slot holds a running sequence."""
+        return not any(n for x, n in enumerate(self.lengths) if x != slot)
+
     def make_room(self, slot: int, n: int) -> None:
         """Before a prompt of ``n`` tokens in ``slot``: free at most ``n`` parked cells (the
         slot's own first, then other slots'), so that the prompt refills every cell freed.
@@ -168,7 +180,7 @@ class LlamaCppCache:
         With no other slot running, every parked cell is freed (no order to keep); beyond
         ``PARK_LIMIT`` the slot's own are freed anyway, so that parking stays bounded."""
         others = [x for x in range(len(self.lengths)) if x != slot]
-        if not any(self.lengths[x] for x in others):
+        if self.alone(slot):
             for x in [slot] + others:
                 self.unpark(x)
             return
