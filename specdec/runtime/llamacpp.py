@@ -151,11 +151,12 @@ class LlamaCppCache:
         newest = length and not tail and self.alone(slot)
         self._park_rows(slot, tail[cut:])
         del tail[cut:]
-        if length < self.committed[slot] and newest:
-            self.lib.llama_memory_seq_rm(self.mem, slot, length, -1)
-            self.committed[slot] = length
-        elif length < self.committed[slot]:
-            self._park_committed(slot, length)
+        if length < self.committed[slot]:
+            if newest:
+                self.lib.llama_memory_seq_rm(self.mem, slot, length, -1)
+                self.committed[slot] = length
+            else:
+                self._park_committed(slot, length)
         self.lengths[slot] = length
         if len(self.parked[slot]) > PARK_LIMIT and length:
             self.unpark(slot)
@@ -371,15 +372,11 @@ class LlamaCppRuntime:
         take rows in groups (of 4 with repacked weights), so a prompt's last rows batched
         after another prompt's would round unlike the same prompt alone."""
         if self.exact and len(slots) > 1 and not all(cache.lengths[s] for s in slots):
-            parts = [self.forward(cache, [slot], [toks], last_only=last_only,
-                                  positions=positions and [positions[b]], chunk_masks=chunk_masks and [chunk_masks[b]])
-                     for b, (slot, toks) in enumerate(zip(slots, tokens))]  # [1, vocab] or [1, n_b, vocab]
-            if last_only:
-                return torch.cat(parts)  # [batch, vocab]
-            out = parts[0].new_zeros(len(parts), max(len(t) for t in tokens), self.vocab_size)
-            for b, part in enumerate(parts):
-                out[b, : len(tokens[b])] = part[0]
-            return out  # [batch, max_n, vocab]
+            rows = [self.forward(cache, [slot], [toks], last_only=last_only,
+                                 positions=positions and [positions[b]], chunk_masks=chunk_masks and [chunk_masks[b]])
+                    for b, (slot, toks) in enumerate(zip(slots, tokens))]  # [1, vocab] or [1, n_b, vocab]
+            rows = torch.cat([r if last_only else r[0] for r in rows])  # [sum of returned rows, vocab]
+            return self._logits(rows, [len(t) for t in tokens], last_only)
         limit = self.max_rows if self.exact and all(cache.lengths[s] for s in slots) else None
         return self._forward(cache, slots, tokens, positions=positions, chunk_masks=chunk_masks,
                              last_only=last_only, limit=limit)

