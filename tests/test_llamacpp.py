@@ -424,3 +424,39 @@ def test_rejected_chain_rows_are_freed_only_when_alone(lc, prompts):
     cache.rewind(0, len(ids) + 1)
     assert [len(p) for p in cache.parked] == [3, 0]
     close(rt.forward(cache, [0], [[9]])[0], chain_logits(lc, ids, [8, 9])[1:], "after parked drafts")
+
+
+def test_parked_rows_stay_until_the_buffer_is_full_then_sequences_are_recomputed(lc, prompts):
+    """Parked rows are not freed mid-request while the KV buffer has room: freed, they would
+    leave holes below running sequences' newest cells (before, a slot parking more than 512
+    rows beside another, or with trees, freed them mid-request). When the buffer is full, the
+    running sequences' KV is recomputed from their tokens in a cleared buffer, and decoding
+    goes on with one-row decoding's logits: beside another slot, and alone after a tree."""
+    rt, ids, other = lc.runtime, prompts[0], prompts[1]
+    cache = rt.new_cache(2)
+    rt.forward(cache, [0], [ids])
+    rt.forward(cache, [1], [other])
+    gen = list(range(100, 175))
+    for t in gen:  # a verify step beside slot 1: t kept, 7 drafts rejected
+        n = cache.lengths[0]
+        rt.forward(cache, [0], [[t] + [5] * 7])
+        cache.rewind(0, n + 1)
+    assert len(cache.parked[0]) == 7 * len(gen) > 512 and cache.recomputes == 0
+    assert cache.used == len(ids) + 8 * len(gen) + len(other)
+    cache.size = cache.used + 1  # the next two rows do not fit
+    out = rt.forward(cache, [0, 1], [[9], [8]])  # [2, 1, vocab]
+    assert cache.recomputes == 1 and cache.parked == [[], []] and cache.tokens[0] == ids + gen + [9]
+    assert cache.used == len(ids) + len(gen) + 1 + len(other) + 1
+    close(out[0, 0], chain_logits(lc, ids, gen + [9])[-1], "beside slot 1, recomputed")
+    close(out[1, 0], chain_logits(lc, other, [8])[-1], "slot 1, recomputed")
+
+    cache.rewind(1, 0)  # slot 1's request ends (its cells park); slot 0 goes on alone
+    L, (r, a, b, a1, b1) = cache.lengths[0], (11, 330, 1127, 2745, 28)
+    tree = DraftTree([r, a, b, a1, b1], [-1, 0, 0, 1, 2])
+    rt.forward(cache, [0], [tree.tokens], positions=[tree.positions(L)], chunk_masks=[tree.mask()])
+    cache.keep(0, L, [0, 2, 4])  # branch a dropped: parked, even alone
+    assert [len(p) for p in cache.parked] == [2, len(other) + 1]
+    cache.size = cache.used
+    out = rt.forward(cache, [0], [[42]])[0, 0]
+    assert cache.recomputes == 2 and cache.parked == [[], []]
+    close(out, chain_logits(lc, ids, gen + [9, r, b, b1, 42])[-1], "alone after a tree, recomputed")

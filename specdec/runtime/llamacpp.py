@@ -55,7 +55,7 @@ from .. import disk_cache
 DEFAULT_CONTEXT = 4096  # tokens per slot; a cache's KV buffer holds num_slots of them
 TREE_SEQS_PER_SLOT = 32  # temporary sequence ids (one per tree row), pooled over a cache's slots
 TREE_HEADROOM = 256  # extra KV cells for tree rows beyond a full slot
-PARK_LIMIT = 512  # dropped rows a slot keeps parked before it frees them (see LlamaCppCache)
+PARK_ROOM = 512  # KV cells per slot beyond its context, for parked rows (see LlamaCppCache.fit)
 MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 UBATCH = 512  # tokens per llama.cpp compute step (its default)
 ROW_CHECKS = (2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32)  # forward sizes compared with one-row decoding
@@ -90,10 +90,18 @@ def llama_lib():
 
 @dataclass
 class TreeRow:
-    """A cached row of a masked chunk: its position and its own temporary sequence id."""
+    """A cached row of a masked chunk: its position, token and own temporary sequence id."""
 
     pos: int
+    token: int
     seq: int
+
+
+def piece_bounds(n: int, limit: int | None) -> list[int]:
+    """Bounds of ``n`` rows cut into the fewest pieces of at most ``limit`` rows (None: one),
+    balanced: their sizes differ by at most one."""
+    pieces = -(-n // limit) if limit and n else 1
+    return [n * i // pieces for i in range(pieces + 1)]
 
 
 class LlamaCppCache:
@@ -101,12 +109,13 @@ class LlamaCppCache:
     sequence ``s``, the rest tree rows (``tail[s]``) in temporary sequences.
 
     Dropped rows are *parked* (sequence ``num_slots + s``) rather than freed, until a new
-    prompt refills their cells or the slot parks more than ``PARK_LIMIT`` rows. llama.cpp
+    prompt refills their cells (``make_room``) or the buffer is full (``fit``). llama.cpp
     attends over cells in cell order and quantizes activations, so a token placed in a freed
     cell below its sequence's newer cells gets visibly different logits (up to ~0.9 on
     SmolLM2-135M Q4_1); with parking, a slot's cells stay in position order, as in plain
     decoding, and a chunk of fewer than 64 tokens then gives exactly its one-by-one logits.
-    Between requests too: a new prompt frees only parked cells it refills (``make_room``)."""
+    The cache keeps each slot's committed tokens (``tokens``) and prompt length, to recompute
+    its KV when it must free parked cells mid-request (``fit``)."""
 
     def __init__(self, runtime: "LlamaCppRuntime", num_slots: int):
         lib = self.lib = runtime.lib
@@ -115,7 +124,7 @@ class LlamaCppCache:
         if 2 * num_slots >= n_seq:
             raise ValueError(f"the llama.cpp backend supports at most {MAX_SEQ // 2 - 1} slots, not {num_slots}")
         p = lib.llama_context_default_params()
-        p.n_ctx = num_slots * (runtime.max_context + PARK_LIMIT) + TREE_HEADROOM
+        p.n_ctx = num_slots * (runtime.max_context + PARK_ROOM) + TREE_HEADROOM
         p.n_batch = p.n_ctx  # any forward fits one llama_decode
         p.n_ubatch = UBATCH
         p.n_seq_max = n_seq
@@ -130,8 +139,12 @@ class LlamaCppCache:
         if not self.ctx:
             raise ValueError(f"llama.cpp could not create a context of {p.n_ctx} tokens")
         self.mem = lib.llama_get_memory(self.ctx)
+        self.size = lib.llama_n_ctx(self.ctx)  # KV cells
         self.lengths = [0] * num_slots
         self.committed = [0] * num_slots
+        self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # the committed rows' tokens
+        self.prompt_len = [0] * num_slots  # rows of the slot's first forward from length 0
+        self.recomputes = 0  # times ``fit`` recomputed the running sequences
         self.tail: list[list[TreeRow]] = [[] for _ in range(num_slots)]
         self.parked: list[list[int]] = [[] for _ in range(num_slots)]  # positions of parked cells, sorted
         self.free_seqs = list(range(n_seq - 1, 2 * num_slots - 1, -1))
@@ -155,17 +168,21 @@ class LlamaCppCache:
             if newest:
                 self.lib.llama_memory_seq_rm(self.mem, slot, length, -1)
                 self.committed[slot] = length
+                del self.tokens[slot][length:]
             else:
                 self._park_committed(slot, length)
         self.lengths[slot] = length
-        if len(self.parked[slot]) > PARK_LIMIT and length:
-            self.unpark(slot)
 
     def unpark(self, slot: int) -> None:
         """Free the slot's parked rows (their cells go back to llama.cpp)."""
         if self.parked[slot]:
             self.lib.llama_memory_seq_rm(self.mem, self.park_seq(slot), -1, -1)
             self.parked[slot].clear()
+
+    @property
+    def used(self) -> int:
+        """KV cells in use: committed, tree and parked rows."""
+        return sum(self.committed) + sum(map(len, self.tail)) + sum(map(len, self.parked))
 
     def alone(self, slot: int) -> bool:
         """No other slot holds a running sequence."""
@@ -178,8 +195,7 @@ class LlamaCppCache:
         take exactly those, in order, and then the free cells past every used one; had more
         been freed, the rest would lie below running sequences' newest cells, and their next
         tokens, put there, would be attended out of order (rounding unlike plain decoding).
-        With no other slot running, every parked cell is freed (no order to keep); beyond
-        ``PARK_LIMIT`` the slot's own are freed anyway, so that parking stays bounded."""
+        With no other slot running, every parked cell is freed (no order to keep)."""
         others = [x for x in range(len(self.lengths)) if x != slot]
         if self.alone(slot):
             for x in [slot] + others:
@@ -195,8 +211,27 @@ class LlamaCppCache:
                 self.lib.llama_memory_seq_rm(self.mem, self.park_seq(s), first, end)
                 del pos[:freed]
                 n -= freed
-        if len(self.parked[slot]) > PARK_LIMIT:
-            self.unpark(slot)
+
+    def fit(self, n: int) -> None:
+        """Before a forward of ``n`` rows: when the buffer lacks room for them, drop every
+        parked cell. Freed mid-request, parked cells would leave holes below running
+        sequences' newest cells (see ``make_room``), so an exact runtime instead clears the
+        buffer and recomputes each running sequence's KV from its tokens, with forwards like
+        those that made it (vLLM's preemption by recompute): the prompt in one decode, the
+        rest in pieces of at most ``max_rows`` rows, so that every sequence's cells are in
+        position order again. Any other runtime, or one with tree rows pending, frees them."""
+        if self.used + n <= self.size or not any(self.parked):
+            return
+        if not self.runtime.exact or any(self.tail):
+            for s in range(len(self.lengths)):
+                self.unpark(s)
+            return
+        self.lib.llama_memory_clear(self.mem, False)
+        for pos in self.parked:
+            pos.clear()
+        self.recomputes += 1
+        for slot in range(len(self.lengths)):
+            self.runtime.recompute(self, slot)
 
     def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
         """Keep only rows ``start + rows[i]`` (increasing), moved to ``start + i``: the
@@ -222,11 +257,11 @@ class LlamaCppCache:
         self._park_rows(slot, [row for row in tail if all(row is not m for m in moved)])
         self._release(moved)
         tail.clear()
+        self.tokens[slot] += [row.token for row in moved]
         self.lengths[slot] = self.committed[slot] = start + len(rows)
-        if len(self.parked[slot]) > PARK_LIMIT:
-            self.unpark(slot)
 
-    def open_tree(self, slot: int, pos: list[int], mask: torch.Tensor) -> tuple[list[TreeRow], list[list[int]]]:
+    def open_tree(self, slot: int, tokens: list[int], pos: list[int],
+                  mask: torch.Tensor) -> tuple[list[TreeRow], list[list[int]]]:
         """Own sequences for the rows of a masked chunk, already given the keys each row sees
         before the chunk; returns them and each token's sequence list for the batch."""
         n, m = mask.shape
@@ -248,7 +283,7 @@ class LlamaCppCache:
                 seen = tail[: max(start, 0)] + [tail[start + j] for j in range(max(-start, 0), t) if sees[i][j]]
                 if any(row.pos >= pos[i] for row in seen):
                     raise ValueError("a tree row must sit at a higher position than the cached rows it sees")
-                rows.append(TreeRow(pos[i], self._new_seq()))
+                rows.append(TreeRow(pos[i], tokens[i], self._new_seq()))
                 own = rows[-1].seq
                 self.lib.llama_memory_seq_cp(self.mem, slot, own, -1, -1)
                 for row in seen:
@@ -269,6 +304,7 @@ class LlamaCppCache:
         lib.llama_memory_seq_rm(mem, slot, length, -1)
         self._add_parked(slot, range(length, self.committed[slot]))
         self.committed[slot] = length
+        del self.tokens[slot][length:]
 
     def _park_rows(self, slot: int, rows: list[TreeRow]) -> None:
         """Park tree rows' cells and release their sequences."""
@@ -390,6 +426,8 @@ class LlamaCppRuntime:
         for slot, toks in zip(slots, tokens):  # a new sequence refills parked cells, in order
             if cache.lengths[slot] == 0:
                 cache.make_room(slot, len(toks))
+                cache.prompt_len[slot] = len(toks)
+        cache.fit(sum(map(len, tokens)))
         try:
             for b, (slot, toks) in enumerate(zip(slots, tokens)):
                 p = positions[b] if positions is not None else None
@@ -402,15 +440,13 @@ class LlamaCppRuntime:
                                          "positions, after its tree rows were kept or rewound")
                     seqs += [[slot]] * len(toks)
                 else:
-                    rows, chunk_seqs = cache.open_tree(slot, p, m)
+                    rows, chunk_seqs = cache.open_tree(slot, list(map(int, toks)), p, m)
                     opened.append((slot, rows))
                     seqs += chunk_seqs
                 pos += p
             outputs = [int(i == len(t) - 1 or not last_only) for t in tokens for i in range(len(t))]
             flat = [x for t in tokens for x in t]
-            n = len(flat)
-            pieces = -(-n // limit) if limit else 1
-            bounds = [n * i // pieces for i in range(pieces + 1)]  # balanced: sizes differ by <= 1
+            bounds = piece_bounds(len(flat), limit)
             out = [self._decode(cache, flat[a:b], pos[a:b], seqs[a:b], outputs[a:b])
                    for a, b in zip(bounds, bounds[1:])]
         except BaseException:
@@ -425,9 +461,21 @@ class LlamaCppRuntime:
         for b, (slot, toks) in enumerate(zip(slots, tokens)):
             if chunk_masks is None or chunk_masks[b] is None:
                 cache.committed[slot] += len(toks)
+                cache.tokens[slot] += map(int, toks)
             cache.lengths[slot] += len(toks)
         rows = out[0] if len(out) == 1 else torch.cat(out)  # [sum(outputs), vocab]
         return self._logits(rows, [len(t) for t in tokens], last_only)
+
+    def recompute(self, cache: LlamaCppCache, slot: int) -> None:
+        """Write the KV of the slot's committed tokens (``cache.tokens``) anew, as plain
+        decoding made it: the prompt in one decode, then pieces of at most ``max_rows`` rows
+        (whose logits are one-row decoding's)."""
+        ids, p = cache.tokens[slot], min(cache.prompt_len[slot], len(cache.tokens[slot]))
+        bounds = [0] + [p + b for b in piece_bounds(len(ids) - p, self.max_rows)]
+        for a, b in zip(bounds, bounds[1:]):
+            if b > a:  # the prompt's logits: its last row's only, as when it was prefilled
+                self._decode(cache, ids[a:b], list(range(a, b)), [[slot]] * (b - a),
+                             [int(a >= p or i == b - 1) for i in range(a, b)])
 
     def _decode(self, cache: LlamaCppCache, tokens: list[int], pos: list[int],
                 seqs: list[list[int]], outputs: list[int]) -> torch.Tensor:
