@@ -31,6 +31,32 @@ def test_logits_match_transformers(tiny_dirs, arch, linear):
     assert cache.lengths == [0, 20]
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_one_row_products_through_either_copy(tiny_dirs, monkeypatch, packed):
+    """With the verify-packed copy, one-token forwards (plain decoding) go through whichever
+    copy the runtime timed faster; when that is the packed one, the other is freed. Either
+    way a one-token forward gives transformers' logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.runtime.loading import Weights
+
+    path = tiny_dirs["qwen2"]
+    timed = TorchLlama._packed_one_row_pays
+    monkeypatch.setattr(TorchLlama, "_packed_one_row_pays", lambda self: timed(self) in (True, False) and packed)
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"),
+                    torch.float32, linear="onednn", multi_row=True)
+    lin = rt.layers[0]["gate_up"]
+    assert rt.one_row_packed == lin.one_row_packed == packed and (lin.weight is None) == packed
+    assert ("packed-one-row" in rt.speed_key) == packed
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits[0, -3:]  # [3, vocab]
+    cache = rt.new_cache(1)
+    rt.forward(cache, [0], [ids[0, :9].tolist()])
+    ours = torch.cat([rt.forward(cache, [0], [[t]])[0] for t in ids[0, 9:].tolist()])  # [3, vocab]
+    assert (ours - ref).abs().max().item() < ATOL
+
+
 def test_ragged_batch_matches_single(loaded):
     rt = loaded("qwen2").runtime
     seqs = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]

@@ -7,6 +7,8 @@ and a rollback only rewinds the slot's length.
 """
 from __future__ import annotations
 
+import statistics
+import time
 import warnings
 from typing import Sequence
 
@@ -27,7 +29,9 @@ class Linear:
       default sgemm for the 1-16 row products of decoding and verification. With
       ``multi_row`` a second copy of the weight, pre-packed by oneDNN for 8-row inputs, serves
       every product of 2+ rows (verification, prefill): on Qwen2.5-Coder-1.5B a 9-token
-      forward then costs ~1.5x one token instead of ~2.5x, at twice the weight memory;
+      forward then costs ~1.5x one token instead of ~2.5x, at twice the weight memory.
+      Where that copy is also as fast for one row (``one_row_packed``: the runtime times
+      both), it serves every product and the first copy is freed;
     * ``int8``: CPU dynamic int8 (fbgemm, per-output-channel symmetric weights), ~4x
       faster again at ~1e-2 relative error: for draft models only, where it costs some
       acceptance but never exactness (the target still verifies every token).
@@ -37,6 +41,7 @@ class Linear:
         self.out_features = weight.shape[0]
         self.kind = kind
         self.multi = None
+        self.one_row_packed = False
         if kind == "onednn":
             self.weight = weight.contiguous().to_mkldnn()
             self.bias = bias.contiguous().to_mkldnn() if bias is not None else None
@@ -58,7 +63,7 @@ class Linear:
         if self.kind == "dense":
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, x.shape[-1]).contiguous()
-        if self.multi is not None and flat.shape[0] > 1:
+        if self.multi is not None and (flat.shape[0] > 1 or self.one_row_packed):
             y = torch.ops.mkldnn._linear_pointwise(flat, self.multi, self.dense_bias, "none", [], "")
         elif self.kind == "onednn":
             y = torch._C._nn.mkldnn_linear(flat.to_mkldnn(), self.weight, self.bias).to_dense()
@@ -66,7 +71,14 @@ class Linear:
             y = torch.ops.quantized.linear_dynamic(flat, self.packed, reduce_range=True)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def pack_one_row(self, on: bool = True, free: bool = False) -> None:
+        """Products of one row through the multi-row copy (``on``); ``free``: drop the other."""
+        self.one_row_packed = on and self.multi is not None
+        if free and self.one_row_packed:
+            self.weight = self.bias = None
 
+
+PACKED_ONE_ROW_SLACK = 1.03  # packed one-row products may cost this much more: they halve the weights' memory
 MULTI_ROW_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
@@ -210,6 +222,34 @@ class TorchLlama:
         self.norm = w("model.norm.weight")
         head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed  # tied
         self.lm_head = Linear(head, None, linear, multi_row)
+        self.one_row_packed = all(lin.multi is not None for lin in self._linears()) and self._packed_one_row_pays()
+        for lin in self._linears():  # if so, the packed copy serves every product, the other goes
+            lin.pack_one_row(self.one_row_packed, free=True)
+
+    def _linears(self) -> list[Linear]:
+        return [layer[n] for layer in self.layers for n in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
+
+    @torch.inference_mode()
+    def _packed_one_row_pays(self) -> bool:
+        """Whether a one-token forward (plain decoding) through the verify-packed weights costs
+        at most ``PACKED_ONE_ROW_SLACK`` times one through oneDNN's own: it depends on the CPU
+        (measured: 0.88x on a 2-core AMD EPYC with AVX-512, Qwen2.5-Coder-1.5B), so both are
+        timed in turns here, medians of 3 after a warm-up."""
+        cache = self.new_cache(1)
+        self.forward(cache, [0], [[0] * 32])
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(4):
+            for packed in (False, True):
+                for lin in self._linears():
+                    lin.pack_one_row(packed)
+                t0 = time.perf_counter()
+                self.forward(cache, [0], [[1]])
+                if r:  # round 0 warms up
+                    times[packed].append(time.perf_counter() - t0)
+                cache.rewind(0, 32)
+        for lin in self._linears():
+            lin.pack_one_row(False)
+        return statistics.median(times[True]) <= PACKED_ONE_ROW_SLACK * statistics.median(times[False])
 
     def _init_rope(self, config) -> None:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -228,7 +268,8 @@ class TorchLlama:
     @property
     def speed_key(self) -> str:
         """The linears' kinds (and their multi-row copies), dtype and device."""
-        kinds = sorted({layer["qkv"].kind for layer in self.layers}) + (["multi-row"] if self.multi_row else [])
+        kinds = sorted({layer["qkv"].kind for layer in self.layers}) + (["multi-row"] if self.multi_row else []) \
+            + (["packed-one-row"] if self.one_row_packed else [])
         return ",".join(kinds + [str(self.dtype), str(self.device)])
 
     def new_cache(self, num_slots: int) -> KVCache:
