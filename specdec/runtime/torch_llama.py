@@ -233,7 +233,7 @@ class TorchLlama:
     def _packed_one_row_pays(self) -> bool:
         """Whether a one-token forward (plain decoding) through the verify-packed weights costs
         at most ``PACKED_ONE_ROW_SLACK`` times one through oneDNN's own: it depends on the CPU
-        (measured: 0.88x on a 2-core AMD EPYC with AVX-512, Qwen2.5-Coder-1.5B), so both are
+        (Qwen2.5-Coder-1.5B on a 2-core AMD EPYC with AVX-512: 0.7-0.9x), so both are
         timed in turns here, medians of 3 after a warm-up."""
         cache = self.new_cache(1)
         self.forward(cache, [0], [[0] * 32])
