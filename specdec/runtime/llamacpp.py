@@ -105,8 +105,9 @@ def piece_bounds(n: int, limit: int | None) -> list[int]:
 
 
 class LlamaCppCache:
-    """One llama.cpp context: ``lengths[s]`` rows per slot, the first ``committed[s]`` in
-    sequence ``s``, the rest tree rows (``tail[s]``) in temporary sequences.
+    """One llama.cpp context: ``lengths[s]`` rows per slot, the first ``committed(s)`` (one per
+    token of ``tokens[s]``) in sequence ``s``, the rest tree rows (``tail[s]``) in temporary
+    sequences.
 
     Dropped rows are *parked* (sequence ``num_slots + s``) rather than freed, until a new
     prompt refills their cells (``make_room``) or the buffer is full (``fit``). llama.cpp
@@ -141,7 +142,6 @@ class LlamaCppCache:
         self.mem = lib.llama_get_memory(self.ctx)
         self.size = lib.llama_n_ctx(self.ctx)  # KV cells
         self.lengths = [0] * num_slots
-        self.committed = [0] * num_slots
         self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # the committed rows' tokens
         self.prompt_len = [0] * num_slots  # rows of the slot's first forward from length 0
         self.recomputes = 0  # times ``fit`` recomputed the running sequences
@@ -160,14 +160,13 @@ class LlamaCppCache:
         are freed, and the next forward refills them in order. Any other dropped rows are
         parked: freed, they would leave free cells below newer ones."""
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
-        tail, cut = self.tail[slot], max(length - self.committed[slot], 0)
+        tail, cut = self.tail[slot], max(length - self.committed(slot), 0)
         newest = length and not tail and self.alone(slot)
         self._park_rows(slot, tail[cut:])
         del tail[cut:]
-        if length < self.committed[slot]:
+        if length < self.committed(slot):
             if newest:
                 self.lib.llama_memory_seq_rm(self.mem, slot, length, -1)
-                self.committed[slot] = length
                 del self.tokens[slot][length:]
             else:
                 self._park_committed(slot, length)
@@ -182,7 +181,11 @@ class LlamaCppCache:
     @property
     def used(self) -> int:
         """KV cells in use: committed, tree and parked rows."""
-        return sum(self.committed) + sum(map(len, self.tail)) + sum(map(len, self.parked))
+        return sum(map(len, self.tokens)) + sum(map(len, self.tail)) + sum(map(len, self.parked))
+
+    def committed(self, slot: int) -> int:
+        """The slot's committed rows (in its sequence, at positions 0..committed-1)."""
+        return len(self.tokens[slot])
 
     def alone(self, slot: int) -> bool:
         """No other slot holds a running sequence."""
@@ -239,7 +242,7 @@ class LlamaCppCache:
         Rows that move must be tree rows already at position ``start + i`` (a tree path)."""
         rows = list(rows)
         assert rows == sorted(rows) and start + rows[-1] < self.lengths[slot], (rows, self.lengths[slot])
-        c, tail = self.committed[slot], self.tail[slot]
+        c, tail = self.committed(slot), self.tail[slot]
         if start > c:
             raise ValueError(f"keep from row {start}: the slot has only {c} committed rows before it")
         same = 0  # committed rows that stay where they are
@@ -258,14 +261,14 @@ class LlamaCppCache:
         self._release(moved)
         tail.clear()
         self.tokens[slot] += [row.token for row in moved]
-        self.lengths[slot] = self.committed[slot] = start + len(rows)
+        self.lengths[slot] = start + len(rows)
 
     def open_tree(self, slot: int, tokens: list[int], pos: list[int],
                   mask: torch.Tensor) -> tuple[list[TreeRow], list[list[int]]]:
         """Own sequences for the rows of a masked chunk, already given the keys each row sees
         before the chunk; returns them and each token's sequence list for the batch."""
         n, m = mask.shape
-        t, c, tail = m - n, self.committed[slot], self.tail[slot]
+        t, c, tail = m - n, self.committed(slot), self.tail[slot]
         if m < n or len(pos) != n:
             raise ValueError(f"chunk mask {tuple(mask.shape)} for {len(pos)} tokens: need [n, m >= n]")
         sees = mask.tolist()
@@ -302,8 +305,7 @@ class LlamaCppCache:
         lib, mem = self.lib, self.mem
         lib.llama_memory_seq_cp(mem, slot, self.park_seq(slot), length, -1)
         lib.llama_memory_seq_rm(mem, slot, length, -1)
-        self._add_parked(slot, range(length, self.committed[slot]))
-        self.committed[slot] = length
+        self._add_parked(slot, range(length, self.committed(slot)))
         del self.tokens[slot][length:]
 
     def _park_rows(self, slot: int, rows: list[TreeRow]) -> None:
@@ -460,7 +462,6 @@ class LlamaCppRuntime:
             cache.tail[slot] += rows
         for b, (slot, toks) in enumerate(zip(slots, tokens)):
             if chunk_masks is None or chunk_masks[b] is None:
-                cache.committed[slot] += len(toks)
                 cache.tokens[slot] += map(int, toks)
             cache.lengths[slot] += len(toks)
         rows = out[0] if len(out) == 1 else torch.cat(out)  # [sum(outputs), vocab]
