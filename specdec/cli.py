@@ -43,6 +43,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "auto picks torch when the architecture allows")
     g.add_argument("--draft-backend", choices=BACKENDS, help="for the draft model (default: --backend)")
     g.add_argument("--max-batch-size", type=int, default=8)
+    g.add_argument("--chunked-prefill-size", type=int,
+                   help="prompt tokens prefilled per engine step over all requests: a long prompt "
+                        "goes in chunks while running requests keep decoding (0 = each prompt whole; "
+                        "default 256 on cpu, 2048 on cuda)")
     g.add_argument("--repack", action=argparse.BooleanOptionalAction, default=EngineConfig.repack,
                    help="llama.cpp: its repacked CPU weights (one-row decoding ~5%% faster on Q4_K; "
                         "exact verification then goes in smaller pieces, 3 rows on Qwen2.5-Coder "
@@ -81,7 +85,8 @@ def make_llm(a):
 
     return LLM(a.model, draft=a.draft, speculative=spec_from_args(a), device=a.device,
                dtype=a.dtype, max_batch_size=a.max_batch_size, backend=a.backend,
-               draft_backend=a.draft_backend, repack=a.repack, load_format=a.load_format)
+               draft_backend=a.draft_backend, repack=a.repack, load_format=a.load_format,
+               chunked_prefill_size=a.chunked_prefill_size)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:

@@ -117,9 +117,17 @@ class EngineConfig:
     draft_backend: str | None = None  # None = backend; e.g. a llamacpp target with a torch draft
     repack: bool = True  # llama.cpp: its repacked CPU weights (see LlamaCppRuntime)
     load_format: str = "auto"  # auto | dummy: random weights of the checkpoint's shapes, to measure speed
+    # prompt tokens prefilled per engine step, over all requests (SGLang's chunked prefill):
+    # a long prompt goes in chunks of this many tokens, one chunk per step, and running
+    # requests keep decoding in between; 0 = every admitted prompt whole, in one forward;
+    # None = 256 on the CPU, 2048 on a GPU
+    chunked_prefill_size: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        _check(self.chunked_prefill_size is None or (isinstance(self.chunked_prefill_size, int)
+                                                     and self.chunked_prefill_size >= 0),
+               f"chunked_prefill_size must be an integer >= 0 (0 = off), got {self.chunked_prefill_size!r}")
         for name in ("backend", "draft_backend"):
             value = getattr(self, name)
             _check(value in BACKENDS or (name == "draft_backend" and value is None),

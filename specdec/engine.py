@@ -63,10 +63,11 @@ def draft_context(drafter: Drafter, seq: Sequence) -> tuple[bool, int | None]:
 class Engine:
     """``drafters``: one drafter, or several by name (tried in order: ``hybrid`` is
     ``{"ngram": ..., "draft": ...}``); ``planner``: a cost model choosing each step's
-    drafter and k per sequence (default: the first ready drafter, k = ``spec.depth``)."""
+    drafter and k per sequence (default: the first ready drafter, k = ``spec.depth``);
+    ``chunked_prefill_size``: prompt tokens prefilled per step (0 = each prompt whole)."""
 
     def __init__(self, target, drafters: Drafter | dict[str, Drafter] | None, spec: SpecConfig,
-                 max_batch_size: int, planner: Planner | None = None):
+                 max_batch_size: int, planner: Planner | None = None, chunked_prefill_size: int = 0):
         self.target = target  # LoadedModel
         self.runtime = target.runtime
         if drafters is not None and not isinstance(drafters, dict):
@@ -74,6 +75,7 @@ class Engine:
         self.drafters: dict[str, Drafter] = drafters or {}
         self.planner = planner
         self.k = spec.depth if self.drafters else 0
+        self.chunked_prefill_size = chunked_prefill_size  # prompt tokens per step; 0 = whole prompts
         self.cache = self.runtime.new_cache(max_batch_size)
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
         self.waiting: deque[Sequence] = deque()
@@ -97,14 +99,16 @@ class Engine:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[Sequence]:
-        """Admit waiting sequences (prefill: each commits its first token) and run one round
-        for the sequences that were already running; return the finished ones. A newly
-        admitted sequence joins the rounds from the next step, so a caller streaming after
-        each step sends its first token right after its prefill."""
-        new = self._admit()
-        seqs = [s for s in self.running if not s.finished and s not in new]
-        if seqs:
-            self._round(seqs)
+        """Admit waiting sequences to free slots, prefill the next prompt chunks (a sequence
+        whose prompt is complete commits its first token), and run one round for the
+        sequences that had their first token before this step; return the finished ones. A
+        caller streaming after each step so sends a first token right after its prefill."""
+        self._admit()
+        live = [s for s in self.running if not s.finished]
+        decoding = [s for s in live if s.num_output]  # prefilled in an earlier step
+        self._prefill([s for s in live if not s.num_output])
+        if decoding:
+            self._round(decoding)
         return self._retire()
 
     def _round(self, seqs: list[Sequence]) -> None:
@@ -177,30 +181,43 @@ class Engine:
             self.cache.keep(s.slot, len(s.ids) - 1, v.rows)  # path rows -> consecutive slots
         return v
 
-    def _admit(self) -> list[Sequence]:
-        new = []
+    def _admit(self) -> None:
         while self.waiting and self.free_slots:
             s = self.waiting.popleft()
             s.slot = self.free_slots.pop()
             s.started_at = time.perf_counter()
-            new.append(s)
-        if not new:
-            return new
+            self.running.append(s)
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        """Feed prompt chunks, oldest sequence first, up to ``chunked_prefill_size`` tokens in
+        all (0: every prompt whole). A prompt is cut at multiples of that size, whatever runs
+        beside it, so a request's prefill forwards never depend on the batch."""
+        size, budget = self.chunked_prefill_size, self.chunked_prefill_size
+        batch, chunks = [], []
+        for s in seqs:
+            done = self.cache.lengths[s.slot]  # prompt tokens with KV
+            chunk = s.ids[done: s.prompt_len if not size else min(s.prompt_len, done + size)]
+            if size and batch and len(chunk) > budget:
+                break
+            batch.append(s)
+            chunks.append(chunk)
+            budget -= len(chunk)
+        if not batch:
+            return
         t0 = time.perf_counter()
-        logits = self.runtime.forward(self.cache, [s.slot for s in new], [s.ids for s in new],
-                                      last_only=True)  # [B, vocab]
-        for s, row in zip(new, logits):
+        logits = self.runtime.forward(self.cache, [s.slot for s in batch], chunks, last_only=True)  # [B, vocab]
+        for s, row in zip(batch, logits):
             s.metrics.prefill_s += time.perf_counter() - t0
+            s.metrics.target_forwards += 1
+            if self.cache.lengths[s.slot] < s.prompt_len:
+                continue
             if s.sampling.greedy:
                 token = int(row.argmax())
             else:
                 token = int(sample(probs_from_logits(row[None], s.sampling), s.generator))
-            s.metrics.target_forwards += 1
             if s.logprobs is not None:
                 capture_logprobs(s, row[None], [token])
             self._commit(s, [token])
-            self.running.append(s)
-        return new
 
     def _commit(self, s: Sequence, tokens: list[int]) -> int:
         kept, hit_eos = truncate(tokens, s.remaining, s.eos_ids)

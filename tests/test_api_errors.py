@@ -18,6 +18,7 @@ from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
     (lambda: SamplingParams(top_k=-1), "top_k"),
     (lambda: EngineConfig(load_format="zeros"), "unknown load_format"),
     (lambda: EngineConfig(draft_backend="llamacpp", load_format="dummy"), "GGUF's own weights"),
+    (lambda: EngineConfig(chunked_prefill_size=-1), "chunked_prefill_size"),
 ])
 def test_config_errors(make, match):
     with pytest.raises(ValueError, match=match):

@@ -238,3 +238,63 @@ def test_run_metrics(loaded):
     for key in ("acceptance_rate", "mean_accepted_length", "accepted_per_position", "tokens_per_s", "wall_s"):
         assert key in run and key in outs[0].metrics
     assert run["tokens_per_s"] > 0
+
+
+def test_chunked_prefill_interleaves_with_decoding(loaded):
+    """A prompt goes in chunks of ``chunked_prefill_size`` tokens, cut at multiples of that
+    size, at most that many prompt tokens per step over all requests, oldest first, while
+    running requests decode every step; outputs equal whole-prompt prefill (plain and
+    self-drafted, more prompts than slots, hf fallback too), and a request aborted mid-prefill
+    frees its slot."""
+    long = [PROMPTS[2] * 2, PROMPTS[0] + PROMPTS[2], PROMPTS[1]]
+    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    base = LLM(loaded("llama"), chunked_prefill_size=0).generate(long, sp)
+    for size, method, backend in [(1, "none", "auto"), (7, "self", "auto"), (16, "none", "auto"),
+                                  (7, "ngram", "hf")]:
+        llm = LLM(loaded("llama", backend=backend), speculative=SpecConfig(method=method, num_draft_tokens=3),
+                  max_batch_size=2, chunked_prefill_size=size)
+        outs = llm.generate(long, sp)
+        assert [o.token_ids for o in outs] == [b.token_ids for b in base], (size, method, backend)
+        assert all(o.metrics["time_split_s"]["prefill"] > 0 for o in outs)
+
+    target = loaded("llama")
+    eng = Engine(target, None, SpecConfig(), 3, chunked_prefill_size=8)
+    tok = target.tokenizer
+
+    def seq(i, text):
+        ids = tok(text)["input_ids"]
+        return Sequence(i, ids, len(ids), SamplingParams(max_new_tokens=50, ignore_eos=True),
+                        make_generator(0, "cpu"), frozenset())
+
+    a = seq(0, PROMPTS[1])  # 3 tokens: prefilled in one step
+    eng.add(a)
+    eng.step()
+    assert a.num_output == 1
+    b, c = seq(1, PROMPTS[2]), seq(2, "x" * 10)  # 60 and 10 tokens
+    assert (b.prompt_len, c.prompt_len) == (60, 10)
+    eng.add(b)
+    eng.add(c)
+    seen = []
+    while not c.num_output:
+        before = a.num_output
+        eng.step()
+        assert a.num_output == before + 1  # a decodes every step
+        seen.append((min(eng.cache.lengths[b.slot], 60), eng.cache.lengths[c.slot]))
+    # b's chunks end at multiples of 8; c waits for room in a step's 8 tokens, its chunks too
+    assert seen == [(8, 0), (16, 0), (24, 0), (32, 0), (40, 0), (48, 0), (56, 0), (60, 0), (60, 8), (60, 10)]
+    assert b.num_output == 3 and b.metrics.target_forwards == 8 + 2
+    eng.abort(a)
+    d = seq(3, PROMPTS[2])
+    eng.add(d)
+    assert eng.step() == [a] and d.slot == -1  # a's slot is freed at the end of the step
+    eng.step()  # d takes it, and its first chunk
+    assert eng.cache.lengths[d.slot] == 8
+    eng.abort(d)
+    assert eng.step() == [d] and d.slot in eng.free_slots and eng.cache.lengths[d.slot] == 0
+
+    # a draft model catches up on a prompt in chunks too, drafting nothing until it has it all
+    drafter = ModelDrafter(target.runtime, 1, target.runtime.vocab_size, max_catch_up=8)
+    e = seq(4, "y" * 20)
+    e.slot = 0
+    drafts = [drafter.propose([e], [3])[0].tokens for _ in range(3)]  # feeding 8, 8, then 4 + 2 drafts
+    assert [len(d) for d in drafts] == [0, 0, 3] and drafter.cached_ids[0] == e.ids + drafts[2][:2]

@@ -460,3 +460,43 @@ def test_parked_rows_stay_until_the_buffer_is_full_then_sequences_are_recomputed
     out = rt.forward(cache, [0], [[42]])[0, 0]
     assert cache.recomputes == 2 and cache.parked == [[], []]
     close(out, chain_logits(lc, ids, gen + [9, r, b, b1, 42])[-1], "alone after a tree, recomputed")
+
+
+def test_chunked_prefill_goes_whole_and_is_recomputed_alike(pieces, prompts, monkeypatch):
+    """Chunks of a chunked prefill (``last_only`` forwards) are whole decodes, each slot alone,
+    not continuation pieces; the cache records where they end, a recompute replays them, and
+    decoding then goes on with the logits of the same prefill never recomputed. Greedy n-gram
+    speculation with a chunked prefill equals plain decoding with the same one."""
+    rt, (ids, other) = pieces.runtime, prompts[:2]
+    sizes = decode_sizes(rt, monkeypatch)
+    cache = rt.new_cache(2)
+    for a in (0, 5, 10):
+        rt.forward(cache, [0, 1], [ids[a:a + 5], other[a:a + 5]], last_only=True)
+    assert sizes == [5] * 6 and cache.prefill_ends == [[5, 10, 15], [5, 10, 15]]
+    gen = [100, 101, 102]
+    for t in gen:  # verify steps of 4 rows beside slot 1 (pieces of 2), 3 drafts rejected
+        n = cache.lengths[0]
+        rt.forward(cache, [0], [[t, 5, 5, 5]])
+        cache.rewind(0, n + 1)
+    assert sizes[6:] == [2, 2] * 3 and cache.prefill_ends[0] == [5, 10, 15]
+    del sizes[:]
+    cache.size = cache.used + 1  # the next two rows do not fit: recompute
+    out = rt.forward(cache, [0, 1], [[9], [8]])  # [2, 1, vocab]
+    assert cache.recomputes == 1 and sizes == [5, 5, 5, 1, 2, 5, 5, 5, 2]
+    ref = rt.new_cache(2)
+    for a in (0, 5, 10):
+        rt.forward(ref, [0], [ids[a:a + 5]], last_only=True)
+        rt.forward(ref, [1], [other[a:a + 5]], last_only=True)
+    one = [rt.forward(ref, [0], [[t]])[0, 0] for t in gen + [9]]
+    close(out[0, 0], one[-1], "slot 0 recomputed after a chunked prefill")
+    close(out[1, 0], rt.forward(ref, [1], [[8]])[0, 0], "slot 1 recomputed after a chunked prefill")
+    cache.rewind(0, 7)  # into the prompt: its recorded ends go too
+    assert cache.prefill_ends[0] == [5]
+
+    monkeypatch.undo()
+    sp, reqs = SamplingParams(max_new_tokens=N), [{"prompt_token_ids": p} for p in prompts]
+    base = LLM(pieces, max_batch_size=2, chunked_prefill_size=5).generate(reqs, sp)
+    llm = LLM(pieces, speculative=SpecConfig(method="ngram", num_draft_tokens=4), max_batch_size=2,
+              chunked_prefill_size=5)
+    for i, (p, out, ref) in enumerate(zip(prompts, llm.generate(reqs, sp), base)):
+        assert_same_greedy(pieces, p, out.token_ids, ref.token_ids, f"chunked prefill, prompt {i}")

@@ -1,8 +1,9 @@
 """A draft model (or the target itself, for ``self``) with its own KV cache.
 
 Each round the drafter first catches up on committed tokens its cache has not seen (the
-recovered/bonus token, and on the first round the whole prompt), then drafts for the whole
-batch, one forward per depth:
+recovered/bonus token, and on the first rounds the prompt: at most ``max_catch_up`` tokens
+per round, as the target's chunked prefill, drafting nothing until it has them all), then
+drafts for the whole batch, one forward per depth:
 
 * **chain** (``topk == 1``): the draft's own choice at each depth (argmax, or a draw from
   q when sampling);
@@ -66,7 +67,7 @@ class _Growth:
 
 class ModelDrafter:
     def __init__(self, runtime, num_slots: int, target_vocab: int, topk: int = 1,
-                 max_nodes: int | None = None):
+                 max_nodes: int | None = None, max_catch_up: int = 0):
         if topk > 1 and not runtime.supports_masks:
             raise ValueError("draft-model trees need the torch runtime (tree attention masks); "
                              "the transformers fallback drafts chains only")
@@ -75,6 +76,7 @@ class ModelDrafter:
         self.cached_ids: list[list[int]] = [[] for _ in range(num_slots)]  # ids behind each slot's KV
         self.target_vocab = target_vocab
         self.topk, self.max_nodes = topk, max_nodes
+        self.max_catch_up = max_catch_up  # tokens fed per sequence and round before drafting; 0 = all
         # per slot, the fed tree nodes after the committed ids: (parent fed index, token) -> index
         self.tail: dict[int, dict[tuple[int, int], int]] = {}
 
@@ -86,6 +88,10 @@ class ModelDrafter:
     def propose(self, seqs, ks) -> list[Draft]:
         active = [i for i, k in enumerate(ks) if k > 0]
         logits = self._catch_up([seqs[i] for i in active])  # [B, vocab_d]
+        caught = [b for b, i in enumerate(active)  # the rest draft nothing this round
+                  if len(self.cached_ids[seqs[i].slot]) == len(seqs[i].ids)]
+        if len(caught) < len(active):
+            active, logits = [active[b] for b in caught], logits[caught]
         if self.topk == 1:
             drafts = self._chains(seqs, ks, active, logits)
         else:
@@ -93,7 +99,8 @@ class ModelDrafter:
         return drafts
 
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """Feed each sequence's committed ids the cache lacks; logits at the last one."""
+        """Feed each sequence's committed ids the cache lacks (at most ``max_catch_up``);
+        logits at the last one fed."""
         if not seqs:
             return None
         for s in seqs:  # the last committed id is always fed: its logits start the draft
@@ -101,7 +108,7 @@ class ModelDrafter:
             if len(cached) >= len(s.ids):
                 del cached[len(s.ids) - 1:]
                 self.cache.rewind(s.slot, len(cached))
-        feed = [s.ids[len(self.cached_ids[s.slot]):] for s in seqs]
+        feed = [s.ids[len(self.cached_ids[s.slot]):][: self.max_catch_up or None] for s in seqs]
         logits = self.runtime.forward(self.cache, [s.slot for s in seqs], feed, last_only=True)
         for s, toks in zip(seqs, feed):
             self.cached_ids[s.slot].extend(toks)

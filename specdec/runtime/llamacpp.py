@@ -31,8 +31,9 @@ equal feeding its tokens one at a time after a short and after a long context
 switch above; checked once per model file, thread count and machine, then read from
 ``llamacpp_rows.json`` in specdec's cache directory), and feeds every continuation (a
 forward whose slots all hold rows already: verification, decoding, a draft's catch-up) in
-balanced pieces of at most that many rows, one ``llama_decode`` each. Prompts go whole:
-plain and speculative decoding prefill alike. ``exact=False`` (a draft model,
+balanced pieces of at most that many rows, one ``llama_decode`` each. Prompts, and the
+chunks of a chunked prefill (any ``last_only`` forward), go whole, each slot in its own
+decode: plain and speculative decoding prefill alike. ``exact=False`` (a draft model,
 ``load_model(..., draft=True)``, whose rounding only sways its proposals) keeps llama.cpp's
 F16 KV cache and skips the check and the pieces.
 """
@@ -115,8 +116,9 @@ class LlamaCppCache:
     cell below its sequence's newer cells gets visibly different logits (up to ~0.9 on
     SmolLM2-135M Q4_1); with parking, a slot's cells stay in position order, as in plain
     decoding, and a chunk of fewer than 64 tokens then gives exactly its one-by-one logits.
-    The cache keeps each slot's committed tokens (``tokens``) and prompt length, to recompute
-    its KV when it must free parked cells mid-request (``fit``)."""
+    The cache keeps each slot's committed tokens (``tokens``) and where its prefill decodes
+    ended (``prefill_ends``), to recompute its KV when it must free parked cells mid-request
+    (``fit``)."""
 
     def __init__(self, runtime: "LlamaCppRuntime", num_slots: int):
         lib = self.lib = runtime.lib
@@ -143,7 +145,8 @@ class LlamaCppCache:
         self.size = lib.llama_n_ctx(self.ctx)  # KV cells
         self.lengths = [0] * num_slots
         self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # the committed rows' tokens
-        self.prompt_len = [0] * num_slots  # rows of the slot's first forward from length 0
+        # per slot, the ends of the whole decodes (a prompt, or its chunks) its rows begin with
+        self.prefill_ends: list[list[int]] = [[] for _ in range(num_slots)]
         self.recomputes = 0  # times ``fit`` recomputed the running sequences
         self.tail: list[list[TreeRow]] = [[] for _ in range(num_slots)]
         self.parked: list[list[int]] = [[] for _ in range(num_slots)]  # positions of parked cells, sorted
@@ -167,7 +170,7 @@ class LlamaCppCache:
         if length < self.committed(slot):
             if newest:
                 self.lib.llama_memory_seq_rm(self.mem, slot, length, -1)
-                del self.tokens[slot][length:]
+                self._cut(slot, length)
             else:
                 self._park_committed(slot, length)
         self.lengths[slot] = length
@@ -220,8 +223,8 @@ class LlamaCppCache:
         parked cell. Freed mid-request, parked cells would leave holes below running
         sequences' newest cells (see ``make_room``), so an exact runtime instead clears the
         buffer and recomputes each running sequence's KV from its tokens, with forwards like
-        those that made it (vLLM's preemption by recompute): the prompt in one decode, the
-        rest in pieces of at most ``max_rows`` rows, so that every sequence's cells are in
+        those that made it (vLLM's preemption by recompute): the prompt's decodes, the rest
+        in pieces of at most ``max_rows`` rows, so that every sequence's cells are in
         position order again. Any other runtime, or one with tree rows pending, frees them."""
         if self.used + n <= self.size or not any(self.parked):
             return
@@ -306,7 +309,13 @@ class LlamaCppCache:
         lib.llama_memory_seq_cp(mem, slot, self.park_seq(slot), length, -1)
         lib.llama_memory_seq_rm(mem, slot, length, -1)
         self._add_parked(slot, range(length, self.committed(slot)))
+        self._cut(slot, length)
+
+    def _cut(self, slot: int, length: int) -> None:
+        """Forget the slot's committed tokens from ``length`` on."""
         del self.tokens[slot][length:]
+        ends = self.prefill_ends[slot]
+        del ends[bisect.bisect_right(ends, length):]
 
     def _park_rows(self, slot: int, rows: list[TreeRow]) -> None:
         """Park tree rows' cells and release their sequences."""
@@ -406,16 +415,18 @@ class LlamaCppRuntime:
                 last_only: bool = False) -> torch.Tensor:
         """Every slot's chunk in one ``llama_decode`` (a continuation on an ``exact`` runtime: in
         pieces of at most ``max_rows`` rows); logits only for the rows returned. An ``exact``
-        runtime decodes each prompt (a slot at length 0) alone: llama.cpp's matrix products
-        take rows in groups (of 4 with repacked weights), so a prompt's last rows batched
-        after another prompt's would round unlike the same prompt alone."""
-        if self.exact and len(slots) > 1 and not all(cache.lengths[s] for s in slots):
+        runtime decodes each prompt (a slot at length 0) and each ``last_only`` chunk (a
+        prefill chunk) whole and alone: llama.cpp's matrix products take rows in groups (of 4
+        with repacked weights), so a prompt's last rows batched after another prompt's would
+        round unlike the same prompt alone."""
+        prefill = last_only or not all(cache.lengths[s] for s in slots)
+        if self.exact and len(slots) > 1 and prefill:
             rows = [self.forward(cache, [slot], [toks], last_only=last_only,
                                  positions=positions and [positions[b]], chunk_masks=chunk_masks and [chunk_masks[b]])
                     for b, (slot, toks) in enumerate(zip(slots, tokens))]  # [1, vocab] or [1, n_b, vocab]
             rows = torch.cat([r if last_only else r[0] for r in rows])  # [sum of returned rows, vocab]
             return self._logits(rows, [len(t) for t in tokens], last_only)
-        limit = self.max_rows if self.exact and all(cache.lengths[s] for s in slots) else None
+        limit = self.max_rows if self.exact and not prefill else None
         return self._forward(cache, slots, tokens, positions=positions, chunk_masks=chunk_masks,
                              last_only=last_only, limit=limit)
 
@@ -428,7 +439,6 @@ class LlamaCppRuntime:
         for slot, toks in zip(slots, tokens):  # a new sequence refills parked cells, in order
             if cache.lengths[slot] == 0:
                 cache.make_room(slot, len(toks))
-                cache.prompt_len[slot] = len(toks)
         cache.fit(sum(map(len, tokens)))
         try:
             for b, (slot, toks) in enumerate(zip(slots, tokens)):
@@ -462,6 +472,9 @@ class LlamaCppRuntime:
             cache.tail[slot] += rows
         for b, (slot, toks) in enumerate(zip(slots, tokens)):
             if chunk_masks is None or chunk_masks[b] is None:
+                ends = cache.prefill_ends[slot]
+                if self.exact and limit is None and (ends[-1] if ends else 0) == cache.committed(slot):
+                    ends.append(cache.committed(slot) + len(toks))  # a whole decode, for recompute
                 cache.tokens[slot] += map(int, toks)
             cache.lengths[slot] += len(toks)
         rows = out[0] if len(out) == 1 else torch.cat(out)  # [sum(outputs), vocab]
@@ -469,12 +482,13 @@ class LlamaCppRuntime:
 
     def recompute(self, cache: LlamaCppCache, slot: int) -> None:
         """Write the KV of the slot's committed tokens (``cache.tokens``) anew, as plain
-        decoding made it: the prompt in one decode, then pieces of at most ``max_rows`` rows
-        (whose logits are one-row decoding's)."""
-        ids, p = cache.tokens[slot], min(cache.prompt_len[slot], len(cache.tokens[slot]))
-        bounds = [0] + [p + b for b in piece_bounds(len(ids) - p, self.max_rows)]
+        decoding made it: the prefill's whole decodes (``cache.prefill_ends``), then pieces
+        of at most ``max_rows`` rows (whose logits are one-row decoding's)."""
+        ids, ends = cache.tokens[slot], cache.prefill_ends[slot]
+        p = ends[-1] if ends else 0
+        bounds = [0] + ends + [p + b for b in piece_bounds(len(ids) - p, self.max_rows)[1:]]
         for a, b in zip(bounds, bounds[1:]):
-            if b > a:  # the prompt's logits: its last row's only, as when it was prefilled
+            if b > a:  # the prefill's logits: each decode's last row only, as when it was made
                 self._decode(cache, ids[a:b], list(range(a, b)), [[slot]] * (b - a),
                              [int(a >= p or i == b - 1) for i in range(a, b)])
 
