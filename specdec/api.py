@@ -142,7 +142,7 @@ class LLM:
             else:
                 cost[name] = DraftCost()
         nodes = {name: (spec.tree_topk, spec.node_budget) for name in drafters} if tree else None
-        return Planner(target, cost, spec.depth, nodes)
+        return Planner(target, cost, spec.depth, nodes, layout=self.target.runtime.batch_layout)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids for a text prompt, a chat (list of messages) or ``{"prompt_token_ids": ...}``."""

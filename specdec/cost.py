@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +32,9 @@ from . import disk_cache
 LONG_TOKENS = 64  # one longer forward is measured too: it prices a draft model's long catch-up
 STEADY_BEHIND = 2  # tokens a draft model in use is behind at each step (last draft, bonus)
 CATCH_UP_HORIZON = 256  # a long catch-up is spread over at most this many tokens (requests stop early)
+# how a runtime runs a batch's chunks: one forward with every chunk padded to the longest
+# (torch), one forward over all their rows (llama.cpp), or one forward per chunk (transformers)
+BATCH_LAYOUTS = ("padded", "packed", "serial")
 
 
 @dataclass(frozen=True)
@@ -224,9 +227,20 @@ class StatsKey:
 class Choice:
     drafter: str | None  # None = plain decoding this step
     k: int
-    tokens_per_s: float
+    tokens_per_s: float  # expected, for this request alone
     context: int | None = None  # the n-gram drafter's match length this step (see ``Planner``)
     probe: bool = False  # chosen to re-test the drafter, not for its expected rate
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What ``Planner.choose`` needs of one request for its next step."""
+
+    request_id: int
+    limit: int  # most drafts it may take (0: none)
+    available: dict[str, int | None] | None = None  # drafters that can draft: their contexts
+    behind: dict[str, int] | None = None  # tokens each model drafter must catch up on first
+    left: int | None = None  # tokens the request may still generate
 
 
 @dataclass
@@ -276,12 +290,16 @@ class Planner:
     learns per request instead, starting from a prior learned from the finished requests.
     ``behind``: tokens a model drafter must catch up on before its first depth (it skips the
     steps it does not draft); ``left``: tokens the request may still generate (see
-    ``DraftCost``).
+    ``DraftCost``). ``layout``: how the target runtime runs a batch (``BATCH_LAYOUTS``), for
+    ``choose_batch``.
     """
 
     def __init__(self, target: ForwardCosts, draft_cost: dict[str, DraftCost | float], k_max: int,
-                 nodes: dict[str, tuple[int, int]] | None = None, prior: float = 0.6):
-        self.target, self.k_max = target, k_max
+                 nodes: dict[str, tuple[int, int]] | None = None, prior: float = 0.6,
+                 layout: str = "padded"):
+        if layout not in BATCH_LAYOUTS:
+            raise ValueError(f"unknown batch layout {layout!r}; choose {', '.join(BATCH_LAYOUTS)}")
+        self.target, self.k_max, self.layout = target, k_max, layout
         self.draft_cost = {n: c if isinstance(c, DraftCost) else DraftCost(c) for n, c in draft_cost.items()}
         self.nodes = nodes or {}
         self.priors = {name: [prior] * k_max for name in draft_cost}  # learned across requests
@@ -319,11 +337,22 @@ class Planner:
     def rate(self, name: str, acc: Acceptance, k: int, behind: int = 1, left: int | None = None) -> float:
         """Expected committed tokens per second of a step drafting k with ``name``; ``left``:
         tokens the request may still generate, over which a long catch-up is spread."""
-        width, budget = self.nodes.get(name, (1, k))
         tokens = acc.expected_tokens(k)
-        share = 1.0 if left is None else min(1.0, tokens / min(left, CATCH_UP_HORIZON))
-        seconds = self.verify_seconds(1 + min(budget, k * width)) + self.draft_cost[name](k, behind, share)
+        seconds = self.verify_seconds(self.verify_rows(name, k)) + self.draft_seconds(name, tokens, k, behind, left)
         return tokens / seconds
+
+    def verify_rows(self, name: str | None, k: int) -> int:
+        """Tokens a verify step over k drafts of ``name`` checks (a tree: its node budget)."""
+        width, budget = self.nodes.get(name, (1, k))
+        return 1 + min(budget, k * width)
+
+    def draft_seconds(self, name: str | None, tokens: float, k: int, behind: int = 1,
+                      left: int | None = None) -> float:
+        """Drafting k with ``name`` for a step expected to commit ``tokens``."""
+        if name is None or k == 0:
+            return 0.0
+        share = 1.0 if left is None else min(1.0, tokens / min(left, CATCH_UP_HORIZON))
+        return self.draft_cost[name](k, behind, share)
 
     def could_pay(self, name: str, limit: int, behind: int = 1, left: int | None = None) -> bool:
         """Whether ``name`` would beat plain decoding by ``PROBE_MARGIN`` if every draft were
@@ -389,6 +418,42 @@ class Planner:
         if best.drafter is None and probe is not None:
             best = probe
         return best
+
+    def choose_batch(self, asks: list[Ask]) -> list[Choice]:
+        """Choices for the requests of one step. ``choose`` prices a request's verify rows as
+        if it ran alone; in a batch they share one forward, whose cost grows with all its rows
+        (padded: the batch size times the longest chunk). So each request's own choice is
+        capped at the common k that gives the whole step the most expected tokens per second:
+        the verify forward over the batch, plus, per draft model, its dearest request's
+        drafting scaled by the cost of one forward over all its requests' rows against one
+        row (a batch drafts in the same forwards). One request alone, or a ``serial`` layout
+        (its forwards add up per request), keeps its own choices."""
+        own = [self.choose(a.request_id, a.limit, a.available, a.behind, a.left) for a in asks]
+        if len(asks) == 1 or self.layout == "serial":
+            return own
+        best, best_rate = 0, 0.0
+        for cap in range(max(c.k for c in own) + 1):
+            ks = [min(c.k, cap) for c in own]
+            rate = self._step_rate(asks, own, ks)
+            if rate > best_rate:
+                best, best_rate = cap, rate
+        return [c if c.k <= best else replace(c, k=best) if best else Choice(None, 0, 1.0 / self.verify_seconds(1))
+                for c in own]
+
+    def _step_rate(self, asks: list[Ask], own: list[Choice], ks: list[int]) -> float:
+        """Expected tokens per second of a batch step: request i drafts ``ks[i]`` with
+        ``own[i].drafter``."""
+        tokens = [self.acceptance(c.drafter, c.context, a.request_id).expected_tokens(k) if k else 1.0
+                  for a, c, k in zip(asks, own, ks)]
+        rows = [self.verify_rows(c.drafter, k) for c, k in zip(own, ks)]
+        seconds = self.verify_seconds(len(rows) * max(rows) if self.layout == "padded" else sum(rows))
+        for name, cost in self.draft_cost.items():
+            mine = [i for i, (c, k) in enumerate(zip(own, ks)) if c.drafter == name and k]
+            if mine:
+                dearest = max(self.draft_seconds(name, tokens[i], ks[i], (asks[i].behind or {}).get(name, 1),
+                                                 asks[i].left) for i in mine)
+                seconds += dearest * (cost.catch_up(len(mine)) / cost.catch_up(1) if cost.catch_up else 1.0)
+        return sum(tokens) / seconds
 
     def record(self, request_id: int, choice: Choice, num_drafts: int, num_accepted: int) -> None:
         self.chosen_k[choice.k] = self.chosen_k.get(choice.k, 0) + 1

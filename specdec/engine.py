@@ -13,7 +13,7 @@ from collections import deque
 import torch
 
 from .config import SpecConfig
-from .cost import Choice, Planner
+from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
 from .sampling import probs_from_logits, sample
 from .sequence import Sequence, cut_after_eos
@@ -142,25 +142,33 @@ class Engine:
             s.metrics.record_times(draft=t1 - t0, verify=t2 - t1, bookkeeping=t3 - t2)
 
     def _plan(self, seqs: list[Sequence]) -> list[Choice]:
-        plan = []
-        for s in seqs:
-            limit = min(self.k, s.remaining - 1, s.num_draft_tokens if s.num_draft_tokens is not None else self.k)
-            if limit <= 0 or not self.drafters:
-                plan.append(Choice(None, 0, 0.0))
-            elif len(self.drafters) == 1 and self.planner is None:
-                plan.append(Choice(next(iter(self.drafters)), limit, 0.0))
-            else:
-                avail = {}
-                for name, d in self.drafters.items():
-                    ok, ctx = draft_context(d, s)
-                    if ok:
-                        avail[name] = ctx
-                if self.planner:
-                    behind = {n: d.behind(s) for n, d in self.drafters.items() if hasattr(d, "behind")}
-                    plan.append(self.planner.choose(s.request_id, limit, avail, behind, s.remaining))
-                else:
-                    plan.append(Choice(next(iter(avail)), limit, 0.0) if avail else Choice(None, 0, 0.0))
-        return plan
+        limits = [min(self.k, s.remaining - 1, self.k if s.num_draft_tokens is None else s.num_draft_tokens)
+                  for s in seqs]
+        if self.planner:
+            return self.planner.choose_batch([self._ask(s, n) for s, n in zip(seqs, limits)])
+        return [self._first_ready(s, n) for s, n in zip(seqs, limits)]
+
+    def _ready(self, s: Sequence) -> dict[str, int | None]:
+        """The drafters that can draft for ``s`` now, with their contexts."""
+        ready = {}
+        for name, drafter in self.drafters.items():
+            ok, ctx = draft_context(drafter, s)
+            if ok:
+                ready[name] = ctx
+        return ready
+
+    def _ask(self, s: Sequence, limit: int) -> Ask:
+        if limit <= 0:
+            return Ask(s.request_id, 0)
+        behind = {n: d.behind(s) for n, d in self.drafters.items() if hasattr(d, "behind")}
+        return Ask(s.request_id, limit, self._ready(s), behind, s.remaining)
+
+    def _first_ready(self, s: Sequence, limit: int) -> Choice:
+        """Without a planner: the first drafter that can draft, k = ``limit``."""
+        ready = self._ready(s) if limit > 0 and len(self.drafters) > 1 else self.drafters
+        if limit <= 0 or not ready:
+            return Choice(None, 0, 0.0)
+        return Choice(next(iter(ready)), limit, 0.0)
 
     def _propose(self, seqs: list[Sequence], plan: list[Choice]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]

@@ -3,7 +3,7 @@ hybrid drafting: the planner's arithmetic, and greedy equality whatever it choos
 import pytest
 
 from specdec import LLM, SamplingParams, SpecConfig
-from specdec.cost import Acceptance, Choice, ForwardCosts, Planner, StatsKey, forward_costs
+from specdec.cost import Acceptance, Ask, Choice, DraftCost, ForwardCosts, Planner, StatsKey, forward_costs
 
 PROMPTS = ["Hello world, this is a test of speculative decoding", "abc",
            "The quick brown fox jumps over the lazy dog. The quick brown"]
@@ -48,6 +48,36 @@ def test_untried_depths_lean_on_the_depths_before():
         ks.append(c.k)
         p.record(1, c, num_drafts=c.k, num_accepted=c.k)
     assert ks[0] < 4 and ks[-1] == 4, ks
+
+
+def test_a_batch_shares_its_verify_forward():
+    """Alone, a request prices k=4 at one 5-row forward (1 s here, as 1 row); four requests in
+    one step verify 4 x 5 rows (4 s), so the batch takes the common k with the most tokens
+    per second of the whole step: k=1 (8 rows, 1 s, 4 x 1.6 tokens) over k=0 (4 tokens) and
+    k=2 (12 rows, 2 s, 4 x 1.96 tokens). Requests capped below their own k keep their
+    drafter; a request with no draft budget stays plain; transformers' serial layout (one
+    forward per request) keeps the own choices. A draft model's batched drafting costs its
+    dearest request's, scaled by its forward over all their rows."""
+    curve = ForwardCosts(tuple(1.0 if n <= 8 else 1.0 + 0.25 * (n - 8) for n in range(1, 25)))
+    for layout in ("padded", "packed"):
+        p = Planner(curve, {"ngram": 0.0}, k_max=4, prior=0.6, layout=layout)
+        assert p.choose_batch([Ask(1, 4)]) == [p.choose(1, 4)] and p.choose(1, 4).k == 4
+        batch = p.choose_batch([Ask(i, 4) for i in range(4)])
+        assert [(c.drafter, c.k) for c in batch] == [("ngram", 1)] * 4, layout
+    p = Planner(curve, {"ngram": 0.0}, k_max=4, prior=0.6)
+    # a 5th request with no draft budget is padded too: k=1 would verify 10 rows (1.5 s for
+    # 7.4 tokens), so the step decodes plainly (5 rows, 1 s, 5 tokens)
+    assert [c.k for c in p.choose_batch([Ask(i, 4) for i in range(4)] + [Ask(9, 0)])] == [0] * 5
+    serial = Planner(curve, {"ngram": 0.0}, k_max=4, prior=0.6, layout="serial")
+    assert [c.k for c in serial.choose_batch([Ask(i, 4) for i in range(4)])] == [4] * 4
+    draft = DraftCost(per_depth=0.1, catch_up=ForwardCosts((0.1, 0.1, 0.2, 0.2)))
+    p = Planner(ForwardCosts((1.0,) * 24), {"draft": draft}, k_max=2, prior=0.9)
+    one = p._step_rate([Ask(1, 2)], [Choice("draft", 2, 0.0)], [2])
+    assert one == pytest.approx((1 + 0.9 + 0.81) / (1.0 + 0.1 + 0.1))
+    three = p._step_rate([Ask(i, 2) for i in range(3)], [Choice("draft", 2, 0.0)] * 3, [2] * 3)
+    assert three == pytest.approx(3 * (1 + 0.9 + 0.81) / (1.0 + 0.2 * 0.2 / 0.1))
+    with pytest.raises(ValueError, match="batch layout"):
+        Planner(curve, {"ngram": 0.0}, k_max=4, layout="ragged")
 
 
 def test_forward_costs_extrapolate():

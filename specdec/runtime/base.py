@@ -26,6 +26,9 @@ class Runtime(Protocol):
     vocab_size: int  # width of the logits
     max_context: int  # positions the model supports
     supports_masks: bool  # custom chunk masks and positions (trees)
+    # how ``forward`` runs a batch's chunks (``cost.BATCH_LAYOUTS``): "padded" (one forward,
+    # each chunk padded to the longest), "packed" (one forward over their rows), "serial"
+    batch_layout: str
 
     @property
     def speed_key(self) -> str:

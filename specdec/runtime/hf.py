@@ -30,6 +30,7 @@ class HFCache:
 
 class HFRuntime:
     supports_masks = False
+    batch_layout = "serial"
 
     def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, load_format: str = "auto"):
         from .loading import load_hf_model

@@ -352,6 +352,7 @@ class LlamaCppRuntime:
     and completion prompts and within the noise on the edits (docs/bench.md)."""
 
     supports_masks = True
+    batch_layout = "packed"
 
     def __init__(self, gguf: str | Path, threads: int | None = None, context: int = DEFAULT_CONTEXT,
                  repack: bool = True, exact: bool = True):

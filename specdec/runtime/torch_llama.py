@@ -167,6 +167,7 @@ class TorchLlama:
     """Runtime for Llama-family checkpoints (see ``ARCHS``)."""
 
     supports_masks = True
+    batch_layout = "padded"
 
     def __init__(self, config, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, linear: str | None = None, multi_row: bool | None = None):
