@@ -382,7 +382,7 @@ class Planner:
         return 1.0 + (shape - 1.0) * fade
 
     def observe_verify(self, n: int, seconds: float) -> None:
-        """A verify forward of n tokens (batch size 1) took ``seconds``. Real requests have
+        """A verify forward of n rows (``batch_rows``) took ``seconds``. Real requests have
         longer contexts than the measurement's 128 tokens, and there a forward of several
         tokens can cost relatively more (on llama.cpp, 5 tokens after ~600: about 3x one
         token instead of the measured 2.5x); ``shape`` learns that where sizes are timed
@@ -440,13 +440,19 @@ class Planner:
         return [c if c.k <= best else replace(c, k=best) if best else Choice(None, 0, 1.0 / self.verify_seconds(1))
                 for c in own]
 
+    def batch_rows(self, sizes: list[int]) -> int | None:
+        """The rows of one forward over chunks of ``sizes`` tokens, by ``layout`` (None:
+        ``serial``, several forwards)."""
+        if len(sizes) == 1:
+            return sizes[0]
+        return {"padded": len(sizes) * max(sizes), "packed": sum(sizes)}.get(self.layout)
+
     def _step_rate(self, asks: list[Ask], own: list[Choice], ks: list[int]) -> float:
         """Expected tokens per second of a batch step: request i drafts ``ks[i]`` with
         ``own[i].drafter``."""
         tokens = [self.acceptance(c.drafter, c.context, a.request_id).expected_tokens(k) if k else 1.0
                   for a, c, k in zip(asks, own, ks)]
-        rows = [self.verify_rows(c.drafter, k) for c, k in zip(own, ks)]
-        seconds = self.verify_seconds(len(rows) * max(rows) if self.layout == "padded" else sum(rows))
+        seconds = self.verify_seconds(self.batch_rows([self.verify_rows(c.drafter, k) for c, k in zip(own, ks)]))
         for name, cost in self.draft_cost.items():
             mine = [i for i, (c, k) in enumerate(zip(own, ks)) if c.drafter == name and k]
             if mine:
