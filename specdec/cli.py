@@ -65,6 +65,13 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide (multiply) the positive (negative) logits of tokens in the prompt or "
+                        "output by this (1 = off, default)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logits of tokens in the output (0 = off, default)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times a token's count in the output from its logit (0 = off, default)")
 
 
 def spec_from_args(a) -> SpecConfig:
@@ -77,7 +84,9 @@ def spec_from_args(a) -> SpecConfig:
 
 def sampling_from_args(a) -> SamplingParams:
     return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                          top_p=a.top_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+                          top_p=a.top_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos,
+                          repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+                          frequency_penalty=a.frequency_penalty)
 
 
 def make_llm(a):

@@ -38,6 +38,13 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
     ignore_eos: bool = False
+    # penalties on the logits, greedy included, before temperature (as in vLLM): repetition
+    # (transformers' and vLLM's: a token seen in the prompt or output has a positive logit
+    # divided by it, a negative one multiplied), then OpenAI's presence (minus this once for
+    # a token in the output) and frequency (minus this per occurrence in the output)
+    repetition_penalty: float = 1.0  # 1 = off
+    presence_penalty: float = 0.0  # 0 = off
+    frequency_penalty: float = 0.0  # 0 = off
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -52,10 +59,18 @@ class SamplingParams:
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop strings must be non-empty strings")
+        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, f"{name} must be in [-2, 2] (0 = off), got {value}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 from .config import SpecConfig
 from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
-from .sampling import probs_from_logits, sample
+from .sampling import penalize, probs_from_logits, sample
 from .sequence import Sequence, cut_after_eos
 from .tree import verify_tree
 from .verify import Verdict, verify
@@ -181,7 +181,11 @@ class Engine:
         return drafts
 
     def _verify(self, s: Sequence, d: Draft, rows) -> Verdict:
-        """Verify one sequence's draft (chain or tree) and keep only the accepted path's KV."""
+        """Verify one sequence's draft (chain or tree) and keep only the accepted path's KV.
+        Penalties see, on each row, the drafts before it as output."""
+        if s.sampling.penalized:
+            prefixes = d.tree.prefixes() if d.tree else [d.tokens[:j] for j in range(len(d.tokens) + 1)]
+            rows = penalize(rows, s.sampling, s.ids[: s.prompt_len], s.output_ids, prefixes)
         if d.tree is None:
             v = verify(d.tokens, d.q, rows, s.sampling, s.generator)
             self.cache.rewind(s.slot, len(s.ids) + v.num_accepted)
@@ -220,10 +224,11 @@ class Engine:
             s.metrics.target_forwards += 1
             if self.cache.lengths[s.slot] < s.prompt_len:
                 continue
+            scored = penalize(row[None], s.sampling, s.ids, [])  # [1, vocab]
             if s.sampling.greedy:
-                token = int(row.argmax())
+                token = int(scored.argmax())
             else:
-                token = int(sample(probs_from_logits(row[None], s.sampling), s.generator))
+                token = int(sample(probs_from_logits(scored, s.sampling), s.generator))
             if s.logprobs is not None:
                 capture_logprobs(s, row[None], [token])
             self._commit(s, [token])

@@ -87,6 +87,14 @@ class DraftTree:
     def positions(self, root_position: int) -> list[int]:
         return [root_position + d for d in self.depths]
 
+    def prefixes(self) -> list[list[int]]:
+        """Per row, the draft tokens from the root (excluded) down to the row: what the
+        target's prediction on that row follows, after the committed tokens."""
+        out = [[]]
+        for r in range(1, len(self.tokens)):
+            out.append(out[self.parents[r]] + [self.tokens[r]])
+        return out
+
     def paths(self) -> list[list[int]]:
         """Rows of every root-to-leaf path (retrieve indices), in row order of the leaves."""
         out = []

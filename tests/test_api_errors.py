@@ -19,6 +19,9 @@ from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
     (lambda: EngineConfig(load_format="zeros"), "unknown load_format"),
     (lambda: EngineConfig(draft_backend="llamacpp", load_format="dummy"), "GGUF's own weights"),
     (lambda: EngineConfig(chunked_prefill_size=-1), "chunked_prefill_size"),
+    (lambda: SamplingParams(repetition_penalty=0), "repetition_penalty"),
+    (lambda: SamplingParams(presence_penalty=2.5), "presence_penalty"),
+    (lambda: SamplingParams(frequency_penalty=-3), "frequency_penalty"),
 ])
 def test_config_errors(make, match):
     with pytest.raises(ValueError, match=match):

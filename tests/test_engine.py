@@ -298,3 +298,40 @@ def test_chunked_prefill_interleaves_with_decoding(loaded):
     e.slot = 0
     drafts = [drafter.propose([e], [3])[0].tokens for _ in range(3)]  # feeding 8, 8, then 4 + 2 drafts
     assert [len(d) for d in drafts] == [0, 0, 3] and drafter.cached_ids[0] == e.ids + drafts[2][:2]
+
+
+def test_penalties_stay_lossless(loaded, tiny_dirs):
+    """Repetition, presence and frequency penalties under speculation: greedy output equals
+    plain decoding with the same penalties (self-draft, n-gram, a random draft model, token
+    trees, a batch), the self-draft accepts every draft (its drafts are picked under the same
+    penalised history as the verify rows that check them), the penalties change the output,
+    and repetition_penalty alone matches transformers' generate. Seeded sampling with
+    penalties is reproducible."""
+    from transformers import AutoModelForCausalLM
+
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4,
+                        frequency_penalty=0.3)
+    base = plain(loaded, "llama", PROMPTS, sp)
+    assert [o.token_ids for o in base] != [o.token_ids for o in plain(loaded, "llama", PROMPTS, GREEDY)]
+    for method, draft, topk in [("self", None, 1), ("ngram", None, 1), ("draft", "draft", 1), ("self", None, 2),
+                                ("ngram", None, 2)]:
+        llm = LLM(loaded("llama"), draft=loaded(draft) if draft else None,
+                  speculative=SpecConfig(method=method, num_draft_tokens=3, tree_topk=topk))
+        outs = llm.generate(PROMPTS, sp)
+        assert [o.token_ids for o in outs] == [b.token_ids for b in base], (method, topk)
+        if method == "self" and topk == 1:
+            assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
+
+    rep = SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.5)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    tok = loaded("llama").tokenizer
+    for p, o in zip(PROMPTS, spec(loaded, "llama", "self", k=3).generate(PROMPTS, rep)):
+        ids = torch.tensor([tok(p)["input_ids"]])
+        ref = hf.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False, repetition_penalty=1.5,
+                          pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert o.token_ids == ref
+
+    sampled = SamplingParams(max_new_tokens=20, temperature=0.8, seed=7, ignore_eos=True, presence_penalty=1.0,
+                             repetition_penalty=1.2)
+    llm = spec(loaded, "llama", "draft", k=3, draft="draft")
+    assert [o.token_ids for o in llm.generate(PROMPTS, sampled)] == [o.token_ids for o in llm.generate(PROMPTS, sampled)]

@@ -89,6 +89,11 @@ def test_completion_stream_equals_non_stream(llm, client):
     # the same text as the library's own generate (no server involved)
     ref = LLM(llm.target).generate("The quick brown fox", SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
     assert whole.choices[0].text == ref.text
+    penalised = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "repetition_penalty": 1.3}},
+                                          presence_penalty=0.5, frequency_penalty=0.2)
+    ref = LLM(llm.target).generate("The quick brown fox", SamplingParams(
+        max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2))[0]
+    assert penalised.choices[0].text == ref.text != whole.choices[0].text
 
 
 def test_chat_stream_equals_non_stream(llm, client):
@@ -370,6 +375,9 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     (C, {**OK_C, "seed": 2 ** 70}, AUTH, 400),
     (C, {**OK_C, "logprobs": 21}, AUTH, 400),
     (C, {**OK_C, "n": 2}, AUTH, 400),
+    (C, {**OK_C, "presence_penalty": 2.5}, AUTH, 400),
+    (C, {**OK_C, "repetition_penalty": 0}, AUTH, 400),
+    (C, {**OK_C, "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.2}, AUTH, 200),
     (C, {**OK_C, "num_draft_tokens": -1}, AUTH, 400),
     (CHAT, {**OK_CHAT, "messages": "hi"}, AUTH, 400),
     (CHAT, {**OK_CHAT, "messages": []}, AUTH, 400),

@@ -86,3 +86,20 @@ def test_empty_draft_sampling_is_seed_deterministic():
     draw = [verify([], None, logits, SamplingParams(temperature=1.0),
                    torch.Generator().manual_seed(42)).tokens for _ in range(3)]
     assert draw[0] == draw[1] == draw[2] and 0 <= draw[0][0] < 8
+
+
+def test_penalties_worked_example():
+    """Repetition 2 (prompt and output), presence 0.5 and frequency 0.25 (output only); row i
+    of a verify step also counts the drafts before it (``extra[i]``) as output."""
+    from specdec.sampling import penalize
+
+    sp = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    logits = torch.tensor([[1.0, -1.0, 2.0, 0.5, 3.0]] * 3)
+    out = penalize(logits, sp, prompt=[0], output=[1, 1], extra=[[], [2], [2, 4]])
+    expected = torch.tensor([
+        [1.0 / 2, -1.0 * 2 - 0.5 - 2 * 0.25, 2.0, 0.5, 3.0],  # 0: prompt only; 1: twice in the output
+        [0.5, -3.0, 2.0 / 2 - 0.5 - 0.25, 0.5, 3.0],  # draft 2 before this row
+        [0.5, -3.0, 0.25, 0.5, 3.0 / 2 - 0.5 - 0.25],  # drafts 2 and 4
+    ])
+    torch.testing.assert_close(out, expected)
+    assert penalize(logits, SamplingParams(), [0], [1]) is logits  # no penalties: untouched

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..sampling import probs_from_logits, sample
+from ..sampling import penalize, probs_from_logits, sample
 from ..sequence import Sequence
 from ..tree import DraftTree
 from .base import Draft
@@ -37,6 +37,14 @@ class _Growth:
     scores: list[float]  # cumulative draft log-probability
     depths: list[int]
     fed: list[int] = field(default_factory=list)  # nodes fed to the draft cache, in cache order
+
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root (excluded) down to ``node``."""
+        out = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
 
     def add(self, parent: int, token: int, logq: float) -> int:
         self.tokens.append(token)
@@ -121,7 +129,7 @@ class ModelDrafter:
             for row, i in zip(logits, active):
                 seq, d = seqs[i], drafts[i]
                 d.forwards += 1
-                token, q = self._pick(row, seq)
+                token, q = self._pick(row, seq, d.tokens)
                 d.tokens.append(token)
                 if q is not None:
                     d.q.append(q)
@@ -138,9 +146,10 @@ class ModelDrafter:
             d.q = torch.stack(d.q) if d.q else None  # [k, target_vocab]
         return drafts
 
-    def _pick(self, logits: torch.Tensor, seq: Sequence):
-        """Draft token from one logits row ``[vocab_d]``; q over the target's vocab when sampling."""
-        logits = logits[: self.target_vocab]  # never propose an id the target cannot emit
+    def _pick(self, logits: torch.Tensor, seq: Sequence, drafted: list[int]):
+        """Draft token from one logits row ``[vocab_d]`` after the drafts ``drafted``; q over
+        the target's vocab when sampling."""
+        logits = self._penalize(logits[: self.target_vocab], seq, drafted)  # never an id the target cannot emit
         if seq.sampling.greedy:
             return int(logits.argmax()), None
         q = probs_from_logits(logits[None], seq.sampling)[0]  # [vocab_d]
@@ -161,7 +170,7 @@ class ModelDrafter:
                 drafts[i].forwards += 1
                 children = []
                 for node, row in zip(frontier[i], rows[i]):
-                    logq = self._log_q(row, seq)  # [target_vocab]
+                    logq = self._log_q(row, seq, g.path(node))  # [target_vocab]
                     top = torch.topk(logq, self.topk)
                     children += [g.add(node, int(t), float(v))
                                  for t, v in zip(top.indices, top.values) if v > float("-inf")]
@@ -188,10 +197,19 @@ class ModelDrafter:
                                        for j, n in enumerate(g.fed)}
         return drafts
 
-    def _log_q(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-        """Draft log-probabilities over the target's vocab (after the request's temperature,
-        top-k and top-p when sampling; plain softmax for greedy requests)."""
-        logits = logits[: self.target_vocab].float()
+    @staticmethod
+    def _penalize(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> torch.Tensor:
+        """The request's penalties on a draft logits row ``[vocab]``, the drafts ``drafted``
+        counted as output (as the target's verify rows count them)."""
+        if not seq.sampling.penalized:
+            return logits
+        return penalize(logits[None], seq.sampling, seq.ids[: seq.prompt_len], seq.output_ids, [drafted])[0]
+
+    def _log_q(self, logits: torch.Tensor, seq: Sequence, path: list[int]) -> torch.Tensor:
+        """Draft log-probabilities over the target's vocab, after the drafts ``path`` (after
+        the request's penalties, temperature, top-k and top-p when sampling; plain softmax
+        of the penalized logits for greedy requests)."""
+        logits = self._penalize(logits[: self.target_vocab].float(), seq, path)
         if seq.sampling.greedy:
             return logits.log_softmax(-1)
         return probs_from_logits(logits[None], seq.sampling)[0].log()

@@ -54,14 +54,12 @@ class _Request(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # extension (vLLM)
+    repetition_penalty: float = 1.0  # extension (vLLM)
     num_draft_tokens: int | None = None  # extension: cap this request's k (0 = no speculation)
 
     def refuse_unsupported(self) -> None:
         if self.n != 1:
             raise bad_request("only n=1 is supported", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise bad_request(f"{name} is not supported (must be 0)", name)
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -76,7 +74,8 @@ class _Request(BaseModel):
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop),
-                                  ignore_eos=self.ignore_eos)
+                                  ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
         except ValueError as e:
             msg = str(e).replace("max_new_tokens", "max_tokens")
             field_name = msg.split()[0] if msg.split()[0] in type(self).model_fields else None
