@@ -2,7 +2,8 @@
 
 On a GPU machine: ``python3 -m pytest -q tests/test_cuda.py`` (``scripts/gpu/run.sh`` does).
 The torch runtime against transformers in float32, greedy speculation (self, random draft
-model, n-gram, trees; batch 1 and 3) equal to plain decoding in float32 and bfloat16, the
+model, n-gram, trees; batch 1 and 3) equal to plain decoding in float32 and bfloat16 (and
+with chunked prefill and penalties), the
 sampling verifier's distribution with a CUDA generator, seeded sampling through the engine,
 and the cost model's timing.
 
@@ -88,6 +89,15 @@ def test_greedy_speculation_equals_plain_on_cuda(on_cuda, dtype, method, shape, 
     assert_same_greedy(llm, outs, base, dtype)
     if method == "self" and shape is None:
         assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
+
+
+def test_chunked_prefill_and_penalties_on_cuda(on_cuda):
+    """Prompts in chunks of 5 and penalised rows (counts on the GPU): self-drafted greedy
+    output equals plain decoding of whole prompts with the same penalties."""
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.3)
+    base = LLM(on_cuda("llama"), chunked_prefill_size=0).generate(PROMPTS, sp)
+    llm = LLM(on_cuda("llama"), speculative=SpecConfig(method="self", num_draft_tokens=3), chunked_prefill_size=5)
+    assert_same_greedy(llm, llm.generate(PROMPTS, sp), base, "float32")
 
 
 def test_cuda_float32_greedy_equals_cpu(loaded, on_cuda):
