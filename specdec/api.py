@@ -184,6 +184,8 @@ class LLM:
         if len(ids) + sp.max_new_tokens > limit:
             raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {sp.max_new_tokens} "
                              f"exceeds the context window of {limit} tokens")
+        if any(t >= vocab for t, _ in sp.logit_bias):
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if logprobs is not None and not (isinstance(logprobs, int) and logprobs >= 0):
             raise ValueError(f"logprobs must be an integer >= 0, got {logprobs!r}")
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):

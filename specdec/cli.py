@@ -72,6 +72,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="subtract this from the logits of tokens in the output (0 = off, default)")
     g.add_argument("--frequency-penalty", type=float, default=0.0,
                    help="subtract this times a token's count in the output from its logit (0 = off, default)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (-100..100) to token ID's logit (repeatable)")
 
 
 def spec_from_args(a) -> SpecConfig:
@@ -86,7 +88,19 @@ def sampling_from_args(a) -> SamplingParams:
     return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                           top_p=a.top_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos,
                           repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-                          frequency_penalty=a.frequency_penalty)
+                          frequency_penalty=a.frequency_penalty, logit_bias=parse_logit_bias(a.logit_bias))
+
+
+def parse_logit_bias(items: list[str]) -> dict[int, float]:
+    """``["ID=BIAS", ...]`` from ``--logit-bias``."""
+    out = {}
+    for item in items:
+        token, _, bias = item.partition("=")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise ValueError(f"--logit-bias takes ID=BIAS (e.g. 13=-100), got {item!r}") from None
+    return out
 
 
 def make_llm(a):

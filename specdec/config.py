@@ -45,12 +45,17 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
     presence_penalty: float = 0.0  # 0 = off
     frequency_penalty: float = 0.0  # 0 = off
+    # OpenAI's logit_bias: added to a token's logit after the penalties (-100..100; a dict
+    # {token id: bias} is kept as sorted pairs)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
                f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
@@ -63,14 +68,18 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2 <= value <= 2, f"{name} must be in [-2, 2] (0 = off), got {value}")
+        _check(all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
+               "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+    def processes_logits(self) -> bool:
+        """Penalties or a logit bias change the model's logits (``sampling.process_logits``)."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or bool(self.logit_bias))
 
 
 @dataclass(frozen=True)

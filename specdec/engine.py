@@ -15,7 +15,7 @@ import torch
 from .config import SpecConfig
 from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
-from .sampling import penalize, probs_from_logits, sample
+from .sampling import process_logits, probs_from_logits, sample
 from .sequence import Sequence, cut_after_eos
 from .tree import verify_tree
 from .verify import Verdict, verify
@@ -183,9 +183,9 @@ class Engine:
     def _verify(self, s: Sequence, d: Draft, rows) -> Verdict:
         """Verify one sequence's draft (chain or tree) and keep only the accepted path's KV.
         Penalties see, on each row, the drafts before it as output."""
-        if s.sampling.penalized:
+        if s.sampling.processes_logits:
             prefixes = d.tree.prefixes() if d.tree else [d.tokens[:j] for j in range(len(d.tokens) + 1)]
-            rows = penalize(rows, s.sampling, s.ids[: s.prompt_len], s.output_ids, prefixes)
+            rows = process_logits(rows, s.sampling, s.ids[: s.prompt_len], s.output_ids, prefixes)
         if d.tree is None:
             v = verify(d.tokens, d.q, rows, s.sampling, s.generator)
             self.cache.rewind(s.slot, len(s.ids) + v.num_accepted)
@@ -224,7 +224,7 @@ class Engine:
             s.metrics.target_forwards += 1
             if self.cache.lengths[s.slot] < s.prompt_len:
                 continue
-            scored = penalize(row[None], s.sampling, s.ids, [])  # [1, vocab]
+            scored = process_logits(row[None], s.sampling, s.ids, [])  # [1, vocab]
             if s.sampling.greedy:
                 token = int(scored.argmax())
             else:

@@ -1,5 +1,5 @@
-"""Logits -> the probabilities actually sampled from (penalties, temperature, top-k, top-p),
-and seeded draws."""
+"""Logits -> the probabilities actually sampled from (penalties and logit bias, temperature,
+top-k, top-p), and seeded draws."""
 from __future__ import annotations
 
 import torch
@@ -31,13 +31,14 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def penalize(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], output: list[int],
-             extra: list[list[int]] | None = None) -> torch.Tensor:
-    """``sp``'s repetition, presence and frequency penalties on ``logits [rows, vocab]``: row
-    ``i`` follows ``prompt + output + extra[i]`` (a verify step's row i follows the drafts
-    before it; default: no extra). Repetition counts the prompt and the output, presence and
-    frequency the output only (``extra`` is output). Unchanged when ``sp`` has none."""
-    if not sp.penalized:
+def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], output: list[int],
+                   extra: list[list[int]] | None = None) -> torch.Tensor:
+    """``sp``'s repetition, presence and frequency penalties, then its logit bias, on
+    ``logits [rows, vocab]``: row ``i`` follows ``prompt + output + extra[i]`` (a verify
+    step's row i follows the drafts before it; default: no extra). Repetition counts the
+    prompt and the output, presence and frequency the output only (``extra`` is output).
+    Unchanged when ``sp`` has none of them."""
+    if not sp.processes_logits:
         return logits
     rows, vocab = logits.shape
     dev = logits.device
@@ -45,18 +46,24 @@ def penalize(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], output
     def ids(tokens: list[int]) -> torch.Tensor:  # a narrower (draft) vocab skips ids past it
         return torch.tensor([t for t in tokens if t < vocab], dtype=torch.long, device=dev)
 
-    counts = torch.bincount(ids(output), minlength=vocab).float().repeat(rows, 1)  # [rows, vocab] in the output
-    for i, more in enumerate(extra or []):
-        if more:
-            more = ids(more)
-            counts[i].index_add_(0, more, torch.ones(len(more), device=dev))
     logits = logits.float()
-    if sp.repetition_penalty != 1:
-        seen = counts > 0
-        seen[:, ids(prompt)] = True
-        scaled = torch.where(logits > 0, logits / sp.repetition_penalty, logits * sp.repetition_penalty)
-        logits = torch.where(seen, scaled, logits)
-    return logits - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
+    if sp.repetition_penalty != 1 or sp.presence_penalty or sp.frequency_penalty:
+        counts = torch.bincount(ids(output), minlength=vocab).float().repeat(rows, 1)  # [rows, vocab] in the output
+        for i, more in enumerate(extra or []):
+            if more:
+                more = ids(more)
+                counts[i].index_add_(0, more, torch.ones(len(more), device=dev))
+        if sp.repetition_penalty != 1:
+            seen = counts > 0
+            seen[:, ids(prompt)] = True
+            scaled = torch.where(logits > 0, logits / sp.repetition_penalty, logits * sp.repetition_penalty)
+            logits = torch.where(seen, scaled, logits)
+        logits = logits - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
+    if sp.logit_bias:
+        bias = [(t, b) for t, b in sp.logit_bias if t < vocab]
+        add = torch.tensor([float(b) for _, b in bias], device=dev).expand(rows, -1)  # [rows, biased ids]
+        logits = logits.index_add(1, ids([t for t, _ in bias]), add)  # a new tensor: raw logits stay
+    return logits
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

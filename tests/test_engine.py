@@ -305,8 +305,8 @@ def test_penalties_stay_lossless(loaded, tiny_dirs):
     plain decoding with the same penalties (self-draft, n-gram, a random draft model, token
     trees, a batch), the self-draft accepts every draft (its drafts are picked under the same
     penalised history as the verify rows that check them), the penalties change the output,
-    and repetition_penalty alone matches transformers' generate. Seeded sampling with
-    penalties is reproducible."""
+    a logit bias of -100 bans a token, and repetition_penalty alone matches transformers'
+    generate. Seeded sampling with penalties is reproducible."""
     from transformers import AutoModelForCausalLM
 
     sp = SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4,
@@ -321,6 +321,14 @@ def test_penalties_stay_lossless(loaded, tiny_dirs):
         assert [o.token_ids for o in outs] == [b.token_ids for b in base], (method, topk)
         if method == "self" and topk == 1:
             assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
+
+    top = max(set(base[0].token_ids), key=base[0].token_ids.count)  # banned below
+    banned = SamplingParams(max_new_tokens=40, ignore_eos=True, frequency_penalty=0.3, logit_bias={top: -100})
+    ref = plain(loaded, "llama", PROMPTS, banned)
+    assert all(top not in o.token_ids for o in ref)
+    for method in ("self", "ngram"):
+        outs = spec(loaded, "llama", method, k=3).generate(PROMPTS, banned)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], method
 
     rep = SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.5)
     hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()

@@ -91,15 +91,19 @@ def test_empty_draft_sampling_is_seed_deterministic():
 def test_penalties_worked_example():
     """Repetition 2 (prompt and output), presence 0.5 and frequency 0.25 (output only); row i
     of a verify step also counts the drafts before it (``extra[i]``) as output."""
-    from specdec.sampling import penalize
+    from specdec.sampling import process_logits
 
     sp = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
     logits = torch.tensor([[1.0, -1.0, 2.0, 0.5, 3.0]] * 3)
-    out = penalize(logits, sp, prompt=[0], output=[1, 1], extra=[[], [2], [2, 4]])
+    out = process_logits(logits, sp, prompt=[0], output=[1, 1], extra=[[], [2], [2, 4]])
     expected = torch.tensor([
         [1.0 / 2, -1.0 * 2 - 0.5 - 2 * 0.25, 2.0, 0.5, 3.0],  # 0: prompt only; 1: twice in the output
         [0.5, -3.0, 2.0 / 2 - 0.5 - 0.25, 0.5, 3.0],  # draft 2 before this row
         [0.5, -3.0, 0.25, 0.5, 3.0 / 2 - 0.5 - 0.25],  # drafts 2 and 4
     ])
     torch.testing.assert_close(out, expected)
-    assert penalize(logits, SamplingParams(), [0], [1]) is logits  # no penalties: untouched
+    assert process_logits(logits, SamplingParams(), [0], [1]) is logits  # no penalties: untouched
+    biased = SamplingParams(repetition_penalty=2.0, logit_bias={4: -100, 1: 0.5, 99: 3})  # 99: past the vocab
+    out = process_logits(logits, biased, prompt=[4], output=[])
+    torch.testing.assert_close(out[0], torch.tensor([1.0, -0.5, 2.0, 0.5, 1.5 - 100]))
+    assert logits[0, 4] == 3.0  # the raw logits (logprobs come from them) are left alone

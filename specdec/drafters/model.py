@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..sampling import penalize, probs_from_logits, sample
+from ..sampling import process_logits, probs_from_logits, sample
 from ..sequence import Sequence
 from ..tree import DraftTree
 from .base import Draft
@@ -149,7 +149,7 @@ class ModelDrafter:
     def _pick(self, logits: torch.Tensor, seq: Sequence, drafted: list[int]):
         """Draft token from one logits row ``[vocab_d]`` after the drafts ``drafted``; q over
         the target's vocab when sampling."""
-        logits = self._penalize(logits[: self.target_vocab], seq, drafted)  # never an id the target cannot emit
+        logits = self._process(logits[: self.target_vocab], seq, drafted)  # never an id the target cannot emit
         if seq.sampling.greedy:
             return int(logits.argmax()), None
         q = probs_from_logits(logits[None], seq.sampling)[0]  # [vocab_d]
@@ -198,18 +198,18 @@ class ModelDrafter:
         return drafts
 
     @staticmethod
-    def _penalize(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> torch.Tensor:
+    def _process(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> torch.Tensor:
         """The request's penalties on a draft logits row ``[vocab]``, the drafts ``drafted``
         counted as output (as the target's verify rows count them)."""
-        if not seq.sampling.penalized:
+        if not seq.sampling.processes_logits:
             return logits
-        return penalize(logits[None], seq.sampling, seq.ids[: seq.prompt_len], seq.output_ids, [drafted])[0]
+        return process_logits(logits[None], seq.sampling, seq.ids[: seq.prompt_len], seq.output_ids, [drafted])[0]
 
     def _log_q(self, logits: torch.Tensor, seq: Sequence, path: list[int]) -> torch.Tensor:
         """Draft log-probabilities over the target's vocab, after the drafts ``path`` (after
         the request's penalties, temperature, top-k and top-p when sampling; plain softmax
         of the penalized logits for greedy requests)."""
-        logits = self._penalize(logits[: self.target_vocab].float(), seq, path)
+        logits = self._process(logits[: self.target_vocab].float(), seq, path)
         if seq.sampling.greedy:
             return logits.log_softmax(-1)
         return probs_from_logits(logits[None], seq.sampling)[0].log()

@@ -60,8 +60,6 @@ class _Request(BaseModel):
     def refuse_unsupported(self) -> None:
         if self.n != 1:
             raise bad_request("only n=1 is supported", "n")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
@@ -75,11 +73,19 @@ class _Request(BaseModel):
             return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop),
                                   ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
-                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+                                  presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                                  logit_bias=self._logit_bias())
         except ValueError as e:
             msg = str(e).replace("max_new_tokens", "max_tokens")
             field_name = msg.split()[0] if msg.split()[0] in type(self).model_fields else None
             raise bad_request(msg, "stop" if msg.startswith("stop") else field_name) from None
+
+    def _logit_bias(self) -> dict[int, float]:
+        """OpenAI's ``{"token id": bias}``."""
+        try:
+            return {int(t): b for t, b in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
 
     @property
     def include_usage(self) -> bool:
