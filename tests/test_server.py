@@ -246,6 +246,31 @@ def test_seeded_sampling_reproducible(aclient):
     assert batch[1] != alone or batch[3] != alone  # other seeds draw other text
 
 
+def test_n_completions(client):
+    """``n``: one choice per completion (index i), completion i seeded with seed + i (so
+    choice 0 is the n=1 request's), usage summed over them; streamed, each index's chunks
+    give that choice's text, and each ends with its own finish reason."""
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.9,
+              extra_body={"ignore_eos": True})
+    many = client.completions.create(n=3, seed=5, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    texts = [c.text for c in many.choices]
+    assert texts[0] == client.completions.create(seed=5, **kw).choices[0].text
+    assert texts[1] == client.completions.create(seed=6, **kw).choices[0].text
+    assert len(set(texts)) > 1 and many.usage.completion_tokens == 48
+    assert many.usage.prompt_tokens == client.completions.create(seed=5, **kw).usage.prompt_tokens
+    chunks = list(client.completions.create(n=3, seed=5, stream=True, stream_options={"include_usage": True}, **kw))
+    for i in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == texts[i] and mine[-1].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 48
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          max_tokens=8, temperature=0, logprobs=True)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same twice
+    assert len(chat.choices[1].logprobs.content) == chat.usage.completion_tokens // 2
+
+
 # --- aborts ------------------------------------------------------------------------------------------
 
 
@@ -374,7 +399,9 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     (C, {**OK_C, "stream": "yes"}, AUTH, 400),
     (C, {**OK_C, "seed": 2 ** 70}, AUTH, 400),
     (C, {**OK_C, "logprobs": 21}, AUTH, 400),
-    (C, {**OK_C, "n": 2}, AUTH, 400),
+    (C, {**OK_C, "n": 0}, AUTH, 400),
+    (C, {**OK_C, "n": 17}, AUTH, 400),
+    (CHAT, {**OK_CHAT, "n": 2}, AUTH, 400),  # more than its 1 slot + 0 queued
     (C, {**OK_C, "presence_penalty": 2.5}, AUTH, 400),
     (C, {**OK_C, "repetition_penalty": 0}, AUTH, 400),
     (C, {**OK_C, "frequency_penalty": 0.5, "presence_penalty": -0.5, "repetition_penalty": 1.2}, AUTH, 200),

@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``/v1/completions``, ``/v1/chat/completions``,
 ``/v1/models``, ``/health`` and ``/metrics``.
 
-A handler validates and encodes its request, hands a ``Sequence`` to the scheduler and
-reads the committed tokens back from its own asyncio queue, streaming them (SSE) or
-collecting them. A client that disconnects, or a stream that is cancelled, aborts its
-request; the scheduler frees its KV slot at the next engine step.
+A handler validates and encodes its request, hands a ``Sequence`` per completion (``n``) to
+the scheduler and reads the committed tokens back from their asyncio queues, streaming them
+(SSE) or collecting them. A client that disconnects, or a stream that is cancelled, aborts
+its request; the scheduler frees its KV slots at the next engine step.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import re
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -153,7 +154,8 @@ class _API:
             raise bad_request(f"the request body is not valid JSON: {e}") from None
 
     def prepare(self, body: object, chat: bool):
-        """Validate a request body; return the parsed request and a ``Sequence``."""
+        """Validate a request body; return the parsed request and one ``Sequence`` per
+        completion (``n``; with a seed, completion i draws from seed + i)."""
         req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
         if req.model is not None and req.model != self.name:
             raise bad_request(f"the model {req.model!r} does not exist here; this server serves "
@@ -174,42 +176,52 @@ class _API:
         else:
             logprobs = req.logprobs
         try:
-            seq = self.llm.make_sequence({"prompt_token_ids": ids}, sp, logprobs=logprobs,
-                                         num_draft_tokens=req.num_draft_tokens)
+            seqs = [self.llm.make_sequence({"prompt_token_ids": ids},
+                                           replace(sp, seed=(sp.seed + i) % 2 ** 64) if i and sp.seed is not None else sp,
+                                           logprobs=logprobs, num_draft_tokens=req.num_draft_tokens)
+                    for i in range(req.n)]
         except ValueError as e:
             raise bad_request(str(e).replace("max_new_tokens", "max_tokens")) from None
-        return req, seq
+        return req, seqs
 
     async def generate(self, request: Request, chat: bool):
         self.check_auth(request)
         body = await self.read_json(request)
-        req, seq = self.prepare(body, chat)
+        req, seqs = self.prepare(body, chat)
+        if len(seqs) > self.scheduler.capacity:
+            raise bad_request(f"n={len(seqs)} completions exceed what this server holds at once "
+                              f"({self.scheduler.capacity}: running + queued requests)", "n")
         if not self.scheduler.alive:
             raise APIError(503, "the engine is not running", "server_error")
-        sreq = ServerRequest(seq, asyncio.get_running_loop())
+        sreqs = [ServerRequest(seq, asyncio.get_running_loop()) for seq in seqs]
         try:
-            self.scheduler.submit(sreq)
+            for sreq in sreqs:
+                self.scheduler.submit(sreq)
         except QueueFull as e:
+            for sreq in sreqs:
+                self.scheduler.abort(sreq)
             raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
-        watcher = asyncio.create_task(self._abort_on_disconnect(request, sreq))
-        out = _Output(self, req, sreq, chat)
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, sreqs))
+        out = _Output(self, req, sreqs, chat)
         if req.stream:
             return StreamingResponse(self._stream(out, watcher), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             return JSONResponse(await out.collect())
         finally:
-            self._release(sreq, watcher)
+            self._release(sreqs, watcher)
 
-    async def _abort_on_disconnect(self, request: Request, sreq: ServerRequest) -> None:
+    async def _abort_on_disconnect(self, request: Request, sreqs: list[ServerRequest]) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        self.scheduler.abort(sreq)
-
-    def _release(self, sreq: ServerRequest, watcher: asyncio.Task) -> None:
-        watcher.cancel()
-        if not sreq.finished:  # cancelled or failed mid-way: free the slot
+        for sreq in sreqs:
             self.scheduler.abort(sreq)
+
+    def _release(self, sreqs: list[ServerRequest], watcher: asyncio.Task) -> None:
+        watcher.cancel()
+        for sreq in sreqs:
+            if not sreq.finished:  # cancelled or failed mid-way: free the slot
+                self.scheduler.abort(sreq)
 
     async def _stream(self, out: "_Output", watcher: asyncio.Task):
         try:
@@ -217,7 +229,7 @@ class _API:
                 yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            self._release(out.sreq, watcher)
+            self._release(out.sreqs, watcher)
 
     # --- token text ---------------------------------------------------------------------------
     def token_text(self, token_id: int, skip_special: bool = False) -> str:
@@ -266,23 +278,29 @@ def _byte_decoder() -> dict[str, int]:
 
 
 class _Output:
-    """Shapes one request's updates into OpenAI responses or stream chunks."""
+    """Shapes one request's updates (one queue per completion, ``n``) into OpenAI responses or
+    stream chunks; choice i is completion i."""
 
-    def __init__(self, api: _API, req, sreq: ServerRequest, chat: bool):
-        self.api, self.req, self.sreq, self.chat = api, req, sreq, chat
+    def __init__(self, api: _API, req, sreqs: list[ServerRequest], chat: bool):
+        self.api, self.req, self.sreqs, self.chat = api, req, sreqs, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text_offset = 0  # completions logprobs: offset of the next token's text
+        self.text_offset = [0] * len(sreqs)  # completions logprobs: offset of each choice's next token text
+        self.want_logprobs = sreqs[0].seq.logprobs is not None
 
     def usage(self) -> dict:
-        s = self.sreq.seq
-        return {"prompt_tokens": s.prompt_len, "completion_tokens": s.num_output,
-                "total_tokens": s.prompt_len + s.num_output}
+        prompt, output = self.sreqs[0].seq.prompt_len, sum(r.seq.num_output for r in self.sreqs)
+        return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
 
     async def collect(self) -> dict:
+        choices = [await self._collect(i, sreq) for i, sreq in enumerate(self.sreqs)]
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.api.name, "choices": choices, "usage": self.usage()}
+
+    async def _collect(self, i: int, sreq: ServerRequest) -> dict:
         ids, lps = [], []
         while True:
-            u: Update = await self.sreq.queue.get()
+            u: Update = await sreq.queue.get()
             if u.error:
                 raise APIError(500, u.error, "server_error")
             ids += u.token_ids
@@ -290,44 +308,58 @@ class _Output:
             if u.finish_reason:
                 break
         text = u.text if u.text is not None else self.api.tok.decode(ids, skip_special_tokens=True)
-        logprobs = self.logprobs(ids, lps) if self.sreq.seq.logprobs is not None else None
+        logprobs = self.logprobs(i, ids, lps) if self.want_logprobs else None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs, "finish_reason": u.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason}
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.api.name, "choices": [choice], "usage": self.usage()}
+            return {"index": i, "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs, "finish_reason": u.finish_reason}
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason}
 
     async def events(self):
-        """Stream chunks: each verified chunk as soon as it arrives, the finish reason last."""
-        stream = TextStream(self.api.tok, self.sreq.seq.sampling.stop)
-        want_logprobs = self.sreq.seq.logprobs is not None
-        if self.chat:
-            yield self.chunk({"role": "assistant", "content": ""}, None, None)
-        while True:
-            u: Update = await self.sreq.queue.get()
-            if u.error:
-                yield {"error": APIError(500, u.error, "server_error").body()["error"]}
-                return
-            delta = stream.finish(u.token_ids, u.text) if u.finish_reason else stream.add(u.token_ids)
-            logprobs = self.logprobs(u.token_ids, u.logprobs) if want_logprobs and u.token_ids else None
-            if delta or logprobs or u.finish_reason:
-                yield self.chunk({"content": delta} if self.chat else delta, logprobs, u.finish_reason)
-            if u.finish_reason:
-                break
-        if self.req.include_usage:
-            yield {**self.chunk(None, None, None), "choices": [], "usage": self.usage()}
+        """Stream chunks: each choice's verified tokens as soon as they arrive (choices
+        interleaved), each choice's finish reason last."""
+        updates: asyncio.Queue = asyncio.Queue()  # (choice, Update) from every completion
 
-    def chunk(self, delta, logprobs, finish_reason) -> dict:
+        async def pump(i: int, sreq: ServerRequest) -> None:
+            while True:
+                u = await sreq.queue.get()
+                updates.put_nowait((i, u))
+                if u.finish_reason or u.error:
+                    return
+
+        pumps = [asyncio.create_task(pump(i, sreq)) for i, sreq in enumerate(self.sreqs)]
+        streams = [TextStream(self.api.tok, sreq.seq.sampling.stop) for sreq in self.sreqs]
+        try:
+            if self.chat:
+                for i in range(len(self.sreqs)):
+                    yield self.chunk(i, {"role": "assistant", "content": ""}, None, None)
+            running = len(self.sreqs)
+            while running:
+                i, u = await updates.get()
+                if u.error:
+                    yield {"error": APIError(500, u.error, "server_error").body()["error"]}
+                    return
+                stream = streams[i]
+                delta = stream.finish(u.token_ids, u.text) if u.finish_reason else stream.add(u.token_ids)
+                logprobs = self.logprobs(i, u.token_ids, u.logprobs) if self.want_logprobs and u.token_ids else None
+                if delta or logprobs or u.finish_reason:
+                    yield self.chunk(i, {"content": delta} if self.chat else delta, logprobs, u.finish_reason)
+                running -= bool(u.finish_reason)
+        finally:
+            for task in pumps:
+                task.cancel()
+        if self.req.include_usage:
+            yield {**self.chunk(0, None, None, None), "choices": [], "usage": self.usage()}
+
+    def chunk(self, i: int, delta, logprobs, finish_reason) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": i, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": i, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.api.name, "choices": [choice]}
 
-    def logprobs(self, ids: list[int], entries: list) -> dict:
+    def logprobs(self, i: int, ids: list[int], entries: list) -> dict:
+        """Choice i's logprobs for ``ids``, in the endpoint's format."""
         text = self.api.token_text
         if self.chat:
             def item(t, lp):
@@ -338,8 +370,8 @@ class _Output:
         tokens = [text(t) for t in ids]
         offsets = []
         for t in ids:  # offsets into the returned text, which has no special tokens
-            offsets.append(self.text_offset)
-            self.text_offset += len(text(t, skip_special=True))
+            offsets.append(self.text_offset[i])
+            self.text_offset[i] += len(text(t, skip_special=True))
         tops = []
         for t, (lp, alts) in zip(ids, entries):
             top = {text(a): max(alp, MIN_LOGPROB) for a, alp in alts}

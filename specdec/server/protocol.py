@@ -9,6 +9,7 @@ from ..config import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 16
+MAX_N = 16  # completions per request
 
 
 class APIError(Exception):
@@ -58,8 +59,8 @@ class _Request(BaseModel):
     num_draft_tokens: int | None = None  # extension: cap this request's k (0 = no speculation)
 
     def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise bad_request("only n=1 is supported", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
