@@ -76,10 +76,13 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
     def processes_logits(self) -> bool:
         """Penalties or a logit bias change the model's logits (``sampling.process_logits``)."""
-        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
-                or bool(self.logit_bias))
+        return self.penalized or bool(self.logit_bias)
 
 
 @dataclass(frozen=True)

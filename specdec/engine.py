@@ -122,9 +122,9 @@ class Engine:
         verdicts = [self._verify(s, d, rows[: len(d.tokens) + 1])  # rejected drafts' KV dropped
                     for s, d, rows in zip(seqs, drafts, logits)]
         t2 = time.perf_counter()
-        rows = self.planner and self.planner.batch_rows([len(c) for c in chunks])
-        if rows:  # what a forward of this many rows really costs here
-            self.planner.observe_verify(rows, t2 - t1)
+        batch_rows = self.planner and self.planner.batch_rows([len(c) for c in chunks])
+        if batch_rows:  # what a forward of this many rows really costs here
+            self.planner.observe_verify(batch_rows, t2 - t1)
         for s, d, c, v, rows in zip(seqs, drafts, plan, verdicts, logits):
             if s.logprobs is not None:  # row j predicts token j (a tree: row v.rows[j])
                 path = list(v.rows) if d.tree is not None else list(range(len(v.tokens)))

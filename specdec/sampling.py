@@ -47,7 +47,7 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], 
         return torch.tensor([t for t in tokens if t < vocab], dtype=torch.long, device=dev)
 
     logits = logits.float()
-    if sp.repetition_penalty != 1 or sp.presence_penalty or sp.frequency_penalty:
+    if sp.penalized:
         counts = torch.bincount(ids(output), minlength=vocab).float().repeat(rows, 1)  # [rows, vocab] in the output
         for i, more in enumerate(extra or []):
             if more:
