@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from .config import EngineConfig, SamplingParams, SpecConfig
@@ -23,14 +23,51 @@ CATCH_UP_TOKENS = 16  # draft forward costs measured up to this many tokens (the
 Prompt = Union[str, list[dict], dict]  # text | chat messages | {"prompt_token_ids": [...]}
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the target (raw logits), as vLLM reports it."""
+
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str
+
+
 @dataclass
-class RequestOutput:
-    request_id: int
-    prompt: Any
+class CompletionOutput:
+    index: int  # which of the request's n completions
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" | "length"
+    # with SamplingParams(logprobs=N): per output token, {token id: Logprob} for the chosen
+    # token and the N most likely ones (N or N+1 entries), and the chosen tokens' sum
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's result: ``outputs`` holds its ``SamplingParams.n`` completions;
+    ``text``, ``token_ids`` and ``finish_reason`` are the first one's. ``metrics`` add up
+    the completions' counters (``Metrics.to_dict``; wall time: the longest)."""
+
+    request_id: int
+    prompt: Any
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
     metrics: dict
+    finished: bool = True
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
 
 
 def encode_prompt(tok, prompt: Prompt) -> list[int]:
@@ -157,25 +194,26 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]
+        groups = [self.make_sequences(p, sp) for p, sp in zip(prompts, params)]  # n per prompt
+        seqs = [s for group in groups for s in group]
         start = time.perf_counter()
         for s in seqs:
             self.engine.add(s)
         while self.engine.has_work:
             self.engine.step()
         self.last_run_metrics = run_metrics([s.metrics for s in seqs], time.perf_counter() - start)
-        return [self._output(s, p) for s, p in zip(seqs, prompts)]
+        return [self._output(group, p) for group, p in zip(groups, prompts)]
 
     @property
     def context_window(self) -> int:
         """Tokens (prompt + output) a request may span: the smaller of target and draft."""
         return min(m.max_context for m in (self.target, self.draft) if m is not None)
 
-    def make_sequence(self, prompt: Prompt, sp: SamplingParams, *, logprobs: int | None = None,
-                      num_draft_tokens: int | None = None) -> Sequence:
-        """A validated ``Sequence`` for ``Engine.add`` (``ValueError`` on bad input).
-        ``logprobs``: capture the target's log-probabilities of the output tokens with that
-        many top alternatives each; ``num_draft_tokens``: cap k for this request."""
+    def make_sequences(self, prompt: Prompt, sp: SamplingParams, *,
+                       num_draft_tokens: int | None = None) -> list[Sequence]:
+        """``sp.n`` validated ``Sequence``s for ``Engine.add``, one per completion
+        (``ValueError`` on bad input); with a seed, completion i draws from ``sp.seed + i``.
+        ``num_draft_tokens``: cap k for this request."""
         ids = self.encode(prompt)
         vocab = self.target.runtime.vocab_size
         if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
@@ -186,16 +224,35 @@ class LLM:
                              f"exceeds the context window of {limit} tokens")
         if any(t >= vocab for t, _ in sp.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
-        if logprobs is not None and not (isinstance(logprobs, int) and logprobs >= 0):
-            raise ValueError(f"logprobs must be an integer >= 0, got {logprobs!r}")
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
-        self._next_id += 1
-        return Sequence(request_id=self._next_id, ids=ids, prompt_len=len(ids), sampling=sp,
-                        generator=make_generator(sp.seed, self.target.runtime.device),
-                        eos_ids=frozenset() if sp.ignore_eos else self.target.eos_ids,
-                        logprobs=logprobs, num_draft_tokens=num_draft_tokens)
+        seqs = []
+        for i in range(sp.n):
+            seed = None if sp.seed is None else (sp.seed + i) % 2 ** 64
+            self._next_id += 1
+            seqs.append(Sequence(request_id=self._next_id, ids=list(ids), prompt_len=len(ids),
+                                 sampling=replace(sp, seed=seed) if i else sp,
+                                 generator=make_generator(seed, self.target.runtime.device),
+                                 eos_ids=frozenset() if sp.ignore_eos else self.target.eos_ids,
+                                 num_draft_tokens=num_draft_tokens))
+        return seqs
 
-    def _output(self, s: Sequence, prompt: Prompt) -> RequestOutput:
-        text = s.text if s.text is not None else self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
-        return RequestOutput(s.request_id, prompt, text, s.output_ids, s.finish_reason, s.metrics.to_dict())
+    def _output(self, seqs: list[Sequence], prompt: Prompt) -> RequestOutput:
+        """The request's result from its completions' sequences."""
+        metrics = run_metrics([s.metrics for s in seqs], max(s.metrics.wall_s for s in seqs))
+        return RequestOutput(seqs[0].request_id, prompt, seqs[0].ids[:seqs[0].prompt_len],
+                             [self._completion(i, s) for i, s in enumerate(seqs)], metrics.to_dict())
+
+    def _completion(self, index: int, s: Sequence) -> CompletionOutput:
+        decode = self.tokenizer.decode
+        text = s.text if s.text is not None else decode(s.output_ids, skip_special_tokens=True)
+        if s.logprobs is None:
+            return CompletionOutput(index, text, s.output_ids, s.finish_reason)
+        logprobs = []
+        for t, e in zip(s.output_ids, s.token_logprobs):
+            entry = {t: Logprob(e.logprob, e.rank, decode([t]))}  # the chosen token first
+            for rank, (a, alp) in enumerate(e.top, 1):
+                entry.setdefault(a, Logprob(alp, rank, decode([a])))
+            logprobs.append(entry)
+        return CompletionOutput(index, text, s.output_ids, s.finish_reason, logprobs,
+                                sum(e.logprob for e in s.token_logprobs))

@@ -74,6 +74,11 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="subtract this times a token's count in the output from its logit (0 = off, default)")
     g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS (-100..100) to token ID's logit (repeatable)")
+    g.add_argument("-n", "--n", type=int, default=SamplingParams.n,
+                   help="completions per prompt (with --seed S, completion i draws from S + i; default 1)")
+    g.add_argument("--logprobs", type=int, metavar="N",
+                   help="with --json: each output token's log-probability under the target and the N "
+                        "most likely alternatives (0 = the chosen token's only)")
 
 
 def spec_from_args(a) -> SpecConfig:
@@ -88,7 +93,8 @@ def sampling_from_args(a) -> SamplingParams:
     return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                           top_p=a.top_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos,
                           repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-                          frequency_penalty=a.frequency_penalty, logit_bias=parse_logit_bias(a.logit_bias))
+                          frequency_penalty=a.frequency_penalty, logit_bias=parse_logit_bias(a.logit_bias),
+                          n=a.n, logprobs=a.logprobs)
 
 
 def parse_logit_bias(items: list[str]) -> dict[int, float]:
@@ -141,6 +147,8 @@ def read_prompts_file(path: str) -> list[tuple[str, object]]:
 
 def cmd_generate(a) -> int:
     sp = sampling_from_args(a)
+    if sp.logprobs is not None and not a.json:
+        raise ValueError("--logprobs needs --json (log-probabilities are part of the JSON output)")
     spec_from_args(a)  # validate before loading models
     if a.prompts_file:
         items = read_prompts_file(a.prompts_file)
@@ -150,12 +158,15 @@ def cmd_generate(a) -> int:
     outputs = llm.generate([p for _, p in items], sp)
     for (pid, _), o in zip(items, outputs):
         if a.json:
-            print(json.dumps({"id": pid, "text": o.text, "token_ids": o.token_ids,
-                              "finish_reason": o.finish_reason, "metrics": o.metrics}, ensure_ascii=False))
-        else:
-            if len(items) > 1:
-                print(f"--- {pid} ({o.finish_reason})")
-            print(o.text)
+            print(json.dumps({"id": pid, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
+                              **({"outputs": [completion_json(c) for c in o.outputs]}
+                                 if sp.n > 1 or sp.logprobs is not None else {}),
+                              "metrics": o.metrics}, ensure_ascii=False))
+            continue
+        for c in o.outputs:
+            if len(items) > 1 or sp.n > 1:
+                print(f"--- {pid}{f' #{c.index}' if sp.n > 1 else ''} ({c.finish_reason})")
+            print(c.text)
     if not a.json:
         m = llm.last_run_metrics.to_dict()
         rate = "-" if m["acceptance_rate"] is None else f"{m['acceptance_rate']:.2f}"
@@ -163,6 +174,16 @@ def cmd_generate(a) -> int:
               f"({m['tokens_per_s']:.2f} tok/s), target forwards {m['target_forwards']}, "
               f"acceptance {rate}", file=sys.stderr)
     return 0
+
+
+def completion_json(c) -> dict:
+    """One completion for ``generate --json``; logprobs as ``[{"id": logprob, ...}, ...]``
+    (the chosen token first, then the most likely ones)."""
+    out = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+    if c.logprobs is not None:
+        out["logprobs"] = [{str(t): lp.logprob for t, lp in entry.items()} for entry in c.logprobs]
+        out["cumulative_logprob"] = c.cumulative_logprob
+    return out
 
 
 def cmd_check_vocab(a) -> int:

@@ -48,6 +48,10 @@ class SamplingParams:
     # OpenAI's logit_bias: added to a token's logit after the penalties (-100..100; a dict
     # {token id: bias} is kept as sorted pairs)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    n: int = 1  # completions of the prompt (with a seed, completion i draws from seed + i)
+    # the target's log-probability of each output token, with this many most likely
+    # alternatives (0 = the chosen token's only; None = off); from the raw logits, as vLLM's
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -70,6 +74,9 @@ class SamplingParams:
             _check(-2 <= value <= 2, f"{name} must be in [-2, 2] (0 = off), got {value}")
         _check(all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
                "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+               f"logprobs must be an integer >= 0 (or None = off), got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

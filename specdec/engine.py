@@ -16,7 +16,7 @@ from .config import SpecConfig
 from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
 from .sampling import process_logits, probs_from_logits, sample
-from .sequence import Sequence, cut_after_eos
+from .sequence import Sequence, TokenLogprobs, cut_after_eos
 from .tree import verify_tree
 from .verify import Verdict, verify
 
@@ -38,15 +38,16 @@ def truncate(tokens: list[int], budget: int, eos_ids: frozenset[int]) -> tuple[l
 
 def capture_logprobs(s: Sequence, rows: torch.Tensor, tokens: list[int]) -> None:
     """Append the target's log-probabilities for ``tokens`` (``rows [n, vocab]``, row j
-    predicts ``tokens[j]``) and the ``s.logprobs`` most likely alternatives to ``s``."""
+    predicts ``tokens[j]``), their ranks and the ``s.logprobs`` most likely alternatives to ``s``."""
     lp = torch.log_softmax(rows.float(), dim=-1)  # [n, vocab]
-    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)]  # [n]
+    ranks = (lp > chosen[:, None]).sum(-1) + 1  # [n]
     if s.logprobs:
         top = lp.topk(min(s.logprobs, lp.shape[-1]), dim=-1)
         alts = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
     else:
         alts = [[] for _ in tokens]
-    s.token_logprobs.extend(zip(chosen, alts))
+    s.token_logprobs.extend(map(TokenLogprobs, chosen.tolist(), ranks.tolist(), alts))
 
 
 def draft_context(drafter: Drafter, seq: Sequence) -> tuple[bool, int | None]:

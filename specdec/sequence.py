@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -15,6 +16,15 @@ def cut_after_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
         if t in eos_ids:
             return tokens[:i + 1]
     return tokens
+
+
+class TokenLogprobs(NamedTuple):
+    """One output token's log-probability under the target, its rank in the vocabulary
+    (1 = the most likely) and the ``logprobs`` most likely tokens as ``(id, logprob)``."""
+
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -31,11 +41,15 @@ class Sequence:
     metrics: Metrics = field(default_factory=Metrics)
     started_at: float = 0.0
     num_draft_tokens: int | None = None  # this request's cap on k (None = the engine's k)
-    # target log-probabilities of the committed tokens, captured only when ``logprobs`` is
-    # set (n = how many top alternatives to keep): one ``(logprob, [(id, logprob)] * n)``
-    # per output token, from the target's raw logits (prefill or verify rows)
-    logprobs: int | None = None
-    token_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    # target log-probabilities of the committed tokens, captured only when
+    # ``sampling.logprobs`` is set: one ``TokenLogprobs`` per output token, from the
+    # target's raw logits (prefill or verify rows)
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives to capture per output token (None = no log-probabilities)."""
+        return self.sampling.logprobs
 
     @property
     def output_ids(self) -> list[int]:

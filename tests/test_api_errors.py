@@ -22,6 +22,8 @@ from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
     (lambda: SamplingParams(repetition_penalty=0), "repetition_penalty"),
     (lambda: SamplingParams(presence_penalty=2.5), "presence_penalty"),
     (lambda: SamplingParams(frequency_penalty=-3), "frequency_penalty"),
+    (lambda: SamplingParams(n=0), "n must be"),
+    (lambda: SamplingParams(logprobs=-1), "logprobs"),
 ])
 def test_config_errors(make, match):
     with pytest.raises(ValueError, match=match):
@@ -87,6 +89,25 @@ def test_cli_generate_json_prompts_file(tmp_path, tiny_dirs):
     bad.write_text('{"id": 1, "kind": "chat"}\n')
     r = run_cli("generate", "--model", str(tiny_dirs["llama"]), "--prompts-file", str(bad))
     assert r.returncode == 2 and "bad.jsonl:1" in r.stderr
+
+
+def test_cli_generate_n_and_logprobs(tiny_dirs):
+    common = ("generate", "--model", str(tiny_dirs["llama"]), "--prompt", "The quick brown fox",
+              "--max-new-tokens", "6", "--ignore-eos", "--temperature", "0.8", "--seed", "3")
+    r = run_cli(*common, "-n", "2", "--logprobs", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert [c["index"] for c in row["outputs"]] == [0, 1] and row["token_ids"] == row["outputs"][0]["token_ids"]
+    for c in row["outputs"]:
+        assert len(c["logprobs"]) == 6 and all(1 <= len(e) <= 2 for e in c["logprobs"])
+        assert all(next(iter(e)) == str(t) for t, e in zip(c["token_ids"], c["logprobs"]))  # chosen first
+        assert c["cumulative_logprob"] == pytest.approx(sum(e[str(t)] for t, e in zip(c["token_ids"], c["logprobs"])))
+    seed4 = json.loads(run_cli(*common[:-1], "4", "--json").stdout)
+    assert seed4["token_ids"] == row["outputs"][1]["token_ids"]  # completion i draws from seed + i
+    text = run_cli(*common, "-n", "2")
+    assert text.returncode == 0 and text.stdout.count("--- 0 #") == 2
+    r = run_cli(*common, "--logprobs", "2")
+    assert r.returncode == 2 and "--logprobs needs --json" in r.stderr
 
 
 def test_incompatible_draft_refused(loaded, tiny_dirs):

@@ -343,3 +343,49 @@ def test_penalties_stay_lossless(loaded, tiny_dirs):
                              repetition_penalty=1.2)
     llm = spec(loaded, "llama", "draft", k=3, draft="draft")
     assert [o.token_ids for o in llm.generate(PROMPTS, sampled)] == [o.token_ids for o in llm.generate(PROMPTS, sampled)]
+
+
+def test_n_completions_and_logprobs(loaded):
+    """``SamplingParams(n=...)``: completion i of a seeded request is the n=1 request with
+    seed + i (under speculation too); greedy completions are all the plain output.
+    ``logprobs=N``: the target's log-probability and rank of each output token (the same
+    as one full forward over prompt + output), the N most likely tokens, and their sum."""
+    sp = SamplingParams(max_new_tokens=12, temperature=0.9, seed=5, ignore_eos=True)
+    for method in ("none", "self"):
+        llm = spec(loaded, "llama", method, k=3)
+        many = llm.generate(PROMPTS[:2], SamplingParams(**{**vars(sp), "n": 3}))
+        for prompt, o in zip(PROMPTS[:2], many):
+            assert [c.index for c in o.outputs] == [0, 1, 2] and o.text == o.outputs[0].text
+            for i, c in enumerate(o.outputs):
+                alone = llm.generate(prompt, SamplingParams(**{**vars(sp), "seed": 5 + i}))[0]
+                assert c.token_ids == alone.token_ids and c.text == alone.text, (method, i)
+            assert len({tuple(c.token_ids) for c in o.outputs}) > 1  # the seeds differ
+            assert o.metrics["generated_tokens"] == 36 and o.prompt_token_ids == llm.encode(prompt)
+    base = plain(loaded, "llama", PROMPTS[:1])[0]
+    greedy = spec(loaded, "llama", "ngram").generate(PROMPTS[0], SamplingParams(max_new_tokens=N, ignore_eos=True,
+                                                                                n=2, logprobs=3))[0]
+    assert [c.token_ids for c in greedy.outputs] == [base.token_ids] * 2
+    llm = LLM(loaded("llama"))
+    ids = llm.encode(PROMPTS[0])
+    rt = llm.target.runtime
+    ref = torch.log_softmax(rt.forward(rt.new_cache(1), [0], [ids + base.token_ids])[0].float(), -1)
+    ref = ref[len(ids) - 1:len(ids) - 1 + N]  # [N, vocab]: row j predicts output token j
+    for c in (greedy.outputs[0], llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, ignore_eos=True,
+                                                                        logprobs=3))[0].outputs[0]):
+        assert len(c.logprobs) == N
+        for j, (t, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert list(entry)[0] == t and entry[t].rank == 1  # greedy: the chosen token is the top one
+            assert len(entry) == 3 and [e.rank for e in entry.values()] == [1, 2, 3]
+            top = ref[j].topk(3)
+            assert [e.logprob for e in entry.values()] == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert list(entry) == top.indices.tolist()
+            assert entry[t].decoded_token == llm.tokenizer.decode([t])
+        assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+    sampled = llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, ignore_eos=True, temperature=1.5,
+                                                      seed=1, logprobs=0))[0].outputs[0]
+    sampled_ref = torch.log_softmax(rt.forward(rt.new_cache(1), [0], [ids + sampled.token_ids])[0].float(), -1)
+    for j, (t, entry) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
+        row = sampled_ref[len(ids) - 1 + j]
+        assert list(entry) == [t] and entry[t].logprob == pytest.approx(row[t].item(), abs=1e-4)
+        assert entry[t].rank == int((row > row[t]).sum()) + 1
+    assert any(e[t].rank > 1 for t, e in zip(sampled.token_ids, sampled.logprobs))  # hot sampling leaves the top

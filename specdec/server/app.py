@@ -18,7 +18,6 @@ import re
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -171,15 +170,8 @@ class _API:
         if max_tokens is None:  # chat default: whatever the context window leaves
             max_tokens = max(1, self.llm.context_window - len(ids))
         sp = req.sampling(max_tokens)
-        if chat:
-            logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        else:
-            logprobs = req.logprobs
         try:
-            seqs = [self.llm.make_sequence({"prompt_token_ids": ids},
-                                           replace(sp, seed=(sp.seed + i) % 2 ** 64) if i and sp.seed is not None else sp,
-                                           logprobs=logprobs, num_draft_tokens=req.num_draft_tokens)
-                    for i in range(req.n)]
+            seqs = self.llm.make_sequences({"prompt_token_ids": ids}, sp, num_draft_tokens=req.num_draft_tokens)
         except ValueError as e:
             raise bad_request(str(e).replace("max_new_tokens", "max_tokens")) from None
         return req, seqs
@@ -365,17 +357,17 @@ class _Output:
             def item(t, lp):
                 return {"token": text(t), "logprob": max(lp, MIN_LOGPROB),
                         "bytes": list(self.api.token_bytes(t))}
-            return {"content": [{**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in alts]}
-                                for t, (lp, alts) in zip(ids, entries)], "refusal": None}
+            return {"content": [{**item(t, e.logprob), "top_logprobs": [item(a, alp) for a, alp in e.top]}
+                                for t, e in zip(ids, entries)], "refusal": None}
         tokens = [text(t) for t in ids]
         offsets = []
         for t in ids:  # offsets into the returned text, which has no special tokens
             offsets.append(self.text_offset[i])
             self.text_offset[i] += len(text(t, skip_special=True))
         tops = []
-        for t, (lp, alts) in zip(ids, entries):
-            top = {text(a): max(alp, MIN_LOGPROB) for a, alp in alts}
-            top.setdefault(text(t), max(lp, MIN_LOGPROB))  # the sampled token is always listed
+        for t, e in zip(ids, entries):
+            top = {text(a): max(alp, MIN_LOGPROB) for a, alp in e.top}
+            top.setdefault(text(t), max(e.logprob, MIN_LOGPROB))  # the sampled token is always listed
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [max(lp, MIN_LOGPROB) for lp, _ in entries],
+        return {"tokens": tokens, "token_logprobs": [max(e.logprob, MIN_LOGPROB) for e in entries],
                 "top_logprobs": tops, "text_offset": offsets}

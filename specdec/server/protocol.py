@@ -75,11 +75,16 @@ class _Request(BaseModel):
                                   top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop),
                                   ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                  logit_bias=self._logit_bias())
+                                  logit_bias=self._logit_bias(), n=self.n, logprobs=self.requested_logprobs)
         except ValueError as e:
             msg = str(e).replace("max_new_tokens", "max_tokens")
             field_name = msg.split()[0] if msg.split()[0] in type(self).model_fields else None
             raise bad_request(msg, "stop" if msg.startswith("stop") else field_name) from None
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per output token when log-probabilities are asked for, else None."""
+        return None
 
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI's ``{"token id": bias}``."""
@@ -100,6 +105,10 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -162,6 +171,10 @@ class ChatCompletionRequest(_Request):
     def prompt_input(self) -> list[dict]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in self.messages]
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
