@@ -32,19 +32,28 @@ def test_logits_match_transformers(tiny_dirs, arch, linear):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_one_row_products_through_either_copy(tiny_dirs, monkeypatch, packed):
+def test_one_row_products_through_either_copy(tiny_dirs, monkeypatch, tmp_path, packed):
     """With the verify-packed copy, one-token forwards (plain decoding) go through whichever
-    copy the runtime timed faster; when that is the packed one, the other is freed. Either
-    way a one-token forward gives transformers' logits."""
+    copy the runtime timed faster; when that is the packed one, the other is freed. The
+    timing is kept in the cache directory, so a second load makes the same choice without
+    timing. Either way a one-token forward gives transformers' logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specdec.runtime.loading import Weights
 
     path = tiny_dirs["qwen2"]
-    timed = TorchLlama._packed_one_row_pays
-    monkeypatch.setattr(TorchLlama, "_packed_one_row_pays", lambda self: timed(self) in (True, False) and packed)
-    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"),
-                    torch.float32, linear="onednn", multi_row=True)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    timed = TorchLlama._time_packed_one_row
+    monkeypatch.setattr(TorchLlama, "_time_packed_one_row", lambda self: timed(self) * 0 + (0.5 if packed else 2.0))
+
+    def load():
+        return TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"),
+                          torch.float32, linear="onednn", multi_row=True)
+
+    rt = load()
+    monkeypatch.setattr(TorchLlama, "_time_packed_one_row", lambda self: pytest.fail("timed again"))
+    assert load().one_row_packed == packed  # from the cache
+    assert (tmp_path / "torch_one_row.json").exists()
     lin = rt.layers[0]["gate_up"]
     assert rt.one_row_packed == lin.one_row_packed == packed and (lin.weight is None) == packed
     assert ("packed-one-row" in rt.speed_key) == packed
