@@ -224,6 +224,8 @@ class LLM:
                              f"exceeds the context window of {limit} tokens")
         if any(t >= vocab for t, _ in sp.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in sp.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
         seqs = []
@@ -233,7 +235,8 @@ class LLM:
             seqs.append(Sequence(request_id=self._next_id, ids=list(ids), prompt_len=len(ids),
                                  sampling=replace(sp, seed=seed) if i else sp,
                                  generator=make_generator(seed, self.target.runtime.device),
-                                 eos_ids=frozenset() if sp.ignore_eos else self.target.eos_ids,
+                                 eos_ids=(frozenset() if sp.ignore_eos else self.target.eos_ids)
+                                 | frozenset(sp.stop_token_ids),
                                  num_draft_tokens=num_draft_tokens))
         return seqs
 

@@ -62,9 +62,15 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the most likely one (0 = off, default)")
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=int, nargs="+", default=[], metavar="ID",
+                   help="token ids that end the output like an EOS (kept in token_ids, not in the text)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="no EOS, stop token or stop string ends the output before this many tokens (default 0)")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divide (multiply) the positive (negative) logits of tokens in the prompt or "
                         "output by this (1 = off, default)")
@@ -91,7 +97,8 @@ def spec_from_args(a) -> SpecConfig:
 
 def sampling_from_args(a) -> SamplingParams:
     return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                          top_p=a.top_p, seed=a.seed, stop=tuple(a.stop), ignore_eos=a.ignore_eos,
+                          top_p=a.top_p, min_p=a.min_p, seed=a.seed, stop=tuple(a.stop),
+                          stop_token_ids=tuple(a.stop_token_ids), ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
                           repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
                           frequency_penalty=a.frequency_penalty, logit_bias=parse_logit_bias(a.logit_bias),
                           n=a.n, logprobs=a.logprobs)

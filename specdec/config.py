@@ -7,7 +7,7 @@ Vocabulary used across specdec (one meaning each):
 * **recovered** - the token the target commits at the first rejection (its argmax when
   greedy, a draw from the residual ``normalize(max(p - q, 0))`` when sampling).
 * **bonus** - the extra token drawn from the target when every draft was accepted.
-* ``p`` - target probabilities; ``q`` - draft probabilities (both after temperature,
+* ``p`` - target probabilities; ``q`` - draft probabilities (both after temperature, min-p,
   top-k and top-p, i.e. the distributions actually sampled from).
 * ``k`` - number of draft tokens in a round; *verify step* - one target forward over them.
 
@@ -35,9 +35,14 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off; drop tokens less likely than min_p x the top one (vLLM's, before top-k/p)
     seed: int | None = None
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
+    # tokens that end the output like an EOS (with ignore_eos too); kept in token_ids, not in the text
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # no EOS, stop token or stop string ends the output before this many tokens (vLLM's)
+    min_tokens: int = 0
     # penalties on the logits, greedy included, before temperature (as in vLLM): repetition
     # (transformers' and vLLM's: a token seen in the prompt or output has a positive logit
     # divided by it, a negative one multiplied), then OpenAI's presence (minus this once for
@@ -58,6 +63,7 @@ class SamplingParams:
         if isinstance(stop, str):
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(sorted(set(self.stop_token_ids or ()))))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
         object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
@@ -66,6 +72,11 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0,
                f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids must be token ids (integers >= 0)")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_new_tokens,
+               f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop strings must be non-empty strings")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
@@ -88,8 +99,8 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Penalties or a logit bias change the model's logits (``sampling.process_logits``)."""
-        return self.penalized or bool(self.logit_bias)
+        """Penalties, a logit bias or min_tokens change the model's logits (``sampling.process_logits``)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
 
 @dataclass(frozen=True)

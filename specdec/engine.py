@@ -186,7 +186,7 @@ class Engine:
         Penalties see, on each row, the drafts before it as output."""
         if s.sampling.processes_logits:
             prefixes = d.tree.prefixes() if d.tree else [d.tokens[:j] for j in range(len(d.tokens) + 1)]
-            rows = process_logits(rows, s.sampling, s.ids[: s.prompt_len], s.output_ids, prefixes)
+            rows = process_logits(rows, s.sampling, s.ids[: s.prompt_len], s.output_ids, prefixes, stop_ids=s.eos_ids)
         if d.tree is None:
             v = verify(d.tokens, d.q, rows, s.sampling, s.generator)
             self.cache.rewind(s.slot, len(s.ids) + v.num_accepted)
@@ -225,7 +225,7 @@ class Engine:
             s.metrics.target_forwards += 1
             if self.cache.lengths[s.slot] < s.prompt_len:
                 continue
-            scored = process_logits(row[None], s.sampling, s.ids, [])  # [1, vocab]
+            scored = process_logits(row[None], s.sampling, s.ids, [], stop_ids=s.eos_ids)  # [1, vocab]
             if s.sampling.greedy:
                 token = int(scored.argmax())
             else:
@@ -239,24 +239,33 @@ class Engine:
         s.ids.extend(kept)
         if hit_eos or self._hit_stop_string(s, len(kept)):
             s.finish_reason = "stop"
+            if hit_eos and kept[-1] in s.sampling.stop_token_ids:  # a stop token's text is left out
+                s.text = self.target.tokenizer.decode(s.output_ids[:-1], skip_special_tokens=True)
         elif s.remaining == 0:
             s.finish_reason = "length"
         del s.token_logprobs[s.num_output:]  # captured for tokens cut at EOS / budget / stop
         return len(kept)
 
     def _hit_stop_string(self, s: Sequence, num_new: int) -> bool:
-        """Cut ``s`` after the token that completes a stop string; the text ends before it."""
-        if not s.sampling.stop or num_new == 0:
+        """Cut ``s`` after the token that completes a stop string; the text ends before it.
+        A stop string within the first ``min_tokens`` tokens' text does not count."""
+        if not s.sampling.stop or num_new == 0 or s.num_output <= s.sampling.min_tokens:
             return False
+
+        def find(text: str) -> int:  # where the first stop string that counts begins, or -1
+            hits = [i for i in (text.find(stop, max(0, start - len(stop) + 1)) for stop in s.sampling.stop)
+                    if i >= 0]
+            return min(hits, default=-1)
+
         decode = self.target.tokenizer.decode
         out = s.output_ids
+        start = len(decode(out[:s.sampling.min_tokens], skip_special_tokens=True)) if s.sampling.min_tokens else 0
         text = decode(out, skip_special_tokens=True)
-        hits = [i for i in (text.find(stop) for stop in s.sampling.stop) if i >= 0]
-        if not hits:
+        cut = find(text)
+        if cut < 0:
             return False
-        cut = min(hits)
-        for m in range(len(out) - num_new + 1, len(out) + 1):  # fewest tokens that reach the stop
-            if any(stop in decode(out[:m], skip_special_tokens=True) for stop in s.sampling.stop):
+        for m in range(max(len(out) - num_new, s.sampling.min_tokens) + 1, len(out) + 1):  # fewest tokens that reach it
+            if find(decode(out[:m], skip_special_tokens=True)) >= 0:
                 del s.ids[s.prompt_len + m:]
                 break
         s.text = text[:cut]

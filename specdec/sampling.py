@@ -2,6 +2,8 @@
 top-k, top-p), and seeded draws."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import SamplingParams
@@ -10,14 +12,18 @@ from .config import SamplingParams
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     """Processed distribution for sampling: ``logits [rows, vocab] -> probs [rows, vocab]`` (fp32).
 
-    Order as in transformers: temperature, then top-k, then top-p (nucleus keeps the
-    smallest set whose mass reaches ``top_p``, always at least the top token).
+    Order as in vLLM: temperature, then min-p (keeps the tokens at least ``min_p`` times as
+    likely as the top one), then top-k, then top-p (nucleus keeps the smallest set whose
+    mass reaches ``top_p``, always at least the top token).
     Greedy params (temperature 0) give the one-hot argmax distribution.
     """
     logits = logits.float()
     if sp.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / sp.temperature
+    if sp.min_p > 0:  # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
+        floor = logits.max(-1, keepdim=True).values + math.log(sp.min_p)  # [rows, 1]
+        logits = logits.masked_fill(logits < floor, float("-inf"))
     if sp.top_k and sp.top_k < logits.shape[-1]:
         kth = torch.topk(logits, sp.top_k, dim=-1).values[..., -1:]  # [rows, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -32,12 +38,13 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], output: list[int],
-                   extra: list[list[int]] | None = None) -> torch.Tensor:
-    """``sp``'s repetition, presence and frequency penalties, then its logit bias, on
-    ``logits [rows, vocab]``: row ``i`` follows ``prompt + output + extra[i]`` (a verify
-    step's row i follows the drafts before it; default: no extra). Repetition counts the
-    prompt and the output, presence and frequency the output only (``extra`` is output).
-    Unchanged when ``sp`` has none of them."""
+                   extra: list[list[int]] | None = None, *, stop_ids: frozenset[int] = frozenset()) -> torch.Tensor:
+    """``sp``'s repetition, presence and frequency penalties, then its logit bias, then
+    min_tokens (``stop_ids``, the request's EOS and stop tokens, banned on rows with fewer
+    than ``min_tokens`` tokens of output before them) on ``logits [rows, vocab]``: row ``i``
+    follows ``prompt + output + extra[i]`` (a verify step's row i follows the drafts before
+    it; default: no extra). Repetition counts the prompt and the output, presence and
+    frequency the output only (``extra`` is output). Unchanged when ``sp`` has none of them."""
     if not sp.processes_logits:
         return logits
     rows, vocab = logits.shape
@@ -63,6 +70,13 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], 
         bias = [(t, b) for t, b in sp.logit_bias if t < vocab]
         add = torch.tensor([float(b) for _, b in bias], device=dev).expand(rows, -1)  # [rows, biased ids]
         logits = logits.index_add(1, ids([t for t, _ in bias]), add)  # a new tensor: raw logits stay
+    banned = ids(sorted(stop_ids))
+    if sp.min_tokens and len(banned):
+        short = [len(output) + len(more) < sp.min_tokens for more in (extra or [[]] * rows)]  # [rows]
+        if any(short):
+            mask = torch.zeros_like(logits, dtype=torch.bool)  # [rows, vocab]
+            mask[torch.tensor(short, device=dev).nonzero()[:, 0, None], banned] = True
+            logits = logits.masked_fill(mask, float("-inf"))
     return logits
 
 

@@ -34,7 +34,7 @@ class Sequence:
     prompt_len: int
     sampling: SamplingParams
     generator: torch.Generator
-    eos_ids: frozenset[int]  # empty when sampling.ignore_eos
+    eos_ids: frozenset[int]  # the model's EOS ids (none with sampling.ignore_eos) and sampling.stop_token_ids
     slot: int = -1  # KV slot in the target cache (and the drafter's), -1 = not admitted
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     text: str | None = None  # final text when a stop string cut it

@@ -100,6 +100,28 @@ def test_chunked_prefill_and_penalties_on_cuda(on_cuda):
     assert_same_greedy(llm, llm.generate(PROMPTS, sp), base, "float32")
 
 
+def test_vllm_sampling_fields_on_cuda(on_cuda):
+    """min_tokens and stop_token_ids (rows banned on the GPU), n and logprobs on cuda: the
+    self-drafted output equals plain decoding, logprobs and ranks alike; min_p seeded
+    sampling accepts every self-drafted token."""
+    sp = SamplingParams(max_new_tokens=30, ignore_eos=True, n=2, logprobs=2, min_tokens=10)
+    out = LLM(on_cuda("llama")).generate(PROMPTS[0], sp)[0].token_ids
+    j = next(j for j in range(10, 30) if out[j] not in out[:j])
+    sp = SamplingParams(**{**vars(sp), "stop_token_ids": [out[j]]})
+    base = LLM(on_cuda("llama")).generate(PROMPTS, sp)
+    outs = LLM(on_cuda("llama"), speculative=SpecConfig(method="self", num_draft_tokens=3)).generate(PROMPTS, sp)
+    for o, b in zip(outs, base):
+        assert [c.token_ids for c in o.outputs] == [c.token_ids for c in b.outputs] and len(o.outputs) == 2
+        for c, r in zip(o.outputs, b.outputs):
+            assert [list(e) for e in c.logprobs] == [list(e) for e in r.logprobs]
+            assert [e[t].rank for t, e in zip(c.token_ids, c.logprobs)] == [1] * len(c.token_ids)
+            assert c.cumulative_logprob == pytest.approx(r.cumulative_logprob, abs=1e-3)
+    assert base[0].finish_reason == "stop" and len(base[0].token_ids) == j + 1
+    sampled = SamplingParams(max_new_tokens=20, temperature=1.0, min_p=0.2, seed=2, ignore_eos=True)
+    outs = LLM(on_cuda("llama"), speculative=SpecConfig(method="self", num_draft_tokens=3)).generate(PROMPTS, sampled)
+    assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
+
+
 def test_cuda_float32_greedy_equals_cpu(loaded, on_cuda):
     cpu = LLM(loaded("qwen2")).generate(PROMPTS, GREEDY)
     cuda = LLM(on_cuda("qwen2")).generate(PROMPTS, GREEDY)

@@ -389,3 +389,45 @@ def test_n_completions_and_logprobs(loaded):
         assert list(entry) == [t] and entry[t].logprob == pytest.approx(row[t].item(), abs=1e-4)
         assert entry[t].rank == int((row > row[t]).sum()) + 1
     assert any(e[t].rank > 1 for t, e in zip(sampled.token_ids, sampled.logprobs))  # hot sampling leaves the top
+
+
+def test_stop_token_ids_min_tokens_and_min_p(loaded):
+    """``stop_token_ids`` end the output like an EOS (ignore_eos too; the token is kept in
+    token_ids, its text left out); ``min_tokens`` keeps EOS, stop tokens and stop strings from
+    ending it earlier (greedy: the same as banning the stop token for those steps);
+    ``min_p`` under speculation: the self-draft accepts every draft. All equal to plain
+    decoding under self-drafting and n-gram speculation."""
+    base = plain(loaded, "llama", PROMPTS[:1])[0]
+    out = base.token_ids
+    j = next(j for j in range(4, N) if out[j] not in out[:j])  # the first occurrence of out[j]
+    tok = loaded("llama").tokenizer
+    stop_tok = SamplingParams(max_new_tokens=N, ignore_eos=True, stop_token_ids=[out[j]])
+    later = next(i for i in range(j + 1, N) if out[i] not in out[:i])  # a token first seen after j
+    late = SamplingParams(max_new_tokens=N, ignore_eos=True, stop_token_ids=[out[4], out[later]], min_tokens=later)
+    banned = plain(loaded, "llama", PROMPTS[:1], SamplingParams(max_new_tokens=later, ignore_eos=True,
+                                                                logit_bias={out[4]: -100, out[later]: -100}))[0]
+    stop_str = SamplingParams(max_new_tokens=N, ignore_eos=True, stop=[base.text[2:5]], min_tokens=N)
+    text = base.text
+    for m in range(2, N):  # a character in the first m tokens' text that comes again after it
+        head = tok.decode(out[:m], skip_special_tokens=True)
+        again = [c for c in head if c != "\ufffd" and text.find(c, len(head)) > 0] if text.startswith(head) else []
+        if again:
+            break
+    second = SamplingParams(max_new_tokens=N, ignore_eos=True, stop=[again[0]], min_tokens=m)
+    for method in ("none", "self", "ngram"):
+        llm = spec(loaded, "llama", method, k=3)
+        o = llm.generate(PROMPTS[0], stop_tok)[0]
+        assert o.token_ids == out[:j + 1] and o.finish_reason == "stop", method
+        assert o.text == tok.decode(out[:j], skip_special_tokens=True)
+        o = llm.generate(PROMPTS[0], late)[0]
+        assert o.token_ids[:later] == banned.token_ids, method  # no stop before min_tokens
+        assert o.finish_reason == "length" or o.token_ids[-1] in late.stop_token_ids
+        o = llm.generate(PROMPTS[0], stop_str)[0]  # the stop string is in the first min_tokens' text only
+        assert o.token_ids == out and o.finish_reason == "length" and o.text == base.text, method
+        o = llm.generate(PROMPTS[0], second)[0]  # the stop string's first occurrence after min_tokens
+        assert o.finish_reason == "stop" and o.text == text[:text.find(again[0], len(head))], method
+        assert o.token_ids == out[:len(o.token_ids)] and len(o.token_ids) > m
+    sp = SamplingParams(max_new_tokens=30, temperature=1.0, min_p=0.3, seed=3, ignore_eos=True)
+    s1 = spec(loaded, "llama", "self", k=4).generate(PROMPTS, sp)
+    assert all(o.metrics["acceptance_rate"] == 1.0 for o in s1)
+    assert [o.token_ids for o in s1] != [o.token_ids for o in plain(loaded, "llama", PROMPTS, GREEDY)]

@@ -94,6 +94,23 @@ def test_completion_stream_equals_non_stream(llm, client):
     ref = LLM(llm.target).generate("The quick brown fox", SamplingParams(
         max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2))[0]
     assert penalised.choices[0].text == ref.text != whole.choices[0].text
+    # vLLM's stop_token_ids (the token's text left out, streamed or not), min_tokens and min_p
+    out = ref.token_ids
+    j = next(j for j in range(3, 40) if out[j] not in out[:j])
+    extra = {"ignore_eos": True, "repetition_penalty": 1.3, "stop_token_ids": [out[j], out[1]], "min_tokens": 2}
+    stopped = client.completions.create(**{**kw, "extra_body": extra}, presence_penalty=0.5, frequency_penalty=0.2)
+    streamed = list(client.completions.create(**{**kw, "extra_body": extra, "stream": True},
+                                              presence_penalty=0.5, frequency_penalty=0.2))
+    ref = LLM(llm.target).generate("The quick brown fox", SamplingParams(
+        max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+        stop_token_ids=[out[j], out[1]], min_tokens=2))[0]
+    assert ref.finish_reason == "stop" and ref.token_ids[-1] in (out[j], out[1]) and len(ref.token_ids) > 2
+    assert stopped.choices[0].text == "".join(c.choices[0].text for c in streamed) == ref.text
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == len(ref.token_ids)
+    sampled = dict(model=MODEL, prompt="The quick brown fox", max_tokens=20, temperature=1.0, seed=4)
+    same = LLM(llm.target, speculative=llm.spec)  # the server's speculation, its own engine
+    assert client.completions.create(**sampled, extra_body={"min_p": 0.2}).choices[0].text == same.generate(
+        "The quick brown fox", SamplingParams(max_new_tokens=20, temperature=1.0, seed=4, min_p=0.2))[0].text
 
 
 def test_chat_stream_equals_non_stream(llm, client):
@@ -271,6 +288,25 @@ def test_n_completions(client):
     assert len(chat.choices[1].logprobs.content) == chat.usage.completion_tokens // 2
 
 
+def test_batch_of_prompts(llm, client):
+    """A completions request with several prompts (texts or token-id lists): choice i * n + j is
+    prompt i's completion j, the same as that prompt's own request with seed + j; usage counts
+    each prompt once; streamed, each index's chunks give that choice's text."""
+    prompts = ["Once upon a time", "The quick brown fox", "abc"]
+    kw = dict(model=MODEL, max_tokens=10, temperature=0.9, seed=5, extra_body={"ignore_eos": True})
+    batch = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in batch.choices] == list(range(6))
+    alone = [client.completions.create(prompt=p, n=2, **kw) for p in prompts]
+    assert [c.text for c in batch.choices] == [c.text for a in alone for c in a.choices]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 60
+    as_ids = client.completions.create(prompt=[llm.encode(p) for p in prompts], n=2, **kw)
+    assert [c.text for c in as_ids.choices] == [c.text for c in batch.choices]
+    chunks = list(client.completions.create(prompt=prompts, n=2, stream=True, **kw))
+    for c in batch.choices:
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == c.index) == c.text
+
+
 # --- aborts ------------------------------------------------------------------------------------------
 
 
@@ -382,7 +418,7 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     (C, {**OK_C, "prompt": ""}, AUTH, 400),
     (C, {**OK_C, "prompt": [1, "a"]}, AUTH, 400),
     (C, {**OK_C, "prompt": [999999]}, AUTH, 400),
-    (C, {**OK_C, "prompt": ["a", "b"]}, AUTH, 400),
+    (C, {**OK_C, "prompt": ["a", "b"]}, AUTH, 400),  # 2 completions: more than 1 slot + 0 queued
     (C, {**OK_C, "max_tokens": "5"}, AUTH, 400),
     (C, {**OK_C, "max_tokens": 0}, AUTH, 400),
     (C, {**OK_C, "max_tokens": -3}, AUTH, 400),
@@ -410,6 +446,14 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     (C, {**OK_C, "logit_bias": {"5": 101}}, AUTH, 400),
     (CHAT, {**OK_CHAT, "logit_bias": {"5": -100, "6": 2.5}}, AUTH, 200),
     (C, {**OK_C, "num_draft_tokens": -1}, AUTH, 400),
+    (C, {**OK_C, "min_p": 1.5}, AUTH, 400),
+    (C, {**OK_C, "prompt": [[1, 2], []]}, AUTH, 400),
+    (C, {**OK_C, "prompt": ["a", ""]}, AUTH, 400),
+    (C, {**OK_C, "prompt": ["a"] * 65}, AUTH, 400),
+    (C, {**OK_C, "stop_token_ids": [-1]}, AUTH, 400),
+    (C, {**OK_C, "stop_token_ids": [999999]}, AUTH, 400),
+    (C, {**OK_C, "min_tokens": 1000}, AUTH, 400),  # more than max_tokens
+    (CHAT, {**OK_CHAT, "min_p": 0.1, "stop_token_ids": [5], "min_tokens": 1}, AUTH, 200),
     (CHAT, {**OK_CHAT, "messages": "hi"}, AUTH, 400),
     (CHAT, {**OK_CHAT, "messages": []}, AUTH, 400),
     (CHAT, {**OK_CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, AUTH, 400),

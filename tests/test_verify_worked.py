@@ -107,3 +107,24 @@ def test_penalties_worked_example():
     out = process_logits(logits, biased, prompt=[4], output=[])
     torch.testing.assert_close(out[0], torch.tensor([1.0, -0.5, 2.0, 0.5, 1.5 - 100]))
     assert logits[0, 4] == 3.0  # the raw logits (logprobs come from them) are left alone
+
+
+def test_min_p_and_min_tokens_worked_example():
+    """min_p 0.25 after temperature keeps the tokens at least a quarter as likely as the top
+    one (p = .5 .3 .15 .05 -> .5 .3 .15 kept, renormalised); min_tokens 2 bans the stop ids on
+    the rows with fewer than 2 tokens of output before them (output 1 token: row 0 with no
+    draft before it, not row 1)."""
+    import math
+
+    from specdec.sampling import probs_from_logits, process_logits
+
+    logits = torch.tensor([[math.log(p) for p in (0.5, 0.3, 0.15, 0.05)]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=1.0, min_p=0.25))
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.15, 0.0]]) / 0.95)
+    probs = probs_from_logits(logits * 2, SamplingParams(temperature=2.0, min_p=0.35))  # the same p after temperature
+    torch.testing.assert_close(probs, torch.tensor([[0.5, 0.3, 0.0, 0.0]]) / 0.8)
+    sp = SamplingParams(min_tokens=2)
+    rows = torch.zeros(3, 4)
+    out = process_logits(rows, sp, prompt=[0], output=[1], extra=[[], [2], [2, 3]], stop_ids=frozenset({3, 9}))
+    assert out[0].tolist() == [0, 0, 0, float("-inf")] and out[1:].eq(0).all()
+    assert process_logits(rows, SamplingParams(min_tokens=2), [0], [1, 2], stop_ids=frozenset({3})).eq(0).all()

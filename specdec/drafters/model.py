@@ -199,11 +199,12 @@ class ModelDrafter:
 
     @staticmethod
     def _process(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> torch.Tensor:
-        """The request's penalties on a draft logits row ``[vocab]``, the drafts ``drafted``
-        counted as output (as the target's verify rows count them)."""
+        """The request's penalties (and min_tokens) on a draft logits row ``[vocab]``, the
+        drafts ``drafted`` counted as output (as the target's verify rows count them)."""
         if not seq.sampling.processes_logits:
             return logits
-        return process_logits(logits[None], seq.sampling, seq.ids[: seq.prompt_len], seq.output_ids, [drafted])[0]
+        return process_logits(logits[None], seq.sampling, seq.ids[: seq.prompt_len], seq.output_ids, [drafted],
+                              stop_ids=seq.eos_ids)[0]
 
     def _log_q(self, logits: torch.Tensor, seq: Sequence, path: list[int]) -> torch.Tensor:
         """Draft log-probabilities over the target's vocab, after the drafts ``path`` (after

@@ -154,26 +154,29 @@ class _API:
 
     def prepare(self, body: object, chat: bool):
         """Validate a request body; return the parsed request and one ``Sequence`` per
-        completion (``n``; with a seed, completion i draws from seed + i)."""
+        completion: ``n`` per prompt (with a seed, completion j draws from seed + j), prompt
+        after prompt for a batch of prompts."""
         req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
         if req.model is not None and req.model != self.name:
             raise bad_request(f"the model {req.model!r} does not exist here; this server serves "
                               f"{self.name!r}", "model", "model_not_found")
-        try:
-            ids = encode_prompt(self.tok, req.prompt_input())
-        except ValueError as e:
-            raise bad_request(str(e), "messages" if chat else "prompt") from None
-        except Exception as e:  # e.g. a chat template that rejects these roles (jinja2 errors)
-            raise bad_request(f"cannot encode the prompt: {type(e).__name__}: {e}",
-                              "messages" if chat else "prompt") from None
-        max_tokens = req.requested_max_tokens if chat else req.max_tokens
-        if max_tokens is None:  # chat default: whatever the context window leaves
-            max_tokens = max(1, self.llm.context_window - len(ids))
-        sp = req.sampling(max_tokens)
-        try:
-            seqs = self.llm.make_sequences({"prompt_token_ids": ids}, sp, num_draft_tokens=req.num_draft_tokens)
-        except ValueError as e:
-            raise bad_request(str(e).replace("max_new_tokens", "max_tokens")) from None
+        seqs = []
+        for prompt in req.prompt_inputs():  # choice i * n + j: prompt i's completion j
+            try:
+                ids = encode_prompt(self.tok, prompt)
+            except ValueError as e:
+                raise bad_request(str(e), "messages" if chat else "prompt") from None
+            except Exception as e:  # e.g. a chat template that rejects these roles (jinja2 errors)
+                raise bad_request(f"cannot encode the prompt: {type(e).__name__}: {e}",
+                                  "messages" if chat else "prompt") from None
+            max_tokens = req.requested_max_tokens if chat else req.max_tokens
+            if max_tokens is None:  # chat default: whatever the context window leaves
+                max_tokens = max(1, self.llm.context_window - len(ids))
+            sp = req.sampling(max_tokens)
+            try:
+                seqs += self.llm.make_sequences({"prompt_token_ids": ids}, sp, num_draft_tokens=req.num_draft_tokens)
+            except ValueError as e:
+                raise bad_request(str(e).replace("max_new_tokens", "max_tokens")) from None
         return req, seqs
 
     async def generate(self, request: Request, chat: bool):
@@ -181,8 +184,8 @@ class _API:
         body = await self.read_json(request)
         req, seqs = self.prepare(body, chat)
         if len(seqs) > self.scheduler.capacity:
-            raise bad_request(f"n={len(seqs)} completions exceed what this server holds at once "
-                              f"({self.scheduler.capacity}: running + queued requests)", "n")
+            raise bad_request(f"{len(seqs)} completions (prompts x n) exceed what this server holds at "
+                              f"once ({self.scheduler.capacity}: running + queued requests)", "n")
         if not self.scheduler.alive:
             raise APIError(503, "the engine is not running", "server_error")
         sreqs = [ServerRequest(seq, asyncio.get_running_loop()) for seq in seqs]
@@ -281,7 +284,8 @@ class _Output:
         self.want_logprobs = sreqs[0].seq.logprobs is not None
 
     def usage(self) -> dict:
-        prompt, output = self.sreqs[0].seq.prompt_len, sum(r.seq.num_output for r in self.sreqs)
+        prompt = sum(r.seq.prompt_len for r in self.sreqs[::self.req.n])  # each prompt once
+        output = sum(r.seq.num_output for r in self.sreqs)
         return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
 
     async def collect(self) -> dict:

@@ -9,7 +9,8 @@ from ..config import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 16
-MAX_N = 16  # completions per request
+MAX_N = 16  # completions per prompt
+MAX_PROMPTS = 64  # prompts per completions request (a batch)
 
 
 class APIError(Exception):
@@ -56,6 +57,9 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # extension (vLLM)
     repetition_penalty: float = 1.0  # extension (vLLM)
+    min_p: float = 0.0  # extension (vLLM)
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    min_tokens: int = 0  # extension (vLLM)
     num_draft_tokens: int | None = None  # extension: cap this request's k (0 = no speculation)
 
     def refuse_unsupported(self) -> None:
@@ -72,14 +76,15 @@ class _Request(BaseModel):
             raise bad_request(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}", "top_k")
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                  top_k=max(self.top_k, 0), seed=self.seed, stop=tuple(stop),
+                                  top_k=max(self.top_k, 0), min_p=self.min_p, seed=self.seed, stop=tuple(stop),
+                                  stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=self.min_tokens,
                                   ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   logit_bias=self._logit_bias(), n=self.n, logprobs=self.requested_logprobs)
         except ValueError as e:
             msg = str(e).replace("max_new_tokens", "max_tokens")
             field_name = msg.split()[0] if msg.split()[0] in type(self).model_fields else None
-            raise bad_request(msg, "stop" if msg.startswith("stop") else field_name) from None
+            raise bad_request(msg, field_name) from None
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -119,19 +124,17 @@ class CompletionRequest(_Request):
         if self.best_of not in (None, 1):
             raise bad_request("only best_of=1 is supported", "best_of")
 
-    def prompt_input(self) -> str | dict:
-        """One prompt: text or ``{"prompt_token_ids": [...]}``."""
+    def prompt_inputs(self) -> list[str | dict]:
+        """The prompts, each text or ``{"prompt_token_ids": [...]}`` (a list of several is a
+        batch: choice ``i * n + j`` is prompt i's completion j)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise bad_request("one prompt per request is supported (got a batch of "
-                                  f"{len(p)})", "prompt")
-            p = p[0]
-        if isinstance(p, list):
-            if not p:
+        batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if len(batch) > MAX_PROMPTS:
+            raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}", "prompt")
+        for one in batch:
+            if isinstance(one, list) and not one:
                 raise bad_request("the prompt is empty", "prompt")
-            return {"prompt_token_ids": p}
-        return p
+        return [{"prompt_token_ids": one} if isinstance(one, list) else one for one in batch]
 
 
 class TextPart(BaseModel):
@@ -168,9 +171,9 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 
-    def prompt_input(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def prompt_inputs(self) -> list[list[dict]]:
+        return [[{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                 for m in self.messages]]
 
     @property
     def requested_logprobs(self) -> int | None:
