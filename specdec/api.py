@@ -12,7 +12,7 @@ from .engine import Engine
 from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
 from .sampling import make_generator
-from .sequence import Sequence
+from .sequence import Sequence, TokenLogprobs
 
 # prompt tokens per step by default, by device type (others: cuda's). Measured on Qwen2.5-Coder-1.5B
 # fp32, 2 cores: a 1500-token prompt arriving beside a decoding request stalled it 12.7 s
@@ -46,7 +46,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """One prompt's result: ``outputs`` holds its ``SamplingParams.n`` completions;
+    """One prompt's result (as vLLM's): ``outputs`` holds its ``SamplingParams.n`` completions;
     ``text``, ``token_ids`` and ``finish_reason`` are the first one's. ``metrics`` add up
     the completions' counters (``Metrics.to_dict``; wall time: the longest)."""
 
@@ -56,6 +56,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: dict
     finished: bool = True
+    # with SamplingParams(prompt_logprobs=N): per prompt token, as CompletionOutput.logprobs
+    # (None for the first, which nothing predicts)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def text(self) -> str:
@@ -242,20 +245,28 @@ class LLM:
 
     def _output(self, seqs: list[Sequence], prompt: Prompt) -> RequestOutput:
         """The request's result from its completions' sequences."""
+        first = seqs[0]
+        prompt_ids = first.ids[:first.prompt_len]
         metrics = run_metrics([s.metrics for s in seqs], max(s.metrics.wall_s for s in seqs))
-        return RequestOutput(seqs[0].request_id, prompt, seqs[0].ids[:seqs[0].prompt_len],
-                             [self._completion(i, s) for i, s in enumerate(seqs)], metrics.to_dict())
+        prompt_logprobs = None
+        if first.sampling.prompt_logprobs is not None:
+            prompt_logprobs = [None] + self._logprobs(prompt_ids[1:], first.prompt_token_logprobs)
+        return RequestOutput(first.request_id, prompt, prompt_ids, [self._completion(i, s) for i, s in enumerate(seqs)],
+                             metrics.to_dict(), prompt_logprobs=prompt_logprobs)
 
     def _completion(self, index: int, s: Sequence) -> CompletionOutput:
-        decode = self.tokenizer.decode
-        text = s.text if s.text is not None else decode(s.output_ids, skip_special_tokens=True)
+        text = s.text if s.text is not None else self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
         if s.logprobs is None:
             return CompletionOutput(index, text, s.output_ids, s.finish_reason)
-        logprobs = []
-        for t, e in zip(s.output_ids, s.token_logprobs):
-            entry = {t: Logprob(e.logprob, e.rank, decode([t]))}  # the chosen token first
+        return CompletionOutput(index, text, s.output_ids, s.finish_reason, self._logprobs(s.output_ids, s.token_logprobs),
+                                sum(e.logprob for e in s.token_logprobs))
+
+    def _logprobs(self, tokens: list[int], entries: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
+        """Per token ``{id: Logprob}``: the token itself first, then the most likely ones."""
+        decode, out = self.tokenizer.decode, []
+        for t, e in zip(tokens, entries):
+            entry = {t: Logprob(e.logprob, e.rank, decode([t]))}
             for rank, (a, alp) in enumerate(e.top, 1):
                 entry.setdefault(a, Logprob(alp, rank, decode([a])))
-            logprobs.append(entry)
-        return CompletionOutput(index, text, s.output_ids, s.finish_reason, logprobs,
-                                sum(e.logprob for e in s.token_logprobs))
+            out.append(entry)
+        return out

@@ -85,6 +85,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs", type=int, metavar="N",
                    help="with --json: each output token's log-probability under the target and the N "
                         "most likely alternatives (0 = the chosen token's only)")
+    g.add_argument("--prompt-logprobs", type=int, metavar="N",
+                   help="with --json: the same for each prompt token (null for the first)")
 
 
 def spec_from_args(a) -> SpecConfig:
@@ -101,7 +103,7 @@ def sampling_from_args(a) -> SamplingParams:
                           stop_token_ids=tuple(a.stop_token_ids), ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
                           repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
                           frequency_penalty=a.frequency_penalty, logit_bias=parse_logit_bias(a.logit_bias),
-                          n=a.n, logprobs=a.logprobs)
+                          n=a.n, logprobs=a.logprobs, prompt_logprobs=a.prompt_logprobs)
 
 
 def parse_logit_bias(items: list[str]) -> dict[int, float]:
@@ -154,8 +156,9 @@ def read_prompts_file(path: str) -> list[tuple[str, object]]:
 
 def cmd_generate(a) -> int:
     sp = sampling_from_args(a)
-    if sp.logprobs is not None and not a.json:
-        raise ValueError("--logprobs needs --json (log-probabilities are part of the JSON output)")
+    if (sp.logprobs is not None or sp.prompt_logprobs is not None) and not a.json:
+        raise ValueError("--logprobs and --prompt-logprobs need --json (log-probabilities are part "
+                         "of the JSON output)")
     spec_from_args(a)  # validate before loading models
     if a.prompts_file:
         items = read_prompts_file(a.prompts_file)
@@ -168,6 +171,8 @@ def cmd_generate(a) -> int:
             print(json.dumps({"id": pid, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
                               **({"outputs": [completion_json(c) for c in o.outputs]}
                                  if sp.n > 1 or sp.logprobs is not None else {}),
+                              **({"prompt_logprobs": [e and logprobs_json(e) for e in o.prompt_logprobs]}
+                                 if o.prompt_logprobs is not None else {}),
                               "metrics": o.metrics}, ensure_ascii=False))
             continue
         for c in o.outputs:
@@ -188,9 +193,14 @@ def completion_json(c) -> dict:
     (the chosen token first, then the most likely ones)."""
     out = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
     if c.logprobs is not None:
-        out["logprobs"] = [{str(t): lp.logprob for t, lp in entry.items()} for entry in c.logprobs]
+        out["logprobs"] = [logprobs_json(entry) for entry in c.logprobs]
         out["cumulative_logprob"] = c.cumulative_logprob
     return out
+
+
+def logprobs_json(entry: dict) -> dict:
+    """One token's ``{id: Logprob}`` as ``{"id": logprob}``."""
+    return {str(t): lp.logprob for t, lp in entry.items()}
 
 
 def cmd_check_vocab(a) -> int:

@@ -57,6 +57,8 @@ class SamplingParams:
     # the target's log-probability of each output token, with this many most likely
     # alternatives (0 = the chosen token's only; None = off); from the raw logits, as vLLM's
     logprobs: int | None = None
+    # the same for each prompt token (the first has none), with this many alternatives
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -86,8 +88,10 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
                "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-               f"logprobs must be an integer >= 0 (or None = off), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, int) and value >= 0),
+                   f"{name} must be an integer >= 0 (or None = off), got {value!r}")
 
     @property
     def greedy(self) -> bool:

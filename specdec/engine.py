@@ -36,18 +36,20 @@ def truncate(tokens: list[int], budget: int, eos_ids: frozenset[int]) -> tuple[l
     return kept, bool(kept) and kept[-1] in eos_ids
 
 
-def capture_logprobs(s: Sequence, rows: torch.Tensor, tokens: list[int]) -> None:
-    """Append the target's log-probabilities for ``tokens`` (``rows [n, vocab]``, row j
-    predicts ``tokens[j]``), their ranks and the ``s.logprobs`` most likely alternatives to ``s``."""
+def token_logprobs(rows: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprobs]:
+    """The log-probabilities of ``tokens`` under ``rows [n, vocab]`` (row j predicts
+    ``tokens[j]``), their ranks and the ``num_top`` most likely tokens of each row."""
+    if not tokens:
+        return []
     lp = torch.log_softmax(rows.float(), dim=-1)  # [n, vocab]
-    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)]  # [n]
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]  # [n]
     ranks = (lp > chosen[:, None]).sum(-1) + 1  # [n]
-    if s.logprobs:
-        top = lp.topk(min(s.logprobs, lp.shape[-1]), dim=-1)
+    if num_top:
+        top = lp.topk(min(num_top, lp.shape[-1]), dim=-1)
         alts = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
     else:
         alts = [[] for _ in tokens]
-    s.token_logprobs.extend(map(TokenLogprobs, chosen.tolist(), ranks.tolist(), alts))
+    return list(map(TokenLogprobs, chosen.tolist(), ranks.tolist(), alts))
 
 
 def draft_context(drafter: Drafter, seq: Sequence) -> tuple[bool, int | None]:
@@ -129,7 +131,7 @@ class Engine:
         for s, d, c, v, rows in zip(seqs, drafts, plan, verdicts, logits):
             if s.logprobs is not None:  # row j predicts token j (a tree: row v.rows[j])
                 path = list(v.rows) if d.tree is not None else list(range(len(v.tokens)))
-                capture_logprobs(s, rows[path], v.tokens)
+                s.token_logprobs += token_logprobs(rows[path], v.tokens, s.logprobs)
             committed = self._commit(s, v.tokens)  # 3. commit, stop checks
             s.metrics.record_verify(len(d.tokens), max(d.tree.depths) if d.tree else len(d.tokens),
                                     v.num_accepted, committed)
@@ -219,10 +221,21 @@ class Engine:
         if not batch:
             return
         t0 = time.perf_counter()
-        logits = self.runtime.forward(self.cache, [s.slot for s in batch], chunks, last_only=True)  # [B, vocab]
-        for s, row in zip(batch, logits):
+        every_row = any(s.sampling.prompt_logprobs is not None for s in batch)
+        logits = self.runtime.forward(self.cache, [s.slot for s in batch], chunks, last_only=not every_row,
+                                      prefill=True)  # [B, vocab], or [B, longest chunk, vocab]
+        for s, out, chunk in zip(batch, logits, chunks):
             s.metrics.prefill_s += time.perf_counter() - t0
             s.metrics.target_forwards += 1
+            row = out  # [vocab]: the logits after the chunk's last token
+            if every_row:
+                rows = out[:len(chunk)]  # [chunk, vocab]: row j predicts the token after chunk[j]
+                if s.sampling.prompt_logprobs is not None:
+                    end = self.cache.lengths[s.slot]  # the chunk is s.ids[end - len(chunk):end]
+                    predicted = s.ids[end - len(chunk) + 1: min(end + 1, s.prompt_len)]  # prompt tokens the rows predict
+                    s.prompt_token_logprobs += token_logprobs(rows[:len(predicted)], predicted,
+                                                              s.sampling.prompt_logprobs)
+                row = rows[-1]
             if self.cache.lengths[s.slot] < s.prompt_len:
                 continue
             scored = process_logits(row[None], s.sampling, s.ids, [], stop_ids=s.eos_ids)  # [1, vocab]
@@ -231,7 +244,7 @@ class Engine:
             else:
                 token = int(sample(probs_from_logits(scored, s.sampling), s.generator))
             if s.logprobs is not None:
-                capture_logprobs(s, row[None], [token])
+                s.token_logprobs += token_logprobs(row[None], [token], s.logprobs)
             self._commit(s, [token])
 
     def _commit(self, s: Sequence, tokens: list[int]) -> int:

@@ -45,6 +45,9 @@ class Sequence:
     # ``sampling.logprobs`` is set: one ``TokenLogprobs`` per output token, from the
     # target's raw logits (prefill or verify rows)
     token_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with ``sampling.prompt_logprobs``: the same for each prompt token after the first (from
+    # the prefill's rows)
+    prompt_token_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def logprobs(self) -> int | None:

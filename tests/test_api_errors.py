@@ -107,7 +107,10 @@ def test_cli_generate_n_and_logprobs(tiny_dirs):
     text = run_cli(*common, "-n", "2")
     assert text.returncode == 0 and text.stdout.count("--- 0 #") == 2
     r = run_cli(*common, "--logprobs", "2")
-    assert r.returncode == 2 and "--logprobs needs --json" in r.stderr
+    assert r.returncode == 2 and "need --json" in r.stderr
+    row = json.loads(run_cli(*common, "--prompt-logprobs", "1", "--json").stdout)
+    assert row["prompt_logprobs"][0] is None and len(row["prompt_logprobs"]) > 2
+    assert all(1 <= len(e) <= 2 and all(v <= 0 for v in e.values()) for e in row["prompt_logprobs"][1:])
 
 
 def test_incompatible_draft_refused(loaded, tiny_dirs):

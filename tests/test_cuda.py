@@ -101,10 +101,10 @@ def test_chunked_prefill_and_penalties_on_cuda(on_cuda):
 
 
 def test_vllm_sampling_fields_on_cuda(on_cuda):
-    """min_tokens and stop_token_ids (rows banned on the GPU), n and logprobs on cuda: the
-    self-drafted output equals plain decoding, logprobs and ranks alike; min_p seeded
+    """min_tokens and stop_token_ids (rows banned on the GPU), n, logprobs and prompt logprobs
+    on cuda: the self-drafted output equals plain decoding, logprobs and ranks alike; min_p seeded
     sampling accepts every self-drafted token."""
-    sp = SamplingParams(max_new_tokens=30, ignore_eos=True, n=2, logprobs=2, min_tokens=10)
+    sp = SamplingParams(max_new_tokens=30, ignore_eos=True, n=2, logprobs=2, min_tokens=10, prompt_logprobs=1)
     out = LLM(on_cuda("llama")).generate(PROMPTS[0], sp)[0].token_ids
     j = next(j for j in range(10, 30) if out[j] not in out[:j])
     sp = SamplingParams(**{**vars(sp), "stop_token_ids": [out[j]]})
@@ -112,6 +112,8 @@ def test_vllm_sampling_fields_on_cuda(on_cuda):
     outs = LLM(on_cuda("llama"), speculative=SpecConfig(method="self", num_draft_tokens=3)).generate(PROMPTS, sp)
     for o, b in zip(outs, base):
         assert [c.token_ids for c in o.outputs] == [c.token_ids for c in b.outputs] and len(o.outputs) == 2
+        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(o.prompt_token_ids)
+        assert [list(e) for e in o.prompt_logprobs[1:]] == [list(e) for e in b.prompt_logprobs[1:]]
         for c, r in zip(o.outputs, b.outputs):
             assert [list(e) for e in c.logprobs] == [list(e) for e in r.logprobs]
             assert [e[t].rank for t, e in zip(c.token_ids, c.logprobs)] == [1] * len(c.token_ids)

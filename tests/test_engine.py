@@ -431,3 +431,27 @@ def test_stop_token_ids_min_tokens_and_min_p(loaded):
     s1 = spec(loaded, "llama", "self", k=4).generate(PROMPTS, sp)
     assert all(o.metrics["acceptance_rate"] == 1.0 for o in s1)
     assert [o.token_ids for o in s1] != [o.token_ids for o in plain(loaded, "llama", PROMPTS, GREEDY)]
+
+
+def test_prompt_logprobs(loaded):
+    """``prompt_logprobs=N``: each prompt token's log-probability, rank and the N most likely
+    tokens, from the prefill's rows (None for the first token), the same as one full forward
+    whether the prompt goes whole or in chunks, and the output unchanged."""
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    llm = LLM(loaded("llama"))
+    ids = llm.encode(PROMPTS[2])
+    rt = llm.target.runtime
+    ref = torch.log_softmax(rt.forward(rt.new_cache(1), [0], [ids])[0].float(), -1)  # [prompt, vocab]
+    base = llm.generate(PROMPTS[2], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    for size, method in [(0, "none"), (5, "none"), (3, "self"), (0, "ngram")]:
+        outs = spec(loaded, "llama", method, k=3, chunked_prefill_size=size).generate(PROMPTS, sp)
+        o = outs[2]
+        assert o.token_ids == base.token_ids and o.prompt_token_ids == ids
+        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(ids)
+        for j, (t, entry) in enumerate(zip(ids[1:], o.prompt_logprobs[1:])):
+            row = ref[j]
+            assert list(entry)[0] == t and entry[t].logprob == pytest.approx(row[t].item(), abs=1e-4), (size, j)
+            assert entry[t].rank == int((row > row[t]).sum()) + 1
+            assert {a for a, e in entry.items() if e.rank <= 2} == set(row.topk(2).indices.tolist())
+        assert all(len(x.prompt_logprobs) == len(x.prompt_token_ids) for x in outs)
+    assert LLM(loaded("llama")).generate(PROMPTS[0])[0].prompt_logprobs is None

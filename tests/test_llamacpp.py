@@ -500,3 +500,30 @@ def test_chunked_prefill_goes_whole_and_is_recomputed_alike(pieces, prompts, mon
               chunked_prefill_size=5)
     for i, (p, out, ref) in enumerate(zip(prompts, llm.generate(reqs, sp), base)):
         assert_same_greedy(pieces, p, out.token_ids, ref.token_ids, f"chunked prefill, prompt {i}")
+
+
+def test_prompt_logprobs_chunks_go_whole(pieces, prompts, monkeypatch):
+    """A prefill that returns every row (``prefill=True``, for ``prompt_logprobs``) decodes
+    each slot's chunk whole and alone and records its end, like a ``last_only`` one; its last
+    row is that forward's logits. End to end: the prompt's log-probabilities from chunks of 5
+    equal one whole forward's, and the greedy output equals plain decoding's."""
+    rt, (ids, other) = pieces.runtime, prompts[:2]
+    sizes = decode_sizes(rt, monkeypatch)
+    cache, ref = rt.new_cache(2), rt.new_cache(2)
+    for a in (0, 5):
+        rows = rt.forward(cache, [0, 1], [ids[a:a + 5], other[a:a + 5]], prefill=True)  # [2, 5, vocab]
+        last = rt.forward(ref, [0, 1], [ids[a:a + 5], other[a:a + 5]], last_only=True)  # [2, vocab]
+        close(rows[:, -1], last, f"every row vs last only, chunk at {a}")
+    assert sizes == [5] * 8 and cache.prefill_ends == [[5, 10], [5, 10]]
+    monkeypatch.undo()
+    whole = torch.log_softmax(rt.forward(rt.new_cache(1), [0], [ids], prefill=True)[0].float(), -1)
+    expected = whole[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    sp = SamplingParams(max_new_tokens=N, prompt_logprobs=0)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    base = LLM(pieces, max_batch_size=2, chunked_prefill_size=5).generate(reqs, SamplingParams(max_new_tokens=N))
+    outs = LLM(pieces, speculative=SpecConfig(method="ngram", num_draft_tokens=4), max_batch_size=2,
+               chunked_prefill_size=5).generate(reqs, sp)
+    got = torch.tensor([e[t].logprob for t, e in zip(ids[1:], outs[0].prompt_logprobs[1:])])
+    close(got, expected, "prompt logprobs in chunks of 5 vs whole")
+    for i, (p, out, b) in enumerate(zip(prompts, outs, base)):
+        assert_same_greedy(pieces, p, out.token_ids, b.token_ids, f"prompt logprobs, prompt {i}")

@@ -447,6 +447,7 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     (CHAT, {**OK_CHAT, "logit_bias": {"5": -100, "6": 2.5}}, AUTH, 200),
     (C, {**OK_C, "num_draft_tokens": -1}, AUTH, 400),
     (C, {**OK_C, "min_p": 1.5}, AUTH, 400),
+    (C, {**OK_C, "max_tokens": 0, "echo": True, "logprobs": 2}, AUTH, 200),
     (C, {**OK_C, "prompt": [[1, 2], []]}, AUTH, 400),
     (C, {**OK_C, "prompt": ["a", ""]}, AUTH, 400),
     (C, {**OK_C, "prompt": ["a"] * 65}, AUTH, 400),
@@ -595,3 +596,37 @@ def test_smollm2_ngram_end_to_end():
         assert m[("specdec_spec_decode_num_accepted_tokens_total", ())] > 0
         assert m[("specdec_request_success_total", (("finished_reason", "length"),))] + \
             m[("specdec_request_success_total", (("finished_reason", "stop"),))] == 4
+
+
+def test_echo_scores_the_prompt(llm, client):
+    """Completions' ``echo`` (lm-eval's loglikelihood requests): the prompt's text comes first,
+    and with ``logprobs`` its tokens' log-probabilities (null for the first); ``max_tokens=0``
+    returns the prompt alone. Streamed the same; token-id prompts echo their text."""
+    import torch
+
+    prompt = "The quick brown fox jumps over"
+    ids = llm.encode(prompt)
+    rt = llm.target.runtime
+    ref = torch.log_softmax(rt.forward(rt.new_cache(1), [0], [ids])[0].float(), -1)  # [prompt, vocab]
+    ref = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    kw = dict(model=MODEL, temperature=0, logprobs=1, echo=True)
+    only = client.completions.create(prompt=prompt, max_tokens=0, **kw)
+    c = only.choices[0]
+    assert c.text == prompt and c.finish_reason == "length" and only.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == len(ids) and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.top_logprobs[0] is None and c.logprobs.text_offset[0] == 0
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(ref, abs=1e-4)
+    more = client.completions.create(prompt=prompt, max_tokens=5, **kw)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=1)
+    assert more.choices[0].text == prompt + plain.choices[0].text and more.usage.completion_tokens == 5
+    assert more.choices[0].logprobs.token_logprobs[len(ids):] == plain.choices[0].logprobs.token_logprobs
+    for body in (dict(max_tokens=0), dict(max_tokens=5)):
+        chunks = list(client.completions.create(prompt=prompt, stream=True, **kw, **body))
+        whole = client.completions.create(prompt=prompt, **kw, **body).choices[0]
+        assert "".join(ch.choices[0].text for ch in chunks) == whole.text
+        assert [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.token_logprobs] \
+            == whole.logprobs.token_logprobs
+        assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+    batch = client.completions.create(prompt=[ids, llm.encode("abc")], max_tokens=0, **kw)
+    assert batch.choices[0].text == llm.tokenizer.decode(ids, skip_special_tokens=True)
+    assert batch.choices[0].logprobs.token_logprobs[1:] == pytest.approx(ref, abs=1e-4)

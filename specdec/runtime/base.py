@@ -47,6 +47,7 @@ class Runtime(Protocol):
         positions: Sequence[Sequence[int]] | None = None,
         chunk_masks: Sequence[torch.Tensor] | None = None,
         last_only: bool = False,
+        prefill: bool = False,
     ) -> torch.Tensor:
         """Append ``tokens[b]`` (ragged) to ``slots[b]`` and return their logits.
 
@@ -57,6 +58,8 @@ class Runtime(Protocol):
         the chunk; a ``None`` entry in either list means the default. Every key before those
         ``m_b`` (the committed prefix) is always seen.
         Returns ``[batch, max_n, vocab]`` (rows past ``n_b`` are padding), or
-        ``[batch, vocab]`` for each slot's last new token when ``last_only``.
+        ``[batch, vocab]`` for each slot's last new token when ``last_only``. ``prefill``:
+        the chunks are prompt chunks (llama.cpp decodes each whole and alone, as it does
+        every ``last_only`` forward; the others need not care).
         """
         ...

@@ -50,7 +50,7 @@ class HFRuntime:
 
     @torch.inference_mode()
     def forward(self, cache: HFCache, slots, tokens, *, positions=None, chunk_masks=None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, prefill: bool = False) -> torch.Tensor:
         if positions is not None or chunk_masks is not None:
             raise ValueError("the transformers fallback runtime supports chain drafts only (no trees)")
         T = max(len(t) for t in tokens)

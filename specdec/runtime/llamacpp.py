@@ -32,7 +32,7 @@ switch above; checked once per model file, thread count and machine, then read f
 ``llamacpp_rows.json`` in specdec's cache directory), and feeds every continuation (a
 forward whose slots all hold rows already: verification, decoding, a draft's catch-up) in
 balanced pieces of at most that many rows, one ``llama_decode`` each. Prompts, and the
-chunks of a chunked prefill (any ``last_only`` forward), go whole, each slot in its own
+chunks of a chunked prefill (any ``prefill`` or ``last_only`` forward), go whole, each slot in its own
 decode: plain and speculative decoding prefill alike. ``exact=False`` (a draft model,
 ``load_model(..., draft=True)``, whose rounding only sways its proposals) keeps llama.cpp's
 F16 KV cache and skips the check and the pieces.
@@ -413,21 +413,21 @@ class LlamaCppRuntime:
         return LlamaCppCache(self, num_slots)
 
     def forward(self, cache: LlamaCppCache, slots, tokens, *, positions=None, chunk_masks=None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, prefill: bool = False) -> torch.Tensor:
         """Every slot's chunk in one ``llama_decode`` (a continuation on an ``exact`` runtime: in
         pieces of at most ``max_rows`` rows); logits only for the rows returned. An ``exact``
-        runtime decodes each prompt (a slot at length 0) and each ``last_only`` chunk (a
-        prefill chunk) whole and alone: llama.cpp's matrix products take rows in groups (of 4
-        with repacked weights), so a prompt's last rows batched after another prompt's would
-        round unlike the same prompt alone."""
-        prefill = last_only or not all(cache.lengths[s] for s in slots)
-        if self.exact and len(slots) > 1 and prefill:
-            rows = [self.forward(cache, [slot], [toks], last_only=last_only,
+        runtime decodes each prompt (a slot at length 0) and each ``prefill`` or ``last_only``
+        chunk (a prefill chunk) whole and alone: llama.cpp's matrix products take rows in
+        groups (of 4 with repacked weights), so a prompt's last rows batched after another
+        prompt's would round unlike the same prompt alone."""
+        whole = prefill or last_only or not all(cache.lengths[s] for s in slots)
+        if self.exact and len(slots) > 1 and whole:
+            rows = [self.forward(cache, [slot], [toks], last_only=last_only, prefill=prefill,
                                  positions=positions and [positions[b]], chunk_masks=chunk_masks and [chunk_masks[b]])
                     for b, (slot, toks) in enumerate(zip(slots, tokens))]  # [1, vocab] or [1, n_b, vocab]
             rows = torch.cat([r if last_only else r[0] for r in rows])  # [sum of returned rows, vocab]
             return self._logits(rows, [len(t) for t in tokens], last_only)
-        limit = self.max_rows if self.exact and not prefill else None
+        limit = self.max_rows if self.exact and not whole else None
         return self._forward(cache, slots, tokens, positions=positions, chunk_masks=chunk_masks,
                              last_only=last_only, limit=limit)
 

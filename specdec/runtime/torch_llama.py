@@ -295,7 +295,7 @@ class TorchLlama:
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots, tokens, *, positions=None, chunk_masks=None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, prefill: bool = False) -> torch.Tensor:
         dev = self.device
         B, T = len(slots), max(len(t) for t in tokens)
         n = torch.tensor([len(t) for t in tokens], device=dev)  # [B]

@@ -153,14 +153,14 @@ class _API:
             raise bad_request(f"the request body is not valid JSON: {e}") from None
 
     def prepare(self, body: object, chat: bool):
-        """Validate a request body; return the parsed request and one ``Sequence`` per
-        completion: ``n`` per prompt (with a seed, completion j draws from seed + j), prompt
-        after prompt for a batch of prompts."""
+        """Validate a request body; return the parsed request, one ``Sequence`` per
+        completion (``n`` per prompt: with a seed, completion j draws from seed + j; prompt
+        after prompt for a batch of prompts) and, with ``echo``, each completion's prompt text."""
         req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
         if req.model is not None and req.model != self.name:
             raise bad_request(f"the model {req.model!r} does not exist here; this server serves "
                               f"{self.name!r}", "model", "model_not_found")
-        seqs = []
+        seqs, echoes = [], []
         for prompt in req.prompt_inputs():  # choice i * n + j: prompt i's completion j
             try:
                 ids = encode_prompt(self.tok, prompt)
@@ -172,17 +172,22 @@ class _API:
             max_tokens = req.requested_max_tokens if chat else req.max_tokens
             if max_tokens is None:  # chat default: whatever the context window leaves
                 max_tokens = max(1, self.llm.context_window - len(ids))
+            if not chat and req.prompt_only:
+                max_tokens = 1  # one token is generated, then left out of the response
             sp = req.sampling(max_tokens)
             try:
                 seqs += self.llm.make_sequences({"prompt_token_ids": ids}, sp, num_draft_tokens=req.num_draft_tokens)
             except ValueError as e:
                 raise bad_request(str(e).replace("max_new_tokens", "max_tokens")) from None
-        return req, seqs
+            if not chat and req.echo:  # the prompt as given, or its ids' text
+                text = prompt if isinstance(prompt, str) else self.tok.decode(ids, skip_special_tokens=True)
+                echoes += [text] * req.n
+        return req, seqs, echoes
 
     async def generate(self, request: Request, chat: bool):
         self.check_auth(request)
         body = await self.read_json(request)
-        req, seqs = self.prepare(body, chat)
+        req, seqs, echoes = self.prepare(body, chat)
         if len(seqs) > self.scheduler.capacity:
             raise bad_request(f"{len(seqs)} completions (prompts x n) exceed what this server holds at "
                               f"once ({self.scheduler.capacity}: running + queued requests)", "n")
@@ -197,7 +202,7 @@ class _API:
                 self.scheduler.abort(sreq)
             raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
         watcher = asyncio.create_task(self._abort_on_disconnect(request, sreqs))
-        out = _Output(self, req, sreqs, chat)
+        out = _Output(self, req, sreqs, chat, echoes)
         if req.stream:
             return StreamingResponse(self._stream(out, watcher), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -276,8 +281,10 @@ class _Output:
     """Shapes one request's updates (one queue per completion, ``n``) into OpenAI responses or
     stream chunks; choice i is completion i."""
 
-    def __init__(self, api: _API, req, sreqs: list[ServerRequest], chat: bool):
+    def __init__(self, api: _API, req, sreqs: list[ServerRequest], chat: bool, echoes: list[str]):
         self.api, self.req, self.sreqs, self.chat = api, req, sreqs, chat
+        self.echoes = echoes  # completions' echo: each choice's prompt text, sent before its output
+        self.prompt_only = not chat and req.prompt_only  # echo with max_tokens 0: no output
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.text_offset = [0] * len(sreqs)  # completions logprobs: offset of each choice's next token text
@@ -285,7 +292,7 @@ class _Output:
 
     def usage(self) -> dict:
         prompt = sum(r.seq.prompt_len for r in self.sreqs[::self.req.n])  # each prompt once
-        output = sum(r.seq.num_output for r in self.sreqs)
+        output = 0 if self.prompt_only else sum(r.seq.num_output for r in self.sreqs)
         return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
 
     async def collect(self) -> dict:
@@ -304,11 +311,23 @@ class _Output:
             if u.finish_reason:
                 break
         text = u.text if u.text is not None else self.api.tok.decode(ids, skip_special_tokens=True)
+        finish_reason = u.finish_reason
+        if self.prompt_only:
+            text, ids, lps, finish_reason = "", [], [], "length"
+        if self.echoes:
+            prompt_ids, prompt_lps = self.prompt_logprobs(sreq)
+            text, ids, lps = self.echoes[i] + text, prompt_ids + ids, prompt_lps + lps
         logprobs = self.logprobs(i, ids, lps) if self.want_logprobs else None
         if self.chat:
             return {"index": i, "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs, "finish_reason": u.finish_reason}
-        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": u.finish_reason}
+                    "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def prompt_logprobs(self, sreq: ServerRequest) -> tuple[list[int], list]:
+        """A completion's prompt ids and their logprob entries (None for the first token),
+        for ``echo``; read once its first update came (the prefill has filled them)."""
+        seq = sreq.seq
+        return seq.ids[:seq.prompt_len], [None] + seq.prompt_token_logprobs
 
     async def events(self):
         """Stream chunks: each choice's verified tokens as soon as they arrive (choices
@@ -329,11 +348,21 @@ class _Output:
                 for i in range(len(self.sreqs)):
                     yield self.chunk(i, {"role": "assistant", "content": ""}, None, None)
             running = len(self.sreqs)
+            echoed = [False] * len(self.sreqs)
             while running:
                 i, u = await updates.get()
                 if u.error:
                     yield {"error": APIError(500, u.error, "server_error").body()["error"]}
                     return
+                if self.echoes and not echoed[i]:  # the prompt first (its logprobs are ready now)
+                    echoed[i] = True
+                    ids, lps = self.prompt_logprobs(self.sreqs[i])
+                    yield self.chunk(i, self.echoes[i], self.logprobs(i, ids, lps) if self.want_logprobs else None, None)
+                if self.prompt_only:
+                    if u.finish_reason:
+                        running -= 1
+                        yield self.chunk(i, "", None, "length")
+                    continue
                 stream = streams[i]
                 delta = stream.finish(u.token_ids, u.text) if u.finish_reason else stream.add(u.token_ids)
                 logprobs = self.logprobs(i, u.token_ids, u.logprobs) if self.want_logprobs and u.token_ids else None
@@ -370,8 +399,11 @@ class _Output:
             self.text_offset[i] += len(text(t, skip_special=True))
         tops = []
         for t, e in zip(ids, entries):
+            if e is None:  # an echoed prompt's first token: nothing predicts it
+                tops.append(None)
+                continue
             top = {text(a): max(alp, MIN_LOGPROB) for a, alp in e.top}
             top.setdefault(text(t), max(e.logprob, MIN_LOGPROB))  # the sampled token is always listed
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [max(e.logprob, MIN_LOGPROB) for e in entries],
+        return {"tokens": tokens, "token_logprobs": [None if e is None else max(e.logprob, MIN_LOGPROB) for e in entries],
                 "top_logprobs": tops, "text_offset": offsets}

@@ -80,7 +80,8 @@ class _Request(BaseModel):
                                   stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=self.min_tokens,
                                   ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                                  logit_bias=self._logit_bias(), n=self.n, logprobs=self.requested_logprobs)
+                                  logit_bias=self._logit_bias(), n=self.n, logprobs=self.requested_logprobs,
+                                  prompt_logprobs=self.requested_prompt_logprobs)
         except ValueError as e:
             msg = str(e).replace("max_new_tokens", "max_tokens")
             field_name = msg.split()[0] if msg.split()[0] in type(self).model_fields else None
@@ -89,6 +90,11 @@ class _Request(BaseModel):
     @property
     def requested_logprobs(self) -> int | None:
         """Alternatives per output token when log-probabilities are asked for, else None."""
+        return None
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        """The same for the prompt's tokens (completions' echo)."""
         return None
 
     def _logit_bias(self) -> dict[int, float]:
@@ -115,10 +121,20 @@ class CompletionRequest(_Request):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, as lm-eval's
+        loglikelihood requests ask."""
+        return self.echo and self.max_tokens == 0
+
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be >= 1 (0 only with echo, to score the prompt)", "max_tokens")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
