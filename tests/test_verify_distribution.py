@@ -156,6 +156,7 @@ def test_negative_control_resampling_from_p_is_caught():
 SP_CASES = {
     "t1.3-topk5": SamplingParams(temperature=1.3, top_k=5),
     "t0.7-topk5-topp0.8": SamplingParams(temperature=0.7, top_k=5, top_p=0.8),
+    "t1.2-minp0.15": SamplingParams(temperature=1.2, min_p=0.15),
 }
 
 
@@ -170,7 +171,7 @@ def test_random_p_q_with_sampling_params_is_lossless(name):
     q = probs_from_logits(draft_logits, sp)[0]
     # The case is not trivial: q differs from p, and filtering leaves supports that differ.
     assert (p - q).abs().sum() > 0.1
-    if sp.top_k or sp.top_p < 1:
+    if sp.top_k or sp.top_p < 1 or sp.min_p:
         assert ((p > 0) != (q > 0)).any() or (p == 0).any()
     bonus = np.zeros(vocab, dtype=np.int64)
     counts = first_token_counts(verify, target_logits[0], q, sp, N_CASE, seed=99, bonus_counts=bonus)
