@@ -172,7 +172,7 @@ class _API:
             max_tokens = req.requested_max_tokens if chat else req.max_tokens
             if max_tokens is None:  # chat default: whatever the context window leaves
                 max_tokens = max(1, self.llm.context_window - len(ids))
-            if not chat and req.prompt_only:
+            if req.prompt_only:
                 max_tokens = 1  # one token is generated, then left out of the response
             sp = req.sampling(max_tokens)
             try:
@@ -284,7 +284,7 @@ class _Output:
     def __init__(self, api: _API, req, sreqs: list[ServerRequest], chat: bool, echoes: list[str]):
         self.api, self.req, self.sreqs, self.chat = api, req, sreqs, chat
         self.echoes = echoes  # completions' echo: each choice's prompt text, sent before its output
-        self.prompt_only = not chat and req.prompt_only  # echo with max_tokens 0: no output
+        self.prompt_only = req.prompt_only  # echo with max_tokens 0: no output
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.text_offset = [0] * len(sreqs)  # completions logprobs: offset of each choice's next token text

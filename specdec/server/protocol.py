@@ -97,6 +97,11 @@ class _Request(BaseModel):
         """The same for the prompt's tokens (completions' echo)."""
         return None
 
+    @property
+    def prompt_only(self) -> bool:
+        """The prompt is the whole response (completions' echo with max_tokens 0)."""
+        return False
+
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI's ``{"token id": bias}``."""
         try:
