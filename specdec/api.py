@@ -12,7 +12,7 @@ from .engine import Engine
 from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
 from .sampling import make_generator
-from .sequence import Sequence, TokenLogprobs
+from .sequence import Sequence, TokenLogprobs, output_text
 
 # prompt tokens per step by default, by device type (others: cuda's). Measured on Qwen2.5-Coder-1.5B
 # fp32, 2 cores: a 1500-token prompt arriving beside a decoding request stalled it 12.7 s
@@ -255,7 +255,7 @@ class LLM:
                              metrics.to_dict(), prompt_logprobs=prompt_logprobs)
 
     def _completion(self, index: int, s: Sequence) -> CompletionOutput:
-        text = s.text if s.text is not None else self.tokenizer.decode(s.output_ids, skip_special_tokens=True)
+        text = s.text if s.text is not None else output_text(self.tokenizer, s.output_ids, s.sampling)
         if s.logprobs is None:
             return CompletionOutput(index, text, s.output_ids, s.finish_reason)
         return CompletionOutput(index, text, s.output_ids, s.finish_reason, self._logprobs(s.output_ids, s.token_logprobs),

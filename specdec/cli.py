@@ -71,6 +71,10 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--min-tokens", type=int, default=0,
                    help="no EOS, stop token or stop string ends the output before this many tokens (default 0)")
+    g.add_argument("--include-stop-str-in-output", action="store_true",
+                   help="keep the stop string (or stop token) at the end of the text")
+    g.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="leave special tokens out of the text (default on)")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divide (multiply) the positive (negative) logits of tokens in the prompt or "
                         "output by this (1 = off, default)")
@@ -101,6 +105,8 @@ def sampling_from_args(a) -> SamplingParams:
     return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                           top_p=a.top_p, min_p=a.min_p, seed=a.seed, stop=tuple(a.stop),
                           stop_token_ids=tuple(a.stop_token_ids), ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
+                          include_stop_str_in_output=a.include_stop_str_in_output,
+                          skip_special_tokens=a.skip_special_tokens,
                           repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
                           frequency_penalty=a.frequency_penalty, logit_bias=parse_logit_bias(a.logit_bias),
                           n=a.n, logprobs=a.logprobs, prompt_logprobs=a.prompt_logprobs)

@@ -43,6 +43,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # no EOS, stop token or stop string ends the output before this many tokens (vLLM's)
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token) in the text
+    skip_special_tokens: bool = True  # leave special tokens out of the text
     # penalties on the logits, greedy included, before temperature (as in vLLM): repetition
     # (transformers' and vLLM's: a token seen in the prompt or output has a positive logit
     # divided by it, a negative one multiplied), then OpenAI's presence (minus this once for

@@ -16,7 +16,7 @@ from .config import SpecConfig
 from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
 from .sampling import process_logits, probs_from_logits, sample
-from .sequence import Sequence, TokenLogprobs, cut_after_eos
+from .sequence import Sequence, TokenLogprobs, cut_after_eos, output_text
 from .tree import verify_tree
 from .verify import Verdict, verify
 
@@ -252,36 +252,40 @@ class Engine:
         s.ids.extend(kept)
         if hit_eos or self._hit_stop_string(s, len(kept)):
             s.finish_reason = "stop"
-            if hit_eos and kept[-1] in s.sampling.stop_token_ids:  # a stop token's text is left out
-                s.text = self.target.tokenizer.decode(s.output_ids[:-1], skip_special_tokens=True)
+            if hit_eos and kept[-1] in s.sampling.stop_token_ids and not s.sampling.include_stop_str_in_output:
+                s.text = output_text(self.target.tokenizer, s.output_ids[:-1], s.sampling)  # without the stop token
         elif s.remaining == 0:
             s.finish_reason = "length"
         del s.token_logprobs[s.num_output:]  # captured for tokens cut at EOS / budget / stop
         return len(kept)
 
     def _hit_stop_string(self, s: Sequence, num_new: int) -> bool:
-        """Cut ``s`` after the token that completes a stop string; the text ends before it.
-        A stop string within the first ``min_tokens`` tokens' text does not count."""
-        if not s.sampling.stop or num_new == 0 or s.num_output <= s.sampling.min_tokens:
+        """Cut ``s`` after the token that completes a stop string; the text ends before it
+        (after it with ``include_stop_str_in_output``). A stop string within the first
+        ``min_tokens`` tokens' text does not count."""
+        sp = s.sampling
+        if not sp.stop or num_new == 0 or s.num_output <= sp.min_tokens:
             return False
 
-        def find(text: str) -> int:  # where the first stop string that counts begins, or -1
-            hits = [i for i in (text.find(stop, max(0, start - len(stop) + 1)) for stop in s.sampling.stop)
-                    if i >= 0]
-            return min(hits, default=-1)
+        def find(text: str) -> tuple[int, str] | None:  # the first stop string that counts: (where, which)
+            hits = [(text.find(stop, max(0, start - len(stop) + 1)), stop) for stop in sp.stop]
+            return min(((i, stop) for i, stop in hits if i >= 0), default=None)
 
-        decode = self.target.tokenizer.decode
+        def decode(ids: list[int]) -> str:
+            return output_text(self.target.tokenizer, ids, sp)
+
         out = s.output_ids
-        start = len(decode(out[:s.sampling.min_tokens], skip_special_tokens=True)) if s.sampling.min_tokens else 0
-        text = decode(out, skip_special_tokens=True)
-        cut = find(text)
-        if cut < 0:
+        start = len(decode(out[:sp.min_tokens])) if sp.min_tokens else 0
+        text = decode(out)
+        hit = find(text)
+        if hit is None:
             return False
-        for m in range(max(len(out) - num_new, s.sampling.min_tokens) + 1, len(out) + 1):  # fewest tokens that reach it
-            if find(decode(out[:m], skip_special_tokens=True)) >= 0:
+        for m in range(max(len(out) - num_new, sp.min_tokens) + 1, len(out) + 1):  # fewest tokens that reach it
+            if find(decode(out[:m])) is not None:
                 del s.ids[s.prompt_len + m:]
                 break
-        s.text = text[:cut]
+        cut, stop = hit
+        s.text = text[:cut + len(stop) if sp.include_stop_str_in_output else cut]
         return True
 
     def _retire(self) -> list[Sequence]:

@@ -10,6 +10,11 @@ from .config import SamplingParams
 from .metrics import Metrics
 
 
+def output_text(tokenizer, ids: list[int], sp: SamplingParams) -> str:
+    """The text of output ``ids``, special tokens left out unless ``sp`` keeps them."""
+    return tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+
+
 def cut_after_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
     """``tokens`` up to and including the first EOS (all of them when there is none)."""
     for i, t in enumerate(tokens):

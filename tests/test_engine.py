@@ -205,6 +205,28 @@ def test_stop_string_cuts_text(loaded):
         assert o.token_ids == base.token_ids[: len(o.token_ids)]
         tok = loaded("llama").tokenizer
         assert stop in tok.decode(o.token_ids) and stop not in tok.decode(o.token_ids[:-1])
+        kept = SamplingParams(max_new_tokens=N, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True)
+        o = spec(loaded, "llama", method).generate(PROMPTS[0], kept)[0] if method != "none" \
+            else plain(loaded, "llama", [PROMPTS[0]], kept)[0]
+        assert o.text == base.text[:cut + len(stop)] and o.finish_reason == "stop"
+
+
+def test_special_tokens_in_text(loaded):
+    """``skip_special_tokens=False`` keeps EOS (a special token) in the text; a stop token's
+    text is kept with ``include_stop_str_in_output``."""
+    eos = 257  # tiny.py: </s>
+    forced = dict(max_new_tokens=4, logit_bias={eos: 100})  # EOS first
+    assert plain(loaded, "llama", [PROMPTS[0]], SamplingParams(**forced))[0].text == ""
+    o = plain(loaded, "llama", [PROMPTS[0]], SamplingParams(**forced, skip_special_tokens=False))[0]
+    assert o.text == "</s>" and o.token_ids == [eos] and o.finish_reason == "stop"
+    base = plain(loaded, "llama", [PROMPTS[0]])[0]
+    t = base.token_ids[5]
+    j = base.token_ids.index(t)
+    for include in (False, True):
+        sp = SamplingParams(max_new_tokens=N, ignore_eos=True, stop_token_ids=[t], include_stop_str_in_output=include)
+        o = spec(loaded, "llama", "self").generate(PROMPTS[0], sp)[0]
+        tok = loaded("llama").tokenizer
+        assert o.token_ids == base.token_ids[:j + 1] and o.text == tok.decode(base.token_ids[:j + include])
 
 
 def test_seeded_sampling_reproducible_and_self_draft_accepts_all(loaded):

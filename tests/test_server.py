@@ -107,6 +107,13 @@ def test_completion_stream_equals_non_stream(llm, client):
     assert ref.finish_reason == "stop" and ref.token_ids[-1] in (out[j], out[1]) and len(ref.token_ids) > 2
     assert stopped.choices[0].text == "".join(c.choices[0].text for c in streamed) == ref.text
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == len(ref.token_ids)
+    kept = client.completions.create(**{**kw, "extra_body": {**extra, "include_stop_str_in_output": True}},
+                                     presence_penalty=0.5, frequency_penalty=0.2).choices[0].text
+    assert kept == llm.tokenizer.decode(ref.token_ids) != ref.text
+    special = dict(model=MODEL, prompt="hi", max_tokens=3, temperature=0, logit_bias={"257": 100},
+                   extra_body={"skip_special_tokens": False})  # </s> first: kept in the text
+    assert client.completions.create(**special).choices[0].text == "</s>"
+    assert "".join(c.choices[0].text for c in client.completions.create(**special, stream=True)) == "</s>"
     sampled = dict(model=MODEL, prompt="The quick brown fox", max_tokens=20, temperature=1.0, seed=4)
     same = LLM(llm.target, speculative=llm.spec)  # the server's speculation, its own engine
     assert client.completions.create(**sampled, extra_body={"min_p": 0.2}).choices[0].text == same.generate(
@@ -548,7 +555,7 @@ def test_text_stream_never_sends_past_a_stop(text, stops, step):
         stop = next(s for s in stops if text.find(s) == cut)
         end, final = len(text[:cut + len(stop)].encode()), text[:cut]
     chunks = [list(data[i:min(i + step, end)]) for i in range(0, end, step)]
-    stream, sent = TextStream(ByteTok(), stops), ""
+    stream, sent = TextStream(ByteTok(), SamplingParams(stop=stops)), ""
     for chunk in chunks[:-1]:
         sent += stream.add(chunk)
         assert (final or text).startswith(sent), (sent, final)

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..api import LLM, encode_prompt
+from ..sequence import output_text
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
 from .scheduler import QueueFull, Scheduler, ServerRequest, Update
@@ -310,7 +311,7 @@ class _Output:
             lps += u.logprobs
             if u.finish_reason:
                 break
-        text = u.text if u.text is not None else self.api.tok.decode(ids, skip_special_tokens=True)
+        text = u.text if u.text is not None else output_text(self.api.tok, ids, sreq.seq.sampling)
         finish_reason = u.finish_reason
         if self.prompt_only:
             text, ids, lps, finish_reason = "", [], [], "length"
@@ -342,7 +343,7 @@ class _Output:
                     return
 
         pumps = [asyncio.create_task(pump(i, sreq)) for i, sreq in enumerate(self.sreqs)]
-        streams = [TextStream(self.api.tok, sreq.seq.sampling.stop) for sreq in self.sreqs]
+        streams = [TextStream(self.api.tok, sreq.seq.sampling) for sreq in self.sreqs]
         try:
             if self.chat:
                 for i in range(len(self.sreqs)):

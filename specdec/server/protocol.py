@@ -60,6 +60,8 @@ class _Request(BaseModel):
     min_p: float = 0.0  # extension (vLLM)
     stop_token_ids: list[int] | None = None  # extension (vLLM)
     min_tokens: int = 0  # extension (vLLM)
+    include_stop_str_in_output: bool = False  # extension (vLLM)
+    skip_special_tokens: bool = True  # extension (vLLM)
     num_draft_tokens: int | None = None  # extension: cap this request's k (0 = no speculation)
 
     def refuse_unsupported(self) -> None:
@@ -78,6 +80,8 @@ class _Request(BaseModel):
             return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=max(self.top_k, 0), min_p=self.min_p, seed=self.seed, stop=tuple(stop),
                                   stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=self.min_tokens,
+                                  include_stop_str_in_output=self.include_stop_str_in_output,
+                                  skip_special_tokens=self.skip_special_tokens,
                                   ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   logit_bias=self._logit_bias(), n=self.n, logprobs=self.requested_logprobs,

@@ -1,6 +1,9 @@
 """Incremental detokenization for streaming, holding back text that could begin a stop string."""
 from __future__ import annotations
 
+from ..config import SamplingParams
+from ..sequence import output_text
+
 
 class TextStream:
     """Turns committed token ids into text deltas that are safe to send.
@@ -12,9 +15,10 @@ class TextStream:
     stop is ever sent (the engine finishes the request as soon as a stop completes).
     """
 
-    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, sp: SamplingParams = SamplingParams()):
         self.tok = tokenizer
-        self.stops = stops
+        self.sp = sp
+        self.stops = sp.stop
         self.ids: list[int] = []
         self.prefix = 0  # window start (token index)
         self.read = 0  # tokens whose text is in self.text
@@ -22,7 +26,7 @@ class TextStream:
         self.sent = 0  # characters of self.text already sent
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        return output_text(self.tok, ids, self.sp)
 
     def add(self, ids: list[int]) -> str:
         """Feed newly committed ids; return the text that may be sent now."""
