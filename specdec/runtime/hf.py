@@ -6,6 +6,7 @@ custom masks or positions.
 """
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -40,6 +41,10 @@ class HFRuntime:
         cfg = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.max_context = getattr(cfg, "max_position_embeddings", None) or 1 << 20
+        # transformers computes the output layer for the last row only when asked (a prompt's
+        # other rows would cost a [prompt, vocab] product for nothing)
+        self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters \
+            else {}
 
     @property
     def speed_key(self) -> str:
@@ -57,7 +62,8 @@ class HFRuntime:
         out = torch.zeros(len(slots), 1 if last_only else T, self.vocab_size, device=self.device)
         for b, (slot, toks) in enumerate(zip(slots, tokens)):
             ids = torch.tensor([toks], device=self.device)  # [1, n]
-            logits = self.model(input_ids=ids, cache=cache.caches[slot], use_cache=True).logits[0]
+            keep = self.keep_last if last_only else {}
+            logits = self.model(input_ids=ids, cache=cache.caches[slot], use_cache=True, **keep).logits[0]
             cache.lengths[slot] += len(toks)
             if last_only:
                 out[b, 0] = logits[-1]
