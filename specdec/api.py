@@ -111,19 +111,22 @@ class LLM:
     config and tokenizer are read), to measure speed without the weights.
     ``chunked_prefill_size``: prompt tokens prefilled per engine step, over all requests
     (0 = each prompt whole in one forward; default 256 on the CPU, 2048 on a GPU).
+    ``max_model_len``: tokens (prompt + output) a request may span (``context_window``);
+    default the models' own context (llama.cpp: 4096 tokens per slot).
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
                  speculative: SpecConfig | None = None, device: str | None = None,
                  dtype: str | None = None, max_batch_size: int = 8, backend: str = "auto",
                  draft_backend: str | None = None, repack: bool = True, load_format: str = "auto",
-                 chunked_prefill_size: int | None = None):
+                 chunked_prefill_size: int | None = None, max_model_len: int | None = None):
         if speculative is None:
             speculative = SpecConfig(method="draft" if draft else "none")
         self.spec = speculative
         self.engine_config = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size,
                                           backend=backend, draft_backend=draft_backend, repack=repack,
-                                          load_format=load_format, chunked_prefill_size=chunked_prefill_size)
+                                          load_format=load_format, chunked_prefill_size=chunked_prefill_size,
+                                          max_model_len=max_model_len)
         uses_draft = speculative.method in ("draft", "hybrid")
         if uses_draft and not draft:
             raise ValueError(f"method {speculative.method!r} needs a draft model (draft=... / --draft)")
@@ -131,7 +134,8 @@ class LLM:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
                              "use method 'draft' or 'hybrid'")
         self.target: LoadedModel = model if isinstance(model, LoadedModel) \
-            else load_model(model, device, dtype, backend, repack=repack, load_format=load_format)
+            else load_model(model, device, dtype, backend, repack=repack, load_format=load_format,
+                            max_model_len=max_model_len)
         self.draft: LoadedModel | None = None
         if uses_draft:
             from .vocab import require_compatible
@@ -139,9 +143,13 @@ class LLM:
             if not isinstance(draft, LoadedModel):
                 draft = load_model(draft, device, dtype, draft_backend or backend,
                                    quantize=speculative.draft_quantization, draft=True, repack=repack,
-                                   load_format=load_format)
+                                   load_format=load_format, max_model_len=max_model_len)
             self.draft = draft
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
+        models = min(m.max_context for m in (self.target, self.draft) if m is not None)
+        if max_model_len is not None and max_model_len > models:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the models' context of {models} tokens")
+        self.context_window = max_model_len or models  # tokens (prompt + output) a request may span
         if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:
             raise ValueError("token trees need the torch runtime (tree attention masks); "
                              "the transformers fallback runs chains only")
@@ -206,11 +214,6 @@ class LLM:
             self.engine.step()
         self.last_run_metrics = run_metrics([s.metrics for s in seqs], time.perf_counter() - start)
         return [self._output(group, p) for group, p in zip(groups, prompts)]
-
-    @property
-    def context_window(self) -> int:
-        """Tokens (prompt + output) a request may span: the smaller of target and draft."""
-        return min(m.max_context for m in (self.target, self.draft) if m is not None)
 
     def make_sequences(self, prompt: Prompt, sp: SamplingParams, *,
                        num_draft_tokens: int | None = None) -> list[Sequence]:

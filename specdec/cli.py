@@ -47,6 +47,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens prefilled per engine step over all requests: a long prompt "
                         "goes in chunks while running requests keep decoding (0 = each prompt whole; "
                         "default 256 on cpu, 2048 on cuda)")
+    g.add_argument("--max-model-len", type=int,
+                   help="tokens (prompt + output) a request may span (default: the model's context; "
+                        "llama.cpp: 4096 per slot)")
     g.add_argument("--repack", action=argparse.BooleanOptionalAction, default=EngineConfig.repack,
                    help="llama.cpp: its repacked CPU weights (one-row decoding ~5%% faster on Q4_K; "
                         "exact verification then goes in smaller pieces, 3 rows on Qwen2.5-Coder "
@@ -130,7 +133,7 @@ def make_llm(a):
     return LLM(a.model, draft=a.draft, speculative=spec_from_args(a), device=a.device,
                dtype=a.dtype, max_batch_size=a.max_batch_size, backend=a.backend,
                draft_backend=a.draft_backend, repack=a.repack, load_format=a.load_format,
-               chunked_prefill_size=a.chunked_prefill_size)
+               chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:

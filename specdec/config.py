@@ -173,12 +173,17 @@ class EngineConfig:
     # requests keep decoding in between; 0 = every admitted prompt whole, in one forward;
     # None = 256 on the CPU, 2048 on a GPU
     chunked_prefill_size: int | None = None
+    # tokens (prompt + output) a request may span (vLLM's max_model_len); None = the model's
+    # context (on llama.cpp 4096 per slot, its KV buffer holding max_batch_size of them)
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
         _check(self.chunked_prefill_size is None or (isinstance(self.chunked_prefill_size, int)
                                                      and self.chunked_prefill_size >= 0),
                f"chunked_prefill_size must be an integer >= 0 (0 = off), got {self.chunked_prefill_size!r}")
+        _check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+               f"max_model_len must be an integer >= 1, got {self.max_model_len!r}")
         for name in ("backend", "draft_backend"):
             value = getattr(self, name)
             _check(value in BACKENDS or (name == "draft_backend" and value is None),

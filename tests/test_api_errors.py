@@ -19,6 +19,7 @@ from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
     (lambda: EngineConfig(load_format="zeros"), "unknown load_format"),
     (lambda: EngineConfig(draft_backend="llamacpp", load_format="dummy"), "GGUF's own weights"),
     (lambda: EngineConfig(chunked_prefill_size=-1), "chunked_prefill_size"),
+    (lambda: EngineConfig(max_model_len=0), "max_model_len"),
     (lambda: SamplingParams(repetition_penalty=0), "repetition_penalty"),
     (lambda: SamplingParams(presence_penalty=2.5), "presence_penalty"),
     (lambda: SamplingParams(frequency_penalty=-3), "frequency_penalty"),
@@ -42,6 +43,12 @@ def test_model_errors(tmp_path, tiny_dirs, loaded):
         llm.generate("x" * 600, SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match="context window"):
         llm.generate("x", SamplingParams(max_new_tokens=600))
+    short = LLM(loaded("llama"), max_model_len=40)  # vLLM's max_model_len caps prompt + output
+    assert short.context_window == 40 and len(short.generate("x", SamplingParams(max_new_tokens=30))[0].token_ids) <= 30
+    with pytest.raises(ValueError, match="context window of 40"):
+        short.generate("x" * 20, SamplingParams(max_new_tokens=30))
+    with pytest.raises(ValueError, match="exceeds the models' context of 512"):
+        LLM(loaded("llama"), max_model_len=513)
 
 
 def run_cli(*args):

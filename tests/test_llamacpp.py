@@ -278,6 +278,18 @@ def test_bad_inputs(lc, prompts, tmp_path):
     assert cache.lengths == [4] and len(cache.free_seqs) == free  # nothing leaked
 
 
+def test_max_model_len_sets_the_slot_size():
+    """``max_model_len`` is llama.cpp's context per slot (default 4096); its KV buffer holds
+    ``max_batch_size`` of them; beyond the model's training context it is refused."""
+    llm = LLM(None, backend="llamacpp", max_model_len=6000, max_batch_size=2, speculative=SpecConfig(method="ngram"))
+    assert llm.target.runtime.max_context == llm.context_window == 6000
+    assert llm.engine.cache.size >= 2 * 6000
+    prompt = {"prompt_token_ids": [1] * 4100}  # longer than the default slot
+    assert len(llm.generate(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids) == 4
+    with pytest.raises(ValueError, match="exceeds the models' context of 8192"):
+        LLM(None, backend="llamacpp", max_model_len=9000)
+
+
 def assert_same_greedy(lc, prompt: list[int], out: list[int], ref: list[int], what: str) -> int:
     """``out == ref``, or they part where the target's top-2 logit gap is a near-tie (then only
     the common prefix is compared). Returns the number of such flips (0 or 1)."""

@@ -252,7 +252,7 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 def load_model(model: str | None, device: str | None = None, dtype: str | None = None,
                backend: str = "auto", quantize: str = "none", draft: bool = False,
-               repack: bool = True, load_format: str = "auto") -> LoadedModel:
+               repack: bool = True, load_format: str = "auto", max_model_len: int | None = None) -> LoadedModel:
     """Load ``model`` (path, .gguf, hub id or None for the default) onto a runtime.
 
     ``quantize`` (draft models only, see ``torch_llama.Linear``): ``int8`` linears, ``none``,
@@ -261,8 +261,9 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     decoding (on llama.cpp: no exact pieces, llama.cpp's F16 KV cache).
     ``backend="llamacpp"``: a GGUF on llama.cpp (CPU, the file's own quantization, torch's
     thread count, ``repack``: its repacked CPU weights); config and tokenizer still come from
-    transformers. ``load_format="dummy"``: ``DummyWeights`` instead of the checkpoint's (only
-    its config and tokenizer are read; not on llama.cpp), for measuring speed."""
+    transformers; ``max_model_len`` sets its tokens per slot. ``load_format="dummy"``:
+    ``DummyWeights`` instead of the checkpoint's (only its config and tokenizer are read;
+    not on llama.cpp), for measuring speed."""
     from transformers import AutoConfig, AutoTokenizer
 
     from .hf import HFRuntime
@@ -270,7 +271,7 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
 
     EngineConfig(backend=backend, load_format=load_format)  # validates the pair
     if backend == "llamacpp":
-        return load_llamacpp(model, device, dtype, quantize, draft, repack)
+        return load_llamacpp(model, device, dtype, quantize, draft, repack, max_model_len)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve(model, weights=load_format == "auto")
@@ -292,11 +293,11 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
 
 
 def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quantize: str,
-                  draft: bool, repack: bool) -> LoadedModel:
+                  draft: bool, repack: bool, max_model_len: int | None = None) -> LoadedModel:
     """``load_model`` for ``backend="llamacpp"``: the GGUF's weights go to llama.cpp as they are."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from .llamacpp import LlamaCppRuntime
+    from .llamacpp import DEFAULT_CONTEXT, LlamaCppRuntime
 
     if device not in (None, "cpu"):
         raise ValueError(f"the llama.cpp backend runs on cpu, not {device!r}")
@@ -309,7 +310,8 @@ def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quan
     path = gguf_to_hf_dir(gguf, weights=False)
     config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    runtime = LlamaCppRuntime(gguf, threads=torch.get_num_threads(), exact=not draft, repack=repack)
+    runtime = LlamaCppRuntime(gguf, threads=torch.get_num_threads(), exact=not draft, repack=repack,
+                              context=max_model_len or DEFAULT_CONTEXT)
     return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer,
                        eos_ids_of(path, config, tokenizer), config)
 
