@@ -73,8 +73,10 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-def encode_prompt(tok, prompt: Prompt) -> list[int]:
-    """Token ids for a text prompt, a chat (list of messages) or ``{"prompt_token_ids": ...}``."""
+def encode_prompt(tok, prompt: Prompt, chat: dict | None = None) -> list[int]:
+    """Token ids for a text prompt, a chat (list of messages) or ``{"prompt_token_ids": ...}``.
+    ``chat``: keyword arguments for the tokenizer's ``apply_chat_template`` (default: a
+    generation prompt after the messages), e.g. ``{"enable_thinking": False}`` for Qwen3."""
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = list(prompt["prompt_token_ids"])
     elif isinstance(prompt, list):
@@ -84,7 +86,10 @@ def encode_prompt(tok, prompt: Prompt) -> list[int]:
             raise ValueError("the chat prompt has no messages")
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass plain text")
-        text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        options = {"add_generation_prompt": True, **(chat or {})}
+        if options.get("continue_final_message"):  # the last (assistant) message is continued
+            options["add_generation_prompt"] = False
+        text = tok.apply_chat_template(prompt, tokenize=False, **options)
         ids = tok(text, add_special_tokens=False)["input_ids"]
     elif isinstance(prompt, str):
         if not prompt:
@@ -192,9 +197,26 @@ class LLM:
         nodes = {name: (spec.tree_topk, spec.node_budget) for name in drafters} if tree else None
         return Planner(target, cost, spec.depth, nodes, layout=self.target.runtime.batch_layout)
 
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids for a text prompt, a chat (list of messages) or ``{"prompt_token_ids": ...}``."""
-        return encode_prompt(self.tokenizer, prompt)
+    def encode(self, prompt: Prompt, chat: dict | None = None) -> list[int]:
+        """Token ids for a text prompt, a chat (list of messages) or ``{"prompt_token_ids": ...}``
+        (``chat``: ``apply_chat_template`` options, see ``encode_prompt``)."""
+        return encode_prompt(self.tokenizer, prompt, chat)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """``generate`` for one conversation or a list of them, as vLLM's ``LLM.chat``:
+        ``chat_template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``);
+        ``continue_final_message`` continues the last (assistant) message instead of
+        starting a new one."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        options = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message}
+        outs = self.generate([{"prompt_token_ids": self.encode(c, options)} for c in conversations], sampling_params)
+        for out, conversation in zip(outs, conversations):
+            out.prompt = conversation
+        return outs
 
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -477,3 +477,24 @@ def test_prompt_logprobs(loaded):
             assert {a for a, e in entry.items() if e.rank <= 2} == set(row.topk(2).indices.tolist())
         assert all(len(x.prompt_logprobs) == len(x.prompt_token_ids) for x in outs)
     assert LLM(loaded("llama")).generate(PROMPTS[0])[0].prompt_logprobs is None
+
+
+def test_chat_api(loaded, monkeypatch):
+    """``LLM.chat`` as vLLM's: one conversation or several, the same as ``generate`` on the
+    messages; ``continue_final_message`` continues the last assistant message (no new turn);
+    ``chat_template_kwargs`` reach the template."""
+    llm = LLM(loaded("llama"))
+    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    ask = [{"role": "user", "content": "hello there"}]
+    one = llm.chat(ask, sp)[0]
+    assert one.token_ids == llm.generate(ask, sp)[0].token_ids and one.prompt == ask
+    assert [o.token_ids for o in llm.chat([ask, ask], sp)] == [one.token_ids] * 2
+    started = ask + [{"role": "assistant", "content": "general ken"}]
+    cont = llm.chat(started, sp, continue_final_message=True)[0]
+    text = llm.tokenizer.decode(cont.prompt_token_ids)
+    assert text.endswith("general ken") and text.startswith(llm.tokenizer.decode(llm.encode(ask))[:20])
+    seen = []
+    apply = llm.tokenizer.apply_chat_template
+    monkeypatch.setattr(llm.tokenizer, "apply_chat_template", lambda *a, **kw: seen.append(kw) or apply(*a, **kw))
+    llm.chat(ask, sp, chat_template_kwargs={"enable_thinking": False})
+    assert seen[-1]["enable_thinking"] is False and seen[-1]["add_generation_prompt"] is True

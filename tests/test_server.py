@@ -637,3 +637,16 @@ def test_echo_scores_the_prompt(llm, client):
     batch = client.completions.create(prompt=[ids, llm.encode("abc")], max_tokens=0, **kw)
     assert batch.choices[0].text == llm.tokenizer.decode(ids, skip_special_tokens=True)
     assert batch.choices[0].logprobs.token_logprobs[1:] == pytest.approx(ref, abs=1e-4)
+
+
+def test_chat_template_options(llm, client):
+    """vLLM's chat extensions: ``continue_final_message`` continues the assistant's message,
+    as ``LLM.chat`` does; ``chat_template_kwargs`` are accepted (the template may ignore them)."""
+    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "general ken"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                       extra_body={"continue_final_message": True, "ignore_eos": True,
+                                                   "chat_template_kwargs": {"enable_thinking": False}})
+    ref = LLM(llm.target).chat(messages, SamplingParams(max_new_tokens=8, ignore_eos=True),
+                               continue_final_message=True)[0]
+    assert r.choices[0].message.content == ref.text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)

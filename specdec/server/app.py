@@ -164,7 +164,7 @@ class _API:
         seqs, echoes = [], []
         for prompt in req.prompt_inputs():  # choice i * n + j: prompt i's completion j
             try:
-                ids = encode_prompt(self.tok, prompt)
+                ids = encode_prompt(self.tok, prompt, req.chat_options())
             except ValueError as e:
                 raise bad_request(str(e), "messages" if chat else "prompt") from None
             except Exception as e:  # e.g. a chat template that rejects these roles (jinja2 errors)

@@ -106,6 +106,10 @@ class _Request(BaseModel):
         """The prompt is the whole response (completions' echo with max_tokens 0)."""
         return False
 
+    def chat_options(self) -> dict | None:
+        """``apply_chat_template`` options (chat requests)."""
+        return None
+
     def _logit_bias(self) -> dict[int, float]:
         """OpenAI's ``{"token id": bias}``."""
         try:
@@ -186,6 +190,9 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list | None = None
     response_format: dict | None = None
+    chat_template_kwargs: dict[str, object] | None = None  # extension (vLLM), e.g. {"enable_thinking": false}
+    add_generation_prompt: bool = True  # extension (vLLM)
+    continue_final_message: bool = False  # extension (vLLM): continue the last assistant message
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -195,6 +202,10 @@ class ChatCompletionRequest(_Request):
             raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+
+    def chat_options(self) -> dict:
+        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
 
     def prompt_inputs(self) -> list[list[dict]]:
         return [[{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
