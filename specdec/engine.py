@@ -81,6 +81,10 @@ class Engine:
         self.chunked_prefill_size = chunked_prefill_size  # prompt tokens per step; 0 = whole prompts
         self.cache = self.runtime.new_cache(max_batch_size)
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
+        # prefix reuse: a free slot keeps the KV of its last request's prompt, in whole prefill
+        # chunks (slot -> those tokens, oldest first), for a new prompt that starts the same
+        self.retained: dict[int, list[int]] = {}
+        self.reuses_prefixes = chunked_prefill_size > 0 and getattr(self.runtime, "reuses_prefixes", False)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -200,9 +204,31 @@ class Engine:
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
             s = self.waiting.popleft()
-            s.slot = self.free_slots.pop()
+            s.slot, reused = self._pick_slot(s)
+            self.free_slots.remove(s.slot)
+            self.retained.pop(s.slot, None)
+            self.cache.rewind(s.slot, reused)  # the prefill goes on from there
+            s.metrics.cached_prompt_tokens = reused
             s.started_at = time.perf_counter()
             self.running.append(s)
+
+    def _pick_slot(self, s: Sequence) -> tuple[int, int]:
+        """A free slot for ``s`` and how many of its prompt tokens' KV the slot holds: the
+        longest prefix it shares with the slot's retained prompt, in whole chunks (so the
+        prefill cuts the prompt where it would have from scratch) and short of the last
+        prompt token (whose logits the first output token needs). No match: a slot that
+        retains nothing, else the one retaining the oldest prompt."""
+        best, reused = None, 0
+        if self.reuses_prefixes and s.sampling.prompt_logprobs is None:
+            size, prompt = self.chunked_prefill_size, s.ids[:s.prompt_len - 1]
+            for slot, kept in self.retained.items():
+                n = next((i for i, (a, b) in enumerate(zip(kept, prompt)) if a != b), min(len(kept), len(prompt)))
+                if n // size * size > reused:
+                    best, reused = slot, n // size * size
+        if best is None:
+            bare = [slot for slot in self.free_slots if slot not in self.retained]
+            best = bare[-1] if bare else next(iter(self.retained))
+        return best, reused
 
     def _prefill(self, seqs: list[Sequence]) -> None:
         """Feed prompt chunks, oldest sequence first, up to ``chunked_prefill_size`` tokens in
@@ -294,7 +320,13 @@ class Engine:
             return []
         now = time.perf_counter()
         for s in done:
-            self.cache.rewind(s.slot, 0)
+            kept = 0
+            if self.reuses_prefixes:  # the prompt's KV in whole chunks stays for the next request
+                size = self.chunked_prefill_size
+                kept = min(self.cache.lengths[s.slot], s.prompt_len) // size * size
+                if kept:
+                    self.retained[s.slot] = s.ids[:kept]
+            self.cache.rewind(s.slot, kept)
             for drafter in self.drafters.values():
                 drafter.release(s)
             if self.planner:

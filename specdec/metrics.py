@@ -15,6 +15,7 @@ class Metrics:
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: steps accepting a draft at depth i+1
     drafted_per_position: list[int] = field(default_factory=list)  # [k]: steps drafting to depth i+1
     generated_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV a finished request left (prefix reuse)
     chosen_k: list[int] = field(default_factory=list)  # [k+1]: verify steps that drafted with k = i
     drafter_steps: dict[str, int] = field(default_factory=dict)  # verify steps per drafter (hybrid)
     # wall time of the steps this request took part in, by phase (a batch's step counts for each
@@ -52,7 +53,7 @@ class Metrics:
     def add(self, other: "Metrics") -> None:
         """Accumulate ``other``'s counters (not wall time) into this one."""
         for name in ("target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens",
-                     "verify_steps", "verify_committed", "generated_tokens",
+                     "verify_steps", "verify_committed", "generated_tokens", "cached_prompt_tokens",
                      "prefill_s", "draft_s", "verify_s", "bookkeeping_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name, n in other.drafter_steps.items():
@@ -79,6 +80,7 @@ class Metrics:
             "time_split_s": {"prefill": self.prefill_s, "draft": self.draft_s, "verify": self.verify_s,
                              "bookkeeping": self.bookkeeping_s},
             "generated_tokens": self.generated_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "tokens_per_s": self.generated_tokens / self.wall_s if self.wall_s > 0 else None,
             "wall_s": self.wall_s,
         }

@@ -124,6 +124,16 @@ def test_vllm_sampling_fields_on_cuda(on_cuda):
     assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
 
 
+def test_prefix_reuse_on_cuda(on_cuda):
+    """A finished prompt's KV reused from its slot on the GPU: the same output as from scratch."""
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    llm = LLM(on_cuda("llama"), speculative=SpecConfig(method="self", num_draft_tokens=3), chunked_prefill_size=4)
+    llm.generate(PROMPTS[2], sp)
+    again = llm.generate(PROMPTS[2] + " and more", sp)[0]
+    fresh = LLM(on_cuda("llama"), chunked_prefill_size=4).generate(PROMPTS[2] + " and more", sp)[0]
+    assert again.metrics["cached_prompt_tokens"] > 0 and again.token_ids == fresh.token_ids
+
+
 def test_cuda_float32_greedy_equals_cpu(loaded, on_cuda):
     cpu = LLM(loaded("qwen2")).generate(PROMPTS, GREEDY)
     cuda = LLM(on_cuda("qwen2")).generate(PROMPTS, GREEDY)

@@ -312,7 +312,8 @@ def test_chunked_prefill_interleaves_with_decoding(loaded):
     eng.step()  # d takes it, and its first chunk
     assert eng.cache.lengths[d.slot] == 8
     eng.abort(d)
-    assert eng.step() == [d] and d.slot in eng.free_slots and eng.cache.lengths[d.slot] == 0
+    assert eng.step() == [d] and d.slot in eng.free_slots
+    assert eng.cache.lengths[d.slot] == 8 and eng.retained[d.slot] == d.ids[:8]  # its whole chunk stays, for reuse
 
     # a draft model catches up on a prompt in chunks too, drafting nothing until it has it all
     drafter = ModelDrafter(target.runtime, 1, target.runtime.vocab_size, max_catch_up=8)
@@ -498,3 +499,33 @@ def test_chat_api(loaded, monkeypatch):
     monkeypatch.setattr(llm.tokenizer, "apply_chat_template", lambda *a, **kw: seen.append(kw) or apply(*a, **kw))
     llm.chat(ask, sp, chat_template_kwargs={"enable_thinking": False})
     assert seen[-1]["enable_thinking"] is False and seen[-1]["add_generation_prompt"] is True
+
+
+def test_prefix_reuse(loaded):
+    """A finished request's prompt KV stays in its slot, in whole prefill chunks; a new prompt
+    that starts the same prefills only the rest (``cached_prompt_tokens``), with the same
+    output as from scratch (plain and speculative, more prompts than slots). Not with whole
+    prompts (size 0), nor when prompt logprobs need every prompt row, nor on a bare slot."""
+    size, sp = 4, SamplingParams(max_new_tokens=10, ignore_eos=True)
+    first = PROMPTS[2]
+    longer = [first + " and then some more words", first + " xyz", "unrelated prompt here", first]
+    for method in ("none", "self", "ngram"):
+        llm = spec(loaded, "llama", method, k=3, chunked_prefill_size=size, max_batch_size=2)
+        a = llm.generate(first, sp)[0]
+        n = len(a.prompt_token_ids)
+        assert llm.engine.retained and max(map(len, llm.engine.retained.values())) == n // size * size
+        outs = llm.generate(longer, sp)
+        ref = [spec(loaded, "llama", method, k=3, chunked_prefill_size=size).generate(p, sp)[0] for p in longer]
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], method
+        assert all(r.metrics["cached_prompt_tokens"] == 0 for r in ref)
+        cached = [o.metrics["cached_prompt_tokens"] for o in outs]
+        assert cached[0] == n // size * size and cached[2] == 0  # the unrelated prompt: a bare slot
+        assert cached[3] == (n - 1) // size * size  # the same prompt: its last token is prefilled again
+        assert outs[0].metrics["target_forwards"] < ref[0].metrics["target_forwards"]
+    whole = LLM(loaded("llama"), chunked_prefill_size=0)
+    whole.generate(first, sp)
+    assert not whole.engine.retained and whole.generate(first, sp)[0].metrics["cached_prompt_tokens"] == 0
+    llm = LLM(loaded("llama"), chunked_prefill_size=size)
+    llm.generate(first, sp)
+    scored = llm.generate(first, SamplingParams(max_new_tokens=2, prompt_logprobs=0))[0]
+    assert scored.metrics["cached_prompt_tokens"] == 0 and len(scored.prompt_logprobs) == len(scored.prompt_token_ids)

@@ -650,3 +650,24 @@ def test_chat_template_options(llm, client):
                                continue_final_message=True)[0]
     assert r.choices[0].message.content == ref.text
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_prefix_reuse_in_usage(loaded):
+    """A follow-up chat turn reuses the first turn's prompt KV: OpenAI's
+    ``usage.prompt_tokens_details.cached_tokens`` counts it, the answer is the same as from
+    scratch, and /metrics shows the tokens free slots keep."""
+    llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram"), chunked_prefill_size=4, max_batch_size=2)
+    turn = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog"}]
+    kw = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    with BackgroundServer(create_app(llm, served_model_name=MODEL)) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        first = c.chat.completions.create(messages=turn, **kw)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        follow = turn + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "again"}]
+        second = c.chat.completions.create(messages=follow, **kw)
+        assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens // 4 * 4 > 0
+        assert metrics(srv.url)[("specdec_prefix_cache_tokens", ())] > 0
+    ref = LLM(loaded("llama"), speculative=SpecConfig(method="ngram")).chat(
+        follow, SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    assert second.choices[0].message.content == ref.text

@@ -29,6 +29,9 @@ class Runtime(Protocol):
     # how ``forward`` runs a batch's chunks (``cost.BATCH_LAYOUTS``): "padded" (one forward,
     # each chunk padded to the longest), "packed" (one forward over their rows), "serial"
     batch_layout: str
+    # a rewound slot keeps its rows before the cut valid, so the engine may leave a finished
+    # prompt's KV in its slot for a new prompt that starts the same (prefix reuse)
+    reuses_prefixes: bool
 
     @property
     def speed_key(self) -> str:

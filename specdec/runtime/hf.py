@@ -32,6 +32,7 @@ class HFCache:
 class HFRuntime:
     supports_masks = False
     batch_layout = "serial"
+    reuses_prefixes = True  # a cropped DynamicCache keeps the rows before the cut
 
     def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, load_format: str = "auto"):
         from .loading import load_hf_model

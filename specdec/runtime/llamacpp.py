@@ -353,6 +353,9 @@ class LlamaCppRuntime:
 
     supports_masks = True
     batch_layout = "packed"
+    # no prefix reuse: a new prompt's rows must refill its slot's parked cells in position
+    # order (LlamaCppCache.make_room) to give exactly its one-by-one logits
+    reuses_prefixes = False
 
     def __init__(self, gguf: str | Path, threads: int | None = None, context: int = DEFAULT_CONTEXT,
                  repack: bool = True, exact: bool = True):

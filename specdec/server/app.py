@@ -294,7 +294,9 @@ class _Output:
     def usage(self) -> dict:
         prompt = sum(r.seq.prompt_len for r in self.sreqs[::self.req.n])  # each prompt once
         output = 0 if self.prompt_only else sum(r.seq.num_output for r in self.sreqs)
-        return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
+        cached = sum(r.seq.metrics.cached_prompt_tokens for r in self.sreqs[::self.req.n])
+        return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def collect(self) -> dict:
         choices = [await self._collect(i, sreq) for i, sreq in enumerate(self.sreqs)]

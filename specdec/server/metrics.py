@@ -60,7 +60,9 @@ class ServerMetrics:
         self.waiting = gauge("specdec_num_requests_waiting", "Requests accepted but not yet running.")
         self.kv_slots_used = gauge("specdec_kv_slots_used", "Target KV-cache slots (sequences) in use.")
         self.kv_slots_total = gauge("specdec_kv_slots_total", "Target KV-cache slots (max batch size).")
-        self.kv_tokens = gauge("specdec_kv_cache_tokens", "Tokens held in the target KV cache, all slots.")
+        self.kv_tokens = gauge("specdec_kv_cache_tokens", "Tokens the running requests hold in the target KV cache.")
+        self.prefix_tokens = gauge("specdec_prefix_cache_tokens",
+                                   "Prompt tokens whose KV free slots keep for a new prompt that starts the same.")
         self.kv_slots_total.set(kv_slots)
 
     def accepted_at(self, position: int):

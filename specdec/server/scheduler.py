@@ -202,4 +202,5 @@ class Scheduler:
         with self.lock:
             m.waiting.set(max(0, self.outstanding - running))
         m.kv_slots_used.set(self.num_slots - len(e.free_slots))
-        m.kv_tokens.set(sum(e.cache.lengths))
+        m.kv_tokens.set(sum(e.cache.lengths[s.slot] for s in e.running))
+        m.prefix_tokens.set(sum(map(len, e.retained.values())))
