@@ -53,5 +53,8 @@ def test_model_drafter_catch_up_rewind_and_q(loaded):
     s.ids += [draft.tokens[0], (draft.tokens[1] + 1) % 256]  # one accepted, then a recovered token
     d.observe(s, 1)
     assert d.cache.lengths[1] == 5 and d.cached_ids[1] == s.ids[:5]
-    d.release(s)
-    assert d.cache.lengths[1] == 0
+    s.prompt_len = 4
+    d.release(s)  # the prompt's KV stays for the slot's next request (the torch runtime reuses prefixes)
+    assert d.cache.lengths[1] == 4 and d.cached_ids[1] == [5, 6, 7, 8]
+    other = Sequence(2, [5, 6, 9, 9, 9], 5, SamplingParams(), make_generator(0, "cpu"), frozenset(), slot=1)
+    assert d.behind(other) == 3 and d.cache.lengths[1] == 2  # a new request in the slot keeps what it shares

@@ -504,7 +504,8 @@ def test_chat_api(loaded, monkeypatch):
 def test_prefix_reuse(loaded):
     """A finished request's prompt KV stays in its slot, in whole prefill chunks; a new prompt
     that starts the same prefills only the rest (``cached_prompt_tokens``), with the same
-    output as from scratch (plain and speculative, more prompts than slots). Not with whole
+    output as from scratch (plain and speculative, more prompts than slots); a draft model
+    keeps its prompt KV as well. Not with whole
     prompts (size 0), nor when prompt logprobs need every prompt row, nor on a bare slot."""
     size, sp = 4, SamplingParams(max_new_tokens=10, ignore_eos=True)
     first = PROMPTS[2]
@@ -522,6 +523,16 @@ def test_prefix_reuse(loaded):
         assert cached[0] == n // size * size and cached[2] == 0  # the unrelated prompt: a bare slot
         assert cached[3] == (n - 1) // size * size  # the same prompt: its last token is prefilled again
         assert outs[0].metrics["target_forwards"] < ref[0].metrics["target_forwards"]
+    # the draft model's slot keeps the prompt too: it catches up on the rest only, drafts sooner
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    llm = spec(loaded, "llama", "self", k=3, chunked_prefill_size=size, max_batch_size=1)
+    llm.generate(first, sp)
+    assert llm.engine.drafters["self"].cached_ids[0] == llm.encode(first)
+    again = llm.generate(longer[0], sp)[0]
+    fresh = spec(loaded, "llama", "self", k=3, chunked_prefill_size=size).generate(longer[0], sp)[0]
+    assert again.token_ids == fresh.token_ids and again.metrics["acceptance_rate"] == 1.0
+    assert again.metrics["drafted_tokens"] > fresh.metrics["drafted_tokens"]
+    assert again.metrics["target_forwards"] < fresh.metrics["target_forwards"]
     whole = LLM(loaded("llama"), chunked_prefill_size=0)
     whole.generate(first, sp)
     assert not whole.engine.retained and whole.generate(first, sp)[0].metrics["cached_prompt_tokens"] == 0

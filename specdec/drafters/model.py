@@ -87,11 +87,25 @@ class ModelDrafter:
         self.max_catch_up = max_catch_up  # tokens fed per sequence and round before drafting; 0 = all
         # per slot, the fed tree nodes after the committed ids: (parent fed index, token) -> index
         self.tail: dict[int, dict[tuple[int, int], int]] = {}
+        self.owner: dict[int, int] = {}  # slot -> the request its cached ids belong to
+
+    def _cached(self, seq: Sequence) -> list[int]:
+        """The ids behind ``seq``'s slot's KV. A request new to the slot keeps the part its
+        predecessor left that its own ids start with (prefix reuse: ``release`` leaves the
+        prompt, where the runtime allows); the last id is always fed again."""
+        cached = self.cached_ids[seq.slot]
+        if self.owner.get(seq.slot) != seq.request_id:
+            self.owner[seq.slot] = seq.request_id
+            n = next((i for i, (a, b) in enumerate(zip(cached, seq.ids[:-1])) if a != b),
+                     min(len(cached), len(seq.ids) - 1))
+            del cached[n:]
+            self.cache.rewind(seq.slot, n)
+        return cached
 
     def behind(self, seq: Sequence) -> int:
         """Tokens the next ``propose`` for ``seq`` feeds before its first depth (at least the
         last committed one): the cost model prices that catch-up."""
-        return max(len(seq.ids) - len(self.cached_ids[seq.slot]), 1)
+        return max(len(seq.ids) - len(self._cached(seq)), 1)
 
     def propose(self, seqs, ks) -> list[Draft]:
         active = [i for i, k in enumerate(ks) if k > 0]
@@ -112,7 +126,7 @@ class ModelDrafter:
         if not seqs:
             return None
         for s in seqs:  # the last committed id is always fed: its logits start the draft
-            cached = self.cached_ids[s.slot]
+            cached = self._cached(s)
             if len(cached) >= len(s.ids):
                 del cached[len(s.ids) - 1:]
                 self.cache.rewind(s.slot, len(cached))
@@ -216,7 +230,7 @@ class ModelDrafter:
         return probs_from_logits(logits[None], seq.sampling)[0].log()
 
     def observe(self, seq: Sequence, num_accepted: int) -> None:
-        cached = self.cached_ids[seq.slot]
+        cached = self._cached(seq)
         tail = self.tail.pop(seq.slot, None)
         if tail is not None:  # keep the fed nodes on the committed path, in path order
             base, path, parent = len(cached), [], -1
@@ -238,6 +252,10 @@ class ModelDrafter:
         self.cache.rewind(seq.slot, keep)
 
     def release(self, seq: Sequence) -> None:
-        self.cached_ids[seq.slot].clear()
+        """Forget ``seq``'s drafts and output; its prompt's KV stays for the slot's next
+        request where the runtime keeps rows over a rewind (``Runtime.reuses_prefixes``)."""
+        cached = self.cached_ids[seq.slot]
+        keep = min(len(cached), seq.prompt_len) if getattr(self.runtime, "reuses_prefixes", False) else 0
+        del cached[keep:]
         self.tail.pop(seq.slot, None)
-        self.cache.rewind(seq.slot, 0)
+        self.cache.rewind(seq.slot, keep)
