@@ -52,6 +52,12 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], num_top: int) -> list[
     return list(map(TokenLogprobs, chosen.tolist(), ranks.tolist(), alts))
 
 
+def shared_chunks(kept: list[int], prompt: list[int], size: int) -> int:
+    """How many leading tokens ``kept`` and ``prompt`` share, in whole chunks of ``size``."""
+    n = next((i for i, (a, b) in enumerate(zip(kept, prompt)) if a != b), min(len(kept), len(prompt)))
+    return n // size * size
+
+
 def draft_context(drafter: Drafter, seq: Sequence) -> tuple[bool, int | None]:
     """(whether ``drafter`` can draft for ``seq`` now, its context for the cost model).
     A drafter with a ``context(seq)`` method can draft when it returns one (n-gram: its match
@@ -220,11 +226,10 @@ class Engine:
         retains nothing, else the one retaining the oldest prompt."""
         best, reused = None, 0
         if self.reuses_prefixes and s.sampling.prompt_logprobs is None:
-            size, prompt = self.chunked_prefill_size, s.ids[:s.prompt_len - 1]
             for slot, kept in self.retained.items():
-                n = next((i for i, (a, b) in enumerate(zip(kept, prompt)) if a != b), min(len(kept), len(prompt)))
-                if n // size * size > reused:
-                    best, reused = slot, n // size * size
+                n = shared_chunks(kept, s.ids[:s.prompt_len - 1], self.chunked_prefill_size)
+                if n > reused:
+                    best, reused = slot, n
         if best is None:
             bare = [slot for slot in self.free_slots if slot not in self.retained]
             best = bare[-1] if bare else next(iter(self.retained))
@@ -237,6 +242,10 @@ class Engine:
         size, budget = self.chunked_prefill_size, self.chunked_prefill_size
         batch, chunks = [], []
         for s in seqs:
+            if self.reuses_prefixes and s.sampling.prompt_logprobs is None:
+                self._copy_shared(s)
+                if self._computed_beside(s, batch):  # copy it next step instead
+                    continue
             done = self.cache.lengths[s.slot]  # prompt tokens with KV
             chunk = s.ids[done: s.prompt_len if not size else min(s.prompt_len, done + size)]
             if size and batch and len(chunk) > budget:
@@ -272,6 +281,32 @@ class Engine:
             if s.logprobs is not None:
                 s.token_logprobs += token_logprobs(row[None], [token], s.logprobs)
             self._commit(s, [token])
+
+    def _copy_shared(self, s: Sequence) -> None:
+        """Give ``s`` the KV of the whole prompt chunks it shares with another request's
+        prompt (running, or kept by a free slot) beyond what it has: ``n`` completions of a
+        prompt, or prompts that start the same, prefill the shared chunks once."""
+        size, done = self.chunked_prefill_size, self.cache.lengths[s.slot]
+        prompt = s.ids[:s.prompt_len - 1]  # the last prompt token is always prefilled (its logits)
+        sources = [(t.slot, t.ids[:min(self.cache.lengths[t.slot], t.prompt_len)])
+                   for t in self.running if t is not s and not t.finished] + list(self.retained.items())
+        best, n = None, done
+        for slot, kept in sources:
+            m = shared_chunks(kept, prompt, size)
+            if m > n:
+                best, n = slot, m
+        if best is not None:
+            self.cache.copy(best, s.slot, n)
+            s.metrics.cached_prompt_tokens += n - done
+
+    def _computed_beside(self, s: Sequence, batch: list[Sequence]) -> bool:
+        """Whether a request already in this prefill ``batch`` computes the whole chunk ``s``
+        would prefill next, after the same tokens (``s`` then copies it next step)."""
+        size, done = self.chunked_prefill_size, self.cache.lengths[s.slot]
+        if done + size > s.prompt_len - 1:  # the last chunk: s prefills it itself
+            return False
+        return any(self.cache.lengths[t.slot] == done and t.ids[:done + size] == s.ids[:done + size]
+                   for t in batch)
 
     def _commit(self, s: Sequence, tokens: list[int]) -> int:
         kept, hit_eos = truncate(tokens, s.remaining, s.eos_ids)

@@ -306,7 +306,7 @@ def test_chunked_prefill_interleaves_with_decoding(loaded):
     assert seen == [(8, 0), (16, 0), (24, 0), (32, 0), (40, 0), (48, 0), (56, 0), (60, 0), (60, 8), (60, 10)]
     assert b.num_output == 3 and b.metrics.target_forwards == 8 + 2
     eng.abort(a)
-    d = seq(3, PROMPTS[2])
+    d = seq(3, "z" * 30)
     eng.add(d)
     assert eng.step() == [a] and d.slot == -1  # a's slot is freed at the end of the step
     eng.step()  # d takes it, and its first chunk
@@ -540,3 +540,29 @@ def test_prefix_reuse(loaded):
     llm.generate(first, sp)
     scored = llm.generate(first, SamplingParams(max_new_tokens=2, prompt_logprobs=0))[0]
     assert scored.metrics["cached_prompt_tokens"] == 0 and len(scored.prompt_logprobs) == len(scored.prompt_token_ids)
+
+
+def test_running_requests_share_prompt_chunks(loaded):
+    """Requests running together whose prompts start alike (``n`` completions, a shared
+    system prompt) prefill each whole shared chunk once: one computes it, the others copy
+    its KV (the torch runtime and the hf fallback), with the same outputs as alone."""
+    size = 4
+    p = PROMPTS[2]
+    sp = SamplingParams(max_new_tokens=8, n=3, temperature=0.9, seed=5, ignore_eos=True)
+    shared = [p + " one", p + " two two", "unrelated"]
+    for backend, method in [("auto", "none"), ("auto", "self"), ("hf", "none")]:
+        model = loaded("llama", backend=backend)
+        llm = LLM(model, speculative=SpecConfig(method=method, num_draft_tokens=3), chunked_prefill_size=size,
+                  max_batch_size=4)
+        o = llm.generate(p, sp)[0]
+        alone = [LLM(model, speculative=SpecConfig(method=method, num_draft_tokens=3), chunked_prefill_size=size)
+                 .generate(p, SamplingParams(**{**vars(sp), "n": 1, "seed": 5 + i}))[0] for i in range(3)]
+        assert [c.token_ids for c in o.outputs] == [a.token_ids for a in alone], (backend, method)
+        n = len(o.prompt_token_ids)
+        assert o.metrics["cached_prompt_tokens"] == 2 * ((n - 1) // size * size)  # the 2nd and 3rd copy
+        assert o.metrics["target_forwards"] < sum(a.metrics["target_forwards"] for a in alone)
+        greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
+        outs = LLM(model, chunked_prefill_size=size, max_batch_size=4).generate(shared, greedy)
+        ref = [LLM(model, chunked_prefill_size=size).generate(q, greedy)[0] for q in shared]
+        assert [x.token_ids for x in outs] == [r.token_ids for r in ref], backend
+        assert outs[1].metrics["cached_prompt_tokens"] > 0 and outs[2].metrics["cached_prompt_tokens"] == 0

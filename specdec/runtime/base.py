@@ -17,6 +17,10 @@ class Cache(Protocol):
     def rewind(self, slot: int, length: int) -> None:
         """Forget everything at or after ``length`` in ``slot``."""
 
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Runtimes that reuse prefixes: ``dst``, whose rows are the same as ``src``'s first
+        ones, takes ``src``'s rows up to ``length``."""
+
     def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
         """Trees only (``Runtime.supports_masks``): keep rows ``start + rows[i]`` at ``start + i``."""
 

@@ -6,6 +6,7 @@ custom masks or positions.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from pathlib import Path
 
@@ -27,6 +28,12 @@ class HFCache:
         elif length < self.lengths[slot]:
             self.caches[slot].crop(length - self.lengths[slot])  # transformers 5: negative = drop n
         self.lengths[slot] = length
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """``dst`` holds ``src``'s first ``length`` rows (and nothing after them)."""
+        self.caches[dst] = copy.deepcopy(self.caches[src])
+        self.lengths[dst] = self.lengths[src]
+        self.rewind(dst, length)
 
 
 class HFRuntime:

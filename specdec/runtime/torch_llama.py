@@ -153,6 +153,16 @@ class KVCache:
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         self.lengths[slot] = length
 
+    @torch.inference_mode()
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """``dst`` holds ``src``'s first ``length`` rows (and nothing after them); the rows
+        ``dst`` has are the same as ``src``'s, so only the ones after them are copied."""
+        assert self.lengths[dst] <= length <= self.lengths[src], (self.lengths[dst], length, self.lengths[src])
+        start = self.lengths[dst]
+        self.k[:, dst, :, start:length] = self.k[:, src, :, start:length]
+        self.v[:, dst, :, start:length] = self.v[:, src, :, start:length]
+        self.lengths[dst] = length
+
     @torch.inference_mode()  # the buffers are inference tensors once ensure() ran in a forward
     def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
         """Keep only KV rows ``start + rows[i]`` (increasing), moved to ``start + i``: the
