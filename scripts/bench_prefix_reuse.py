@@ -9,6 +9,9 @@ Cases (a chat whose first turn asks to review a piece of specdec's source, about
                the prompt's whole chunks)
 
     python scripts/bench_prefix_reuse.py --model TARGET.gguf [--draft DRAFT.gguf] [--repeats 3]
+        [--backend torch|llamacpp] [--cases turn2,turn2-draft,n4]
+
+(On llama.cpp running requests do not share chunks, so ``n4`` measures nothing there.)
 """
 from __future__ import annotations
 
@@ -39,8 +42,10 @@ def main() -> int:
     p.add_argument("--draft")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--backend", default="torch", choices=["torch", "llamacpp"])
+    p.add_argument("--cases", default="turn2,turn2-draft,n4", help="comma list (default %(default)s)")
     a = p.parse_args()
-    base = LLM(a.model, draft=a.draft, backend="torch")
+    base = LLM(a.model, draft=a.draft, backend=a.backend)
     turn = [{"role": "user", "content": "Review this code:\n" + SOURCE.read_text()[:2400]}]
     first = base.chat(turn, SamplingParams(max_new_tokens=16))[0]
     follow = turn + [{"role": "assistant", "content": first.text},
@@ -55,6 +60,7 @@ def main() -> int:
         cases["turn2-draft"] = (lambda: LLM(base.target, draft=base.draft),
                                 lambda m: m.chat(turn, SamplingParams(max_new_tokens=16)),
                                 lambda m: m.chat(follow, SamplingParams(max_new_tokens=a.max_new_tokens)))
+    cases = {name: case for name, case in cases.items() if name in a.cases.split(",")}
     print(f"first turn {len(first.prompt_token_ids)} prompt tokens, second {len(base.encode(follow))}")
     failed = 0
     for name, (make, warm, run) in cases.items():

@@ -91,6 +91,8 @@ class Engine:
         # chunks (slot -> those tokens, oldest first), for a new prompt that starts the same
         self.retained: dict[int, list[int]] = {}
         self.reuses_prefixes = chunked_prefill_size > 0 and getattr(self.runtime, "reuses_prefixes", False)
+        # running requests share whole chunks where the cache can copy rows between slots
+        self.shares_chunks = self.reuses_prefixes and callable(getattr(self.cache, "copy", None))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -242,7 +244,7 @@ class Engine:
         size, budget = self.chunked_prefill_size, self.chunked_prefill_size
         batch, chunks = [], []
         for s in seqs:
-            if self.reuses_prefixes and s.sampling.prompt_logprobs is None:
+            if self.shares_chunks and s.sampling.prompt_logprobs is None:
                 self._copy_shared(s)
                 if self._computed_beside(s, batch):  # copy it next step instead
                     continue

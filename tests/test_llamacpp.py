@@ -539,3 +539,33 @@ def test_prompt_logprobs_chunks_go_whole(pieces, prompts, monkeypatch):
     close(got, expected, "prompt logprobs in chunks of 5 vs whole")
     for i, (p, out, b) in enumerate(zip(prompts, outs, base)):
         assert_same_greedy(pieces, p, out.token_ids, b.token_ids, f"prompt logprobs, prompt {i}")
+
+
+def test_prefix_reuse_is_exact(lc):
+    """A finished prompt's rows stay in its slot (whole chunks) and a prompt that starts the
+    same prefills only the rest: every output token's logprob is bit-identical to a fresh
+    engine's, alone, beside another running request, and after a recompute (buffer full)."""
+    a = "The quick brown fox jumps over the lazy dog. " * 3
+    b = a + "Then it ran far away into the forest and"
+    sp = SamplingParams(max_new_tokens=16, logprobs=0)
+
+    def logprobs(out):
+        return [e[t].logprob for t, e in zip(out.token_ids, out.outputs[0].logprobs)]
+
+    fresh = LLM(lc, chunked_prefill_size=5).generate(b, sp)[0]
+    beside_ref = LLM(lc, chunked_prefill_size=5).generate("hello there, how are you", sp)[0]
+    for method in ("none", "ngram"):
+        for case in ("alone", "beside", "recompute"):
+            llm = LLM(lc, chunked_prefill_size=5, max_batch_size=2, speculative=SpecConfig(method=method))
+            llm.generate([a, "hello there, how are you"] if case == "recompute" else a, sp)
+            if case == "recompute":  # rows parked beside the other request fill the buffer
+                assert any(llm.engine.cache.parked)
+                llm.engine.cache.size = llm.engine.cache.used + 8  # full during the next prefill
+            prompts = [b, "hello there, how are you"] if case == "beside" else [b]
+            outs = llm.generate(prompts, sp)
+            assert outs[0].metrics["cached_prompt_tokens"] == len(llm.encode(a)) // 5 * 5, (method, case)
+            assert outs[0].token_ids == fresh.token_ids and logprobs(outs[0]) == logprobs(fresh), (method, case)
+            if case == "beside":
+                assert outs[1].token_ids == beside_ref.token_ids and logprobs(outs[1]) == logprobs(beside_ref)
+            if case == "recompute":
+                assert llm.engine.cache.recomputes >= 1

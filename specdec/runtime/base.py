@@ -18,8 +18,8 @@ class Cache(Protocol):
         """Forget everything at or after ``length`` in ``slot``."""
 
     def copy(self, src: int, dst: int, length: int) -> None:
-        """Runtimes that reuse prefixes: ``dst``, whose rows are the same as ``src``'s first
-        ones, takes ``src``'s rows up to ``length``."""
+        """Optional (torch, hf): ``dst``, whose rows are the same as ``src``'s first ones,
+        takes ``src``'s rows up to ``length`` (running requests share prompt chunks)."""
 
     def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
         """Trees only (``Runtime.supports_masks``): keep rows ``start + rows[i]`` at ``start + i``."""

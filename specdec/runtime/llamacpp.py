@@ -353,9 +353,10 @@ class LlamaCppRuntime:
 
     supports_masks = True
     batch_layout = "packed"
-    # no prefix reuse: a new prompt's rows must refill its slot's parked cells in position
-    # order (LlamaCppCache.make_room) to give exactly its one-by-one logits
-    reuses_prefixes = False
+    # prefix reuse: a finished prompt's rows stay in its slot (its cells rise with position, and
+    # a new prompt's rows go to cells above them); no copies between slots (LlamaCppCache has
+    # no ``copy``: shared cells could lie above the destination's next ones)
+    reuses_prefixes = True
 
     def __init__(self, gguf: str | Path, threads: int | None = None, context: int = DEFAULT_CONTEXT,
                  repack: bool = True, exact: bool = True):
