@@ -363,7 +363,7 @@ class Engine:
                 kept = min(self.cache.lengths[s.slot], s.prompt_len) // size * size
                 if kept:
                     self.retained[s.slot] = s.ids[:kept]
-            self.cache.rewind(s.slot, kept)
+            self.cache.rewind(s.slot, kept, idle=True)
             for drafter in self.drafters.values():
                 drafter.release(s)
             if self.planner:

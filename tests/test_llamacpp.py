@@ -569,3 +569,21 @@ def test_prefix_reuse_is_exact(lc):
                 assert outs[1].token_ids == beside_ref.token_ids and logprobs(outs[1]) == logprobs(beside_ref)
             if case == "recompute":
                 assert llm.engine.cache.recomputes >= 1
+
+
+def test_an_idle_slot_lets_a_lone_request_free_its_rejected_rows(lc):
+    """A slot that keeps a finished prompt adds no rows until a prompt that starts the same
+    comes, so a request running alone beside it still frees its rejected drafts instead of
+    parking them (else they would fill the buffer and force recomputes); outputs unchanged."""
+    sp = SamplingParams(max_new_tokens=24, logprobs=0)
+    llm = LLM(lc, chunked_prefill_size=5, max_batch_size=2, speculative=SpecConfig(method="ngram"))
+    llm.generate("hello there, how are you doing today", sp)
+    assert llm.engine.retained and llm.engine.cache.idle == set(llm.engine.retained)
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
+    out = llm.generate(prompt, sp)[0]
+    assert out.metrics["drafted_tokens"] > out.metrics["accepted_tokens"]  # some drafts were rejected
+    assert not any(llm.engine.cache.parked) and llm.engine.cache.recomputes == 0
+    fresh = LLM(lc, chunked_prefill_size=5, speculative=SpecConfig(method="ngram")).generate(prompt, sp)[0]
+    assert out.token_ids == fresh.token_ids
+    assert [e[t].logprob for t, e in zip(out.token_ids, out.outputs[0].logprobs)] == \
+        [e[t].logprob for t, e in zip(fresh.token_ids, fresh.outputs[0].logprobs)]

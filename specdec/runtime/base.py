@@ -14,8 +14,9 @@ import torch
 class Cache(Protocol):
     lengths: list[int]  # tokens with valid KV, per slot
 
-    def rewind(self, slot: int, length: int) -> None:
-        """Forget everything at or after ``length`` in ``slot``."""
+    def rewind(self, slot: int, length: int, idle: bool = False) -> None:
+        """Forget everything at or after ``length`` in ``slot``. ``idle``: its request
+        finished, and the rows kept wait for a prompt that starts the same (prefix reuse)."""
 
     def copy(self, src: int, dst: int, length: int) -> None:
         """Optional (torch, hf): ``dst``, whose rows are the same as ``src``'s first ones,

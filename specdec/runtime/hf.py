@@ -21,7 +21,7 @@ class HFCache:
         self.caches = [self._make() for _ in range(num_slots)]
         self.lengths = [0] * num_slots
 
-    def rewind(self, slot: int, length: int) -> None:
+    def rewind(self, slot: int, length: int, idle: bool = False) -> None:
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         if length == 0:
             self.caches[slot] = self._make()

@@ -150,6 +150,7 @@ class LlamaCppCache:
         self.recomputes = 0  # times ``fit`` recomputed the running sequences
         self.tail: list[list[TreeRow]] = [[] for _ in range(num_slots)]
         self.parked: list[list[int]] = [[] for _ in range(num_slots)]  # positions of parked cells, sorted
+        self.idle: set[int] = set()  # slots whose rows wait for a prompt that starts the same (rewind idle=True)
         self.free_seqs = list(range(n_seq - 1, 2 * num_slots - 1, -1))
 
     def __del__(self):
@@ -157,14 +158,18 @@ class LlamaCppCache:
         if ctx:
             self.lib.llama_free(ctx)
 
-    def rewind(self, slot: int, length: int) -> None:
+    def rewind(self, slot: int, length: int, idle: bool = False) -> None:
         """Drop the slot's rows from ``length`` on. A chain's rows dropped mid-request while no
         other slot runs (rejected drafts) are its newest cells, above every used one: they
         are freed, and the next forward refills them in order. Any other dropped rows are
-        parked: freed, they would leave free cells below newer ones."""
+        parked: freed, they would leave free cells below newer ones. ``idle``: the slot's
+        request finished and its first ``length`` rows wait for a prompt that starts the same
+        (prefix reuse): it adds no rows until then, so it does not keep another slot's
+        dropped rows from being freed."""
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         tail, cut = self.tail[slot], max(length - self.committed(slot), 0)
-        newest = length and not tail and self.alone(slot)
+        # an idle slot's rows are old (a new request cutting them parks them)
+        newest = length and not tail and slot not in self.idle and self.alone(slot, busy_only=True)
         self._park_rows(slot, tail[cut:])
         del tail[cut:]
         if length < self.committed(slot):
@@ -174,6 +179,8 @@ class LlamaCppCache:
             else:
                 self._park_committed(slot, length)
         self.lengths[slot] = length
+        if idle and length:
+            self.idle.add(slot)
 
     def unpark(self, slot: int) -> None:
         """Free the slot's parked rows (their cells go back to llama.cpp)."""
@@ -190,9 +197,9 @@ class LlamaCppCache:
         """The slot's committed rows (in its sequence, at positions 0..committed-1)."""
         return len(self.tokens[slot])
 
-    def alone(self, slot: int) -> bool:
-        """No other slot holds a running sequence."""
-        return not any(n for x, n in enumerate(self.lengths) if x != slot)
+    def alone(self, slot: int, busy_only: bool = False) -> bool:
+        """No other slot holds rows (``busy_only``: rows that may grow, idle slots aside)."""
+        return not any(n for x, n in enumerate(self.lengths) if x != slot and not (busy_only and x in self.idle))
 
     def make_room(self, slot: int, n: int) -> None:
         """Before a prompt of ``n`` tokens in ``slot``: free at most ``n`` parked cells (the
@@ -442,6 +449,7 @@ class LlamaCppRuntime:
         opened: list[tuple[int, list[TreeRow]]] = []  # (slot, rows) of masked chunks
         pos, seqs = [], []
         for slot, toks in zip(slots, tokens):  # a new sequence refills parked cells, in order
+            cache.idle.discard(slot)
             if cache.lengths[slot] == 0:
                 cache.make_room(slot, len(toks))
         cache.fit(sum(map(len, tokens)))

@@ -149,7 +149,7 @@ class KVCache:
             new[:, :, :, : old.shape[3]] = old
             setattr(self, name, new)
 
-    def rewind(self, slot: int, length: int) -> None:
+    def rewind(self, slot: int, length: int, idle: bool = False) -> None:
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         self.lengths[slot] = length
 
