@@ -256,6 +256,7 @@ class LLM:
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
+        eos_ids = (frozenset() if sp.ignore_eos else self.target.eos_ids) | frozenset(sp.stop_token_ids)
         seqs = []
         for i in range(sp.n):
             seed = None if sp.seed is None else (sp.seed + i) % 2 ** 64
@@ -263,8 +264,7 @@ class LLM:
             seqs.append(Sequence(request_id=self._next_id, ids=list(ids), prompt_len=len(ids),
                                  sampling=replace(sp, seed=seed) if i else sp,
                                  generator=make_generator(seed, self.target.runtime.device),
-                                 eos_ids=(frozenset() if sp.ignore_eos else self.target.eos_ids)
-                                 | frozenset(sp.stop_token_ids),
+                                 eos_ids=eos_ids,
                                  num_draft_tokens=num_draft_tokens))
         return seqs
 

@@ -16,7 +16,7 @@ from .config import SpecConfig
 from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
 from .sampling import process_logits, probs_from_logits, sample
-from .sequence import Sequence, TokenLogprobs, cut_after_eos, output_text
+from .sequence import Sequence, TokenLogprobs, common_prefix, cut_after_eos, output_text
 from .tree import verify_tree
 from .verify import Verdict, verify
 
@@ -50,12 +50,6 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], num_top: int) -> list[
     else:
         alts = [[] for _ in tokens]
     return list(map(TokenLogprobs, chosen.tolist(), ranks.tolist(), alts))
-
-
-def shared_chunks(kept: list[int], prompt: list[int], size: int) -> int:
-    """How many leading tokens ``kept`` and ``prompt`` share, in whole chunks of ``size``."""
-    n = next((i for i, (a, b) in enumerate(zip(kept, prompt)) if a != b), min(len(kept), len(prompt)))
-    return n // size * size
 
 
 def draft_context(drafter: Drafter, seq: Sequence) -> tuple[bool, int | None]:
@@ -228,10 +222,7 @@ class Engine:
         retains nothing, else the one retaining the oldest prompt."""
         best, reused = None, 0
         if self.reuses_prefixes and s.sampling.prompt_logprobs is None:
-            for slot, kept in self.retained.items():
-                n = shared_chunks(kept, s.ids[:s.prompt_len - 1], self.chunked_prefill_size)
-                if n > reused:
-                    best, reused = slot, n
+            best, reused = self._longest_shared(s, self.retained.items(), 0)
         if best is None:
             bare = [slot for slot in self.free_slots if slot not in self.retained]
             best = bare[-1] if bare else next(iter(self.retained))
@@ -288,18 +279,25 @@ class Engine:
         """Give ``s`` the KV of the whole prompt chunks it shares with another request's
         prompt (running, or kept by a free slot) beyond what it has: ``n`` completions of a
         prompt, or prompts that start the same, prefill the shared chunks once."""
-        size, done = self.chunked_prefill_size, self.cache.lengths[s.slot]
-        prompt = s.ids[:s.prompt_len - 1]  # the last prompt token is always prefilled (its logits)
+        done = self.cache.lengths[s.slot]
         sources = [(t.slot, t.ids[:min(self.cache.lengths[t.slot], t.prompt_len)])
                    for t in self.running if t is not s and not t.finished] + list(self.retained.items())
-        best, n = None, done
-        for slot, kept in sources:
-            m = shared_chunks(kept, prompt, size)
-            if m > n:
-                best, n = slot, m
+        best, n = self._longest_shared(s, sources, done)
         if best is not None:
             self.cache.copy(best, s.slot, n)
             s.metrics.cached_prompt_tokens += n - done
+
+    def _longest_shared(self, s: Sequence, sources, floor: int) -> tuple[int | None, int]:
+        """Among ``(slot, ids with KV)`` ``sources``, the one sharing the most of ``s``'s prompt
+        in whole chunks, and how much, if more than ``floor`` (else ``(None, floor)``). The
+        last prompt token is never shared: its logits give the first output token."""
+        size, prompt = self.chunked_prefill_size, s.ids[:s.prompt_len - 1]
+        best, n = None, floor
+        for slot, kept in sources:
+            m = common_prefix(kept, prompt) // size * size
+            if m > n:
+                best, n = slot, m
+        return best, n
 
     def _computed_beside(self, s: Sequence, batch: list[Sequence]) -> bool:
         """Whether a request already in this prefill ``batch`` computes the whole chunk ``s``

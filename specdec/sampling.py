@@ -70,10 +70,10 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], 
         bias = [(t, b) for t, b in sp.logit_bias if t < vocab]
         add = torch.tensor([float(b) for _, b in bias], device=dev).expand(rows, -1)  # [rows, biased ids]
         logits = logits.index_add(1, ids([t for t, _ in bias]), add)  # a new tensor: raw logits stay
-    banned = ids(sorted(stop_ids))
-    if sp.min_tokens and len(banned):
-        short = [len(output) + len(more) < sp.min_tokens for more in (extra or [[]] * rows)]  # [rows]
-        if any(short):
+    short = [len(output) + len(more) < sp.min_tokens for more in (extra or [[]] * rows)] if stop_ids else []
+    if any(short):  # [rows]: banned rows
+        banned = ids(sorted(stop_ids))
+        if len(banned):
             mask = torch.zeros_like(logits, dtype=torch.bool)  # [rows, vocab]
             mask[torch.tensor(short, device=dev).nonzero()[:, 0, None], banned] = True
             logits = logits.masked_fill(mask, float("-inf"))

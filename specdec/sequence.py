@@ -15,6 +15,11 @@ def output_text(tokenizer, ids: list[int], sp: SamplingParams) -> str:
     return tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def cut_after_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
     """``tokens`` up to and including the first EOS (all of them when there is none)."""
     for i, t in enumerate(tokens):

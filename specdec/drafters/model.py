@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..sampling import process_logits, probs_from_logits, sample
-from ..sequence import Sequence
+from ..sequence import Sequence, common_prefix
 from ..tree import DraftTree
 from .base import Draft
 
@@ -96,8 +96,7 @@ class ModelDrafter:
         cached = self.cached_ids[seq.slot]
         if self.owner.get(seq.slot) != seq.request_id:
             self.owner[seq.slot] = seq.request_id
-            n = next((i for i, (a, b) in enumerate(zip(cached, seq.ids[:-1])) if a != b),
-                     min(len(cached), len(seq.ids) - 1))
+            n = common_prefix(cached, seq.ids[:-1])
             del cached[n:]
             self.cache.rewind(seq.slot, n)
         return cached

@@ -285,16 +285,16 @@ class _Output:
     def __init__(self, api: _API, req, sreqs: list[ServerRequest], chat: bool, echoes: list[str]):
         self.api, self.req, self.sreqs, self.chat = api, req, sreqs, chat
         self.echoes = echoes  # completions' echo: each choice's prompt text, sent before its output
-        self.prompt_only = req.prompt_only  # echo with max_tokens 0: no output
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.text_offset = [0] * len(sreqs)  # completions logprobs: offset of each choice's next token text
         self.want_logprobs = sreqs[0].seq.logprobs is not None
 
     def usage(self) -> dict:
-        prompt = sum(r.seq.prompt_len for r in self.sreqs[::self.req.n])  # each prompt once
-        output = 0 if self.prompt_only else sum(r.seq.num_output for r in self.sreqs)
-        cached = sum(r.seq.metrics.cached_prompt_tokens for r in self.sreqs[::self.req.n])
+        firsts = self.sreqs[::self.req.n]  # each prompt once
+        prompt = sum(r.seq.prompt_len for r in firsts)
+        output = 0 if self.req.prompt_only else sum(r.seq.num_output for r in self.sreqs)
+        cached = sum(r.seq.metrics.cached_prompt_tokens for r in firsts)
         return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -315,7 +315,7 @@ class _Output:
                 break
         text = u.text if u.text is not None else output_text(self.api.tok, ids, sreq.seq.sampling)
         finish_reason = u.finish_reason
-        if self.prompt_only:
+        if self.req.prompt_only:  # echo with max_tokens 0: no output
             text, ids, lps, finish_reason = "", [], [], "length"
         if self.echoes:
             prompt_ids, prompt_lps = self.prompt_logprobs(sreq)
@@ -361,7 +361,7 @@ class _Output:
                     echoed[i] = True
                     ids, lps = self.prompt_logprobs(self.sreqs[i])
                     yield self.chunk(i, self.echoes[i], self.logprobs(i, ids, lps) if self.want_logprobs else None, None)
-                if self.prompt_only:
+                if self.req.prompt_only:  # echo with max_tokens 0: no output
                     if u.finish_reason:
                         running -= 1
                         yield self.chunk(i, "", None, "length")

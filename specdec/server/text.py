@@ -18,7 +18,6 @@ class TextStream:
     def __init__(self, tokenizer, sp: SamplingParams = SamplingParams()):
         self.tok = tokenizer
         self.sp = sp
-        self.stops = sp.stop
         self.ids: list[int] = []
         self.prefix = 0  # window start (token index)
         self.read = 0  # tokens whose text is in self.text
@@ -46,7 +45,7 @@ class TextStream:
     def _held_back(self) -> int:
         """Characters at the end of the text that are a proper prefix of some stop string."""
         hold = 0
-        for stop in self.stops:
+        for stop in self.sp.stop:
             for n in range(min(len(stop) - 1, len(self.text)), hold, -1):
                 if self.text.endswith(stop[:n]):
                     hold = n
