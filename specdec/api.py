@@ -13,6 +13,7 @@ from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
 from .sampling import make_generator
 from .sequence import Sequence, TokenLogprobs, output_text
+from .structured import Grammars
 
 # prompt tokens per step by default, by device type (others: cuda's). Measured on Qwen2.5-Coder-1.5B
 # fp32, 2 cores: a 1500-token prompt arriving beside a decoding request stalled it 12.7 s
@@ -165,6 +166,7 @@ class LLM:
         self.engine = Engine(self.target, drafters, speculative, max_batch_size, planner,
                              chunked_prefill_size=chunked_prefill_size)
         self.tokenizer = self.target.tokenizer
+        self.grammars = Grammars(self.tokenizer, self.target.runtime.vocab_size, self.target.eos_ids)
         self.last_run_metrics: Metrics | None = None
         self._next_id = 0
 
@@ -257,6 +259,7 @@ class LLM:
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
         eos_ids = (frozenset() if sp.ignore_eos else self.target.eos_ids) | frozenset(sp.stop_token_ids)
+        grammar = sp.structured_outputs and self.grammars.matcher(sp.structured_outputs)
         seqs = []
         for i in range(sp.n):
             seed = None if sp.seed is None else (sp.seed + i) % 2 ** 64
@@ -264,8 +267,8 @@ class LLM:
             seqs.append(Sequence(request_id=self._next_id, ids=list(ids), prompt_len=len(ids),
                                  sampling=replace(sp, seed=seed) if i else sp,
                                  generator=make_generator(seed, self.target.runtime.device),
-                                 eos_ids=eos_ids,
-                                 num_draft_tokens=num_draft_tokens))
+                                 eos_ids=eos_ids, num_draft_tokens=num_draft_tokens,
+                                 grammar=grammar and (grammar.copy() if i else grammar)))
         return seqs
 
     def _output(self, seqs: list[Sequence], prompt: Prompt) -> RequestOutput:

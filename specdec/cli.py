@@ -1,6 +1,7 @@
 """Command line: ``specdec generate | demo | check-vocab | bench | serve | loadtest``.
 
-Flags map one-to-one onto ``SamplingParams``, ``SpecConfig`` and ``EngineConfig`` fields.
+Flags map one-to-one onto ``SamplingParams`` (with ``StructuredOutputs``), ``SpecConfig`` and
+``EngineConfig`` fields.
 A user error prints one line ``specdec: error: ...`` and exits with code 2.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 import os
 import sys
 
-from .config import BACKENDS, LOAD_FORMATS, METHODS, EngineConfig, SamplingParams, SpecConfig
+from .config import BACKENDS, LOAD_FORMATS, METHODS, EngineConfig, SamplingParams, SpecConfig, StructuredOutputs
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -94,6 +95,14 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                         "most likely alternatives (0 = the chosen token's only)")
     g.add_argument("--prompt-logprobs", type=int, metavar="N",
                    help="with --json: the same for each prompt token (null for the first)")
+    g = p.add_argument_group("structured outputs (at most one; @FILE reads the value from a file)")
+    g.add_argument("--structured-json", metavar="SCHEMA", help="the output is JSON following this JSON schema")
+    g.add_argument("--structured-regex", metavar="REGEX", help="the output matches this regular expression")
+    g.add_argument("--structured-choice", action="append", metavar="TEXT",
+                   help="the output is one of these strings (repeatable)")
+    g.add_argument("--structured-grammar", metavar="GRAMMAR",
+                   help="the output follows this grammar (Lark, or llama.cpp's GBNF)")
+    g.add_argument("--structured-json-object", action="store_true", help="the output is a JSON object")
 
 
 def spec_from_args(a) -> SpecConfig:
@@ -112,7 +121,25 @@ def sampling_from_args(a) -> SamplingParams:
                           skip_special_tokens=a.skip_special_tokens,
                           repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
                           frequency_penalty=a.frequency_penalty, logit_bias=parse_logit_bias(a.logit_bias),
-                          n=a.n, logprobs=a.logprobs, prompt_logprobs=a.prompt_logprobs)
+                          n=a.n, logprobs=a.logprobs, prompt_logprobs=a.prompt_logprobs,
+                          structured_outputs=structured_from_args(a))
+
+
+def structured_from_args(a) -> StructuredOutputs | None:
+    """``StructuredOutputs`` from the ``--structured-*`` flags (None without them)."""
+    def value(text: str | None) -> str | None:  # @FILE: the file's text
+        if text is None or not text.startswith("@"):
+            return text
+        try:
+            return open(text[1:], encoding="utf-8").read()
+        except OSError as e:
+            raise ValueError(f"cannot read {text[1:]!r}: {e.strerror}") from None
+
+    fields = dict(json=value(a.structured_json), regex=value(a.structured_regex), choice=a.structured_choice,
+                  grammar=value(a.structured_grammar), json_object=a.structured_json_object)
+    if not any(fields.values()):
+        return None
+    return StructuredOutputs(**fields)
 
 
 def parse_logit_bias(items: list[str]) -> dict[int, float]:

@@ -15,6 +15,7 @@ Every invalid value raises ``ValueError`` with a one-line message naming the fie
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 METHODS = ("none", "draft", "ngram", "self", "hybrid")
@@ -25,6 +26,52 @@ LOAD_FORMATS = ("auto", "dummy")  # the checkpoint's weights, or random ones of 
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output's text, as vLLM's ``StructuredOutputsParams``: exactly one
+    of a JSON schema (``json``: a dict or its JSON text), a regular expression, a ``choice``
+    of strings, a ``grammar`` (Lark or llama.cpp's GBNF) or ``json_object`` (any JSON
+    object). Tokens that would break it are masked out of the target's logits on every row
+    (prefill, verify), so speculation stays lossless against the constrained target."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict) or isinstance(self.json, bool):
+            object.__setattr__(self, "json", json.dumps(self.json))
+        if self.choice is not None:
+            _check(isinstance(self.choice, (list, tuple)) and all(isinstance(c, str) for c in self.choice),
+                   "structured_outputs.choice must be a list of strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        _check(isinstance(self.json_object, bool), "structured_outputs.json_object must be true or false")
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] * bool(self.json_object)
+        _check(len(kinds) == 1, "structured_outputs takes exactly one of json, regex, choice, grammar "
+                                f"and json_object, got {', '.join(kinds) or 'none'}")
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json)
+            except (TypeError, json.JSONDecodeError) as e:
+                raise ValueError(f"structured_outputs.json is not a JSON schema: {e}") from None
+            _check(isinstance(schema, (dict, bool)), "structured_outputs.json must be a JSON object (a schema)")
+        _check(self.choice is None or len(self.choice) >= 1, "structured_outputs.choice needs at least one string")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value),
+                   f"structured_outputs.{name} must be a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint given: json, regex, choice, grammar or json_object."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
 
 
 @dataclass(frozen=True)
@@ -61,6 +108,9 @@ class SamplingParams:
     logprobs: int | None = None
     # the same for each prompt token (the first has none), with this many alternatives
     prompt_logprobs: int | None = None
+    # constrain the output to a JSON schema, regex, choice or grammar (a dict is taken as
+    # StructuredOutputs' fields)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -68,6 +118,10 @@ class SamplingParams:
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(sorted(set(self.stop_token_ids or ()))))
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+               "structured_outputs must be a StructuredOutputs (or a dict of its fields)")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
         object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,

@@ -17,6 +17,7 @@ from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
 from .sampling import process_logits, probs_from_logits, sample
 from .sequence import Sequence, TokenLogprobs, common_prefix, cut_after_eos, output_text
+from .structured import constrain
 from .tree import verify_tree
 from .verify import Verdict, verify
 
@@ -187,14 +188,17 @@ class Engine:
             if idx:
                 for i, d in zip(idx, drafter.propose([seqs[i] for i in idx], [plan[i].k for i in idx])):
                     drafts[i] = d
+        for s, d in zip(seqs, drafts):  # a chain stops before its first draft the grammar forbids
+            if s.grammar is not None and d.tree is None and d.tokens:
+                n = s.grammar.valid_prefix(d.tokens)
+                d.tokens, d.q = d.tokens[:n], d.q[:n] if d.q is not None else None
         return drafts
 
     def _verify(self, s: Sequence, d: Draft, rows) -> Verdict:
         """Verify one sequence's draft (chain or tree) and keep only the accepted path's KV.
-        Penalties see, on each row, the drafts before it as output."""
-        if s.sampling.processes_logits:
-            prefixes = d.tree.prefixes() if d.tree else [d.tokens[:j] for j in range(len(d.tokens) + 1)]
-            rows = process_logits(rows, s.sampling, s.ids[: s.prompt_len], s.output_ids, prefixes, stop_ids=s.eos_ids)
+        Penalties and the grammar see, on each row, the drafts before it as output."""
+        if s.sampling.processes_logits or s.grammar is not None:
+            rows = self._scored(s, rows, d.tree.prefixes() if d.tree else [d.tokens[:j] for j in range(len(d.tokens) + 1)])
         if d.tree is None:
             v = verify(d.tokens, d.q, rows, s.sampling, s.generator)
             self.cache.rewind(s.slot, len(s.ids) + v.num_accepted)
@@ -202,6 +206,14 @@ class Engine:
             v = verify_tree(d.tree, rows, s.sampling, s.generator)
             self.cache.keep(s.slot, len(s.ids) - 1, v.rows)  # path rows -> consecutive slots
         return v
+
+    def _scored(self, s: Sequence, rows: torch.Tensor, prefixes: list[list[int]]) -> torch.Tensor:
+        """The logits ``s`` samples from, ``rows [n, vocab]`` with row i following its output
+        plus ``prefixes[i]``: the grammar's mask (structured outputs), then the penalties,
+        logit bias and min_tokens of ``process_logits``."""
+        if s.grammar is not None:
+            rows = constrain(rows, s.grammar.allowed(prefixes))
+        return process_logits(rows, s.sampling, s.ids[:s.prompt_len], s.output_ids, prefixes, stop_ids=s.eos_ids)
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
@@ -266,7 +278,7 @@ class Engine:
                 row = rows[-1]
             if self.cache.lengths[s.slot] < s.prompt_len:
                 continue
-            scored = process_logits(row[None], s.sampling, s.ids, [], stop_ids=s.eos_ids)  # [1, vocab]
+            scored = self._scored(s, row[None], [[]])  # [1, vocab]
             if s.sampling.greedy:
                 token = int(scored.argmax())
             else:
@@ -311,6 +323,8 @@ class Engine:
     def _commit(self, s: Sequence, tokens: list[int]) -> int:
         kept, hit_eos = truncate(tokens, s.remaining, s.eos_ids)
         s.ids.extend(kept)
+        if s.grammar is not None:
+            s.grammar.advance(kept)
         if hit_eos or self._hit_stop_string(s, len(kept)):
             s.finish_reason = "stop"
             if hit_eos and kept[-1] in s.sampling.stop_token_ids and not s.sampling.include_stop_str_in_output:

@@ -41,7 +41,8 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], 
                    extra: list[list[int]] | None = None, *, stop_ids: frozenset[int] = frozenset()) -> torch.Tensor:
     """``sp``'s repetition, presence and frequency penalties, then its logit bias, then
     min_tokens (``stop_ids``, the request's EOS and stop tokens, banned on rows with fewer
-    than ``min_tokens`` tokens of output before them) on ``logits [rows, vocab]``: row ``i``
+    than ``min_tokens`` tokens of output before them, unless nothing else is left) on
+    ``logits [rows, vocab]``: row ``i``
     follows ``prompt + output + extra[i]`` (a verify step's row i follows the drafts before
     it; default: no extra). Repetition counts the prompt and the output, presence and
     frequency the output only (``extra`` is output). Unchanged when ``sp`` has none of them."""
@@ -76,6 +77,8 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], 
         if len(banned):
             mask = torch.zeros_like(logits, dtype=torch.bool)  # [rows, vocab]
             mask[torch.tensor(short, device=dev).nonzero()[:, 0, None], banned] = True
+            # a row where only stop tokens remain (a complete grammar) keeps them
+            mask &= (torch.isfinite(logits) & ~mask).any(-1, keepdim=True)
             logits = logits.masked_fill(mask, float("-inf"))
     return logits
 

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from .config import SamplingParams
 from .metrics import Metrics
+
+if TYPE_CHECKING:
+    from .structured import Matcher
 
 
 def output_text(tokenizer, ids: list[int], sp: SamplingParams) -> str:
@@ -58,6 +61,8 @@ class Sequence:
     # with ``sampling.prompt_logprobs``: the same for each prompt token after the first (from
     # the prefill's rows)
     prompt_token_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with ``sampling.structured_outputs``: the grammar's state after the committed output
+    grammar: Matcher | None = None
 
     @property
     def logprobs(self) -> int | None:

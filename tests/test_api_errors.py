@@ -1,5 +1,6 @@
 """Bad input: one-line ValueError from the API, exit code 2 and no traceback from the CLI."""
 import json
+import re
 import subprocess
 import sys
 
@@ -134,3 +135,23 @@ def test_cli_check_vocab(tiny_dirs):
     r = run_cli("generate", "--model", str(tiny_dirs["llama"]), "--draft", str(tiny_dirs["alien"]),
                 "--prompt", "hi")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "incompatible" in r.stderr
+
+
+def test_cli_structured_outputs(tmp_path, tiny_dirs):
+    """``--structured-*`` flags: the output follows the constraint, ``@FILE`` reads it from a
+    file, and a bad constraint is a one-line error."""
+    common = ("generate", "--model", str(tiny_dirs["llama"]), "--prompt", "The quick brown fox",
+              "--max-new-tokens", "12", "--method", "ngram", "--json")
+    row = json.loads(run_cli(*common, "--structured-regex", "[ab]{3}-[0-9]{2}").stdout)
+    assert re.fullmatch("[ab]{3}-[0-9]{2}", row["text"]) and row["finish_reason"] == "stop"
+    row = json.loads(run_cli(*common, "--structured-choice", "yes", "--structured-choice", "no").stdout)
+    assert row["text"] in ("yes", "no")
+    (tmp_path / "g.lark").write_text('start: "(" /[0-9]{1,2}/ ")"')
+    row = json.loads(run_cli(*common, "--structured-grammar", f"@{tmp_path / 'g.lark'}").stdout)
+    assert re.fullmatch(r"\([0-9]{1,2}\)", row["text"])
+    for args, match in [(["--structured-regex", "(a"], "structured_outputs.regex"),
+                        (["--structured-regex", "a", "--structured-json-object"], "exactly one"),
+                        (["--structured-json", "@/no/such/file"], "cannot read")]:
+        r = run_cli(*common, *args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and match in lines[0], r.stderr

@@ -134,6 +134,19 @@ def test_prefix_reuse_on_cuda(on_cuda):
     assert again.metrics["cached_prompt_tokens"] > 0 and again.token_ids == fresh.token_ids
 
 
+def test_structured_outputs_on_cuda(on_cuda):
+    """A regex on the GPU (masks built on the CPU, applied to CUDA logits): the text matches,
+    and self and n-gram drafting give plain decoding's tokens."""
+    import re
+
+    sp = SamplingParams(max_new_tokens=16, structured_outputs={"regex": "[ab]{3}-[0-9]{2}(x|yz)"})
+    base = LLM(on_cuda("llama")).generate(PROMPTS, sp)
+    assert all(re.fullmatch("[ab]{3}-[0-9]{2}(x|yz)", o.text) for o in base)
+    for method in ("self", "ngram"):
+        outs = LLM(on_cuda("llama"), speculative=SpecConfig(method=method, num_draft_tokens=3)).generate(PROMPTS, sp)
+        assert [o.token_ids for o in outs] == [b.token_ids for b in base], method
+
+
 def test_cuda_float32_greedy_equals_cpu(loaded, on_cuda):
     cpu = LLM(loaded("qwen2")).generate(PROMPTS, GREEDY)
     cuda = LLM(on_cuda("qwen2")).generate(PROMPTS, GREEDY)

@@ -78,3 +78,21 @@ def test_draft_model_tree_greedy_equal(smol, plain_outputs, batch):
     m = [o.metrics for o in outs]
     assert 0 < sum(x["accepted_tokens"] for x in m) < sum(x["drafted_tokens"] for x in m)
     assert max(x["nodes_per_verify_step"] for x in m) > 4  # really a tree, not a chain
+
+
+def test_structured_json_schema_greedy_equal(smol):
+    """SmolLM2 answers under a JSON schema (a batch of three chats): every answer parses and
+    follows it, and n-gram and self drafting give plain decoding's tokens."""
+    import json
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["title", "steps"],
+              "properties": {"title": {"type": "string", "maxLength": 40},
+                             "steps": {"type": "array", "items": {"type": "string", "maxLength": 60}, "maxItems": 3}}}
+    sp = SamplingParams(max_new_tokens=120, structured_outputs={"json": schema})
+    base = LLM(smol).chat(CHATS, sp)
+    for b in base:
+        obj = json.loads(b.text)
+        assert set(obj) == {"title", "steps"} and len(obj["steps"]) <= 3, b.text
+    for method in ("ngram", "self"):
+        outs = LLM(smol, speculative=SpecConfig(method=method, num_draft_tokens=4)).chat(CHATS, sp)
+        assert [o.token_ids for o in outs] == [b.token_ids for b in base], method

@@ -5,6 +5,7 @@ the embedded SmolLM2 with n-gram drafting end to end (``real``).
 """
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -468,6 +469,17 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": 5}]}, AUTH, 400),
     (CHAT, {**OK_CHAT, "top_logprobs": 2}, AUTH, 400),
     (CHAT, {**OK_CHAT, "max_completion_tokens": 0}, AUTH, 400),
+    (CHAT, {**OK_CHAT, "response_format": {"type": "xml"}}, AUTH, 400),
+    (CHAT, {**OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, AUTH, 400),
+    (CHAT, {**OK_CHAT, "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, AUTH, 400),
+    (CHAT, {**OK_CHAT, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, AUTH, 400),
+    (C, {**OK_C, "structured_outputs": {"regex": "(ab"}}, AUTH, 400),
+    (C, {**OK_C, "structured_outputs": {"choice": "ab"}}, AUTH, 400),
+    (C, {**OK_C, "structured_outputs": {"regex": "a", "choice": ["b"]}}, AUTH, 400),
+    (C, {**OK_C, "structured_outputs": {"structural_tag": "x"}}, AUTH, 400),
+    (C, {**OK_C, "structured_outputs": {"choice": ["yes", "no"]}}, AUTH, 200),
+    (CHAT, {**OK_CHAT, "response_format": {"type": "text"}}, AUTH, 200),
     (C, {**OK_C, "prompt": "x" * 5000}, AUTH, 413),
     (C, OK_C, AUTH, 200),
     (CHAT, OK_CHAT, AUTH, 200),
@@ -671,3 +683,27 @@ def test_prefix_reuse_in_usage(loaded):
     ref = LLM(loaded("llama"), speculative=SpecConfig(method="ngram")).chat(
         follow, SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
     assert second.choices[0].message.content == ref.text
+
+
+def test_structured_outputs(llm, client):
+    """``response_format`` (json_schema, json_object) and vLLM's ``structured_outputs``: the
+    text follows the constraint, equal to the library's constrained output, streamed or not."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+              "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]}},
+              "x-guidance": {"whitespace_flexible": False}}
+    messages = [{"role": "user", "content": "a JSON object please"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "ab", "schema": schema}})
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"a", "b"} and r.choices[0].finish_reason == "stop"
+    ref = LLM(llm.target).chat(messages, SamplingParams(max_new_tokens=30, structured_outputs={"json": schema}))[0]
+    assert r.choices[0].message.content == ref.text
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                       response_format={"type": "json_object"})
+    assert r.choices[0].message.content.startswith("{")
+    body = dict(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0,
+                extra_body={"structured_outputs": {"regex": "[ab]{3}-[0-9]{2}"}})
+    whole = client.completions.create(**body).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True) if c.choices)
+    assert re.fullmatch("[ab]{3}-[0-9]{2}", whole) and streamed == whole

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..sampling import process_logits, probs_from_logits, sample
 from ..sequence import Sequence, common_prefix
+from ..structured import constrain
 from ..tree import DraftTree
 from .base import Draft
 
@@ -212,8 +213,13 @@ class ModelDrafter:
 
     @staticmethod
     def _process(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> torch.Tensor:
-        """The request's penalties (and min_tokens) on a draft logits row ``[vocab]``, the
-        drafts ``drafted`` counted as output (as the target's verify rows count them)."""
+        """The request's grammar mask, penalties (and min_tokens) on a draft logits row
+        ``[vocab]``, the drafts ``drafted`` counted as output (as the target's verify rows
+        count them). A grammar that leaves the draft's vocabulary nothing is not applied."""
+        if seq.grammar is not None:
+            masked = constrain(logits[None], seq.grammar.allowed([drafted])[:, :logits.shape[0]])[0]
+            if torch.isfinite(masked).any():
+                logits = masked
         if not seq.sampling.processes_logits:
             return logits
         return process_logits(logits[None], seq.sampling, seq.ids[: seq.prompt_len], seq.output_ids, [drafted],

@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..config import SamplingParams
+from ..config import SamplingParams, StructuredOutputs
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 16
@@ -63,6 +63,10 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False  # extension (vLLM)
     skip_special_tokens: bool = True  # extension (vLLM)
     num_draft_tokens: int | None = None  # extension: cap this request's k (0 = no speculation)
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", ...}}
+    response_format: dict | None = None
+    # extension (vLLM): {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    structured_outputs: dict | None = None
 
     def refuse_unsupported(self) -> None:
         if not 1 <= self.n <= MAX_N:
@@ -85,7 +89,8 @@ class _Request(BaseModel):
                                   ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   logit_bias=self._logit_bias(), n=self.n, logprobs=self.requested_logprobs,
-                                  prompt_logprobs=self.requested_prompt_logprobs)
+                                  prompt_logprobs=self.requested_prompt_logprobs,
+                                  structured_outputs=self._structured_outputs())
         except ValueError as e:
             msg = str(e).replace("max_new_tokens", "max_tokens")
             field_name = msg.split()[0] if msg.split()[0] in type(self).model_fields else None
@@ -108,6 +113,32 @@ class _Request(BaseModel):
 
     def chat_options(self) -> dict | None:
         """``apply_chat_template`` options (chat requests)."""
+        return None
+
+    def _structured_outputs(self) -> StructuredOutputs | None:
+        """The output's constraint, from ``response_format`` or vLLM's ``structured_outputs``."""
+        fmt = self.response_format or {"type": "text"}
+        kind = fmt.get("type")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise bad_request("response_format.type must be 'text', 'json_object' or 'json_schema'", "response_format")
+        if kind != "text" and self.structured_outputs:
+            raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
+        try:
+            if kind == "json_object":
+                return StructuredOutputs(json_object=True)
+            if kind == "json_schema":
+                schema = (fmt.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format.json_schema.schema must be a JSON schema (an object)")
+                return StructuredOutputs(json=schema)
+            if self.structured_outputs:
+                known = {"json", "regex", "choice", "grammar", "json_object"}
+                if set(self.structured_outputs) - known:
+                    raise ValueError(f"structured_outputs takes {', '.join(sorted(known))}; got "
+                                     f"{', '.join(sorted(set(self.structured_outputs) - known))}")
+                return StructuredOutputs(**self.structured_outputs)
+        except ValueError as e:
+            raise bad_request(str(e), "response_format" if kind != "text" else "structured_outputs") from None
         return None
 
     def _logit_bias(self) -> dict[int, float]:
@@ -189,7 +220,6 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list | None = None
-    response_format: dict | None = None
     chat_template_kwargs: dict[str, object] | None = None  # extension (vLLM), e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True  # extension (vLLM)
     continue_final_message: bool = False  # extension (vLLM): continue the last assistant message
@@ -198,8 +228,6 @@ class ChatCompletionRequest(_Request):
         super().refuse_unsupported()
         if self.tools:
             raise bad_request("tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 

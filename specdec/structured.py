@@ -1,0 +1,120 @@
+"""Structured outputs: the output's text must follow a JSON schema, a regular expression, a
+choice of strings or a grammar (``StructuredOutputs``), through llguidance's matcher (one
+of vLLM's structured-output backends).
+
+The constraint is a mask on the target's logits, applied before any other processing, on
+every row the target scores: the prefill's last row and each verify row. Verify row ``i``
+follows the committed ids plus the drafts before it, so each row gets its own mask: the
+matcher consumes the row's draft path, writes the mask, and rolls back. A draft token the
+grammar forbids has ``p = 0`` on its row, so it is rejected there (greedy and sampled
+alike) and the rows after it are never reached. The constrained target is thus verified
+exactly as an unconstrained one: greedy output equals the constrained target's own, and
+sampled output follows its distribution. Drafters draft unconstrained, except that the
+grammar's forced tokens (``forced``) make free drafts.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from .config import StructuredOutputs
+from .sequence import common_prefix
+
+# llguidance's grammar formats by StructuredOutputs kind (json_object: any JSON object)
+_FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "choice": "choice",
+            "grammar": "grammar"}  # grammar: Lark, or llama.cpp's GBNF (converted to Lark)
+
+
+def grammar_text(so: StructuredOutputs) -> str:
+    """``so``'s constraint as the text of its llguidance format."""
+    if so.json_object:
+        return '{"type": "object"}'
+    if so.choice is not None:
+        return json.dumps(list(so.choice))
+    return getattr(so, so.kind)
+
+
+class Grammars:
+    """Compiles ``StructuredOutputs`` against one model's tokenizer. The llguidance tokenizer
+    is built on first use (about 1 s for a 150k vocabulary) and kept; ``eos_ids`` are the
+    tokens that end the output once the grammar is complete."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int]):
+        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
+        self._lltokenizer = None
+
+    def matcher(self, so: StructuredOutputs) -> "Matcher":
+        """A fresh matcher for one sequence (``ValueError`` naming the field when the
+        schema, regex or grammar is invalid)."""
+        import llguidance
+        import llguidance.hf
+
+        if self._lltokenizer is None:
+            self._lltokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                             eos_token=sorted(self.eos_ids) or None)
+        def invalid(error) -> ValueError:  # llguidance's message on one line
+            return ValueError(f"structured_outputs.{so.kind}: {' '.join(str(error).split())}")
+
+        try:
+            grammar = llguidance.grammar_from(_FORMATS[so.kind], grammar_text(so))
+        except ValueError as e:
+            raise invalid(e) from None
+        matcher = llguidance.LLMatcher(self._lltokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise invalid(matcher.get_error())
+        return Matcher(matcher, self.vocab_size, self.eos_ids)
+
+
+class Matcher:
+    """One sequence's grammar state, at the end of its committed output between steps."""
+
+    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int]):
+        self._m, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
+        self._words = (vocab_size + 31) // 32  # the bitmask's int32 words per row
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def copy(self) -> "Matcher":
+        return Matcher(self._m.deep_copy(), self.vocab_size, self.eos_ids)
+
+    def allowed(self, paths: list[list[int]]) -> torch.Tensor:
+        """``[rows, vocab]`` bool: the tokens the grammar allows after the committed output
+        plus ``paths[i]`` (a row's drafts before it). A row behind a forbidden draft is never
+        reached: it allows everything. An empty mask (the matcher failed) allows EOS only."""
+        words = torch.full((len(paths), self._words), -1, dtype=torch.int32)  # [rows, words]
+        consumed: list[int] = []  # drafts the matcher holds beyond the committed output
+        for i, path in enumerate(paths):
+            keep = common_prefix(consumed, path)
+            if keep < len(consumed):
+                self._m.rollback(len(consumed) - keep)
+                del consumed[keep:]
+            more = path[keep:]
+            n = self._m.try_consume_tokens(more) if more else 0
+            consumed += more[:n]
+            if n < len(more):  # a forbidden draft on this path
+                continue
+            row = words[i]
+            self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+        if consumed:
+            self._m.rollback(len(consumed))
+        mask = ((words[:, :, None] >> self._bits) & 1).bool().view(len(paths), -1)[:, :self.vocab_size]
+        empty = ~mask.any(-1)  # [rows]
+        if empty.any():
+            ends = torch.zeros(self.vocab_size, dtype=torch.bool)
+            ends[sorted(self.eos_ids)] = True
+            mask[empty] = ends if self.eos_ids else True
+        return mask  # [rows, vocab]
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` the grammar allows in a row after the committed output."""
+        return self._m.validate_tokens(tokens)
+
+    def advance(self, tokens: list[int]) -> None:
+        """Commit ``tokens`` (each one the masks allowed)."""
+        self._m.try_consume_tokens(tokens)
+
+
+
+def constrain(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``logits [rows, vocab]`` with the tokens ``allowed [rows, vocab]`` forbids at -inf."""
+    return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))

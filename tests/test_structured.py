@@ -1,0 +1,151 @@
+"""Structured outputs: a grammar mask on every row the target scores, so speculation stays
+lossless against the constrained target (greedy equality with every drafter, the
+constrained distribution by chi-square)."""
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec import LLM, SamplingParams, SpecConfig, StructuredOutputs
+
+PROMPTS = ["Hello world, this is a test of speculative decoding", "abc",
+           "The quick brown fox jumps over the lazy dog. The quick brown"]
+REGEX = r"[ab]{3}-[0-9]{2}(x|yz)"
+CHOICE = ["aa", "ab", "ba", "bbb", "c"]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
+          "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"enum": ["x", "y"]}},
+          "x-guidance": {"whitespace_flexible": False}}  # llguidance's option: no free whitespace
+LARK = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,3}/'
+CASES = {"regex": StructuredOutputs(regex=REGEX), "choice": StructuredOutputs(choice=CHOICE),
+         "json": StructuredOutputs(json=SCHEMA), "grammar": StructuredOutputs(grammar=LARK)}
+
+
+def follows(kind: str, text: str) -> bool:
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "choice":
+        return text in CHOICE
+    if kind == "json":
+        obj = json.loads(text)
+        return set(obj) == {"a", "b"} and 0 <= obj["a"] <= 99 and obj["b"] in ("x", "y")
+    return re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3})*\)", text) is not None
+
+
+def test_structured_outputs_config():
+    assert StructuredOutputs(json={"type": "object"}).json == '{"type": "object"}'
+    assert StructuredOutputs(json_object=True).kind == "json_object"
+    sp = SamplingParams(structured_outputs={"choice": ["a", "b"]})
+    assert sp.structured_outputs == StructuredOutputs(choice=("a", "b"))
+    hash(sp)
+    for kw, msg in [({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"),
+                    ({"json": "{not json"}, "not a JSON schema"), ({"json": "[1]"}, "JSON object"),
+                    ({"choice": "ab"}, "list of strings"), ({"choice": []}, "at least one"),
+                    ({"regex": ""}, "non-empty")]:
+        with pytest.raises(ValueError, match=msg):
+            StructuredOutputs(**kw)
+    with pytest.raises(ValueError, match="StructuredOutputs"):
+        SamplingParams(structured_outputs="json")
+
+
+def test_invalid_constraint_is_a_value_error(loaded):
+    llm = LLM(loaded("llama"))
+    for so, field in [(StructuredOutputs(regex="(ab"), "regex"), (StructuredOutputs(grammar="start: nowhere"), "grammar"),
+                      (StructuredOutputs(json={"type": "nonsense"}), "json")]:
+        with pytest.raises(ValueError, match=f"structured_outputs.{field}"):
+            llm.generate("abc", SamplingParams(structured_outputs=so))
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_greedy_constrained_output_equal_under_speculation(loaded, kind):
+    """The text follows the constraint, and every drafter (self, n-gram and a random draft
+    model, chains and trees) gives plain decoding's constrained output; the self-draft,
+    drafting under the same grammar, has every draft accepted."""
+    sp = SamplingParams(max_new_tokens=40, structured_outputs=CASES[kind])
+    base = LLM(loaded("llama")).generate(PROMPTS, sp)
+    for o in base:
+        assert o.finish_reason == "stop" and follows(kind, o.text), o.text
+    assert [o.text for o in base] != [o.text for o in LLM(loaded("llama")).generate(PROMPTS, SamplingParams(max_new_tokens=40))]
+    for method, draft, topk in [("self", None, 1), ("ngram", None, 1), ("draft", "draft", 1), ("self", None, 2),
+                                ("ngram", None, 2), ("draft", "draft", 2)]:
+        llm = LLM(loaded("llama"), draft=loaded(draft) if draft else None,
+                  speculative=SpecConfig(method=method, num_draft_tokens=3, tree_topk=topk))
+        outs = llm.generate(PROMPTS, sp)
+        assert [o.token_ids for o in outs] == [b.token_ids for b in base], (method, topk)
+        if method == "self" and topk == 1:
+            assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs if o.metrics["drafted_tokens"])
+
+
+def test_matcher_masks_each_row_after_its_drafts(loaded):
+    """Row i's mask follows the drafts before it; a row behind a forbidden draft allows
+    everything (never reached), and the matcher is back at the committed output after."""
+    llm = LLM(loaded("llama"))
+    m = llm.grammars.matcher(StructuredOutputs(regex=REGEX))
+    tok = llm.tokenizer
+    a, b, dash, x = (tok.convert_tokens_to_ids(c) for c in "ab-x")
+    before = m.allowed([[]])
+    rows = m.allowed([[], [a], [a, b], [a, b, x], [a, b, x, dash]])  # x is forbidden third
+    assert rows.shape == (5, llm.target.runtime.vocab_size)
+    assert set(rows[0].nonzero()[:, 0].tolist()) == {a, b}
+    assert rows[3].all() and rows[4].all()
+    assert torch.equal(m.allowed([[]]), before)
+    assert m.valid_prefix([a, b, x, dash]) == 2 and m.valid_prefix([a, b, a, dash]) == 4
+    m.advance([a, b, a])
+    assert m.allowed([[]])[0].nonzero()[:, 0].tolist() == [dash]
+
+
+def test_grammar_wins_over_min_tokens(loaded):
+    """A complete grammar allows only EOS; min_tokens does not ban it then (the row would be
+    empty), so the output ends."""
+    sp = SamplingParams(max_new_tokens=20, min_tokens=10, structured_outputs=StructuredOutputs(choice=["ab"]))
+    for method in ("none", "ngram", "self"):
+        o = LLM(loaded("llama"), speculative=SpecConfig(method=method)).generate("abc", sp)[0]
+        assert o.text == "ab" and o.finish_reason == "stop", method
+
+
+def constrained_probs(model, prompt_ids: list[int], choices: list[list[int]], eos: int, temperature: float) -> np.ndarray:
+    """Exact probability of each choice (token ids, then EOS) under the target with the
+    choice grammar's masks at every step, by teacher forcing."""
+    out = []
+    for c in choices:
+        logp = 0.0
+        seq = c + [eos]
+        for i, t in enumerate(seq):
+            allowed = {d[i] for d in choices if d[:i] == c[:i] and len(d) > i} | ({eos} if i == len(c) else set())
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt_ids + c[:i]])).logits[0, -1] / temperature
+            mask = torch.full_like(logits, float("-inf"))
+            mask[sorted(allowed)] = 0
+            logp += float((logits + mask).log_softmax(-1)[t])
+        out.append(np.exp(logp))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_sampled_constrained_distribution_is_exact(loaded, tiny_dirs, method):
+    """Sampling under a choice grammar with speculation (a random draft model's q, or the
+    n-gram's one-hot drafts) draws each choice with its exact constrained probability:
+    chi-square goodness of fit at alpha = 0.001 over 768 samples."""
+    from transformers import AutoModelForCausalLM
+
+    temperature, n = 2.0, 768
+    llm = LLM(loaded("llama"), draft=loaded("draft") if method == "draft" else None,
+              speculative=SpecConfig(method=method, num_draft_tokens=3), max_batch_size=32)
+    tok = llm.tokenizer
+    prompt = tok("aabbbabaacbbbab")["input_ids"]  # the n-gram finds drafts here
+    choices = [tok(c, add_special_tokens=False)["input_ids"] for c in CHOICE]
+    expected = constrained_probs(AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval(), prompt, choices,
+                                 tok.eos_token_id, temperature)
+    assert expected.sum() == pytest.approx(1.0, abs=1e-4) and expected.min() * n > 5
+    sps = [SamplingParams(max_new_tokens=8, temperature=temperature, seed=j * n // 16, n=n // 16,
+                          structured_outputs=StructuredOutputs(choice=CHOICE)) for j in range(16)]  # n seeds
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 16, sps)
+    texts = [c.text for o in outs for c in o.outputs]
+    counts = np.array([texts.count(c) for c in CHOICE])
+    assert counts.sum() == n
+    print(f"{method}: observed {counts / n}, expected {expected}")
+    drafted = sum(o.metrics["drafted_tokens"] for o in outs)
+    assert drafted > 0 and sum(o.metrics["accepted_tokens"] for o in outs) < drafted  # rejections happened
+    assert chisquare(counts, expected / expected.sum() * n).pvalue > 1e-3, (counts / n, expected)
