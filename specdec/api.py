@@ -207,14 +207,15 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
         """``generate`` for one conversation or a list of them, as vLLM's ``LLM.chat``:
         ``chat_template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``);
         ``continue_final_message`` continues the last (assistant) message instead of
-        starting a new one."""
+        starting a new one; ``tools`` (OpenAI's function specs) go to the template, which
+        lists them for the model (reading calls from the text: ``specdec.tools``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        options = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
-                   "continue_final_message": continue_final_message}
+        options = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {}),
+                   "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
         outs = self.generate([{"prompt_token_ids": self.encode(c, options)} for c in conversations], sampling_params)
         for out, conversation in zip(outs, conversations):
             out.prompt = conversation

@@ -12,6 +12,7 @@ import os
 import sys
 
 from .config import BACKENDS, LOAD_FORMATS, METHODS, EngineConfig, SamplingParams, SpecConfig, StructuredOutputs
+from .tools import PARSERS
 
 
 def add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -270,11 +271,14 @@ def cmd_serve(a) -> int:
         raise ValueError(f"--max-request-bytes must be >= 1, got {a.max_request_bytes}")
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {a.port}")
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     from .server import create_app, serve
 
     llm = make_llm(a)
     app = create_app(llm, served_model_name=a.served_model_name, max_queue=a.max_queue,
-                     api_key=a.api_key, max_request_bytes=a.max_request_bytes)
+                     api_key=a.api_key, max_request_bytes=a.max_request_bytes,
+                     enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser)
     print(f"specdec: serving {app.state.served_model_name!r} (method {llm.spec.method}) on "
           f"http://{a.host}:{a.port}/v1", file=sys.stderr)
     serve(app, a.host, a.port, a.log_level)
@@ -330,6 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--served-model-name", help="model id in requests and /v1/models (default: --model)")
     h.add_argument("--max-request-bytes", type=int, default=2_000_000,
                    help="larger request bodies get 413 (default %(default)s)")
+    h.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="chat requests with tools and tool_choice auto (the default with tools): the model "
+                        "decides whether to call them; needs --tool-call-parser")
+    h.add_argument("--tool-call-parser", choices=PARSERS,
+                   help="how tool calls are read from the model's text: hermes = <tool_call>{json}</tool_call> "
+                        "(Qwen2.5, Hermes)")
     h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
 

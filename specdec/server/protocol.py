@@ -1,11 +1,13 @@
 """OpenAI request bodies (pydantic, strict types) and the errors the API returns."""
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..config import SamplingParams, StructuredOutputs
+from ..tools import compact, required_schema
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 16
@@ -203,15 +205,71 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
+class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it: arguments as objects (templates write
+        them with ``tojson``), optional fields only when given."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        out.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
+        return out
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolSpec(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ChosenFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatCompletionRequest(_Request):
@@ -219,25 +277,63 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, object] | None = None  # extension (vLLM), e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True  # extension (vLLM)
     continue_final_message: bool = False  # extension (vLLM): continue the last assistant message
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.named_function is None:
+            raise bad_request(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools",
+                              "tool_choice")
+        if self.tool_mode in ("required", "function") and (self.structured_outputs or (self.response_format or {})
+                                                           .get("type", "text") != "text"):
+            raise bad_request("a required or named tool_choice constrains the output already; drop "
+                              "response_format / structured_outputs", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 
+    @property
+    def tool_mode(self) -> str | None:
+        """How the answer may call tools: None (no tools, or tool_choice "none"), "auto" (the
+        model decides; a parser reads the calls), "required" (one call or more) or
+        "function" (the named one)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "function"
+        return self.tool_choice or "auto"
+
+    @property
+    def named_function(self) -> FunctionSpec | None:
+        """The function a named tool_choice calls, from ``tools``."""
+        name = self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+        return next((t.function for t in self.tools or [] if t.function.name == name), None)
+
+    def _structured_outputs(self) -> StructuredOutputs | None:
+        """A required or named tool_choice constrains the output to the calls' JSON."""
+        try:
+            if self.tool_mode == "required":
+                functions = [t.function.model_dump(exclude_none=True) for t in self.tools]
+                return StructuredOutputs(json=required_schema(functions, self.parallel_tool_calls))
+            if self.tool_mode == "function":
+                return StructuredOutputs(json=compact(self.named_function.parameters or {"type": "object"}))
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from None
+        return super()._structured_outputs()
+
     def chat_options(self) -> dict:
-        return {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.tool_mode else {}
+        return {**(self.chat_template_kwargs or {}), **tools, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 
     def prompt_inputs(self) -> list[list[dict]]:
-        return [[{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                 for m in self.messages]]
+        return [[m.for_template() for m in self.messages]]
 
     @property
     def requested_logprobs(self) -> int | None:

@@ -1,4 +1,5 @@
-"""Incremental detokenization for streaming, holding back text that could begin a stop string."""
+"""Incremental detokenization for streaming, holding back text that could begin a stop string
+(or a tool call)."""
 from __future__ import annotations
 
 from ..config import SamplingParams
@@ -15,9 +16,10 @@ class TextStream:
     stop is ever sent (the engine finishes the request as soon as a stop completes).
     """
 
-    def __init__(self, tokenizer, sp: SamplingParams = SamplingParams()):
+    def __init__(self, tokenizer, sp: SamplingParams = SamplingParams(), hold: tuple[str, ...] = ()):
         self.tok = tokenizer
         self.sp = sp
+        self.hold = hold  # markers add() never sends, nor anything after them (a tool call's start)
         self.ids: list[int] = []
         self.prefix = 0  # window start (token index)
         self.read = 0  # tokens whose text is in self.text
@@ -36,6 +38,9 @@ class TextStream:
             self.text += window[len(before):]
             self.prefix, self.read = self.read, len(self.ids)
         safe = len(self.text) - self._held_back()
+        marks = [i for i in (self.text.find(m) for m in self.hold) if i >= 0]
+        if marks:
+            safe = min(safe, min(marks))
         if safe <= self.sent:
             return ""
         delta = self.text[self.sent:safe]
@@ -43,9 +48,10 @@ class TextStream:
         return delta
 
     def _held_back(self) -> int:
-        """Characters at the end of the text that are a proper prefix of some stop string."""
+        """Characters at the end of the text that are a proper prefix of some stop string
+        (or held marker)."""
         hold = 0
-        for stop in self.sp.stop:
+        for stop in self.sp.stop + self.hold:
             for n in range(min(len(stop) - 1, len(self.text)), hold, -1):
                 if self.text.endswith(stop[:n]):
                     hold = n

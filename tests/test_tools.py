@@ -1,0 +1,150 @@
+"""Tool calls: the Hermes parser, and the server's tools / tool_choice (auto through the
+parser, required and named through structured outputs), streamed and not."""
+import json
+
+import httpx
+import openai
+import pytest
+
+from specdec import LLM, SpecConfig
+from specdec.server import BackgroundServer, create_app
+from specdec.tools import ToolCall, could_be_call, parse_hermes, parse_required, required_schema
+
+MODEL = "tiny"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"enum": ["Paris", "Rome"]}}}}}
+SEARCH = {"type": "function", "function": {
+    "name": "search", "parameters": {"type": "object", "additionalProperties": False, "required": ["q"],
+                                     "properties": {"q": {"type": "string", "maxLength": 8}}}}}
+TOOLS = [WEATHER, SEARCH]
+MESSAGES = [{"role": "user", "content": "weather in Paris?"}]
+NAMES = frozenset({"get_weather", "search"})
+
+
+def test_parse_hermes():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
+           '<tool_call>\n{"name": "search", "arguments": {"q": "é"}}'  # the last one without its end tag
+    content, calls = parse_hermes(text, NAMES)
+    assert content == "Let me check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("search", {"q": "é"})]
+    assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
+    assert parse_hermes('<tool_call>{"name": "f", "arguments": {}}</tool_call>')[0] is None
+    bad = 'x <tool_call>{"name": "f", "arguments": {</tool_call>'
+    assert parse_hermes(bad) == (bad, [])  # not JSON: text
+    bare = '```json\n{"name": "search", "arguments": {"q": "x"}}\n```'
+    assert [c.name for c in parse_hermes(bare, NAMES)[1]] == ["search"] and parse_hermes(bare, NAMES)[0] is None
+    both = '[{"name": "search", "arguments": {"q": "x"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    assert [c.name for c in parse_hermes(both, NAMES)[1]] == ["search", "get_weather"]
+    for text in ('{"name": "unknown", "arguments": {}}', '{"a": 1}', "plain words", bare):
+        assert parse_hermes(text) == (text, [])  # unknown names (none given here) stay text
+    assert parse_required('[{"name": "search", "parameters": {"q": "x"}}]')[0].arguments == '{"q": "x"}'
+    assert parse_required('[{"name": "search", "param') == []
+    assert ToolCall("f", "{}", "call_1").to_openai(0) == {
+        "index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert could_be_call(" \n{") and could_be_call("```") and could_be_call("") and not could_be_call("Sure")
+    schema = required_schema([WEATHER["function"]], parallel=False)
+    assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]
+
+
+@pytest.fixture(scope="module")
+def tool_server(loaded):
+    llm = LLM(loaded("llama"), speculative=SpecConfig(method="self", num_draft_tokens=3), max_batch_size=2)
+    with BackgroundServer(create_app(llm, served_model_name=MODEL, enable_auto_tool_choice=True,
+                                     tool_call_parser="hermes")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(tool_server):
+    return openai.OpenAI(base_url=tool_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def streamed(client, **kw) -> tuple[str, list, str]:
+    """(content, tool calls as (index, name, arguments), finish reason) of a streamed answer."""
+    content, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += [(c.index, c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "search"}}])
+def test_required_and_named_tool_choice(client, choice):
+    """The answer is constrained to calls: "required" returns one call or more to the given
+    functions, with arguments that follow their schemas and finish reason tool_calls; a
+    named function, its arguments (finish reason stop, as OpenAI's). Streamed: the same."""
+    kw = dict(messages=MESSAGES, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=60)
+    r = client.chat.completions.create(model=MODEL, **kw).choices[0]
+    assert r.message.content is None and r.message.tool_calls
+    for call in r.message.tool_calls:
+        args = json.loads(call.function.arguments)
+        assert call.function.name in ("get_weather", "search") and call.type == "function"
+        assert args in ({"city": "Paris"}, {"city": "Rome"}) if call.function.name == "get_weather" else set(args) == {"q"}
+    assert r.finish_reason == ("tool_calls" if choice == "required" else "stop")
+    if choice != "required":
+        assert [c.function.name for c in r.message.tool_calls] == ["search"]
+    content, calls, finish = streamed(client, **kw)
+    assert content == "" and finish == r.finish_reason
+    assert calls == [(j, c.function.name, c.function.arguments) for j, c in enumerate(r.message.tool_calls)]
+
+
+def test_auto_tool_choice_parses_hermes_calls(client):
+    """With "auto" the model's own text is parsed: here a regex makes the tiny model write
+    some words and then a Hermes call. The words are the content, the call a tool call
+    (finish reason tool_calls); streamed, the content arrives without any of the call's text."""
+    regex = r'Sure[a-z]{0,3}\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
+    kw = dict(messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=120, extra_body={"structured_outputs": {"regex": regex}})
+    r = client.chat.completions.create(model=MODEL, **kw).choices[0]
+    assert r.message.content.startswith("Sure") and "<tool_call>" not in r.message.content
+    assert [c.function.name for c in r.message.tool_calls] == ["get_weather"] and r.finish_reason == "tool_calls"
+    content, calls, finish = streamed(client, **kw)
+    assert content == r.message.content and finish == "tool_calls"
+    assert calls == [(0, "get_weather", r.message.tool_calls[0].function.arguments)]
+    plain = dict(kw, extra_body={"structured_outputs": {"regex": "[a-z ]{3,12}"}})  # no call: text as usual
+    r = client.chat.completions.create(model=MODEL, **plain).choices[0]
+    assert r.message.tool_calls is None and r.finish_reason == "stop" and r.message.content
+    assert streamed(client, **plain) == (r.message.content, [], "stop")
+
+
+def test_tool_conversation_and_none(client):
+    """A conversation with an earlier call and its result goes through the chat template;
+    tool_choice "none" answers as without tools."""
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", temperature=0,
+                                       max_tokens=8)
+    ref = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
+    assert r.choices[0].message.content == ref.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("body, server, match", [
+    ({"tools": TOOLS}, "plain", "--enable-auto-tool-choice"),  # auto is the default with tools
+    ({"tool_choice": "required"}, "tools", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tools", "not in tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tools", "constrains"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools", "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tools", "tool_choice"),
+])
+def test_tool_request_errors(loaded, tool_server, body, server, match):
+    url = tool_server.url
+    if server == "plain":  # a server without auto tool choice
+        llm = LLM(loaded("llama"), max_batch_size=1)
+        with BackgroundServer(create_app(llm, served_model_name=MODEL)) as srv:
+            r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **body})
+    else:
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **body})
+    assert r.status_code == 400 and match in r.json()["error"]["message"], r.text
+
+
+def test_auto_tool_choice_needs_a_parser(loaded):
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        create_app(LLM(loaded("llama")), enable_auto_tool_choice=True)
