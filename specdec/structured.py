@@ -15,6 +15,7 @@ grammar's forced tokens (``forced``) make free drafts.
 from __future__ import annotations
 
 import json
+import threading
 
 import torch
 
@@ -43,16 +44,23 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int]):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
         self._lltokenizer = None
+        self._lock = threading.Lock()
+
+    def lltokenizer(self):
+        """llguidance's tokenizer, built on the first call (a server calls this in a thread
+        at startup, so that its first structured request does not wait for it)."""
+        import llguidance.hf
+
+        with self._lock:
+            if self._lltokenizer is None:
+                self._lltokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+                                                                 eos_token=sorted(self.eos_ids) or None)
+            return self._lltokenizer
 
     def matcher(self, so: StructuredOutputs) -> "Matcher":
         """A fresh matcher for one sequence (``ValueError`` naming the field when the
         schema, regex or grammar is invalid)."""
         import llguidance
-        import llguidance.hf
-
-        if self._lltokenizer is None:
-            self._lltokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                             eos_token=sorted(self.eos_ids) or None)
         def invalid(error) -> ValueError:  # llguidance's message on one line
             return ValueError(f"structured_outputs.{so.kind}: {' '.join(str(error).split())}")
 
@@ -60,7 +68,7 @@ class Grammars:
             grammar = llguidance.grammar_from(_FORMATS[so.kind], grammar_text(so))
         except ValueError as e:
             raise invalid(e) from None
-        matcher = llguidance.LLMatcher(self._lltokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.lltokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise invalid(matcher.get_error())
         return Matcher(matcher, self.vocab_size, self.eos_ids)

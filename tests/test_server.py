@@ -479,6 +479,9 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     (C, {**OK_C, "structured_outputs": {"regex": "a", "choice": ["b"]}}, AUTH, 400),
     (C, {**OK_C, "structured_outputs": {"structural_tag": "x"}}, AUTH, 400),
     (C, {**OK_C, "structured_outputs": {"choice": ["yes", "no"]}}, AUTH, 200),
+    (C, {**OK_C, "guided_choice": ["yes", "no"]}, AUTH, 200),  # vLLM's older names
+    (C, {**OK_C, "guided_regex": "(ab"}, AUTH, 400),
+    (C, {**OK_C, "guided_regex": "a", "structured_outputs": {"regex": "b"}}, AUTH, 400),
     (CHAT, {**OK_CHAT, "response_format": {"type": "text"}}, AUTH, 200),
     (C, {**OK_C, "prompt": "x" * 5000}, AUTH, 413),
     (C, OK_C, AUTH, 200),
@@ -707,3 +710,5 @@ def test_structured_outputs(llm, client):
     whole = client.completions.create(**body).choices[0].text
     streamed = "".join(c.choices[0].text for c in client.completions.create(**body, stream=True) if c.choices)
     assert re.fullmatch("[ab]{3}-[0-9]{2}", whole) and streamed == whole
+    guided = dict(body, extra_body={"guided_regex": "[ab]{3}-[0-9]{2}"})  # vLLM's older name
+    assert client.completions.create(**guided).choices[0].text == whole

@@ -15,6 +15,7 @@ import hmac
 import json
 import logging
 import re
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -61,6 +62,8 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         scheduler.start()
+        # structured outputs' tokenizer (about 1 s for a 150k vocabulary), off the event loop
+        threading.Thread(target=llm.grammars.lltokenizer, name="specdec-grammars", daemon=True).start()
         try:
             yield
         finally:

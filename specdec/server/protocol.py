@@ -69,6 +69,11 @@ class _Request(BaseModel):
     response_format: dict | None = None
     # extension (vLLM): {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
     structured_outputs: dict | None = None
+    # vLLM's older names for the same (before structured_outputs)
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def refuse_unsupported(self) -> None:
         if not 1 <= self.n <= MAX_N:
@@ -117,13 +122,24 @@ class _Request(BaseModel):
         """``apply_chat_template`` options (chat requests)."""
         return None
 
+    def _structure_fields(self) -> dict:
+        """The ``StructuredOutputs`` fields asked for: ``structured_outputs``, or vLLM's older
+        ``guided_*`` fields."""
+        guided = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
+        if guided and self.structured_outputs:
+            raise bad_request("give structured_outputs or the guided_* fields, not both", "structured_outputs")
+        return self.structured_outputs or guided
+
     def _structured_outputs(self) -> StructuredOutputs | None:
-        """The output's constraint, from ``response_format`` or vLLM's ``structured_outputs``."""
+        """The output's constraint, from ``response_format``, vLLM's ``structured_outputs`` or
+        its ``guided_*`` fields."""
         fmt = self.response_format or {"type": "text"}
         kind = fmt.get("type")
         if kind not in ("text", "json_object", "json_schema"):
             raise bad_request("response_format.type must be 'text', 'json_object' or 'json_schema'", "response_format")
-        if kind != "text" and self.structured_outputs:
+        spec = self._structure_fields()
+        if kind != "text" and spec:
             raise bad_request("give response_format or structured_outputs, not both", "structured_outputs")
         try:
             if kind == "json_object":
@@ -133,12 +149,12 @@ class _Request(BaseModel):
                 if not isinstance(schema, dict):
                     raise ValueError("response_format.json_schema.schema must be a JSON schema (an object)")
                 return StructuredOutputs(json=schema)
-            if self.structured_outputs:
+            if spec:
                 known = {"json", "regex", "choice", "grammar", "json_object"}
-                if set(self.structured_outputs) - known:
+                if set(spec) - known:
                     raise ValueError(f"structured_outputs takes {', '.join(sorted(known))}; got "
-                                     f"{', '.join(sorted(set(self.structured_outputs) - known))}")
-                return StructuredOutputs(**self.structured_outputs)
+                                     f"{', '.join(sorted(set(spec) - known))}")
+                return StructuredOutputs(**spec)
         except ValueError as e:
             raise bad_request(str(e), "response_format" if kind != "text" else "structured_outputs") from None
         return None
@@ -291,8 +307,8 @@ class ChatCompletionRequest(_Request):
         if isinstance(self.tool_choice, NamedToolChoice) and self.named_function is None:
             raise bad_request(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools",
                               "tool_choice")
-        if self.tool_mode in ("required", "function") and (self.structured_outputs or (self.response_format or {})
-                                                           .get("type", "text") != "text"):
+        constrained = self._structure_fields() or (self.response_format or {}).get("type", "text") != "text"
+        if self.tool_mode in ("required", "function") and constrained:
             raise bad_request("a required or named tool_choice constrains the output already; drop "
                               "response_format / structured_outputs", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
