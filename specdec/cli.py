@@ -12,6 +12,7 @@ import os
 import sys
 
 from .config import BACKENDS, LOAD_FORMATS, METHODS, EngineConfig, SamplingParams, SpecConfig, StructuredOutputs
+from .answer import REASONING_PARSERS
 from .tools import PARSERS
 
 
@@ -278,7 +279,8 @@ def cmd_serve(a) -> int:
     llm = make_llm(a)
     app = create_app(llm, served_model_name=a.served_model_name, max_queue=a.max_queue,
                      api_key=a.api_key, max_request_bytes=a.max_request_bytes,
-                     enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser)
+                     enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
+                     reasoning_parser=a.reasoning_parser)
     print(f"specdec: serving {app.state.served_model_name!r} (method {llm.spec.method}) on "
           f"http://{a.host}:{a.port}/v1", file=sys.stderr)
     serve(app, a.host, a.port, a.log_level)
@@ -340,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--tool-call-parser", choices=PARSERS,
                    help="how tool calls are read from the model's text: hermes = <tool_call>{json}</tool_call> "
                         "(Qwen2.5, Hermes)")
+    h.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="return a thinking model's <think>...</think> as reasoning_content (qwen3: the answer "
+                        "opens <think>; deepseek_r1: the prompt does)")
     h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
 

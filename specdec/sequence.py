@@ -31,6 +31,18 @@ def cut_after_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
     return tokens
 
 
+def held_back(text: str, markers) -> int:
+    """Characters at the end of ``text`` that are a proper prefix of one of ``markers`` (a
+    stream waits for more before sending them)."""
+    hold = 0
+    for marker in markers:
+        for n in range(min(len(marker) - 1, len(text)), hold, -1):
+            if text.endswith(marker[:n]):
+                hold = n
+                break
+    return hold
+
+
 class TokenLogprobs(NamedTuple):
     """One output token's log-probability under the target, its rank in the vocabulary
     (1 = the most likely) and the ``logprobs`` most likely tokens as ``(id, logprob)``."""

@@ -148,3 +148,71 @@ def test_tool_request_errors(loaded, tool_server, body, server, match):
 def test_auto_tool_choice_needs_a_parser(loaded):
     with pytest.raises(ValueError, match="tool_call_parser"):
         create_app(LLM(loaded("llama")), enable_auto_tool_choice=True)
+
+
+ANSWERS = [
+    "<think>\nThe user wants weather.\n</think>\n\nSure.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "<think>short</think>plain answer with <thin and </thi in it",
+    '```json\n{"name": "search", "arguments": {"q": "x"}}\n```',
+    "I reason here</think>then answer",
+    "no tags at all <tool_call> {broken",
+    "<thi",
+]
+
+
+@pytest.mark.parametrize("reasoning", [None, "qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("tool_mode", [None, "auto"])
+def test_answer_views_only_grow(reasoning, tool_mode):
+    """For every prefix of an answer, each part of the partial view (reasoning, content) is a
+    prefix of the whole answer's part: a stream never sends text it must take back."""
+    from specdec.answer import AnswerParser
+
+    parser = AnswerParser(reasoning, tool_mode, NAMES)
+    for text in ANSWERS:
+        final = parser.view(text, final=True)
+        for n in range(len(text) + 1):
+            part = parser.view(text[:n])
+            assert (final.reasoning or "").startswith(part.reasoning or ""), (text, n)
+            assert (final.content or "").startswith(part.content), (text, n)
+
+
+def test_answer_parts():
+    from specdec.answer import AnswerParser
+
+    a = AnswerParser("qwen3", "auto", NAMES).view(ANSWERS[0], final=True)
+    assert (a.reasoning, a.content, [c.name for c in a.calls]) == ("\nThe user wants weather.\n", "Sure.\n", ["get_weather"])
+    a = AnswerParser("deepseek_r1").view(ANSWERS[3], final=True)
+    assert (a.reasoning, a.content) == ("I reason here", "then answer")
+    assert AnswerParser("deepseek_r1").view("still thinking", final=True).reasoning == "still thinking"
+    assert AnswerParser("qwen3").view(ANSWERS[3], final=True).content == ANSWERS[3]  # qwen3 needs <think> first
+    assert AnswerParser("qwen3", "auto", NAMES).view("<think>a</think>Hello <tool_c").content == "Hello "
+    assert AnswerParser("qwen3").view("<think>a</thi").reasoning == "a"  # held: may be the end tag
+
+
+def test_reasoning_parser_on_the_server(loaded):
+    """--reasoning-parser qwen3: a thinking answer (forced by a regex here) comes back as
+    reasoning_content and content, the same streamed, with a tool call after the thinking."""
+    llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram"), max_batch_size=2)
+    regex = r'<think>\n[a-z]{2,6}\n</think>\n\n(Hi [a-z]{1,4}|Ok\n<tool_call>\n\{"name": "search", "arguments": \{"q": "x"\}\}\n</tool_call>)'
+    with BackgroundServer(create_app(llm, served_model_name=MODEL, reasoning_parser="qwen3", enable_auto_tool_choice=True,
+                                     tool_call_parser="hermes")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for tools in (None, TOOLS):
+            kw = dict(messages=MESSAGES, temperature=0, max_tokens=120, extra_body={"structured_outputs": {"regex": regex}},
+                      **({"tools": tools} if tools else {}))
+            r = client.chat.completions.create(model=MODEL, **kw).choices[0]
+            reasoning = r.message.model_extra["reasoning_content"]
+            assert 2 <= len(reasoning.strip()) <= 6 and "<think>" not in (r.message.content or "")
+            text, rc, calls, finish = "", "", [], None
+            for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
+                if chunk.choices:
+                    delta = chunk.choices[0].delta
+                    text += delta.content or ""
+                    rc += (delta.model_extra or {}).get("reasoning_content") or ""
+                    calls += [c.function.name for c in delta.tool_calls or []]
+                    finish = chunk.choices[0].finish_reason or finish
+            assert (rc, text or None, finish) == (reasoning, r.message.content, r.finish_reason)
+            assert calls == [c.function.name for c in r.message.tool_calls or []]
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        create_app(llm, reasoning_parser="o1")

@@ -26,9 +26,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..answer import REASONING_PARSERS, AnswerParser
 from ..api import LLM, encode_prompt
 from ..sequence import output_text
-from ..tools import PARSERS, START as TOOL_CALL_START, ToolCall, could_be_call, parse_hermes, parse_required
+from ..tools import PARSERS
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
 from .scheduler import QueueFull, Scheduler, ServerRequest, Update
@@ -41,13 +42,18 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int = 64,
                api_key: str | None = None, max_request_bytes: int = 2_000_000,
-               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None) -> FastAPI:
+               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+               reasoning_parser: str | None = None) -> FastAPI:
     """An app serving ``llm``: at most ``llm``'s max_batch_size requests run at once and
     ``max_queue`` more wait; beyond that a request gets 429. ``enable_auto_tool_choice``
     with a ``tool_call_parser`` (``hermes``) lets chat requests with tools have the model
-    decide whether to call them (vLLM's flags); required and named tool choices need neither."""
+    decide whether to call them (vLLM's flags); required and named tool choices need neither.
+    ``reasoning_parser`` (``qwen3``, ``deepseek_r1``) returns a thinking model's reasoning as
+    ``reasoning_content``, apart from the content (``answer.py``)."""
     if enable_auto_tool_choice and tool_call_parser not in PARSERS:
         raise ValueError(f"enable_auto_tool_choice needs a tool_call_parser: {', '.join(PARSERS)}")
+    if reasoning_parser not in (None, *REASONING_PARSERS):
+        raise ValueError(f"unknown reasoning_parser {reasoning_parser!r}; choose {', '.join(REASONING_PARSERS)}")
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     if max_request_bytes < 1:
@@ -57,7 +63,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
     metrics = ServerMetrics(name, slots)
     scheduler = Scheduler(llm.engine, metrics, slots, max_queue)
     api = _API(llm, name, scheduler, metrics, api_key, max_request_bytes,
-               tool_call_parser if enable_auto_tool_choice else None)
+               tool_call_parser if enable_auto_tool_choice else None, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -124,9 +130,11 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
 
 class _API:
     def __init__(self, llm: LLM, name: str, scheduler: Scheduler, metrics: ServerMetrics,
-                 api_key: str | None, max_request_bytes: int, tool_call_parser: str | None):
+                 api_key: str | None, max_request_bytes: int, tool_call_parser: str | None,
+                 reasoning_parser: str | None):
         self.llm, self.name, self.scheduler, self.metrics = llm, name, scheduler, metrics
         self.tool_call_parser = tool_call_parser  # None: no "auto" tool choice
+        self.reasoning_parser = reasoning_parser
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         # the handlers' own tokenizer: the scheduler thread decodes with the engine's
@@ -304,7 +312,13 @@ class _Output:
         self.created = int(time.time())
         self.text_offset = [0] * len(sreqs)  # completions logprobs: offset of each choice's next token text
         self.want_logprobs = sreqs[0].seq.logprobs is not None
-        self.tool_mode = req.tool_mode if chat else None  # see ChatCompletionRequest.tool_mode
+        # a chat answer with reasoning or tool calls to read: split into parts (answer.py)
+        tool_mode = req.tool_mode if chat else None
+        self.parser = None
+        if chat and (api.reasoning_parser or tool_mode):
+            named = req.named_function
+            self.parser = AnswerParser(api.reasoning_parser, tool_mode, frozenset(t.function.name for t in req.tools or []),
+                                       named.name if named else None)
 
     def usage(self) -> dict:
         firsts = self.sreqs[::self.req.n]  # each prompt once
@@ -338,30 +352,17 @@ class _Output:
             text, ids, lps = self.echoes[i] + text, prompt_ids + ids, prompt_lps + lps
         logprobs = self.logprobs(i, ids, lps) if self.want_logprobs else None
         if self.chat:
-            content, calls, finish_reason = self.tool_calls(text, finish_reason)
-            message = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = [c.to_openai() for c in calls]
+            message = {"role": "assistant", "content": text}
+            if self.parser:
+                answer = self.parser.view(text, final=True)
+                finish_reason = self.parser.finish_reason(answer, finish_reason)
+                message["content"] = answer.content
+                if self.parser.reasoning:
+                    message["reasoning_content"] = answer.reasoning
+                if answer.calls:
+                    message["tool_calls"] = [c.to_openai() for c in answer.calls]
             return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-    def tool_calls(self, text: str, finish_reason: str) -> tuple[str | None, list[ToolCall], str]:
-        """A chat answer's ``(content, tool calls, finish reason)``: without tools the text;
-        "auto" parses the calls out of it, "required" and a named function read them from
-        its JSON (an answer cut short stays text). OpenAI's finish reason after calls is
-        "tool_calls", except for a named function."""
-        mode, calls, content = self.tool_mode, [], text
-        if mode == "auto":
-            content, calls = parse_hermes(text, frozenset(t.function.name for t in self.req.tools))
-        elif mode == "required":
-            calls = parse_required(text)
-        elif mode == "function":
-            calls = [ToolCall(self.req.named_function.name, text)]
-        if calls and mode != "auto":
-            content = None
-        if calls and mode != "function" and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        return content, calls, finish_reason
 
     def prompt_logprobs(self, sreq: ServerRequest) -> tuple[list[int], list]:
         """A completion's prompt ids and their logprob entries (None for the first token),
@@ -382,15 +383,14 @@ class _Output:
                     return
 
         pumps = [asyncio.create_task(pump(i, sreq)) for i, sreq in enumerate(self.sreqs)]
-        hold = (TOOL_CALL_START,) if self.tool_mode == "auto" else ()  # content goes out up to a call
-        streams = [TextStream(self.api.tok, sreq.seq.sampling, hold) for sreq in self.sreqs]
+        streams = [TextStream(self.api.tok, sreq.seq.sampling) for sreq in self.sreqs]
         try:
             if self.chat:
                 for i in range(len(self.sreqs)):
                     yield self.chunk(i, {"role": "assistant", "content": ""}, None, None)
             running = len(self.sreqs)
             echoed = [False] * len(self.sreqs)
-            shown = [0] * len(self.sreqs)  # with tools: characters of each choice's content sent
+            shown = [[0, 0] for _ in self.sreqs]  # parsed answers: characters of reasoning, content sent
             while running:
                 i, u = await updates.get()
                 if u.error:
@@ -408,8 +408,8 @@ class _Output:
                 stream = streams[i]
                 delta = stream.finish(u.token_ids, u.text) if u.finish_reason else stream.add(u.token_ids)
                 logprobs = self.logprobs(i, u.token_ids, u.logprobs) if self.want_logprobs and u.token_ids else None
-                if self.tool_mode:
-                    for chunk in self._tool_chunks(i, stream, logprobs, u.finish_reason, shown):
+                if self.parser:
+                    for chunk in self._parsed_chunks(i, stream, logprobs, u.finish_reason, shown[i]):
                         yield chunk
                 elif delta or logprobs or u.finish_reason:
                     yield self.chunk(i, {"content": delta} if self.chat else delta, logprobs, u.finish_reason)
@@ -420,24 +420,24 @@ class _Output:
         if self.req.include_usage:
             yield {**self.chunk(0, None, None, None), "choices": [], "usage": self.usage()}
 
-    def _tool_chunks(self, i: int, stream: TextStream, logprobs, finish_reason: str | None, shown: list[int]):
-        """Choice i's stream chunks when tools may be called: content goes out only while the
-        answer cannot be a call ("auto": the text before a ``<tool_call>``, once it does not
-        begin like a bare JSON call), the calls and the rest of the content at the end."""
-        if not finish_reason:
-            ready = stream.text[:stream.sent] if self.tool_mode == "auto" else ""
-            delta = "" if could_be_call(ready) else ready[shown[i]:]
-            shown[i] += len(delta)
-            if delta or logprobs:
-                yield self.chunk(i, {"content": delta} if delta else {}, logprobs, None)
-            return
-        content, calls, finish_reason = self.tool_calls(stream.text, finish_reason)
-        rest = (content or "")[shown[i]:]
-        if rest or logprobs:
-            yield self.chunk(i, {"content": rest} if rest else {}, logprobs, None)
-        if calls:
-            yield self.chunk(i, {"tool_calls": [c.to_openai(j) for j, c in enumerate(calls)]}, None, None)
-        yield self.chunk(i, {}, None, finish_reason)
+    def _parsed_chunks(self, i: int, stream: TextStream, logprobs, finish_reason: str | None, shown: list[int]):
+        """Choice i's chunks when its answer is parsed: the reasoning and content the view of
+        the text so far shows beyond ``shown`` (characters sent of each), and at the end the
+        tool calls, in one delta, then the finish reason."""
+        final = finish_reason is not None
+        answer = self.parser.view(stream.text if final else stream.text[:stream.sent], final)
+        delta = {}
+        for j, (key, part) in enumerate((("reasoning_content", answer.reasoning), ("content", answer.content))):
+            more = (part or "")[shown[j]:]
+            if more:
+                delta[key] = more
+                shown[j] += len(more)
+        if delta or logprobs:
+            yield self.chunk(i, delta, logprobs, None)
+        if final:
+            if answer.calls:
+                yield self.chunk(i, {"tool_calls": [c.to_openai(j) for j, c in enumerate(answer.calls)]}, None, None)
+            yield self.chunk(i, {}, None, self.parser.finish_reason(answer, finish_reason))
 
     def chunk(self, i: int, delta, logprobs, finish_reason) -> dict:
         if self.chat:

@@ -1,9 +1,8 @@
-"""Incremental detokenization for streaming, holding back text that could begin a stop string
-(or a tool call)."""
+"""Incremental detokenization for streaming, holding back text that could begin a stop string."""
 from __future__ import annotations
 
 from ..config import SamplingParams
-from ..sequence import output_text
+from ..sequence import held_back, output_text
 
 
 class TextStream:
@@ -16,10 +15,9 @@ class TextStream:
     stop is ever sent (the engine finishes the request as soon as a stop completes).
     """
 
-    def __init__(self, tokenizer, sp: SamplingParams = SamplingParams(), hold: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, sp: SamplingParams = SamplingParams()):
         self.tok = tokenizer
         self.sp = sp
-        self.hold = hold  # markers add() never sends, nor anything after them (a tool call's start)
         self.ids: list[int] = []
         self.prefix = 0  # window start (token index)
         self.read = 0  # tokens whose text is in self.text
@@ -37,26 +35,12 @@ class TextStream:
         if len(window) > len(before) and not window.endswith("\ufffd"):
             self.text += window[len(before):]
             self.prefix, self.read = self.read, len(self.ids)
-        safe = len(self.text) - self._held_back()
-        marks = [i for i in (self.text.find(m) for m in self.hold) if i >= 0]
-        if marks:
-            safe = min(safe, min(marks))
+        safe = len(self.text) - held_back(self.text, self.sp.stop)
         if safe <= self.sent:
             return ""
         delta = self.text[self.sent:safe]
         self.sent = safe
         return delta
-
-    def _held_back(self) -> int:
-        """Characters at the end of the text that are a proper prefix of some stop string
-        (or held marker)."""
-        hold = 0
-        for stop in self.sp.stop + self.hold:
-            for n in range(min(len(stop) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(stop[:n]):
-                    hold = n
-                    break
-        return hold
 
     def finish(self, ids: list[int], final_text: str | None) -> str:
         """The request finished with ``ids`` as its last committed tokens: the rest of its
@@ -69,3 +53,4 @@ class TextStream:
             return ""
         self.text, self.sent = final, len(final)
         return final[len(sent):]
+

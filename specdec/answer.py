@@ -1,0 +1,92 @@
+"""A chat answer's text split into reasoning, content and tool calls, whole or as it streams
+(the server's chat responses; usable on ``LLM.chat`` outputs too).
+
+``view`` is a pure function of the text so far: a stream sends, for each part, what the
+view shows beyond what it sent before. A partial view shows only what the rest of the
+answer cannot change (it holds back a tail that could begin ``</think>`` or a tool call),
+so each part's streamed text is a prefix of the final view's part.
+
+Reasoning parsers (vLLM's names), for models that think between ``<think>`` and
+``</think>`` before answering:
+
+* ``qwen3``: the answer may begin with ``<think>``; the text up to ``</think>`` is the
+  reasoning. Without that start tag there is no reasoning.
+* ``deepseek_r1``: the template opens ``<think>`` in the prompt, so the answer starts inside
+  the reasoning (a leading ``<think>`` is dropped); without ``</think>`` it is all reasoning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import held_back
+from .tools import START as TOOL_CALL_START, ToolCall, could_be_call, parse_hermes, parse_required
+
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+THINK, END_THINK = "<think>", "</think>"
+
+
+@dataclass
+class Answer:
+    reasoning: str | None = None
+    content: str | None = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class AnswerParser:
+    """``reasoning``: a reasoning parser's name or None; ``tool_mode``: the request's (None,
+    auto, required, function); ``tool_names``: the functions auto may call; ``function``: the
+    named function's name."""
+
+    reasoning: str | None = None
+    tool_mode: str | None = None
+    tool_names: frozenset[str] = frozenset()
+    function: str | None = None
+
+    def split_reasoning(self, text: str, final: bool) -> tuple[str | None, str]:
+        """``(reasoning, the rest)``; a partial view holds back what could still change."""
+        if self.reasoning is None:
+            return None, text
+        body = text.lstrip()
+        if not final and len(body) < len(THINK) and THINK.startswith(body):  # the start tag may be on its way
+            return None, ""
+        if body.startswith(THINK):
+            body = body[len(THINK):]
+        elif self.reasoning == "qwen3":
+            return None, text
+        end = body.find(END_THINK)
+        if end >= 0:
+            return body[:end], body[end + len(END_THINK):].lstrip("\n")
+        if final:
+            return body, ""
+        return body[:len(body) - held_back(body, (END_THINK,))], ""
+
+    def view(self, text: str, final: bool = False) -> Answer:
+        """The parts of an answer whose text so far is ``text`` (all of it when ``final``)."""
+        reasoning, rest = self.split_reasoning(text, final)
+        mode = self.tool_mode
+        if final:
+            if mode == "auto":
+                content, calls = parse_hermes(rest, self.tool_names)
+            elif mode == "required":
+                calls = parse_required(rest)
+                content = None if calls else rest
+            elif mode == "function":
+                content, calls = None, [ToolCall(self.function, rest)]
+            else:
+                content, calls = rest, []
+            return Answer(reasoning, content, calls)
+        if mode in ("required", "function"):  # JSON calls: nothing until the end
+            return Answer(reasoning, "")
+        if mode == "auto":
+            start = rest.find(TOOL_CALL_START)
+            rest = rest[:start] if start >= 0 else rest[:len(rest) - held_back(rest, (TOOL_CALL_START,))]
+            if could_be_call(rest):  # a bare JSON call, perhaps: wait
+                rest = ""
+        return Answer(reasoning, rest)
+
+    def finish_reason(self, answer: Answer, finish_reason: str) -> str:
+        """OpenAI's finish reason after tool calls is "tool_calls", except for a named function."""
+        if answer.calls and self.tool_mode != "function" and finish_reason == "stop":
+            return "tool_calls"
+        return finish_reason
