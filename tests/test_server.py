@@ -712,3 +712,22 @@ def test_structured_outputs(llm, client):
     assert re.fullmatch("[ab]{3}-[0-9]{2}", whole) and streamed == whole
     guided = dict(body, extra_body={"guided_regex": "[ab]{3}-[0-9]{2}"})  # vLLM's older name
     assert client.completions.create(**guided).choices[0].text == whole
+
+
+def test_tokenize_and_detokenize(llm, server):
+    """vLLM's /tokenize (a prompt, or messages through the chat template, as the chat endpoint
+    encodes them) and /detokenize."""
+    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+    ids = llm.encode("Hello world")
+    assert r == {"count": len(ids), "max_model_len": llm.context_window, "tokens": ids, "token_strs": None}
+    bare = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}).json()
+    assert bare["tokens"] == llm.tokenizer("Hello world", add_special_tokens=False)["input_ids"]
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == llm.encode(messages)
+    text = httpx.post(server.url + "/detokenize", json={"tokens": bare["tokens"]}).json()
+    assert text == {"prompt": "Hello world"}
+    for path, body in [("/tokenize", {}), ("/tokenize", {"prompt": 5}), ("/tokenize", {"prompt": "a", "model": "gpt"}),
+                       ("/tokenize", {"messages": []}), ("/detokenize", {"tokens": [10 ** 9]}),
+                       ("/detokenize", {"tokens": "abc"})]:
+        assert httpx.post(server.url + path, json=body).status_code == 400, (path, body)

@@ -31,7 +31,8 @@ from ..api import LLM, encode_prompt
 from ..sequence import output_text
 from ..tools import PARSERS
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, bad_request, parse
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
+                       TokenizeRequest, bad_request, parse)
 from .scheduler import QueueFull, Scheduler, ServerRequest, Update
 from .text import TextStream
 
@@ -117,6 +118,29 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
         return {"object": "list", "data": [{"id": name, "object": "model", "created": api.created,
                                              "owned_by": "specdec", "max_model_len": llm.context_window}]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's: a prompt's (or chat's) token ids, their count and the context window."""
+        api.check_auth(request)
+        body = await api.read_json(request)
+        req = api.parse_named(TokenizeChatRequest if isinstance(body, dict) and "messages" in body
+                              else TokenizeRequest, body)
+        try:
+            ids = req.token_ids(api.tok)
+        except Exception as e:  # e.g. a chat template that rejects these roles
+            raise bad_request(f"cannot encode the prompt: {type(e).__name__}: {e}", "prompt") from None
+        return {"count": len(ids), "max_model_len": llm.context_window, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's: token ids back to text."""
+        api.check_auth(request)
+        req = api.parse_named(DetokenizeRequest, await api.read_json(request))
+        vocab = llm.target.runtime.vocab_size
+        if not all(0 <= t < vocab for t in req.tokens):
+            raise bad_request(f"tokens must be ids in [0, {vocab})", "tokens")
+        return {"prompt": api.tok.decode(req.tokens)}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await api.generate(request, chat=False)
@@ -172,14 +196,19 @@ class _API:
         except (ValueError, RecursionError) as e:
             raise bad_request(f"the request body is not valid JSON: {e}") from None
 
+    def parse_named(self, model, body: object):
+        """``parse`` a body for this server's model (another ``model`` name is a 400)."""
+        req = parse(model, body)
+        if req.model is not None and req.model != self.name:
+            raise bad_request(f"the model {req.model!r} does not exist here; this server serves "
+                              f"{self.name!r}", "model", "model_not_found")
+        return req
+
     def prepare(self, body: object, chat: bool):
         """Validate a request body; return the parsed request, one ``Sequence`` per
         completion (``n`` per prompt: with a seed, completion j draws from seed + j; prompt
         after prompt for a batch of prompts) and, with ``echo``, each completion's prompt text."""
-        req = parse(ChatCompletionRequest if chat else CompletionRequest, body)
-        if req.model is not None and req.model != self.name:
-            raise bad_request(f"the model {req.model!r} does not exist here; this server serves "
-                              f"{self.name!r}", "model", "model_not_found")
+        req = self.parse_named(ChatCompletionRequest if chat else CompletionRequest, body)
         if chat and req.tool_mode == "auto" and self.tool_call_parser is None:
             raise bad_request('"auto" tool choice needs the server started with --enable-auto-tool-choice and '
                               '--tool-call-parser (or give tool_choice "required", "none" or a function)',

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..api import encode_prompt
 from ..config import SamplingParams, StructuredOutputs
 from ..tools import compact, required_schema
 
@@ -288,17 +289,31 @@ class NamedToolChoice(_Strict):
     function: ChosenFunction
 
 
-class ChatCompletionRequest(_Request):
+class _ChatTemplate(_Strict):
+    """Messages through the chat template, with vLLM's template options."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolSpec] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
-    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, object] | None = None  # extension (vLLM), e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True  # extension (vLLM)
     continue_final_message: bool = False  # extension (vLLM): continue the last assistant message
+
+    def template_options(self, tools: bool) -> dict:
+        """``apply_chat_template`` options (``tools``: show them to the template)."""
+        shown = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if tools and self.tools else {}
+        return {**(self.chat_template_kwargs or {}), **shown, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+    def conversation(self) -> list[dict]:
+        return [m.for_template() for m in self.messages]
+
+
+class ChatCompletionRequest(_Request, _ChatTemplate):
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -344,12 +359,10 @@ class ChatCompletionRequest(_Request):
         return super()._structured_outputs()
 
     def chat_options(self) -> dict:
-        tools = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.tool_mode else {}
-        return {**(self.chat_template_kwargs or {}), **tools, "add_generation_prompt": self.add_generation_prompt,
-                "continue_final_message": self.continue_final_message}
+        return self.template_options(tools=self.tool_mode is not None)
 
     def prompt_inputs(self) -> list[list[dict]]:
-        return [[m.for_template() for m in self.messages]]
+        return [self.conversation()]
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -358,6 +371,42 @@ class ChatCompletionRequest(_Request):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a ``prompt`` (special tokens added unless ``add_special_tokens``
+    is false), or chat ``messages`` through the chat template (as a chat request's prompt)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True  # a prompt's
+
+    def refuse_unsupported(self) -> None:
+        if self.prompt is None:
+            raise bad_request("give a prompt (or messages)", "prompt")
+
+    def token_ids(self, tok) -> list[int]:
+        return tok(self.prompt, add_special_tokens=self.add_special_tokens)["input_ids"]
+
+
+class TokenizeChatRequest(_ChatTemplate):
+    model: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        pass
+
+    def token_ids(self, tok) -> list[int]:
+        return encode_prompt(tok, self.conversation(), self.template_options(tools=True))
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's ``/detokenize``: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    def refuse_unsupported(self) -> None:
+        pass
 
 
 def parse(model: type[_Request], body: object) -> _Request:
