@@ -179,17 +179,19 @@ def test_logprobs_from_verify_rows(llm, client):
 
 
 def _requests():
-    """16 requests: different prompts, lengths, stops, streaming or not, chat or completion."""
+    """16 requests: different prompts, lengths, stops, streaming or not, chat or completion,
+    some under a regex (structured outputs beside free requests in the same verify batch)."""
     reqs = []
     for i in range(16):
         prompt = f"Request {i}: " + "abcdefghij"[: i % 7 + 1] * (1 + i % 3)
         reqs.append({"chat": i % 4 == 3, "stream": i % 2 == 1, "prompt": prompt,
-                     "max_tokens": 6 + 5 * i, "stop": None})
+                     "max_tokens": 6 + 5 * i, "stop": None,
+                     "regex": "[a-z]{2,8}( [a-z]{2,8}){1,9}" if i % 5 == 2 else None})
     return reqs
 
 
 async def _send(aclient, r: dict) -> tuple[str, str]:
-    extra = {"ignore_eos": True}
+    extra = {"ignore_eos": True, **({"structured_outputs": {"regex": r["regex"]}} if r["regex"] else {})}
     common = dict(model=MODEL, max_tokens=r["max_tokens"], temperature=0, stop=r["stop"], extra_body=extra)
     if r["chat"]:
         kw = dict(messages=[{"role": "user", "content": r["prompt"]}], **common)
@@ -250,8 +252,8 @@ def test_16_concurrent_equal_to_alone(server, aclient, llm):
     plain = LLM(llm.target)
     for r, (text, reason) in zip(reqs, outs):
         prompt = [{"role": "user", "content": r["prompt"]}] if r["chat"] else r["prompt"]
-        ref = plain.generate([prompt], SamplingParams(max_new_tokens=r["max_tokens"], stop=r["stop"] or (),
-                                                      ignore_eos=True))[0]
+        ref = plain.generate([prompt], SamplingParams(max_new_tokens=r["max_tokens"], stop=r["stop"] or (), ignore_eos=True,
+                                                      structured_outputs=r["regex"] and {"regex": r["regex"]}))[0]
         assert (text, reason) == (ref.text, ref.finish_reason)
 
 

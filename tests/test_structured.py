@@ -149,3 +149,13 @@ def test_sampled_constrained_distribution_is_exact(loaded, tiny_dirs, method):
     drafted = sum(o.metrics["drafted_tokens"] for o in outs)
     assert drafted > 0 and sum(o.metrics["accepted_tokens"] for o in outs) < drafted  # rejections happened
     assert chisquare(counts, expected / expected.sum() * n).pvalue > 1e-3, (counts / n, expected)
+
+
+def test_structured_outputs_on_the_hf_fallback(loaded):
+    """transformers' own model (the hf backend): the same constrained output as the torch
+    runtime, plain and with n-gram drafts."""
+    sp = SamplingParams(max_new_tokens=40, structured_outputs=CASES["grammar"])
+    ref = [o.token_ids for o in LLM(loaded("llama")).generate(PROMPTS, sp)]
+    for method in ("none", "ngram"):
+        outs = LLM(loaded("llama", "hf"), speculative=SpecConfig(method=method, num_draft_tokens=3)).generate(PROMPTS, sp)
+        assert [o.token_ids for o in outs] == ref, method
