@@ -11,8 +11,8 @@ import json
 import os
 import sys
 
-from .config import BACKENDS, LOAD_FORMATS, METHODS, EngineConfig, SamplingParams, SpecConfig, StructuredOutputs
 from .answer import REASONING_PARSERS
+from .config import BACKENDS, LOAD_FORMATS, METHODS, EngineConfig, SamplingParams, SpecConfig, StructuredOutputs
 from .tools import PARSERS
 
 

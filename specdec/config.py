@@ -43,7 +43,7 @@ class StructuredOutputs:
     json_object: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.json, dict) or isinstance(self.json, bool):
+        if isinstance(self.json, (dict, bool)):
             object.__setattr__(self, "json", json.dumps(self.json))
         if self.choice is not None:
             _check(isinstance(self.choice, (list, tuple)) and all(isinstance(c, str) for c in self.choice),

@@ -42,9 +42,8 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], 
     """``sp``'s repetition, presence and frequency penalties, then its logit bias, then
     min_tokens (``stop_ids``, the request's EOS and stop tokens, banned on rows with fewer
     than ``min_tokens`` tokens of output before them, unless nothing else is left) on
-    ``logits [rows, vocab]``: row ``i``
-    follows ``prompt + output + extra[i]`` (a verify step's row i follows the drafts before
-    it; default: no extra). Repetition counts the prompt and the output, presence and
+    ``logits [rows, vocab]``: row ``i`` follows ``prompt + output + extra[i]`` (a verify
+    step's row i follows the drafts before it; default: no extra). Repetition counts the prompt and the output, presence and
     frequency the output only (``extra`` is output). Unchanged when ``sp`` has none of them."""
     if not sp.processes_logits:
         return logits
