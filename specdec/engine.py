@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -17,7 +18,7 @@ from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
 from .sampling import process_logits, probs_from_logits, sample
 from .sequence import Sequence, TokenLogprobs, common_prefix, cut_after_eos, output_text
-from .structured import constrain
+from .structured import chain_masks, constrain
 from .tree import verify_tree
 from .verify import Verdict, verify
 
@@ -88,6 +89,7 @@ class Engine:
         self.reuses_prefixes = chunked_prefill_size > 0 and getattr(self.runtime, "reuses_prefixes", False)
         # running requests share whole chunks where the cache can copy rows between slots
         self.shares_chunks = self.reuses_prefixes and callable(getattr(self.cache, "copy", None))
+        self._masking: ThreadPoolExecutor | None = None  # grammar masks beside the verify forward
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -127,10 +129,12 @@ class Engine:
         drafts = self._propose(seqs, plan)  # 1. propose
         t1 = time.perf_counter()
         chunks = [[s.ids[-1]] + d.tokens for s, d in zip(seqs, drafts)]
+        masks = self._grammar_masks(seqs, drafts)  # structured outputs: computed beside the forward
         logits = self.runtime.forward(self.cache, [s.slot for s in seqs], chunks,
                                       **tree_inputs(seqs, drafts))  # 2. verify [B, 1+k, vocab]
-        verdicts = [self._verify(s, d, rows[: len(d.tokens) + 1])  # rejected drafts' KV dropped
-                    for s, d, rows in zip(seqs, drafts, logits)]
+        allowed = masks.result() if masks else {}
+        verdicts = [self._verify(s, d, rows[: len(d.tokens) + 1], allowed.get(i))  # rejected drafts' KV dropped
+                    for i, (s, d, rows) in enumerate(zip(seqs, drafts, logits))]
         t2 = time.perf_counter()
         batch_rows = self.planner and self.planner.batch_rows([len(c) for c in chunks])
         if batch_rows:  # what a forward of this many rows really costs here
@@ -194,11 +198,25 @@ class Engine:
                 d.tokens, d.q = d.tokens[:n], d.q[:n] if d.q is not None else None
         return drafts
 
-    def _verify(self, s: Sequence, d: Draft, rows) -> Verdict:
+    def _grammar_masks(self, seqs: list[Sequence], drafts: list[Draft]) -> Future | None:
+        """A future of the grammar masks of the chains' verify rows, ``{batch index: [k+1,
+        vocab]}``, computed on another thread (llguidance's, without the GIL) while the
+        target verifies; None when no chain has a grammar (trees mask path by path)."""
+        idx = [i for i, (s, d) in enumerate(zip(seqs, drafts)) if s.grammar is not None and d.tree is None]
+        if not idx:
+            return None
+        if self._masking is None:
+            self._masking = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specdec-masks")
+        chains = [(seqs[i].grammar, drafts[i].tokens) for i in idx]
+        return self._masking.submit(lambda: dict(zip(idx, chain_masks(chains))))
+
+    def _verify(self, s: Sequence, d: Draft, rows, allowed: torch.Tensor | None = None) -> Verdict:
         """Verify one sequence's draft (chain or tree) and keep only the accepted path's KV.
-        Penalties and the grammar see, on each row, the drafts before it as output."""
+        Penalties and the grammar see, on each row, the drafts before it as output
+        (``allowed``: the grammar's masks of the rows, when already computed)."""
         if s.sampling.processes_logits or s.grammar is not None:
-            rows = self._scored(s, rows, d.tree.prefixes() if d.tree else [d.tokens[:j] for j in range(len(d.tokens) + 1)])
+            prefixes = d.tree.prefixes() if d.tree else [d.tokens[:j] for j in range(len(d.tokens) + 1)]
+            rows = self._scored(s, rows, prefixes, allowed)
         if d.tree is None:
             v = verify(d.tokens, d.q, rows, s.sampling, s.generator)
             self.cache.rewind(s.slot, len(s.ids) + v.num_accepted)
@@ -207,12 +225,13 @@ class Engine:
             self.cache.keep(s.slot, len(s.ids) - 1, v.rows)  # path rows -> consecutive slots
         return v
 
-    def _scored(self, s: Sequence, rows: torch.Tensor, prefixes: list[list[int]]) -> torch.Tensor:
+    def _scored(self, s: Sequence, rows: torch.Tensor, prefixes: list[list[int]],
+                allowed: torch.Tensor | None = None) -> torch.Tensor:
         """The logits ``s`` samples from, ``rows [n, vocab]`` with row i following its output
-        plus ``prefixes[i]``: the grammar's mask (structured outputs), then the penalties,
-        logit bias and min_tokens of ``process_logits``."""
+        plus ``prefixes[i]``: the grammar's mask (structured outputs; ``allowed`` when already
+        computed), then the penalties, logit bias and min_tokens of ``process_logits``."""
         if s.grammar is not None:
-            rows = constrain(rows, s.grammar.allowed(prefixes))
+            rows = constrain(rows, s.grammar.allowed(prefixes) if allowed is None else allowed)
         return process_logits(rows, s.sampling, s.ids[:s.prompt_len], s.output_ids, prefixes, stop_ids=s.eos_ids)
 
     def _admit(self) -> None:

@@ -14,6 +14,7 @@ grammar's forced tokens (``forced``) make free drafts.
 """
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -105,7 +106,12 @@ class Matcher:
             self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
         if consumed:
             self._m.rollback(len(consumed))
-        mask = ((words[:, :, None] >> self._bits) & 1).bool().view(len(paths), -1)[:, :self.vocab_size]
+        return self._unpack(words)
+
+    def _unpack(self, words: torch.Tensor) -> torch.Tensor:
+        """llguidance's bitmask rows ``[rows, words]`` int32 -> ``[rows, vocab]`` bool, an
+        empty row (a failed matcher) allowing EOS only."""
+        mask = ((words[:, :, None] >> self._bits) & 1).bool().view(len(words), -1)[:, :self.vocab_size]
         empty = ~mask.any(-1)  # [rows]
         if empty.any():
             ends = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -121,6 +127,35 @@ class Matcher:
         """Commit ``tokens`` (each one the masks allowed)."""
         self._m.try_consume_tokens(tokens)
 
+
+
+def chain_masks(chains: list[tuple[Matcher, list[int]]]) -> list[torch.Tensor]:
+    """``Matcher.allowed`` for the rows of several chains at once: for each ``(matcher,
+    drafts)``, ``[k+1, vocab]`` with row i after ``drafts[:i]``. One call into llguidance's
+    executor, which walks the chains in parallel on its own threads without the GIL (the
+    engine runs it beside the verify forward)."""
+    if not chains:
+        return []
+    words = torch.full((sum(len(d) + 1 for _, d in chains), chains[0][0]._words), -1, dtype=torch.int32)
+    starts, rows = [], 0
+    for _, drafts in chains:
+        starts.append(rows)
+        rows += len(drafts) + 1
+    executor, ptr, size = _executor(), words.data_ptr(), words.shape[1] * 4
+    drafted = [(m._m, start, list(d)) for (m, d), start in zip(chains, starts) if d]
+    if drafted:
+        executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, size, rows)
+    bare = [(m._m, start) for (m, d), start in zip(chains, starts) if not d]  # k = 0: one row
+    if bare:
+        executor.unsafe_compute_mask_ptr(bare, ptr, size, rows)
+    return [m._unpack(words[start:start + len(d) + 1]) for (m, d), start in zip(chains, starts)]
+
+
+@functools.lru_cache(maxsize=1)
+def _executor():
+    import llguidance
+
+    return llguidance.LLExecutor()
 
 
 def constrain(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

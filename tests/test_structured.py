@@ -10,6 +10,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdec import LLM, SamplingParams, SpecConfig, StructuredOutputs
+from specdec.structured import chain_masks
 
 PROMPTS = ["Hello world, this is a test of speculative decoding", "abc",
            "The quick brown fox jumps over the lazy dog. The quick brown"]
@@ -92,6 +93,10 @@ def test_matcher_masks_each_row_after_its_drafts(loaded):
     assert rows[3].all() and rows[4].all()
     assert torch.equal(m.allowed([[]]), before)
     assert m.valid_prefix([a, b, x, dash]) == 2 and m.valid_prefix([a, b, a, dash]) == 4
+    other = llm.grammars.matcher(StructuredOutputs(choice=CHOICE))
+    chains = [(m, [a, b, x, dash]), (other, []), (other.copy(), [a, b])]
+    for (matcher, drafts), rows in zip(chains, chain_masks(chains)):  # all at once, llguidance's threads
+        assert torch.equal(rows, matcher.allowed([drafts[:i] for i in range(len(drafts) + 1)]))
     m.advance([a, b, a])
     assert m.allowed([[]])[0].nonzero()[:, 0].tolist() == [dash]
 
