@@ -3,8 +3,8 @@
 # which the `device` tool carries to a CUDA machine that reaches no network and takes at
 # most 64 MiB per call. The Qwen2.5-Coder GGUFs do not fit, so .gpu/ holds only what
 # `--load-format dummy` needs: each model's config and tokenizer (random weights of the real
-# shapes are made on the GPU), the bench prompts, and a transformers wheel matching the
-# pinned version (the machine's image has an older one). About 38 MB.
+# shapes are made on the GPU), the bench prompts, and wheels of the pinned transformers (the
+# machine's image has an older one) and llguidance (structured outputs). About 38 MB.
 #
 #   ../shared/models/fetch-models.sh qwen-coder   # once: the GGUFs (their metadata is read)
 #   scripts/gpu/prepare.sh
@@ -23,6 +23,8 @@ print(gguf_to_hf_dir(Path(sys.argv[1]), weights=False))' "$gguf")
 done
 cp "${SPECDEC_PROMPTS:-../shared/bench/prompts.jsonl}" .gpu/prompts.jsonl
 transformers=$(python3 -c 'import transformers; print(transformers.__version__)')
+llguidance=$(python3 -c 'import llguidance; print(llguidance.__version__)')  # structured outputs
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .gpu "transformers==$transformers"
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .gpu \
+  "transformers==$transformers" "llguidance==$llguidance"
 du -sh .gpu
