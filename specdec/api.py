@@ -12,7 +12,7 @@ from .engine import Engine
 from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
 from .sampling import make_generator
-from .sequence import Sequence, TokenLogprobs, output_text
+from .sequence import Sequence, TokenLogprobs, bad_words_ids, output_text
 from .structured import Grammars
 
 # prompt tokens per step by default, by device type (others: cuda's). Measured on Qwen2.5-Coder-1.5B
@@ -257,10 +257,13 @@ class LLM:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
         if any(t >= vocab for t in sp.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        if any(t >= vocab for t in sp.allowed_token_ids or ()):
+            raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
         eos_ids = (frozenset() if sp.ignore_eos else self.target.eos_ids) | frozenset(sp.stop_token_ids)
         grammar = sp.structured_outputs and self.grammars.matcher(sp.structured_outputs)
+        bad_words = bad_words_ids(self.tokenizer, sp.bad_words)
         seqs = []
         for i in range(sp.n):
             seed = None if sp.seed is None else (sp.seed + i) % 2 ** 64
@@ -269,7 +272,7 @@ class LLM:
                                  sampling=replace(sp, seed=seed) if i else sp,
                                  generator=make_generator(seed, self.target.runtime.device),
                                  eos_ids=eos_ids, num_draft_tokens=num_draft_tokens,
-                                 grammar=grammar and (grammar.copy() if i else grammar)))
+                                 grammar=grammar and (grammar.copy() if i else grammar), bad_words_ids=bad_words))
         return seqs
 
     def _output(self, seqs: list[Sequence], prompt: Prompt) -> RequestOutput:

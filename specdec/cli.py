@@ -90,6 +90,11 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="subtract this times a token's count in the output from its logit (0 = off, default)")
     g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                    help="add BIAS (-100..100) to token ID's logit (repeatable)")
+    g.add_argument("--allowed-token-ids", type=int, nargs="+", metavar="ID",
+                   help="only these token ids may be drawn")
+    g.add_argument("--bad-words", action="append", default=[], metavar="WORD",
+                   help="a word the output may not contain (repeatable; vLLM's: its last token is banned "
+                        "where the output would complete it)")
     g.add_argument("-n", "--n", type=int, default=SamplingParams.n,
                    help="completions per prompt (with --seed S, completion i draws from S + i; default 1)")
     g.add_argument("--logprobs", type=int, metavar="N",
@@ -124,7 +129,8 @@ def sampling_from_args(a) -> SamplingParams:
                           repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
                           frequency_penalty=a.frequency_penalty, logit_bias=parse_logit_bias(a.logit_bias),
                           n=a.n, logprobs=a.logprobs, prompt_logprobs=a.prompt_logprobs,
-                          structured_outputs=structured_from_args(a))
+                          structured_outputs=structured_from_args(a), allowed_token_ids=a.allowed_token_ids,
+                          bad_words=tuple(a.bad_words))
 
 
 def structured_from_args(a) -> StructuredOutputs | None:

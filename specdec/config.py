@@ -111,6 +111,11 @@ class SamplingParams:
     # constrain the output to a JSON schema, regex, choice or grammar (a dict is taken as
     # StructuredOutputs' fields)
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: only these token ids may be drawn (None = all)
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: words whose last token is banned where the output's last tokens would complete
+    # them (each word as written and with a leading space)
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         stop = self.stop
@@ -118,6 +123,10 @@ class SamplingParams:
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(sorted(set(self.stop_token_ids or ()))))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(self.allowed_token_ids))))
+        object.__setattr__(self, "bad_words", (self.bad_words,) if isinstance(self.bad_words, str)
+                           else tuple(self.bad_words or ()))
         if isinstance(self.structured_outputs, dict):
             object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
@@ -137,6 +146,10 @@ class SamplingParams:
                f"min_tokens must be an integer in [0, max_new_tokens], got {self.min_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop strings must be non-empty strings")
+        _check(self.allowed_token_ids is None or (len(self.allowed_token_ids) >= 1 and all(
+            isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+               "allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
+        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -159,8 +172,10 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Penalties, a logit bias or min_tokens change the model's logits (``sampling.process_logits``)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        """Penalties, a logit bias, allowed token ids, bad words or min_tokens change the model's
+        logits (``sampling.process_logits``)."""
+        return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
+                or bool(self.bad_words))
 
 
 @dataclass(frozen=True)

@@ -229,10 +229,17 @@ class Engine:
                 allowed: torch.Tensor | None = None) -> torch.Tensor:
         """The logits ``s`` samples from, ``rows [n, vocab]`` with row i following its output
         plus ``prefixes[i]``: the grammar's mask (structured outputs; ``allowed`` when already
-        computed), then the penalties, logit bias and min_tokens of ``process_logits``."""
+        computed), then ``process_logits`` (penalties, logit bias, allowed ids, bad words,
+        min_tokens)."""
         if s.grammar is not None:
             rows = constrain(rows, s.grammar.allowed(prefixes) if allowed is None else allowed)
-        return process_logits(rows, s.sampling, s.ids[:s.prompt_len], s.output_ids, prefixes, stop_ids=s.eos_ids)
+        out = process_logits(rows, s.sampling, s.ids[:s.prompt_len], s.output_ids, prefixes, stop_ids=s.eos_ids,
+                             bad_words=s.bad_words_ids)
+        if out is not rows:  # a row the processing left empty (allowed ids against the grammar) keeps the grammar's
+            empty = ~torch.isfinite(out).any(-1, keepdim=True)  # [n, 1]
+            if empty.any():
+                out = torch.where(empty, rows.float(), out)
+        return out
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots:

@@ -38,12 +38,15 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], output: list[int],
-                   extra: list[list[int]] | None = None, *, stop_ids: frozenset[int] = frozenset()) -> torch.Tensor:
-    """``sp``'s repetition, presence and frequency penalties, then its logit bias, then
-    min_tokens (``stop_ids``, the request's EOS and stop tokens, banned on rows with fewer
-    than ``min_tokens`` tokens of output before them, unless nothing else is left) on
-    ``logits [rows, vocab]``: row ``i`` follows ``prompt + output + extra[i]`` (a verify
-    step's row i follows the drafts before it; default: no extra). Repetition counts the prompt and the output, presence and
+                   extra: list[list[int]] | None = None, *, stop_ids: frozenset[int] = frozenset(),
+                   bad_words: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
+    """``sp``'s repetition, presence and frequency penalties, then its logit bias, then its
+    allowed token ids, then ``bad_words`` (token sequences: the last token is banned on a row
+    whose output ends with the others), then min_tokens (``stop_ids``, the request's EOS and
+    stop tokens, banned on rows with fewer than ``min_tokens`` tokens of output before them,
+    unless nothing else is left) on ``logits [rows, vocab]``: row ``i`` follows ``prompt +
+    output + extra[i]`` (a verify step's row i follows the drafts before it; default: no
+    extra). Repetition counts the prompt and the output, presence and
     frequency the output only (``extra`` is output). Unchanged when ``sp`` has none of them."""
     if not sp.processes_logits:
         return logits
@@ -70,6 +73,18 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], 
         bias = [(t, b) for t, b in sp.logit_bias if t < vocab]
         add = torch.tensor([float(b) for _, b in bias], device=dev).expand(rows, -1)  # [rows, biased ids]
         logits = logits.index_add(1, ids([t for t, _ in bias]), add)  # a new tensor: raw logits stay
+    if sp.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        keep[ids(list(sp.allowed_token_ids))] = True
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if bad_words:
+        banned_words = torch.zeros_like(logits, dtype=torch.bool)  # [rows, vocab]
+        for i, more in enumerate(extra or [[]] * rows):
+            recent = (output + more)[-max(len(w) for w in bad_words):]
+            for word in bad_words:
+                if word[-1] < vocab and (len(word) == 1 or recent[len(recent) - len(word) + 1:] == list(word[:-1])):
+                    banned_words[i, word[-1]] = True
+        logits = logits.masked_fill(banned_words, float("-inf"))
     short = [len(output) + len(more) < sp.min_tokens for more in (extra or [[]] * rows)] if stop_ids else []
     if any(short):  # [rows]: banned rows
         banned = ids(sorted(stop_ids))

@@ -43,6 +43,20 @@ def held_back(text: str, markers) -> int:
     return hold
 
 
+def bad_words_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's reading of ``bad_words``: each word's tokens as written (leading spaces
+    stripped) and with one leading space, the latter only where it tokenizes to as many
+    tokens starting with another one (a word of its own after a space)."""
+    out = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(tuple(bare))
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            out.append(tuple(spaced))
+    return tuple(w for w in out if w)
+
+
 class TokenLogprobs(NamedTuple):
     """One output token's log-probability under the target, its rank in the vocabulary
     (1 = the most likely) and the ``logprobs`` most likely tokens as ``(id, logprob)``."""
@@ -75,6 +89,8 @@ class Sequence:
     prompt_token_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # with ``sampling.structured_outputs``: the grammar's state after the committed output
     grammar: Matcher | None = None
+    # ``sampling.bad_words`` as token sequences (``bad_words_ids``)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def logprobs(self) -> int | None:

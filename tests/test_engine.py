@@ -456,6 +456,46 @@ def test_stop_token_ids_min_tokens_and_min_p(loaded):
     assert [o.token_ids for o in s1] != [o.token_ids for o in plain(loaded, "llama", PROMPTS, GREEDY)]
 
 
+def test_allowed_token_ids_and_bad_words(loaded):
+    """vLLM's ``allowed_token_ids`` (nothing else is drawn) and ``bad_words`` (a word's last
+    token banned where the output would complete it; only that spot): greedy output equal to
+    plain decoding under self, n-gram and random-draft speculation, the self-draft accepting
+    every draft; the ids of a word as written and after a space."""
+    from specdec.sequence import bad_words_ids
+
+    tok = loaded("llama").tokenizer
+    base = plain(loaded, "llama", PROMPTS)
+    allowed = sorted(set(base[0].token_ids[:6]) | set(tok.encode("xyz", add_special_tokens=False)))
+    def ascii_pair(ids):  # two printable ASCII bytes in a row in an output: a word of two tokens
+        text = [tok.decode([t]) for t in ids]
+        return next(text[j] + text[j + 1] for j in range(len(ids) - 1)
+                    if all(len(c) == 1 and c.isascii() and c.isprintable() and not c.isspace() for c in text[j:j + 2]))
+
+    words = [ascii_pair(b.token_ids) for b in base]  # banned where the output would complete them
+    cases = [SamplingParams(max_new_tokens=N, ignore_eos=True, allowed_token_ids=allowed),
+             SamplingParams(max_new_tokens=N, ignore_eos=True, bad_words=tuple(words))]
+    for sp in cases:
+        ref = plain(loaded, "llama", PROMPTS, sp)
+        for o in ref:
+            if sp.allowed_token_ids:
+                assert set(o.token_ids) <= set(allowed)
+            else:
+                assert not any(w in o.text for w in words), (o.text, words)
+        assert [o.token_ids for o in ref] != [b.token_ids for b in base]
+        for method, draft in (("self", None), ("ngram", None), ("draft", "draft")):
+            outs = spec(loaded, "llama", method, k=3, draft=draft).generate(PROMPTS, sp)
+            assert [o.token_ids for o in outs] == [r.token_ids for r in ref], method
+            if method == "self":
+                assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
+    byte = tok.convert_tokens_to_ids
+    # bytes here: " ab" is one token more than "ab", so only the word as written counts
+    assert bad_words_ids(tok, (" ab",)) == ((byte("a"), byte("b")),)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="allowed_token_ids must be in"):
+        LLM(loaded("llama")).generate("abc", SamplingParams(allowed_token_ids=[10 ** 6]))
+
+
 def test_prompt_logprobs(loaded):
     """``prompt_logprobs=N``: each prompt token's log-probability, rank and the N most likely
     tokens, from the prefill's rows (None for the first token), the same as one full forward

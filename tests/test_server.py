@@ -482,6 +482,10 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     (C, {**OK_C, "structured_outputs": {"structural_tag": "x"}}, AUTH, 400),
     (C, {**OK_C, "structured_outputs": {"choice": ["yes", "no"]}}, AUTH, 200),
     (C, {**OK_C, "guided_choice": ["yes", "no"]}, AUTH, 200),  # vLLM's older names
+    (C, {**OK_C, "allowed_token_ids": []}, AUTH, 400),
+    (C, {**OK_C, "allowed_token_ids": [999999]}, AUTH, 400),
+    (C, {**OK_C, "bad_words": [" "]}, AUTH, 400),
+    (C, {**OK_C, "allowed_token_ids": [5, 6], "bad_words": ["ab"]}, AUTH, 200),
     (C, {**OK_C, "guided_regex": "(ab"}, AUTH, 400),
     (C, {**OK_C, "guided_regex": "a", "structured_outputs": {"regex": "b"}}, AUTH, 400),
     (CHAT, {**OK_CHAT, "response_format": {"type": "text"}}, AUTH, 200),

@@ -101,6 +101,18 @@ def test_matcher_masks_each_row_after_its_drafts(loaded):
     assert m.allowed([[]])[0].nonzero()[:, 0].tolist() == [dash]
 
 
+def test_grammar_wins_over_an_empty_allowed_set(loaded):
+    """allowed_token_ids that the grammar forbids everywhere would leave no token: those rows
+    follow the grammar alone (the same under speculation)."""
+    tok = LLM(loaded("llama")).tokenizer
+    sp = SamplingParams(max_new_tokens=20, structured_outputs=StructuredOutputs(choice=["ab"]),
+                        allowed_token_ids=tok.encode("xyz", add_special_tokens=False))
+    for method in ("none", "ngram", "self"):
+        o = LLM(loaded("llama"), speculative=SpecConfig(method=method)).generate("abc", sp)[0]
+        assert o.text == "ab" and o.finish_reason == "stop", method
+        assert method != "self" or o.metrics["acceptance_rate"] == 1.0
+
+
 def test_grammar_wins_over_min_tokens(loaded):
     """A complete grammar allows only EOS; min_tokens does not ban it then (the row would be
     empty), so the output ends."""

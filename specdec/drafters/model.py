@@ -213,17 +213,18 @@ class ModelDrafter:
 
     @staticmethod
     def _process(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> torch.Tensor:
-        """The request's grammar mask, penalties (and min_tokens) on a draft logits row
-        ``[vocab]``, the drafts ``drafted`` counted as output (as the target's verify rows
-        count them). A grammar that leaves the draft's vocabulary nothing is not applied."""
+        """The request's grammar mask and logits processing (``process_logits``) on a draft
+        logits row ``[vocab]``, the drafts ``drafted`` counted as output (as the target's
+        verify rows count them). A step that would leave the draft's vocabulary nothing is
+        skipped, as the target's verify rows skip it (the target rejects what it must)."""
         if seq.grammar is not None:
             masked = constrain(logits[None], seq.grammar.allowed([drafted])[:, :logits.shape[0]])[0]
-            if torch.isfinite(masked).any():
-                logits = masked
-        if not seq.sampling.processes_logits:
-            return logits
-        return process_logits(logits[None], seq.sampling, seq.ids[: seq.prompt_len], seq.output_ids, [drafted],
-                              stop_ids=seq.eos_ids)[0]
+            logits = masked if torch.isfinite(masked).any() else logits
+        if seq.sampling.processes_logits:
+            processed = process_logits(logits[None], seq.sampling, seq.ids[: seq.prompt_len], seq.output_ids,
+                                       [drafted], stop_ids=seq.eos_ids, bad_words=seq.bad_words_ids)[0]
+            logits = processed if torch.isfinite(processed).any() else logits
+        return logits
 
     def _log_q(self, logits: torch.Tensor, seq: Sequence, path: list[int]) -> torch.Tensor:
         """Draft log-probabilities over the target's vocab, after the drafts ``path`` (after

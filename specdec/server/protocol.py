@@ -65,6 +65,8 @@ class _Request(BaseModel):
     min_tokens: int = 0  # extension (vLLM)
     include_stop_str_in_output: bool = False  # extension (vLLM)
     skip_special_tokens: bool = True  # extension (vLLM)
+    allowed_token_ids: list[int] | None = None  # extension (vLLM)
+    bad_words: list[str] | None = None  # extension (vLLM)
     num_draft_tokens: int | None = None  # extension: cap this request's k (0 = no speculation)
     # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", ...}}
     response_format: dict | None = None
@@ -98,7 +100,8 @@ class _Request(BaseModel):
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   logit_bias=self._logit_bias(), n=self.n, logprobs=self.requested_logprobs,
                                   prompt_logprobs=self.requested_prompt_logprobs,
-                                  structured_outputs=self._structured_outputs())
+                                  structured_outputs=self._structured_outputs(),
+                                  allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()))
         except ValueError as e:
             msg = str(e).replace("max_new_tokens", "max_tokens")
             field_name = msg.split()[0] if msg.split()[0] in type(self).model_fields else None
