@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import threading
 
 import torch
 
 from .config import StructuredOutputs
 from .sequence import common_prefix
+
+log = logging.getLogger("specdec.structured")
 
 # llguidance's grammar formats by StructuredOutputs kind (json_object: any JSON object)
 _FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "choice": "choice",
@@ -58,10 +61,24 @@ class Grammars:
                                                                  eos_token=sorted(self.eos_ids) or None)
             return self._lltokenizer
 
+    def warm(self) -> None:
+        """Build the tokenizer now (a server's startup thread). A tokenizer llguidance cannot
+        take (not a fast one) fails here quietly, and with a clear error on first use."""
+        try:
+            self.lltokenizer()
+        except Exception as e:  # noqa: BLE001 - reported when a request needs it
+            log.debug("llguidance tokenizer not built: %s", e)
+
     def matcher(self, so: StructuredOutputs) -> "Matcher":
         """A fresh matcher for one sequence (``ValueError`` naming the field when the
         schema, regex or grammar is invalid)."""
         import llguidance
+
+        try:
+            tokenizer = self.lltokenizer()
+        except ValueError as e:  # llguidance takes fast (tokenizers) tokenizers only
+            raise ValueError(f"structured outputs need this model's tokenizer in llguidance: {e}") from None
+
         def invalid(error) -> ValueError:  # llguidance's message on one line
             return ValueError(f"structured_outputs.{so.kind}: {' '.join(str(error).split())}")
 
@@ -69,7 +86,7 @@ class Grammars:
             grammar = llguidance.grammar_from(_FORMATS[so.kind], grammar_text(so))
         except ValueError as e:
             raise invalid(e) from None
-        matcher = llguidance.LLMatcher(self.lltokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise invalid(matcher.get_error())
         return Matcher(matcher, self.vocab_size, self.eos_ids)

@@ -70,7 +70,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
     async def lifespan(app: FastAPI):
         scheduler.start()
         # structured outputs' tokenizer (about 1 s for a 150k vocabulary), off the event loop
-        threading.Thread(target=llm.grammars.lltokenizer, name="specdec-grammars", daemon=True).start()
+        threading.Thread(target=llm.grammars.warm, name="specdec-grammars", daemon=True).start()
         try:
             yield
         finally:
