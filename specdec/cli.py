@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a batch slot; beyond that 429 (default %(default)s)")
     h.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $SPECDEC_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: $SPECDEC_API_KEY, else none)")
     h.add_argument("--served-model-name", help="model id in requests and /v1/models (default: --model)")
     h.add_argument("--max-request-bytes", type=int, default=2_000_000,
                    help="larger request bodies get 413 (default %(default)s)")
