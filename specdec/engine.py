@@ -16,9 +16,9 @@ import torch
 from .config import SpecConfig
 from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
-from .sampling import process_logits, probs_from_logits, sample
+from .sampling import probs_from_logits, sample, sequence_logits
 from .sequence import Sequence, TokenLogprobs, common_prefix, cut_after_eos, output_text
-from .structured import chain_masks, constrain
+from .structured import chain_masks
 from .tree import verify_tree
 from .verify import Verdict, verify
 
@@ -216,7 +216,7 @@ class Engine:
         (``allowed``: the grammar's masks of the rows, when already computed)."""
         if s.sampling.processes_logits or s.grammar is not None:
             prefixes = d.tree.prefixes() if d.tree else [d.tokens[:j] for j in range(len(d.tokens) + 1)]
-            rows = self._scored(s, rows, prefixes, allowed)
+            rows = sequence_logits(rows, s, prefixes, allowed)
         if d.tree is None:
             v = verify(d.tokens, d.q, rows, s.sampling, s.generator)
             self.cache.rewind(s.slot, len(s.ids) + v.num_accepted)
@@ -224,22 +224,6 @@ class Engine:
             v = verify_tree(d.tree, rows, s.sampling, s.generator)
             self.cache.keep(s.slot, len(s.ids) - 1, v.rows)  # path rows -> consecutive slots
         return v
-
-    def _scored(self, s: Sequence, rows: torch.Tensor, prefixes: list[list[int]],
-                allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """The logits ``s`` samples from, ``rows [n, vocab]`` with row i following its output
-        plus ``prefixes[i]``: the grammar's mask (structured outputs; ``allowed`` when already
-        computed), then ``process_logits`` (penalties, logit bias, allowed ids, bad words,
-        min_tokens)."""
-        if s.grammar is not None:
-            rows = constrain(rows, s.grammar.allowed(prefixes) if allowed is None else allowed)
-        out = process_logits(rows, s.sampling, s.ids[:s.prompt_len], s.output_ids, prefixes, stop_ids=s.eos_ids,
-                             bad_words=s.bad_words_ids)
-        if out is not rows:  # a row the processing left empty (allowed ids against the grammar) keeps the grammar's
-            empty = ~torch.isfinite(out).any(-1, keepdim=True)  # [n, 1]
-            if empty.any():
-                out = torch.where(empty, rows.float(), out)
-        return out
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
@@ -304,7 +288,7 @@ class Engine:
                 row = rows[-1]
             if self.cache.lengths[s.slot] < s.prompt_len:
                 continue
-            scored = self._scored(s, row[None], [[]])  # [1, vocab]
+            scored = sequence_logits(row[None], s, [[]])  # [1, vocab]
             if s.sampling.greedy:
                 token = int(scored.argmax())
             else:

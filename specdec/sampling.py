@@ -3,10 +3,15 @@ top-k, top-p), and seeded draws."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import SamplingParams
+from .structured import constrain
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
 
 
 def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
@@ -46,10 +51,13 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], 
     stop tokens, banned on rows with fewer than ``min_tokens`` tokens of output before them,
     unless nothing else is left) on ``logits [rows, vocab]``: row ``i`` follows ``prompt +
     output + extra[i]`` (a verify step's row i follows the drafts before it; default: no
-    extra). Repetition counts the prompt and the output, presence and
-    frequency the output only (``extra`` is output). Unchanged when ``sp`` has none of them."""
+    extra). Repetition counts the prompt and the output, presence and frequency the output
+    only (``extra`` is output). A row the processing would leave without any token (allowed
+    ids against a grammar, say) keeps its logits as given. Unchanged when ``sp`` has none of
+    them."""
     if not sp.processes_logits:
         return logits
+    given = logits
     rows, vocab = logits.shape
     dev = logits.device
 
@@ -94,7 +102,28 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], 
             # a row where only stop tokens remain (a complete grammar) keeps them
             mask &= (torch.isfinite(logits) & ~mask).any(-1, keepdim=True)
             logits = logits.masked_fill(mask, float("-inf"))
-    return logits
+    return unless_empty(logits, given)
+
+
+def sequence_logits(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[int]],
+                    allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits ``seq`` draws from on ``rows [n, vocab]`` (the target's verify or prefill
+    rows, or a draft model's), row i following its output plus ``prefixes[i]``: the
+    grammar's mask (``allowed``: its masks, when already computed; a row the mask would
+    leave empty, in a draft vocabulary narrower than the target's, keeps its logits), then
+    ``process_logits``. The target and a draft model score alike, so the self-draft's
+    drafts are the target's own choices."""
+    if seq.grammar is not None:
+        allowed = seq.grammar.allowed(prefixes) if allowed is None else allowed
+        rows = unless_empty(constrain(rows, allowed[:, :rows.shape[-1]]), rows)
+    return process_logits(rows, seq.sampling, seq.ids[:seq.prompt_len], seq.output_ids, prefixes,
+                          stop_ids=seq.eos_ids, bad_words=seq.bad_words_ids)
+
+
+def unless_empty(logits: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """``logits [rows, vocab]``, except that a row with no finite logit is ``given``'s."""
+    empty = ~torch.isfinite(logits).any(-1, keepdim=True)  # [rows, 1]
+    return torch.where(empty, given.float(), logits) if empty.any() else logits
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

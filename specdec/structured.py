@@ -9,8 +9,9 @@ matcher consumes the row's draft path, writes the mask, and rolls back. A draft 
 grammar forbids has ``p = 0`` on its row, so it is rejected there (greedy and sampled
 alike) and the rows after it are never reached. The constrained target is thus verified
 exactly as an unconstrained one: greedy output equals the constrained target's own, and
-sampled output follows its distribution. Drafters draft unconstrained, except that the
-grammar's forced tokens (``forced``) make free drafts.
+sampled output follows its distribution. A draft model drafts under the same masks (its
+``q`` is the masked distribution), and the engine cuts an n-gram chain before its first
+draft the grammar forbids (``Matcher.valid_prefix``).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .config import StructuredOutputs
 from .sequence import common_prefix
 
 log = logging.getLogger("specdec.structured")
+_BITS = torch.arange(32, dtype=torch.int32)  # a bitmask word's bit positions (token j * 32 + b)
 
 # llguidance's grammar formats by StructuredOutputs kind (json_object: any JSON object)
 _FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "choice": "choice",
@@ -98,7 +100,6 @@ class Matcher:
     def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int]):
         self._m, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
         self._words = (vocab_size + 31) // 32  # the bitmask's int32 words per row
-        self._bits = torch.arange(32, dtype=torch.int32)
 
     def copy(self) -> "Matcher":
         return Matcher(self._m.deep_copy(), self.vocab_size, self.eos_ids)
@@ -128,7 +129,7 @@ class Matcher:
     def _unpack(self, words: torch.Tensor) -> torch.Tensor:
         """llguidance's bitmask rows ``[rows, words]`` int32 -> ``[rows, vocab]`` bool, an
         empty row (a failed matcher) allowing EOS only."""
-        mask = ((words[:, :, None] >> self._bits) & 1).bool().view(len(words), -1)[:, :self.vocab_size]
+        mask = ((words[:, :, None] >> _BITS) & 1).bool().view(len(words), -1)[:, :self.vocab_size]
         empty = ~mask.any(-1)  # [rows]
         if empty.any():
             ends = torch.zeros(self.vocab_size, dtype=torch.bool)

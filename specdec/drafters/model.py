@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..sampling import process_logits, probs_from_logits, sample
+from ..sampling import probs_from_logits, sample, sequence_logits
 from ..sequence import Sequence, common_prefix
-from ..structured import constrain
 from ..tree import DraftTree
 from .base import Draft
 
@@ -163,7 +162,7 @@ class ModelDrafter:
     def _pick(self, logits: torch.Tensor, seq: Sequence, drafted: list[int]):
         """Draft token from one logits row ``[vocab_d]`` after the drafts ``drafted``; q over
         the target's vocab when sampling."""
-        logits = self._process(logits[: self.target_vocab], seq, drafted)  # never an id the target cannot emit
+        logits = sequence_logits(logits[None, : self.target_vocab], seq, [drafted])[0]  # no id the target cannot emit
         if seq.sampling.greedy:
             return int(logits.argmax()), None
         q = probs_from_logits(logits[None], seq.sampling)[0]  # [vocab_d]
@@ -211,26 +210,11 @@ class ModelDrafter:
                                        for j, n in enumerate(g.fed)}
         return drafts
 
-    @staticmethod
-    def _process(logits: torch.Tensor, seq: Sequence, drafted: list[int]) -> torch.Tensor:
-        """The request's grammar mask and logits processing (``process_logits``) on a draft
-        logits row ``[vocab]``, the drafts ``drafted`` counted as output (as the target's
-        verify rows count them). A step that would leave the draft's vocabulary nothing is
-        skipped, as the target's verify rows skip it (the target rejects what it must)."""
-        if seq.grammar is not None:
-            masked = constrain(logits[None], seq.grammar.allowed([drafted])[:, :logits.shape[0]])[0]
-            logits = masked if torch.isfinite(masked).any() else logits
-        if seq.sampling.processes_logits:
-            processed = process_logits(logits[None], seq.sampling, seq.ids[: seq.prompt_len], seq.output_ids,
-                                       [drafted], stop_ids=seq.eos_ids, bad_words=seq.bad_words_ids)[0]
-            logits = processed if torch.isfinite(processed).any() else logits
-        return logits
-
     def _log_q(self, logits: torch.Tensor, seq: Sequence, path: list[int]) -> torch.Tensor:
         """Draft log-probabilities over the target's vocab, after the drafts ``path`` (after
-        the request's penalties, temperature, top-k and top-p when sampling; plain softmax
-        of the penalized logits for greedy requests)."""
-        logits = self._process(logits[: self.target_vocab].float(), seq, path)
+        the request's grammar and logits processing, ``sequence_logits``, then temperature,
+        top-k and top-p when sampling; plain softmax of those logits for greedy requests)."""
+        logits = sequence_logits(logits[None, : self.target_vocab].float(), seq, [path])[0]
         if seq.sampling.greedy:
             return logits.log_softmax(-1)
         return probs_from_logits(logits[None], seq.sampling)[0].log()

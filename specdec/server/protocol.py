@@ -33,17 +33,23 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """A request part: strict types, unknown fields ignored (OpenAI clients send some)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    def refuse_unsupported(self) -> None:
+        """A body's checks beyond its fields' types (``parse`` calls it); none by default."""
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Request(BaseModel):
+class _Request(_Strict):
     """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI clients send
     some (``user``, ``metadata``...); known fields we do not implement are refused when set
     to anything but their neutral value."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -219,14 +225,9 @@ class CompletionRequest(_Request):
         return [{"prompt_token_ids": one} if isinstance(one, list) else one for one in batch]
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
 
 
 class CalledFunction(_Strict):
@@ -395,9 +396,6 @@ class TokenizeRequest(_Strict):
 class TokenizeChatRequest(_ChatTemplate):
     model: str | None = None
 
-    def refuse_unsupported(self) -> None:
-        pass
-
     def token_ids(self, tok) -> list[int]:
         return encode_prompt(tok, self.conversation(), self.template_options(tools=True))
 
@@ -408,11 +406,8 @@ class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[int]
 
-    def refuse_unsupported(self) -> None:
-        pass
 
-
-def parse(model: type[_Request], body: object) -> _Request:
+def parse(model: type[_Strict], body: object) -> _Strict:
     """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")

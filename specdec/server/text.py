@@ -53,4 +53,3 @@ class TextStream:
             return ""
         self.text, self.sent = final, len(final)
         return final[len(sent):]
-
