@@ -118,21 +118,23 @@ class LLM:
     ``chunked_prefill_size``: prompt tokens prefilled per engine step, over all requests
     (0 = each prompt whole in one forward; default 256 on the CPU, 2048 on a GPU).
     ``max_model_len``: tokens (prompt + output) a request may span (``context_window``);
-    default the models' own context (llama.cpp: 4096 tokens per slot).
+    default the models' own context (llama.cpp: 4096 tokens per slot). ``enforce_eager``: no
+    CUDA graphs (the torch runtime on CUDA otherwise replays small forwards as graphs).
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
                  speculative: SpecConfig | None = None, device: str | None = None,
                  dtype: str | None = None, max_batch_size: int = 8, backend: str = "auto",
                  draft_backend: str | None = None, repack: bool = True, load_format: str = "auto",
-                 chunked_prefill_size: int | None = None, max_model_len: int | None = None):
+                 chunked_prefill_size: int | None = None, max_model_len: int | None = None,
+                 enforce_eager: bool = False):
         if speculative is None:
             speculative = SpecConfig(method="draft" if draft else "none")
         self.spec = speculative
         self.engine_config = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size,
                                           backend=backend, draft_backend=draft_backend, repack=repack,
                                           load_format=load_format, chunked_prefill_size=chunked_prefill_size,
-                                          max_model_len=max_model_len)
+                                          max_model_len=max_model_len, enforce_eager=enforce_eager)
         uses_draft = speculative.method in ("draft", "hybrid")
         if uses_draft and not draft:
             raise ValueError(f"method {speculative.method!r} needs a draft model (draft=... / --draft)")
@@ -141,7 +143,7 @@ class LLM:
                              "use method 'draft' or 'hybrid'")
         self.target: LoadedModel = model if isinstance(model, LoadedModel) \
             else load_model(model, device, dtype, backend, repack=repack, load_format=load_format,
-                            max_model_len=max_model_len)
+                            max_model_len=max_model_len, enforce_eager=enforce_eager)
         self.draft: LoadedModel | None = None
         if uses_draft:
             from .vocab import require_compatible
@@ -149,7 +151,8 @@ class LLM:
             if not isinstance(draft, LoadedModel):
                 draft = load_model(draft, device, dtype, draft_backend or backend,
                                    quantize=speculative.draft_quantization, draft=True, repack=repack,
-                                   load_format=load_format, max_model_len=max_model_len)
+                                   load_format=load_format, max_model_len=max_model_len,
+                                   enforce_eager=enforce_eager)
             self.draft = draft
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
         models = min(m.max_context for m in (self.target, self.draft) if m is not None)

@@ -51,6 +51,9 @@ from .sequence import cut_after_eos
 METHODS = ("specdec-plain", "specdec-draft", "specdec-ngram", "specdec-hybrid", "specdec-ngram-tree",
            "specdec-draft-tree", "hf-plain", "hf-assisted", "hf-lookup", "llamacpp-plain", "llamacpp-lookup")
 BASELINES = ("hf-plain", "llamacpp-plain")  # speed ratios are reported against each one present
+# a greedy output may part from its reference where the top-2 logits are this near (relative to
+# the top one): two steps of the dtype (tests/test_cuda.py's rule)
+NEAR_TIE = {"float32": 1e-4, "bfloat16": 2 ** -6, "float16": 2 ** -9}
 COST_SUFFIX = "+cost"  # e.g. specdec-ngram+cost: the same drafter with the cost model choosing k
 DEFAULT_TREE_SHAPES = "2x4x8"
 NGRAM_TREE_TOPK = 3  # specdec-ngram-tree: up to 3 matches' continuations as branches
@@ -103,6 +106,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights of the models' shapes for specdec and transformers "
                         "(only config and tokenizer are read; not with llama.cpp), to measure speed "
                         "without the weights: acceptance then means nothing (default %(default)s)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="specdec's torch runtime on cuda without CUDA graphs (transformers runs eagerly either way)")
     p.add_argument("--threads", type=int,
                    help="torch.set_num_threads, also llama.cpp's threads (default: torch's)")
     p.add_argument("--out", default="bench-results", help="output directory (default %(default)s/)")
@@ -475,7 +480,7 @@ def run_bench(args) -> int:
 
     # --- llama-cpp-python and specdec, timed in turns (llama.cpp maps the GGUF: little memory)
     context = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + LLAMACPP_LOOKUP_TOKENS + 1
-    runs = {}
+    runs, plain = {}, None
     for m in (m for m in methods if m.startswith("llamacpp-")):
         t0 = time.perf_counter()
         runs[m] = _llamacpp_runner(gguf, context, torch.get_num_threads(), lookup=m == "llamacpp-lookup")
@@ -485,7 +490,7 @@ def run_bench(args) -> int:
     if sd_methods:
         t0 = time.perf_counter()
         backend = {"backend": args.backend, "device": args.device, "dtype": args.dtype, "max_batch_size": 1,
-                   "repack": args.repack, "load_format": args.load_format}
+                   "repack": args.repack, "load_format": args.load_format, "enforce_eager": args.enforce_eager}
         plain = LLM(str(gguf if on_llamacpp else target_path), speculative=SpecConfig(method="none"), **backend)
         if plain.target.eos_ids != eos:
             raise RuntimeError(f"eos ids differ: bench {sorted(eos)} vs specdec {sorted(plain.target.eos_ids)}")
@@ -516,9 +521,12 @@ def run_bench(args) -> int:
         log("forward cost relative to 1 token: " + " ".join(
             f"{n + 1}:{t / cost_curve['target'][0]:.2f}" for n, t in enumerate(cost_curve["target"])))
         runs.update({m: _specdec_runner(llms[m]) for m in sd_methods})
+    refs = references(methods, own_family=on_llamacpp or (device.type, dtype) != ("cpu", torch.float32))
     if runs:
         log("timing " + ", ".join(runs) + " in turns:")
         results.update(_time_methods(runs, prompts, args, device, eos, log))
+        if plain is not None:
+            add_flip_gaps(plain, prompts, results, refs)
         for run in runs.values():
             getattr(run, "close", lambda: None)()
         runs.clear()
@@ -526,7 +534,7 @@ def run_bench(args) -> int:
         gc.collect()
 
     # --- equality vs each family's reference, summary, reports
-    refs = references(methods, own_family=on_llamacpp or (device.type, dtype) != ("cpu", torch.float32))
+    tolerance = None if on_llamacpp else NEAR_TIE[str(dtype).removeprefix("torch.")]
     summary = {}
     for m in methods:
         recs = results[m]
@@ -544,7 +552,12 @@ def run_bench(args) -> int:
              "total_tokens": tokens, "total_seconds": secs,
              "aggregate_tokens_per_s": tokens / secs if secs > 0 else None,
              "target_forwards": sum(r["target_forwards"] for r in recs),
-             "reference": refs[m], "diverged": len(diverged), "diverged_first_index": diverged}
+             "reference": refs[m], "diverged": len(diverged), "diverged_first_index": diverged,
+             "flip_gaps": {r["id"]: r["flip_gap"] for r in recs if r.get("flip_gap") is not None}}
+        # a divergence passes only as a near-tie flip: on the torch runtime within the dtype's
+        # rounding; on llama.cpp (exact verification) at most one on the bench prompts
+        s["near_ties_only"] = len(s["flip_gaps"]) == len(diverged) and (
+            len(diverged) <= 1 if tolerance is None else all(g <= tolerance for g in s["flip_gaps"].values()))
         if m not in ("specdec-plain",) + BASELINES:
             drafted = sum(r["drafted_tokens"] or 0 for r in recs)
             accepted = sum(r["accepted_tokens"] or 0 for r in recs)
@@ -587,7 +600,7 @@ def run_bench(args) -> int:
     command = shlex.join(["specdec" if argv0 in ("specdec", "cli.py", "__main__.py") else argv0]
                          + sys.argv[1:])
     repacked = args.repack if on_llamacpp else None  # only llama.cpp repacks
-    config = {"backend": args.backend, "repack": repacked, "load_format": args.load_format, "model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
+    config = {"backend": args.backend, "repack": repacked, "load_format": args.load_format, "enforce_eager": args.enforce_eager, "model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
               "draft_dir": str(draft_path) if draft_path else None, "num_draft_tokens": args.num_draft_tokens,
               "ngram_tree": {"topk": args.tree_topk, "depth": args.tree_depth, "nodes": args.tree_nodes},
               "draft_tree_shapes": [list(x) for x in shapes],
@@ -603,9 +616,12 @@ def run_bench(args) -> int:
         {"command": command, "config": config, "machine": machine, "summary": summary,
          "cost_curve_s": cost_curve, "per_prompt": results}, indent=1) + "\n")
     plot = write_plot(out / "bench.png", methods, summary, results, prompts, cost_curve)
-    ok = all(s["diverged"] == 0 for m, s in summary.items() if m.startswith("specdec-"))
+    ok = all(s["diverged"] == 0 or s["near_ties_only"] for m, s in summary.items() if m.startswith("specdec-"))
+    flips = sum(s["diverged"] for m, s in summary.items() if m.startswith("specdec-"))
     peers = [m for m, s in summary.items() if s["diverged"] and not m.startswith("specdec-")]
-    verdict = ("OK: every specdec method's greedy tokens equal its reference's" if ok
+    verdict = (("OK: every specdec method's greedy tokens equal its reference's" if not flips else
+                f"OK: every specdec method's greedy tokens equal its reference's, but for {flips} near-tie "
+                "flip(s) (logit gaps in the table)") if ok
                else "FAILED: a specdec method's greedy tokens differ from its reference's") + \
         (f"; peers that differ from their own plain decoding: {', '.join(peers)}" if peers else "")
     md = ["# specdec bench", "", "```", command, "```", "",
@@ -633,6 +649,27 @@ def run_bench(args) -> int:
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f" and {plot}" if plot else
                                                                 " (no plot: pip install matplotlib)"))
     return 0 if ok else 1
+
+
+def flip_gap(llm, prompt_ids: list[int], reference: list[int], j: int) -> float:
+    """How near a tie the reference's output token ``j`` was: the target's top-2 logit gap after
+    the prompt and ``reference[:j]``, from one fresh forward, over the top logit's size (at least 1)."""
+    rt = llm.target.runtime
+    top = rt.forward(rt.new_cache(1), [0], [prompt_ids + reference[:j]], last_only=True)[0].float().topk(2).values
+    return (top[0] - top[1]).item() / max(1.0, top[0].abs().item())
+
+
+def add_flip_gaps(llm, prompts, results: dict, refs: dict) -> None:
+    """For each specdec record whose greedy tokens part from its reference's, ``flip_gap`` at
+    the first token where they part (any repeat), from ``llm``'s target: a near-tie that other
+    kernels (a verify forward's rows, 16-bit rounding, llama.cpp's pieces) may flip, or a bug."""
+    for m, recs in results.items():
+        if not m.startswith("specdec-") or refs[m] == m:
+            continue
+        for p, rec, ref in zip(prompts, recs, results[refs[m]]):
+            idx = [i for i in (_first_diff(got, ref["token_ids"]) for got in rec["_all_ids"]) if i is not None]
+            if idx:
+                rec["flip_gap"] = flip_gap(llm, p["ids"], ref["token_ids"], min(idx))
 
 
 def add_chain_bounds(prompts, plain_records: list[dict], cost_curve: list[float], k_max: int) -> None:
@@ -747,7 +784,8 @@ def write_plot(path: Path, methods, summary, results, prompts, cost_curve) -> Pa
     ax.set_ylim(0, 1.05)
     ax.set_title("acceptance by position")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:  # no method drafted (e.g. n-gram found no match)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -786,7 +824,9 @@ def _tables(methods, summary, results, prompts, baselines) -> str:
         s = summary[m]
         div = "(is the reference)" if m == s["reference"] else f"{s['diverged']} ({s['reference']})"
         if s["diverged"]:
-            div += ": " + ", ".join(f"{k}@{v}" for k, v in s["diverged_first_index"].items())
+            gaps = s.get("flip_gaps", {})
+            div += ": " + ", ".join(f"{k}@{v}" + (f" (gap {gaps[k]:.1e})" if k in gaps else "")
+                                    for k, v in s["diverged_first_index"].items())
         ratios = "".join(f" {_fmt(s[_vs(b, 'median')])}x |" for b in baselines)
         decode = "".join(f" {_fmt(s[_vs(b, 'median_decode')])}x |" for b in baselines)
         rows.append(f"| {m} | {_fmt(s['median_tokens_per_s'])} | {_fmt(s['aggregate_tokens_per_s'])} |{ratios} "

@@ -60,6 +60,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=EngineConfig.load_format,
                    help="auto = the checkpoint's weights; dummy = random weights of its shapes (only "
                         "config and tokenizer are read), to measure speed (default %(default)s)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="torch runtime on cuda: no CUDA graphs (by default decoding, verification and "
+                        "drafting forwards of up to 32 tokens per row replay captured graphs)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -168,7 +171,8 @@ def make_llm(a):
     return LLM(a.model, draft=a.draft, speculative=spec_from_args(a), device=a.device,
                dtype=a.dtype, max_batch_size=a.max_batch_size, backend=a.backend,
                draft_backend=a.draft_backend, repack=a.repack, load_format=a.load_format,
-               chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len)
+               chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len,
+               enforce_eager=a.enforce_eager)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:

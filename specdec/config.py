@@ -245,6 +245,9 @@ class EngineConfig:
     # tokens (prompt + output) a request may span (vLLM's max_model_len); None = the model's
     # context (on llama.cpp 4096 per slot, its KV buffer holding max_batch_size of them)
     max_model_len: int | None = None
+    # the torch runtime on CUDA replays small forwards (decoding, verification, drafting) as
+    # CUDA graphs; True = always eager (vLLM's enforce_eager)
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")

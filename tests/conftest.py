@@ -24,14 +24,15 @@ def tiny_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def loaded(tiny_dirs):
-    """LoadedModel per tiny checkpoint, loaded once (cpu, fp32)."""
+    """LoadedModel per tiny checkpoint, loaded once (cpu, fp32; also on a GPU machine, where
+    the default device would be cuda)."""
     from specdec.runtime import load_model
 
     cache = {}
 
     def get(name, backend="auto"):
         if (name, backend) not in cache:
-            cache[name, backend] = load_model(str(tiny_dirs[name]), backend=backend)
+            cache[name, backend] = load_model(str(tiny_dirs[name]), device="cpu", backend=backend)
         return cache[name, backend]
 
     return get

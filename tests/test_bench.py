@@ -68,3 +68,40 @@ def test_bench_and_generate_on_dummy_weights(tiny_dirs, tmp_path, capsys):
                 "-k", "3", "--max-new-tokens", "6", "--ignore-eos", "--json", "--prompt", "abc")
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["token_ids"]) == 6
+
+
+def test_bench_tells_near_tie_flips_from_bugs(tiny_dirs, tmp_path, monkeypatch, capsys):
+    """A specdec output that parts from its reference gets the reference's top-2 logit gap at
+    that token: within the dtype's near-tie tolerance the bench passes and reports the flip,
+    beyond it the bench fails. (A runner is made to change one token; the tiny models' logits
+    are peaked, so the gap there is no near-tie.)"""
+    import specdec.bench as bench
+    from specdec.cli import main
+
+    real = bench._specdec_runner
+
+    def flipping(llm):
+        run = real(llm)
+        if llm.spec.method != "ngram":
+            return run
+
+        def changed(ids, max_new_tokens):
+            out, stats = run(ids, max_new_tokens)
+            return out[:3] + [(out[3] + 1) % 256] + out[4:], stats
+        return changed
+
+    monkeypatch.setattr(bench, "_specdec_runner", flipping)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "comp-a", "kind": "completion", "prompt": "abc abc abc"}\n')
+    common = ["bench", "--model", str(tiny_dirs["llama"]), "--prompts-file", str(prompts), "--max-new-tokens", "8",
+              "--methods", "specdec-plain,specdec-ngram,hf-plain"]
+    assert main(common + ["--out", str(tmp_path / "a")]) == 1
+    summary = json.loads((tmp_path / "a" / "bench.json").read_text())["summary"]["specdec-ngram"]
+    assert summary["diverged_first_index"] == {"comp-a": 3} and not summary["near_ties_only"]
+    gap = summary["flip_gaps"]["comp-a"]
+    assert bench.NEAR_TIE["float32"] < gap < 1
+    assert f"comp-a@3 (gap {gap:.1e})" in (tmp_path / "a" / "bench.md").read_text()
+    assert "FAILED" in capsys.readouterr().out
+    monkeypatch.setitem(bench.NEAR_TIE, "float32", 1.0)  # the same gap, read as a near-tie
+    assert main(common + ["--out", str(tmp_path / "b")]) == 0
+    assert "but for 1 near-tie flip(s)" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """The core checks again on a CUDA device; skipped where there is none (CI has none).
 
 On a GPU machine: ``python3 -m pytest -q tests/test_cuda.py`` (``scripts/gpu/run.sh`` does).
-The torch runtime against transformers in float32, greedy speculation (self, random draft
+The torch runtime against transformers in float32, CUDA graphs against eager forwards, greedy speculation (self, random draft
 model, n-gram, trees; batch 1 and 3) equal to plain decoding in float32 and bfloat16 (and
 with chunked prefill and penalties), the
 sampling verifier's distribution with a CUDA generator, seeded sampling through the engine,
@@ -148,9 +148,41 @@ def test_structured_outputs_on_cuda(on_cuda):
 
 
 def test_cuda_float32_greedy_equals_cpu(loaded, on_cuda):
+    """The same tokens on both devices in float32, up to near-ties (other kernels round
+    otherwise)."""
     cpu = LLM(loaded("qwen2")).generate(PROMPTS, GREEDY)
-    cuda = LLM(on_cuda("qwen2")).generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in cuda] == [o.token_ids for o in cpu]
+    llm = LLM(on_cuda("qwen2"))
+    assert_same_greedy(llm, llm.generate(PROMPTS, GREEDY), cpu, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_equal_eager(tiny_dirs, on_cuda, dtype):
+    """Forwards replayed as CUDA graphs (captured on first use of a shape, then replayed with
+    new inputs, across rewinds and cache growth) give eager forwards' logits; greedy output of
+    plain decoding, chains and trees through graphs equals eager plain decoding's."""
+    from specdec.runtime import load_model
+
+    graphed = on_cuda("llama", dtype).runtime
+    eager = load_model(str(tiny_dirs["llama"]), device="cuda", dtype=dtype, enforce_eager=True)
+    assert graphed.graphs is not None and eager.runtime.graphs is None
+    tol = {"float32": 1e-4, "bfloat16": 0.1}[dtype]
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    caches = graphed.new_cache(2), eager.runtime.new_cache(2)
+    steps = [(0, 10), (10, 13), (13, 16), (16, 17), (17, 18), (18, 260), (260, 263), (263, 264)]
+    for i, (a, b) in enumerate(steps):  # shapes (1, 3) and (1, 1) twice: capture, then replay
+        if i == 4:  # a rollback: the replay writes over rewound rows
+            for c in caches:
+                c.rewind(1, 15)
+            a = 15
+        out = [rt.forward(c, [1], [ids[a:b]]) for rt, c in zip((graphed, eager.runtime), caches)]
+        assert (out[0] - out[1]).abs().max().item() < tol, (a, b)  # the cache grew at 260
+    assert len(graphed.graphs.by_cache[caches[0]][2]) == 2  # (1, 3) and (1, 1), after growing
+    base = LLM(eager).generate(PROMPTS, GREEDY)
+    for spec in (SpecConfig(), SpecConfig(method="self", num_draft_tokens=4),
+                 SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3)):
+        llm = LLM(on_cuda("llama", dtype), speculative=spec)
+        assert_same_greedy(llm, llm.generate(PROMPTS, GREEDY), base, dtype)
+    assert graphed.graphs is not None  # no capture failed
 
 
 def test_sampling_verifier_on_cuda_is_lossless():

@@ -205,3 +205,51 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
         load_model(str(path), backend="llamacpp", load_format="dummy")
     with pytest.raises(ValueError, match="unknown load_format"):
         load_model(str(path), load_format="zeros")
+
+
+class EagerGraphs:
+    """Stands in for ``CudaGraphs`` on the CPU: the graphed branch of ``forward`` (inputs over
+    the cache's whole capacity, logits of every row, the last rows picked after), with the
+    layers run eagerly instead of replayed. What a CUDA graph replays is exactly that call."""
+
+    def __init__(self, runtime):
+        self.runtime, self.shapes = runtime, set()
+
+    def run(self, cache, x):
+        assert x.mask.shape[-1] == cache.capacity
+        self.shapes.add(tuple(x.ids.shape))
+        return self.runtime._layers(cache, x)
+
+
+def test_graphed_forward_equals_eager(tiny_dirs):
+    """The CUDA-graph branch of the forward (full-capacity masks) gives eager decoding's greedy
+    tokens under plain decoding, chains, n-gram and draft trees, in batches and one by one."""
+    from specdec import LLM, SamplingParams, SpecConfig
+    from specdec.runtime import load_model
+
+    prompts = ["Hello world, this is a test", "abc", "The quick brown fox. The quick brown"]
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    base = [o.token_ids for o in LLM(load_model(str(tiny_dirs["llama"]))).generate(prompts, sp)]
+    model = load_model(str(tiny_dirs["llama"]))
+    model.runtime.graphs = graphs = EagerGraphs(model.runtime)
+    for spec in (SpecConfig(), SpecConfig(method="self", num_draft_tokens=4),
+                 SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3),
+                 SpecConfig(method="self", tree_topk=2, tree_depth=3, tree_nodes=5)):
+        llm = LLM(model, speculative=spec)
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == base, spec
+        assert [llm.generate(p, sp)[0].token_ids for p in prompts] == base, spec
+    assert {(1, 1), (3, 1), (1, 5), (3, 5)} <= graphs.shapes
+    rt, ragged = model.runtime, [[5, 6, 7, 8, 9], [10, 11]]  # last rows of a ragged batch
+    graphed = rt.forward(rt.new_cache(2), [0, 1], ragged, last_only=True)
+    rt.graphs = None
+    assert torch.allclose(graphed, rt.forward(rt.new_cache(2), [0, 1], ragged, last_only=True), atol=1e-5)
+
+
+def test_cuda_graphs_need_cuda(tiny_dirs):
+    from transformers import AutoConfig
+
+    from specdec.runtime.loading import Weights
+
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        TorchLlama(AutoConfig.from_pretrained(tiny_dirs["llama"]), Weights(tiny_dirs["llama"]),
+                   torch.device("cpu"), torch.float32, cuda_graphs=True)

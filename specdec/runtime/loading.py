@@ -252,7 +252,8 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 def load_model(model: str | None, device: str | None = None, dtype: str | None = None,
                backend: str = "auto", quantize: str = "none", draft: bool = False,
-               repack: bool = True, load_format: str = "auto", max_model_len: int | None = None) -> LoadedModel:
+               repack: bool = True, load_format: str = "auto", max_model_len: int | None = None,
+               enforce_eager: bool = False) -> LoadedModel:
     """Load ``model`` (path, .gguf, hub id or None for the default) onto a runtime.
 
     ``quantize`` (draft models only, see ``torch_llama.Linear``): ``int8`` linears, ``none``,
@@ -263,7 +264,8 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     thread count, ``repack``: its repacked CPU weights); config and tokenizer still come from
     transformers; ``max_model_len`` sets its tokens per slot. ``load_format="dummy"``:
     ``DummyWeights`` instead of the checkpoint's (only its config and tokenizer are read;
-    not on llama.cpp), for measuring speed."""
+    not on llama.cpp), for measuring speed. ``enforce_eager``: the torch runtime on CUDA runs
+    without CUDA graphs."""
     from transformers import AutoConfig, AutoTokenizer
 
     from .hf import HFRuntime
@@ -283,7 +285,8 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
         quantize = "int8" if torch_runtime and dev.type == "cpu" and dt == torch.float32 else "none"
     if torch_runtime:
         weights = Weights(path) if load_format == "auto" else DummyWeights(config, dev)
-        runtime = TorchLlama(config, weights, dev, dt, linear=pick_linear(dev, dt, quantize == "int8"))
+        runtime = TorchLlama(config, weights, dev, dt, linear=pick_linear(dev, dt, quantize == "int8"),
+                             cuda_graphs=False if enforce_eager else None)
     elif quantize == "int8":
         raise ValueError(f"int8 draft quantization needs the torch runtime; {config.model_type!r} "
                          "runs on the transformers fallback")
