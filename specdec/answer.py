@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .sequence import held_back
-from .tools import START as TOOL_CALL_START, ToolCall, could_be_call, parse_hermes, parse_required
+from .tools import TOOL_PARSERS, ToolCall, parse_required
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK, END_THINK = "<think>", "</think>"
@@ -36,12 +36,13 @@ class Answer:
 class AnswerParser:
     """``reasoning``: a reasoning parser's name or None; ``tool_mode``: the request's (None,
     auto, required, function); ``tool_names``: the functions auto may call; ``function``: the
-    named function's name."""
+    named function's name; ``tool_parser``: how auto's calls are written (``TOOL_PARSERS``)."""
 
     reasoning: str | None = None
     tool_mode: str | None = None
     tool_names: frozenset[str] = frozenset()
     function: str | None = None
+    tool_parser: str = "hermes"
 
     def split_reasoning(self, text: str, final: bool) -> tuple[str | None, str]:
         """``(reasoning, the rest)``; a partial view holds back what could still change."""
@@ -67,7 +68,7 @@ class AnswerParser:
         mode = self.tool_mode
         if final:
             if mode == "auto":
-                content, calls = parse_hermes(rest, self.tool_names)
+                content, calls = TOOL_PARSERS[self.tool_parser].parse(rest, self.tool_names)
             elif mode == "required":
                 calls = parse_required(rest)
                 content = None if calls else rest
@@ -79,9 +80,10 @@ class AnswerParser:
         if mode in ("required", "function"):  # JSON calls: nothing until the end
             return Answer(reasoning, "")
         if mode == "auto":
-            start = rest.find(TOOL_CALL_START)
-            rest = rest[:start] if start >= 0 else rest[:len(rest) - held_back(rest, (TOOL_CALL_START,))]
-            if could_be_call(rest):  # a bare JSON call, perhaps: wait
+            parser = TOOL_PARSERS[self.tool_parser]
+            starts = [i for i in (rest.find(m) for m in parser.markers) if i >= 0]
+            rest = rest[:min(starts)] if starts else rest[:len(rest) - held_back(rest, parser.markers)]
+            if parser.could_be_call(rest):  # a call without a marker, perhaps: wait
                 rest = ""
         return Answer(reasoning, rest)
 

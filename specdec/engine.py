@@ -337,8 +337,8 @@ class Engine:
             s.grammar.advance(kept)
         if hit_eos or self._hit_stop_string(s, len(kept)):
             s.finish_reason = "stop"
-            if hit_eos and kept[-1] in s.sampling.stop_token_ids and not s.sampling.include_stop_str_in_output:
-                s.text = output_text(self.target.tokenizer, s.output_ids[:-1], s.sampling)  # without the stop token
+            if hit_eos and not s.sampling.include_stop_str_in_output:  # an EOS or stop token: not in the text
+                s.text = output_text(self.target.tokenizer, s.output_ids[:-1], s.sampling)  # (vLLM's rule)
         elif s.remaining == 0:
             s.finish_reason = "length"
         del s.token_logprobs[s.num_output:]  # captured for tokens cut at EOS / budget / stop

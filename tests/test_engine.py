@@ -212,13 +212,15 @@ def test_stop_string_cuts_text(loaded):
 
 
 def test_special_tokens_in_text(loaded):
-    """``skip_special_tokens=False`` keeps EOS (a special token) in the text; a stop token's
-    text is kept with ``include_stop_str_in_output``."""
+    """The EOS or stop token that ends a request is not in its text (vLLM's rule), unless
+    ``include_stop_str_in_output``; EOS, a special token, then shows only with
+    ``skip_special_tokens=False``."""
     eos = 257  # tiny.py: </s>
     forced = dict(max_new_tokens=4, logit_bias={eos: 100})  # EOS first
-    assert plain(loaded, "llama", [PROMPTS[0]], SamplingParams(**forced))[0].text == ""
-    o = plain(loaded, "llama", [PROMPTS[0]], SamplingParams(**forced, skip_special_tokens=False))[0]
-    assert o.text == "</s>" and o.token_ids == [eos] and o.finish_reason == "stop"
+    for skip, include, text in ((True, False, ""), (False, False, ""), (True, True, ""), (False, True, "</s>")):
+        sp = SamplingParams(**forced, skip_special_tokens=skip, include_stop_str_in_output=include)
+        o = plain(loaded, "llama", [PROMPTS[0]], sp)[0]
+        assert o.text == text and o.token_ids == [eos] and o.finish_reason == "stop", (skip, include)
     base = plain(loaded, "llama", [PROMPTS[0]])[0]
     t = base.token_ids[5]
     j = base.token_ids.index(t)

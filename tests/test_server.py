@@ -112,7 +112,7 @@ def test_completion_stream_equals_non_stream(llm, client):
                                      presence_penalty=0.5, frequency_penalty=0.2).choices[0].text
     assert kept == llm.tokenizer.decode(ref.token_ids) != ref.text
     special = dict(model=MODEL, prompt="hi", max_tokens=3, temperature=0, logit_bias={"257": 100},
-                   extra_body={"skip_special_tokens": False})  # </s> first: kept in the text
+                   extra_body={"skip_special_tokens": False, "include_stop_str_in_output": True})  # </s> kept
     assert client.completions.create(**special).choices[0].text == "</s>"
     assert "".join(c.choices[0].text for c in client.completions.create(**special, stream=True)) == "</s>"
     sampled = dict(model=MODEL, prompt="The quick brown fox", max_tokens=20, temperature=1.0, seed=4)

@@ -8,7 +8,8 @@ import pytest
 
 from specdec import LLM, SpecConfig
 from specdec.server import BackgroundServer, create_app
-from specdec.tools import ToolCall, could_be_call, parse_hermes, parse_required, required_schema
+from specdec.tools import (TOOL_PARSERS, ToolCall, parse_hermes, parse_llama3_json, parse_mistral, parse_pythonic,
+                           parse_required, required_schema)
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "function": {
@@ -43,9 +44,81 @@ def test_parse_hermes():
     assert parse_required('[{"name": "search", "param') == []
     assert ToolCall("f", "{}", "call_1").to_openai(0) == {
         "index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    assert could_be_call(" \n{") and could_be_call("```") and could_be_call("") and not could_be_call("Sure")
+    hermes = TOOL_PARSERS["hermes"]
+    assert hermes.could_be_call(" \n{") and hermes.could_be_call("```") and hermes.could_be_call("")
+    assert not hermes.could_be_call("Sure")
     schema = required_schema([WEATHER["function"]], parallel=False)
     assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]
+
+
+def named(calls) -> list:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_parse_llama3_json():
+    """Llama 3's JSON calls: one object, or several separated by ';', perhaps after
+    <|python_tag|>; "parameters" (or "arguments"). Text first, broken JSON, a JSON answer that is
+    no call, or a function not among the tools: the whole answer is content."""
+    one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert parse_llama3_json(one, NAMES)[0] is None and named(parse_llama3_json(one, NAMES)[1]) == [
+        ("get_weather", {"city": "Paris"})]
+    two = '<|python_tag|>{"name": "search", "parameters": {"q": "a;b"}}; {"name": "get_weather", "arguments": {"city": "Rome"}}'
+    assert named(parse_llama3_json(two, NAMES)[1]) == [("search", {"q": "a;b"}), ("get_weather", {"city": "Rome"})]
+    for text in ("Sure. " + one, one[:-1], '{"answer": 42}', '{"name": "nope", "parameters": {}}', "", "[1]"):
+        assert parse_llama3_json(text, NAMES) == (text, []), text
+    assert named(parse_llama3_json('{"name": "nope", "parameters": {}}')[1]) == [("nope", {})]  # no tools known
+
+
+def test_parse_mistral():
+    """Mistral's calls after [TOOL_CALLS]: a JSON list (v3 tokenizers) or name[ARGS]{...} per
+    call (v11+); text before is the content; ids are 9 letters and digits. Without the tag
+    (special tokens skipped), a bare JSON list of calls is still read."""
+    v3 = 'Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, ' \
+         '{"name": "search", "arguments": {"q": "x"}}]'
+    content, calls = parse_mistral(v3, NAMES)
+    assert content == "Checking. " and named(calls) == [("get_weather", {"city": "Paris"}), ("search", {"q": "x"})]
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in calls) and calls[0].id != calls[1].id
+    v11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]search[ARGS]{"q": "é"}'
+    assert parse_mistral(v11, NAMES)[0] is None
+    assert named(parse_mistral(v11, NAMES)[1]) == [("get_weather", {"city": "Rome"}), ("search", {"q": "é"})]
+    bare = '[{"name": "search", "arguments": {"q": "y"}}]'
+    assert named(parse_mistral(bare, NAMES)[1]) == [("search", {"q": "y"})] and len(parse_mistral(bare, NAMES)[1][0].id) == 9
+    for text in ("[TOOL_CALLS][{broken", "[TOOL_CALLS]get_weather[ARGS]{", "plain text", "[TOOL_CALLS]"):
+        assert parse_mistral(text, NAMES) == (text, []), text
+
+
+def test_parse_pythonic():
+    """A Python list of calls with literal keyword arguments (JSON's true/false/null too),
+    perhaps between <|python_start|> and <|python_end|>. Positional arguments, expressions,
+    text around the list or an unknown function: the whole answer is content."""
+    text = "[get_weather(city='Paris'), search(q=\"x\", n=[1, -2.5], opts={'a': None, 'b': True}, f=false)]"
+    assert parse_pythonic(text, NAMES)[0] is None
+    assert named(parse_pythonic(text, NAMES)[1]) == [
+        ("get_weather", {"city": "Paris"}), ("search", {"q": "x", "n": [1, -2.5], "opts": {"a": None, "b": True}, "f": False})]
+    wrapped = "<|python_start|>[search(q='z')]<|python_end|>"
+    assert named(parse_pythonic(wrapped, NAMES)[1]) == [("search", {"q": "z"})]
+    for bad in ("[search('z')]", "[search(q=1+1)]", "Sure: [search(q='z')]", "[nope(q='z')]", "[]",
+                "[search(q='z')", "[search(**kw)]", "[1, 2]", "[__import__('os')]"):
+        assert parse_pythonic(bad, NAMES) == (bad, []), bad
+
+
+@pytest.mark.parametrize("parser, text, content, calls", [
+    ("llama3_json", '<|python_tag|>{"name": "search", "parameters": {"q": "x"}}', None, ["search"]),
+    ("mistral", 'Let me see.[TOOL_CALLS]search[ARGS]{"q": "x"}', "Let me see.", ["search"]),
+    ("pythonic", "[get_weather(city='Rome')]", None, ["get_weather"]),
+    ("pythonic", "[not a call, just text", "[not a call, just text", []),
+    ("llama3_json", "Paris is sunny.", "Paris is sunny.", []),
+])
+def test_answer_views_of_each_parser(parser, text, content, calls):
+    """Through AnswerParser: the final view's content and calls, and a stream that never sends
+    text it must take back (a marker's or a call's beginning is held until it is known)."""
+    from specdec.answer import AnswerParser
+
+    answer = AnswerParser(tool_mode="auto", tool_names=NAMES, tool_parser=parser)
+    final = answer.view(text, final=True)
+    assert (final.content, [c.name for c in final.calls]) == (content, calls)
+    for n in range(len(text) + 1):
+        assert (final.content or "").startswith(answer.view(text[:n]).content), (text, n)
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +289,30 @@ def test_reasoning_parser_on_the_server(loaded):
             assert calls == [c.function.name for c in r.message.tool_calls or []]
     with pytest.raises(ValueError, match="reasoning_parser"):
         create_app(llm, reasoning_parser="o1")
+
+
+@pytest.mark.parametrize("parser, regex", [
+    ("pythonic", r"\[get_weather\(city='(Paris|Rome)'\)\]"),
+    ("mistral", r'[A-Z][a-z]{1,3}\.\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "(Paris|Rome)"\}'),
+    ("llama3_json", r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Rome)"\}\}'),
+])
+def test_auto_tool_choice_with_other_parsers(loaded, parser, regex):
+    """--tool-call-parser pythonic / mistral / llama3_json on the server: an answer in the
+    family's format (forced by a regex) comes back as a tool call, streamed alike; Mistral's
+    call ids are 9 letters and digits."""
+    llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram"), max_batch_size=2)
+    with BackgroundServer(create_app(llm, served_model_name=MODEL, enable_auto_tool_choice=True,
+                                     tool_call_parser=parser)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=80,
+                  extra_body={"structured_outputs": {"regex": regex}})
+        r = client.chat.completions.create(model=MODEL, **kw).choices[0]
+        call = r.message.tool_calls[0]
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+        assert r.finish_reason == "tool_calls" and len(r.message.tool_calls) == 1
+        assert (r.message.content is None) == (parser != "mistral")
+        if parser == "mistral":
+            assert len(call.id) == 9 and call.id.isalnum() and "[TOOL_CALLS]" not in r.message.content
+        content, calls, finish = streamed(client, **kw)
+        assert content == (r.message.content or "") and finish == "tool_calls"
+        assert [(i, n, json.loads(a)) for i, n, a in calls] == [(0, "get_weather", json.loads(call.function.arguments))]

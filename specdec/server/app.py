@@ -18,6 +18,7 @@ import re
 import threading
 import time
 import uuid
+from dataclasses import replace
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -29,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..answer import REASONING_PARSERS, AnswerParser
 from ..api import LLM, encode_prompt
 from ..sequence import output_text
-from ..tools import PARSERS
+from ..tools import PARSERS, TOOL_PARSERS
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                        TokenizeRequest, bad_request, parse)
@@ -47,7 +48,8 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
                reasoning_parser: str | None = None) -> FastAPI:
     """An app serving ``llm``: at most ``llm``'s max_batch_size requests run at once and
     ``max_queue`` more wait; beyond that a request gets 429. ``enable_auto_tool_choice``
-    with a ``tool_call_parser`` (``hermes``) lets chat requests with tools have the model
+    with a ``tool_call_parser`` (``tools.TOOL_PARSERS``: hermes, llama3_json, mistral,
+    pythonic) lets chat requests with tools have the model
     decide whether to call them (vLLM's flags); required and named tool choices need neither.
     ``reasoning_parser`` (``qwen3``, ``deepseek_r1``) returns a thinking model's reasoning as
     ``reasoning_content``, apart from the content (``answer.py``)."""
@@ -228,6 +230,8 @@ class _API:
             if req.prompt_only:
                 max_tokens = 1  # one token is generated, then left out of the response
             sp = req.sampling(max_tokens)
+            if chat and req.tool_mode == "auto" and TOOL_PARSERS[self.tool_call_parser].special:
+                sp = replace(sp, skip_special_tokens=False)  # the parser reads its special-token markers
             try:
                 seqs += self.llm.make_sequences({"prompt_token_ids": ids}, sp, num_draft_tokens=req.num_draft_tokens)
             except ValueError as e:
@@ -347,7 +351,7 @@ class _Output:
         if chat and (api.reasoning_parser or tool_mode):
             named = req.named_function
             self.parser = AnswerParser(api.reasoning_parser, tool_mode, frozenset(t.function.name for t in req.tools or []),
-                                       named.name if named else None)
+                                       named.name if named else None, api.tool_call_parser or "hermes")
 
     def usage(self) -> dict:
         firsts = self.sreqs[::self.req.n]  # each prompt once
