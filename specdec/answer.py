@@ -25,6 +25,20 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK, END_THINK = "<think>", "</think>"
 
 
+def grammar_gate(tokenizer, prompt_ids: list[int]) -> tuple[int, ...]:
+    """The ids after which a thinking model's structured output starts (vLLM leaves the
+    reasoning free): ``</think>``'s, or none when the prompt already closed its last
+    ``<think>`` (Qwen3 with thinking turned off)."""
+    start, end = (tuple(tokenizer.encode(m, add_special_tokens=False)) for m in (THINK, END_THINK))
+    return () if _last(prompt_ids, end) > _last(prompt_ids, start) else end
+
+
+def _last(ids: list[int], pattern: tuple[int, ...]) -> int:
+    """Where ``pattern`` last begins in ``ids`` (-1: nowhere)."""
+    n = len(pattern)
+    return next((i for i in range(len(ids) - n, -1, -1) if tuple(ids[i:i + n]) == pattern), -1)
+
+
 @dataclass
 class Answer:
     reasoning: str | None = None

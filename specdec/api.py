@@ -13,6 +13,7 @@ from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
 from .sampling import make_generator
 from .sequence import Sequence, TokenLogprobs, bad_words_ids, output_text
+from .answer import grammar_gate
 from .structured import Grammars
 
 # prompt tokens per step by default, by device type (others: cuda's). Measured on Qwen2.5-Coder-1.5B
@@ -244,10 +245,11 @@ class LLM:
         return [self._output(group, p) for group, p in zip(groups, prompts)]
 
     def make_sequences(self, prompt: Prompt, sp: SamplingParams, *,
-                       num_draft_tokens: int | None = None) -> list[Sequence]:
+                       num_draft_tokens: int | None = None, reasoning: bool = False) -> list[Sequence]:
         """``sp.n`` validated ``Sequence``s for ``Engine.add``, one per completion
         (``ValueError`` on bad input); with a seed, completion i draws from ``sp.seed + i``.
-        ``num_draft_tokens``: cap k for this request."""
+        ``num_draft_tokens``: cap k for this request. ``reasoning``: a thinking model's
+        answer, whose structured output starts after its reasoning (``grammar_gate``)."""
         ids = self.encode(prompt)
         vocab = self.target.runtime.vocab_size
         if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
@@ -265,7 +267,8 @@ class LLM:
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
         eos_ids = (frozenset() if sp.ignore_eos else self.target.eos_ids) | frozenset(sp.stop_token_ids)
-        grammar = sp.structured_outputs and self.grammars.matcher(sp.structured_outputs)
+        gate = grammar_gate(self.tokenizer, ids) if reasoning and sp.structured_outputs else ()
+        grammar = sp.structured_outputs and self.grammars.matcher(sp.structured_outputs, gate)
         bad_words = bad_words_ids(self.tokenizer, sp.bad_words)
         seqs = []
         for i in range(sp.n):

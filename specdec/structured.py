@@ -12,6 +12,11 @@ exactly as an unconstrained one: greedy output equals the constrained target's o
 sampled output follows its distribution. A draft model drafts under the same masks (its
 ``q`` is the masked distribution), and the engine cuts an n-gram chain before its first
 draft the grammar forbids (``Matcher.valid_prefix``).
+
+A thinking model's reasoning is left free (vLLM's rule with a reasoning parser): a matcher
+with a ``gate`` (the token ids of ``</think>``) allows everything until the output holds the
+gate, and the grammar starts after it. Rows before the gate, in the committed output or in
+a row's drafts, are unconstrained.
 """
 from __future__ import annotations
 
@@ -71,9 +76,10 @@ class Grammars:
         except Exception as e:  # noqa: BLE001 - reported when a request needs it
             log.debug("llguidance tokenizer not built: %s", e)
 
-    def matcher(self, so: StructuredOutputs) -> "Matcher":
+    def matcher(self, so: StructuredOutputs, gate: tuple[int, ...] = ()) -> "Matcher":
         """A fresh matcher for one sequence (``ValueError`` naming the field when the
-        schema, regex or grammar is invalid)."""
+        schema, regex or grammar is invalid); ``gate``: the grammar starts after these ids
+        (a reasoning's end), from the start when empty."""
         import llguidance
 
         try:
@@ -91,26 +97,47 @@ class Grammars:
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise invalid(matcher.get_error())
-        return Matcher(matcher, self.vocab_size, self.eos_ids)
+        return Matcher(matcher, self.vocab_size, self.eos_ids, gate)
 
 
 class Matcher:
-    """One sequence's grammar state, at the end of its committed output between steps."""
+    """One sequence's grammar state, at the end of its committed output between steps.
+    ``gate``: ids after which the grammar starts (empty once passed, or from the start)."""
 
-    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int]):
+    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int], gate: tuple[int, ...] = ()):
         self._m, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
         self._words = (vocab_size + 31) // 32  # the bitmask's int32 words per row
+        self.gate = tuple(gate)
+        self._tail: list[int] = []  # the output's last ids while the gate is closed (fewer than the gate's)
 
     def copy(self) -> "Matcher":
-        return Matcher(self._m.deep_copy(), self.vocab_size, self.eos_ids)
+        twin = Matcher(self._m.deep_copy(), self.vocab_size, self.eos_ids, self.gate)
+        twin._tail = list(self._tail)
+        return twin
+
+    def opens_after(self, tokens: list[int]) -> int | None:
+        """How many of ``tokens`` (after the committed output) come before the grammar
+        starts: 0 with the gate passed, None when ``tokens`` do not complete it."""
+        if not self.gate:
+            return 0
+        seq, g = self._tail + list(tokens), len(self.gate)
+        for end in range(g, len(seq) + 1):
+            if seq[end - g:end] == list(self.gate):
+                return end - len(self._tail)
+        return None
 
     def allowed(self, paths: list[list[int]]) -> torch.Tensor:
         """``[rows, vocab]`` bool: the tokens the grammar allows after the committed output
         plus ``paths[i]`` (a row's drafts before it). A row behind a forbidden draft is never
-        reached: it allows everything. An empty mask (the matcher failed) allows EOS only."""
+        reached: it allows everything, as does a row before the gate. An empty mask (the
+        matcher failed) allows EOS only."""
         words = torch.full((len(paths), self._words), -1, dtype=torch.int32)  # [rows, words]
         consumed: list[int] = []  # drafts the matcher holds beyond the committed output
         for i, path in enumerate(paths):
+            j = self.opens_after(path)
+            if j is None:  # still reasoning on this row: free
+                continue
+            path = path[j:]
             keep = common_prefix(consumed, path)
             if keep < len(consumed):
                 self._m.rollback(len(consumed) - keep)
@@ -139,11 +166,18 @@ class Matcher:
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` the grammar allows in a row after the committed output."""
-        return self._m.validate_tokens(tokens)
+        j = self.opens_after(tokens)
+        return len(tokens) if j is None else j + self._m.validate_tokens(tokens[j:])
 
     def advance(self, tokens: list[int]) -> None:
         """Commit ``tokens`` (each one the masks allowed)."""
-        self._m.try_consume_tokens(tokens)
+        j = self.opens_after(tokens)
+        if j is None:
+            seq = self._tail + list(tokens)
+            self._tail = seq[max(0, len(seq) - len(self.gate) + 1):]
+            return
+        self.gate, self._tail = (), []
+        self._m.try_consume_tokens(tokens[j:])
 
 
 
@@ -160,11 +194,16 @@ def chain_masks(chains: list[tuple[Matcher, list[int]]]) -> list[torch.Tensor]:
         starts.append(rows)
         rows += len(drafts) + 1
     executor, ptr, size = _executor(), words.data_ptr(), words.shape[1] * 4
-    drafted = [(m._m, start, list(d)) for (m, d), start in zip(chains, starts) if d]
+    drafted, bare = [], []
+    for (m, d), start in zip(chains, starts):
+        j = m.opens_after(d)  # rows before the gate stay free; the grammar starts at row j
+        if j is not None and d[j:]:
+            drafted.append((m._m, start + j, list(d[j:])))
+        elif j is not None:
+            bare.append((m._m, start + j))
     if drafted:
         executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, size, rows)
-    bare = [(m._m, start) for (m, d), start in zip(chains, starts) if not d]  # k = 0: one row
-    if bare:
+    if bare:  # no drafts after the gate (k = 0): one row
         executor.unsafe_compute_mask_ptr(bare, ptr, size, rows)
     return [m._unpack(words[start:start + len(d) + 1]) for (m, d), start in zip(chains, starts)]
 

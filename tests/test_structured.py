@@ -101,6 +101,62 @@ def test_matcher_masks_each_row_after_its_drafts(loaded):
     assert m.allowed([[]])[0].nonzero()[:, 0].tolist() == [dash]
 
 
+def test_gated_matcher_leaves_the_reasoning_free(loaded):
+    """With a gate (a reasoning's end), rows before it allow everything and the grammar
+    starts right after it, in committed output and in drafts alike, across commits that split
+    the gate; chain_masks agree with allowed; a copy keeps the state."""
+    llm = LLM(loaded("llama"))
+    tok = llm.tokenizer
+    a, b, x, dash, lt, gt = (tok.convert_tokens_to_ids(c) for c in "abx-<>")
+    gate = (lt, x, gt)
+    m = llm.grammars.matcher(StructuredOutputs(regex=REGEX), gate)
+    plain = llm.grammars.matcher(StructuredOutputs(regex=REGEX))
+    first = set(plain.allowed([[]])[0].nonzero()[:, 0].tolist())  # {a, b}
+    rows = m.allowed([[], [x], [lt, x], [lt, x, gt], [lt, x, gt, a], [b, lt, x, gt, x]])
+    assert rows[0].all() and rows[1].all() and rows[2].all()
+    assert set(rows[3].nonzero()[:, 0].tolist()) == first and torch.equal(rows[4], plain.allowed([[a]])[0])
+    assert rows[5].all()  # behind a draft the grammar forbids (x after the gate): never reached
+    assert m.opens_after([b, lt, x, gt, a]) == 4 and m.opens_after([lt, x]) is None
+    assert m.valid_prefix([x, x, lt, x, gt, a, x]) == 6
+    chains = [(m, [b, lt, x, gt, a, b]), (m.copy(), [x, x]), (plain, [a, b])]
+    for (matcher, drafts), rows in zip(chains, chain_masks(chains)):
+        assert torch.equal(rows, matcher.allowed([drafts[:i] for i in range(len(drafts) + 1)]))
+    m.advance([b, b, lt, x])  # the gate split across two commits
+    twin = m.copy()
+    assert m.allowed([[]])[0].all() and m.opens_after([gt]) == 1
+    m.advance([gt, a])
+    assert m.gate == () and torch.equal(m.allowed([[]]), plain.allowed([[a]]))
+    assert twin.opens_after([gt]) == 1 and twin.allowed([[gt]])[0].nonzero()[:, 0].tolist() == sorted(first)
+
+
+def test_reasoning_then_grammar_under_speculation(loaded, monkeypatch):
+    """A request whose grammar waits for its reasoning's end (here the 4th token plain
+    decoding writes stands in for ``</think>``): the output up to that token is the free
+    output's, the rest follows the regex, and every drafter gives plain decoding's tokens."""
+    import specdec.api
+
+    sp = SamplingParams(max_new_tokens=30, structured_outputs=StructuredOutputs(regex=REGEX))
+    free = LLM(loaded("llama")).generate(PROMPTS[0], SamplingParams(max_new_tokens=30))[0].token_ids
+    gate = (free[3],)
+    monkeypatch.setattr(specdec.api, "grammar_gate", lambda tokenizer, ids: gate)
+
+    def run(llm):
+        seqs = llm.make_sequences(PROMPTS[0], sp, reasoning=True)
+        for s in seqs:
+            llm.engine.add(s)
+        while llm.engine.has_work:
+            llm.engine.step()
+        return seqs[0].output_ids
+
+    base = run(LLM(loaded("llama")))
+    cut = free.index(free[3]) + 1
+    assert base[:cut] == free[:cut] and re.fullmatch(REGEX, loaded("llama").tokenizer.decode(base[cut:-1]))
+    for method, draft, topk in [("self", None, 1), ("ngram", None, 1), ("draft", "draft", 1), ("self", None, 2)]:
+        llm = LLM(loaded("llama"), draft=loaded(draft) if draft else None,
+                  speculative=SpecConfig(method=method, num_draft_tokens=3, tree_topk=topk))
+        assert run(llm) == base, (method, topk)
+
+
 def test_grammar_wins_over_an_empty_allowed_set(loaded):
     """allowed_token_ids that the grammar forbids everywhere would leave no token: those rows
     follow the grammar alone (the same under speculation)."""

@@ -1,6 +1,7 @@
 """Tool calls: the Hermes parser, and the server's tools / tool_choice (auto through the
 parser, required and named through structured outputs), streamed and not."""
 import json
+import re
 
 import httpx
 import openai
@@ -265,14 +266,17 @@ def test_answer_parts():
 
 def test_reasoning_parser_on_the_server(loaded):
     """--reasoning-parser qwen3: a thinking answer (forced by a regex here) comes back as
-    reasoning_content and content, the same streamed, with a tool call after the thinking."""
+    reasoning_content and content, the same streamed, with a tool call after the thinking. (A
+    regex applies from the first token only where the prompt closed its <think>, as here;
+    else it would wait for the reasoning's end.)"""
     llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram"), max_batch_size=2)
+    messages = [{"role": "user", "content": "weather in Paris? <think></think>"}]
     regex = r'<think>\n[a-z]{2,6}\n</think>\n\n(Hi [a-z]{1,4}|Ok\n<tool_call>\n\{"name": "search", "arguments": \{"q": "x"\}\}\n</tool_call>)'
     with BackgroundServer(create_app(llm, served_model_name=MODEL, reasoning_parser="qwen3", enable_auto_tool_choice=True,
                                      tool_call_parser="hermes")) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for tools in (None, TOOLS):
-            kw = dict(messages=MESSAGES, temperature=0, max_tokens=120, extra_body={"structured_outputs": {"regex": regex}},
+            kw = dict(messages=messages, temperature=0, max_tokens=120, extra_body={"structured_outputs": {"regex": regex}},
                       **({"tools": tools} if tools else {}))
             r = client.chat.completions.create(model=MODEL, **kw).choices[0]
             reasoning = r.message.model_extra["reasoning_content"]
@@ -316,3 +320,22 @@ def test_auto_tool_choice_with_other_parsers(loaded, parser, regex):
         content, calls, finish = streamed(client, **kw)
         assert content == (r.message.content or "") and finish == "tool_calls"
         assert [(i, n, json.loads(a)) for i, n, a in calls] == [(0, "get_weather", json.loads(call.function.arguments))]
+
+
+def test_structured_output_after_reasoning_on_the_server(loaded):
+    """With --reasoning-parser, a structured request leaves a thinking model's reasoning free
+    (vLLM's rule): the grammar starts after </think>. The tiny model never writes it, so its
+    answer is the free one; a prompt that already closed its <think> (as Qwen3's template does
+    with thinking off) gets the grammar from the first token."""
+    llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram"), max_batch_size=2)
+    with BackgroundServer(create_app(llm, served_model_name=MODEL, reasoning_parser="qwen3")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(model=MODEL, temperature=0, max_tokens=12)
+        fmt = {"structured_outputs": {"regex": "[0-9]{4}"}}
+        asked = [{"role": "user", "content": "a number?"}]
+        free = client.chat.completions.create(messages=asked, **kw).choices[0].message.content
+        assert client.chat.completions.create(messages=asked, extra_body=fmt, **kw).choices[0].message.content == free
+        assert not re.fullmatch("[0-9]{4}", free)
+        closed = [{"role": "user", "content": "a number? <think>no</think>"}]
+        r = client.chat.completions.create(messages=closed, extra_body=fmt, **kw).choices[0]
+        assert re.fullmatch("[0-9]{4}", r.message.content) and r.finish_reason == "stop"

@@ -233,7 +233,8 @@ class _API:
             if chat and req.tool_mode == "auto" and TOOL_PARSERS[self.tool_call_parser].special:
                 sp = replace(sp, skip_special_tokens=False)  # the parser reads its special-token markers
             try:
-                seqs += self.llm.make_sequences({"prompt_token_ids": ids}, sp, num_draft_tokens=req.num_draft_tokens)
+                seqs += self.llm.make_sequences({"prompt_token_ids": ids}, sp, num_draft_tokens=req.num_draft_tokens,
+                                                reasoning=chat and self.reasoning_parser is not None)
             except ValueError as e:
                 raise bad_request(str(e).replace("max_new_tokens", "max_tokens")) from None
             if not chat and req.echo:  # the prompt as given, or its ids' text
