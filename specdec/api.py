@@ -121,6 +121,10 @@ class LLM:
     ``max_model_len``: tokens (prompt + output) a request may span (``context_window``);
     default the models' own context (llama.cpp: 4096 tokens per slot). ``enforce_eager``: no
     CUDA graphs (the torch runtime on CUDA otherwise replays small forwards as graphs).
+    ``speculative_config``: vLLM's dict instead of ``speculative`` and ``draft``, e.g.
+    ``{"method": "draft_model", "model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 5}``
+    or ``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}``
+    (``SpecConfig.from_vllm``).
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
@@ -128,7 +132,11 @@ class LLM:
                  dtype: str | None = None, max_batch_size: int = 8, backend: str = "auto",
                  draft_backend: str | None = None, repack: bool = True, load_format: str = "auto",
                  chunked_prefill_size: int | None = None, max_model_len: int | None = None,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, speculative_config: dict | None = None):
+        if speculative_config is not None:
+            if speculative is not None or draft is not None:
+                raise ValueError("give speculative_config (vLLM's form) or speculative / draft, not both")
+            speculative, draft = SpecConfig.from_vllm(speculative_config)
         if speculative is None:
             speculative = SpecConfig(method="draft" if draft else "none")
         self.spec = speculative

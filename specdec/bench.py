@@ -518,7 +518,7 @@ def run_bench(args) -> int:
         if draft_model is not None:
             # the sizes a +cost planner measured (and cached) for it: read, not measured again
             cost_curve["draft"] = list(forward_costs(draft_model, CATCH_UP_TOKENS).seconds)
-        log("forward cost relative to 1 token: " + " ".join(
+        log(f"forward cost relative to 1 token ({cost_curve['target'][0] * 1e3:.2f} ms): " + " ".join(
             f"{n + 1}:{t / cost_curve['target'][0]:.2f}" for n, t in enumerate(cost_curve["target"])))
         runs.update({m: _specdec_runner(llms[m]) for m in sd_methods})
     refs = references(methods, own_family=on_llamacpp or (device.type, dtype) != ("cpu", torch.float32))

@@ -21,6 +21,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="target: HF model dir, .gguf file or hub id "
                                    "(default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--draft", help="draft model for --method draft or hybrid (same forms as --model)")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help="vLLM's form, instead of --method and --draft: e.g. '{\"method\": \"draft_model\", "
+                        "\"model\": \"DRAFT\", \"num_speculative_tokens\": 5}' or '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}'; other SpecConfig fields by name")
     g.add_argument("--method", choices=METHODS, default=None,
                    help="drafter (default: draft when --draft is given, else none); hybrid = "
                         "n-gram when the lookup matches, else the draft model")
@@ -115,12 +119,21 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-json-object", action="store_true", help="the output is a JSON object")
 
 
-def spec_from_args(a) -> SpecConfig:
-    method = a.method or ("draft" if a.draft else "none")
-    return SpecConfig(method=method, num_draft_tokens=a.num_draft_tokens,
-                      ngram_max=a.ngram_max, ngram_min=a.ngram_min,
-                      draft_quantization=a.draft_quantization, tree_topk=a.tree_topk,
-                      tree_depth=a.tree_depth, tree_nodes=a.tree_nodes, cost_model=a.cost_model)
+def spec_from_args(a) -> tuple[SpecConfig, str | None]:
+    """The speculation flags as ``(SpecConfig, draft model)``; ``--speculative-config``
+    (vLLM's JSON) sets what it names on top of the other flags."""
+    flags = dict(num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max, ngram_min=a.ngram_min,
+                 draft_quantization=a.draft_quantization, tree_topk=a.tree_topk, tree_depth=a.tree_depth,
+                 tree_nodes=a.tree_nodes, cost_model=a.cost_model)
+    if a.speculative_config is None:
+        return SpecConfig(method=a.method or ("draft" if a.draft else "none"), **flags), a.draft
+    if a.method or a.draft:
+        raise ValueError("--speculative-config names the method and the draft model; drop --method and --draft")
+    try:
+        config = json.loads(a.speculative_config)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    return SpecConfig.from_vllm(config, **flags)
 
 
 def sampling_from_args(a) -> SamplingParams:
@@ -168,7 +181,8 @@ def parse_logit_bias(items: list[str]) -> dict[int, float]:
 def make_llm(a):
     from .api import LLM
 
-    return LLM(a.model, draft=a.draft, speculative=spec_from_args(a), device=a.device,
+    spec, draft = spec_from_args(a)
+    return LLM(a.model, draft=draft, speculative=spec, device=a.device,
                dtype=a.dtype, max_batch_size=a.max_batch_size, backend=a.backend,
                draft_backend=a.draft_backend, repack=a.repack, load_format=a.load_format,
                chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len,
@@ -275,6 +289,10 @@ def cmd_bench(a) -> int:
 
 
 def cmd_serve(a) -> int:
+    if a.model_tag is not None:
+        if a.model not in (None, a.model_tag):
+            raise ValueError(f"two targets: {a.model_tag!r} and --model {a.model!r}")
+        a.model = a.model_tag
     spec_from_args(a)  # validate before loading models
     if a.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {a.max_queue}")
@@ -335,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    s.add_argument("model_tag", nargs="?", metavar="MODEL", help="the target, as --model (vLLM's `serve MODEL`)")
     add_model_flags(s)
     h = s.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1")

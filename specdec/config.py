@@ -16,9 +16,13 @@ Every invalid value raises ``ValueError`` with a one-line message naming the fie
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 METHODS = ("none", "draft", "ngram", "self", "hybrid")
+# vLLM's speculative_config, as SpecConfig.from_vllm reads it: its method names and keys
+VLLM_SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft"}
+VLLM_SPEC_KEYS = {"num_speculative_tokens": "num_draft_tokens", "prompt_lookup_max": "ngram_max",
+                  "prompt_lookup_min": "ngram_min"}
 BACKENDS = ("auto", "torch", "hf", "llamacpp")
 LOAD_FORMATS = ("auto", "dummy")  # the checkpoint's weights, or random ones of its shapes (vLLM's dummy)
 
@@ -214,6 +218,37 @@ class SpecConfig:
         _check(self.tree_topk == 1 or self.method != "none",
                "token trees (tree_topk > 1) need a drafter: method draft, self, ngram or hybrid")
         _check(not self.cost_model or self.method != "none", "the cost model needs a drafter (method != none)")
+
+    @staticmethod
+    def from_vllm(config: dict, **base) -> "tuple[SpecConfig, str | None]":
+        """vLLM's ``speculative_config`` (``--speculative-config``) as ``(SpecConfig, draft
+        model or None)``, over the ``SpecConfig`` fields ``base`` gives: ``method`` (``ngram``, ``draft_model``, or one of
+        specdec's ``METHODS``; default ``draft`` when a ``model`` is given, as vLLM infers),
+        ``model`` (the draft), ``num_speculative_tokens`` (k), ``prompt_lookup_max`` /
+        ``prompt_lookup_min`` (the n-gram sizes), and any other ``SpecConfig`` field by name."""
+        _check(isinstance(config, dict), f"speculative_config must be a JSON object, got {type(config).__name__}")
+        own = {f.name for f in fields(SpecConfig)}
+        out, draft = {}, config.get("model")
+        for key, value in config.items():
+            if key == "method":
+                out["method"] = VLLM_SPEC_METHODS.get(value, value)
+                _check(out["method"] in METHODS,
+                       f"speculative_config: method {value!r} is not supported here; choose "
+                       f"{', '.join(VLLM_SPEC_METHODS)} (vLLM's names) or {', '.join(METHODS)}")
+            elif key in VLLM_SPEC_KEYS or key in own:
+                out[VLLM_SPEC_KEYS.get(key, key)] = value
+            else:
+                _check(key == "model", f"speculative_config: unknown key {key!r}; specdec reads method, model, "
+                                       f"{', '.join(VLLM_SPEC_KEYS)} and SpecConfig's fields")
+        if "method" not in out:
+            _check(draft is not None, "speculative_config needs a method (ngram, draft_model) or a draft model")
+            out["method"] = "draft"
+        given, out = out, {**base, **out}
+        if "ngram_max" in given and "ngram_min" not in given:  # one n-gram size given: the other makes room
+            out["ngram_min"] = min(out.get("ngram_min", SpecConfig.ngram_min), given["ngram_max"])
+        if "ngram_min" in given and "ngram_max" not in given:
+            out["ngram_max"] = max(out.get("ngram_max", SpecConfig.ngram_max), given["ngram_min"])
+        return SpecConfig(**out), draft
 
     @property
     def depth(self) -> int:

@@ -26,6 +26,10 @@ from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
     (lambda: SamplingParams(frequency_penalty=-3), "frequency_penalty"),
     (lambda: SamplingParams(n=0), "n must be"),
     (lambda: SamplingParams(logprobs=-1), "logprobs"),
+    (lambda: SpecConfig.from_vllm({"method": "eagle3", "model": "x"}), "method 'eagle3' is not supported"),
+    (lambda: SpecConfig.from_vllm({"num_speculative_tokens": 3}), "needs a method"),
+    (lambda: SpecConfig.from_vllm({"method": "ngram", "lookahead": 2}), "unknown key 'lookahead'"),
+    (lambda: SpecConfig.from_vllm([1]), "JSON object"),
 ])
 def test_config_errors(make, match):
     with pytest.raises(ValueError, match=match):
@@ -62,12 +66,45 @@ def run_cli(*args):
     (["--prompt", "hi", "--temperature", "-1"], "temperature"),
     (["--prompt", "hi", "--top-p", "2"], "top_p"),
     (["--prompt", "hi", "--method", "draft"], "needs a draft model"),
+    (["--prompt", "hi", "--speculative-config", "{method: ngram}"], "not valid JSON"),
+    (["--prompt", "hi", "--method", "ngram", "--speculative-config", '{"method": "ngram"}'], "drop --method"),
 ])
 def test_cli_errors_exit_2_one_line(args, match):
     r = run_cli("generate", *args)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0] and "Traceback" not in r.stderr
+
+
+def test_vllm_speculative_config(loaded, tiny_dirs):
+    """vLLM's speculative_config maps onto SpecConfig and the draft model: the same output as
+    specdec's own arguments, through the library and the CLI; and ``serve MODEL`` (vLLM's
+    positional target) takes no second, different --model."""
+    spec, draft = SpecConfig.from_vllm({"method": "draft_model", "model": "D", "num_speculative_tokens": 5})
+    assert (spec.method, spec.num_draft_tokens, draft) == ("draft", 5, "D")
+    spec, draft = SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5})
+    assert (spec.method, spec.num_draft_tokens, spec.ngram_max, spec.ngram_min, draft) == ("ngram", 3, 5, 1, None)
+    assert SpecConfig.from_vllm({"model": "D", "prompt_lookup_min": 4, "tree_topk": 2})[0] == SpecConfig(
+        method="draft", ngram_min=4, ngram_max=4, tree_topk=2)  # draft inferred from the model, as vLLM
+    assert SpecConfig.from_vllm({"method": "self"}, cost_model=True, num_draft_tokens=6)[0] == SpecConfig(
+        method="self", cost_model=True, num_draft_tokens=6)  # over the other flags
+    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ours = LLM(loaded("llama"), draft=loaded("draft"), speculative=SpecConfig(method="draft", num_draft_tokens=3))
+    theirs = LLM(loaded("llama"), speculative_config={"method": "draft_model", "model": loaded("draft"),
+                                                      "num_speculative_tokens": 3})
+    assert theirs.spec == ours.spec and theirs.generate("abc", sp)[0].token_ids == ours.generate("abc", sp)[0].token_ids
+    with pytest.raises(ValueError, match="not both"):
+        LLM(loaded("llama"), speculative=SpecConfig(), speculative_config={"method": "ngram"})
+    common = ("generate", "--model", str(tiny_dirs["llama"]), "--prompt", "abc abc abc", "--max-new-tokens", "12",
+              "--ignore-eos", "--json")
+    runs = [run_cli(*common, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
+            run_cli(*common, "--method", "ngram", "-k", "2")]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    first, second = (json.loads(r.stdout) for r in runs)
+    assert first["token_ids"] == second["token_ids"]
+    assert first["metrics"]["target_forwards"] == second["metrics"]["target_forwards"]
+    r = run_cli("serve", str(tiny_dirs["llama"]), "--model", str(tiny_dirs["draft"]))
+    assert r.returncode == 2 and "two targets" in r.stderr
 
 
 def test_cli_unknown_method_and_empty_prompt(tiny_dirs):
