@@ -222,10 +222,11 @@ class SpecConfig:
     @staticmethod
     def from_vllm(config: dict, **base) -> "tuple[SpecConfig, str | None]":
         """vLLM's ``speculative_config`` (``--speculative-config``) as ``(SpecConfig, draft
-        model or None)``, over the ``SpecConfig`` fields ``base`` gives: ``method`` (``ngram``, ``draft_model``, or one of
-        specdec's ``METHODS``; default ``draft`` when a ``model`` is given, as vLLM infers),
-        ``model`` (the draft), ``num_speculative_tokens`` (k), ``prompt_lookup_max`` /
-        ``prompt_lookup_min`` (the n-gram sizes), and any other ``SpecConfig`` field by name."""
+        model or None)``, over the ``SpecConfig`` fields ``base`` gives: ``method``
+        (``ngram``, ``draft_model``, or one of specdec's ``METHODS``; default ``draft`` when a
+        ``model`` is given, as vLLM infers), ``model`` (the draft), ``num_speculative_tokens``
+        (k), ``prompt_lookup_max`` / ``prompt_lookup_min`` (the n-gram sizes), and any other
+        ``SpecConfig`` field by name."""
         _check(isinstance(config, dict), f"speculative_config must be a JSON object, got {type(config).__name__}")
         own = {f.name for f in fields(SpecConfig)}
         out, draft = {}, config.get("model")
@@ -237,9 +238,9 @@ class SpecConfig:
                        f"{', '.join(VLLM_SPEC_METHODS)} (vLLM's names) or {', '.join(METHODS)}")
             elif key in VLLM_SPEC_KEYS or key in own:
                 out[VLLM_SPEC_KEYS.get(key, key)] = value
-            else:
-                _check(key == "model", f"speculative_config: unknown key {key!r}; specdec reads method, model, "
-                                       f"{', '.join(VLLM_SPEC_KEYS)} and SpecConfig's fields")
+            elif key != "model":
+                raise ValueError(f"speculative_config: unknown key {key!r}; specdec reads method, model, "
+                                 f"{', '.join(VLLM_SPEC_KEYS)} and SpecConfig's fields")
         if "method" not in out:
             _check(draft is not None, "speculative_config needs a method (ngram, draft_model) or a draft model")
             out["method"] = "draft"

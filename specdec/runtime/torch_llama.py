@@ -20,6 +20,8 @@ import torch.nn.functional as F
 
 from .. import disk_cache
 
+log = logging.getLogger(__name__)
+
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # HF model_type; biases and q/k norms come from the weights
 
 
@@ -177,8 +179,6 @@ class KVCache:
             t[:, slot, :, dst] = t[:, slot, :, src]
         self.lengths[slot] = start + len(rows)
 
-
-log = logging.getLogger(__name__)
 
 GRAPH_MAX_TOKENS = 32  # on CUDA, forwards of at most this many tokens per row replay a CUDA graph
 
