@@ -1,4 +1,4 @@
-"""Structured outputs under speculation: plain, n-gram and draft-model decoding of one chat
+"""Structured outputs under speculation: plain, n-gram, draft-model and hybrid decoding of one chat
 answer, free and under a JSON schema, in turns in one process (Qwen2.5-Coder-1.5B target,
 0.5B draft, torch runtime). Prints tokens per second per run, the medians, and whether each
 method's tokens equal plain decoding's.
@@ -34,7 +34,8 @@ def main(repeats: int) -> None:
     torch.set_num_threads(2)
     target, draft = load_model(TARGET, backend="torch"), load_model(DRAFT, backend="torch", draft=True)
     llms = {"plain": LLM(target), "ngram": LLM(target, speculative=SpecConfig(method="ngram")),
-            "draft": LLM(target, draft=draft, speculative=SpecConfig(method="draft"))}
+            "draft": LLM(target, draft=draft, speculative=SpecConfig(method="draft")),
+            "hybrid": LLM(target, draft=draft, speculative=SpecConfig(method="hybrid"))}
     for llm in llms.values():  # llguidance's tokenizer, built once per LLM: not timed
         llm.grammars.lltokenizer()
     runs: dict[tuple[str, str], list] = {}

@@ -70,7 +70,7 @@ def test_greedy_constrained_output_equal_under_speculation(loaded, kind):
         assert o.finish_reason == "stop" and follows(kind, o.text), o.text
     assert [o.text for o in base] != [o.text for o in LLM(loaded("llama")).generate(PROMPTS, SamplingParams(max_new_tokens=40))]
     for method, draft, topk in [("self", None, 1), ("ngram", None, 1), ("draft", "draft", 1), ("self", None, 2),
-                                ("ngram", None, 2), ("draft", "draft", 2)]:
+                                ("ngram", None, 2), ("draft", "draft", 2), ("hybrid", "draft", 1)]:
         llm = LLM(loaded("llama"), draft=loaded(draft) if draft else None,
                   speculative=SpecConfig(method=method, num_draft_tokens=3, tree_topk=topk))
         outs = llm.generate(PROMPTS, sp)
@@ -155,6 +155,18 @@ def test_reasoning_then_grammar_under_speculation(loaded, monkeypatch):
         llm = LLM(loaded("llama"), draft=loaded(draft) if draft else None,
                   speculative=SpecConfig(method=method, num_draft_tokens=3, tree_topk=topk))
         assert run(llm) == base, (method, topk)
+
+
+def test_ngram_match_the_grammar_forbids_is_no_match(loaded):
+    """An n-gram match whose first draft the grammar forbids counts as no match, so hybrid
+    drafts with the model on that step instead of verifying nothing."""
+    from specdec.drafters.ngram import NgramDrafter
+
+    llm = LLM(loaded("llama"))
+    for regex, ready in (("[0-9]+", False), ("z[0-9]*", True)):
+        seq = llm.make_sequences("xyzxy", SamplingParams(structured_outputs={"regex": regex}))[0]
+        assert (NgramDrafter().context(seq) is not None) == ready, regex  # the lookup drafts "z"
+    assert NgramDrafter().context(llm.make_sequences("xyzxy", SamplingParams())[0]) is not None
 
 
 def test_grammar_wins_over_an_empty_allowed_set(loaded):

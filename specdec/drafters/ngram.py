@@ -71,12 +71,20 @@ class NgramDrafter:
         self.n_max, self.n_min, self.branches, self.max_nodes = n_max, n_min, branches, max_nodes
 
     def context(self, seq: Sequence) -> int | None:
-        """None when the lookup finds no match for ``seq`` (then ``hybrid`` drafts with the
-        model); else the cost model's context: the length of the longest earlier match of the
-        text's end (``cost.MatchAcceptance``). A long match means a copy in progress, and its
-        drafts are accepted far more often than those of a 1-token match."""
+        """None when the lookup finds no match for ``seq``, or none whose first draft the
+        request's grammar allows (then ``hybrid`` drafts with the model); else the cost
+        model's context: the length of the longest earlier match of the text's end
+        (``cost.MatchAcceptance``). A long match means a copy in progress, and its drafts are
+        accepted far more often than those of a 1-token match."""
         m = longest_match(seq.ids, max(MATCH_CAP, self.n_min))  # >= n_min: the lookup matches
-        return m if m >= self.n_min else None
+        if m < self.n_min:
+            return None
+        if seq.grammar is not None:  # a first draft the grammar forbids: as no match
+            firsts = [lookup(seq.ids, 1, self.n_max, self.n_min)] if self.branches == 1 else \
+                lookup_branches(seq.ids, 1, self.n_max, self.n_min, self.branches)
+            if not any(f and seq.grammar.valid_prefix(f) for f in firsts):
+                return None
+        return m
 
     def propose(self, seqs, ks) -> list[Draft]:
         return [self._draft(seq, k) if k > 0 else Draft([]) for seq, k in zip(seqs, ks)]
