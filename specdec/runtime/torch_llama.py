@@ -198,7 +198,7 @@ class _Batch:
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
     inputs: _Batch  # the buffers the graph reads
-    logits: torch.Tensor  # [B, T, vocab], the buffer it writes
+    logits: torch.Tensor  # [B, T, vocab] in the model's dtype, the buffer it writes
 
 
 class CudaGraphs:
@@ -235,7 +235,7 @@ class CudaGraphs:
         for f in fields(_Batch):
             getattr(g.inputs, f.name).copy_(getattr(x, f.name), non_blocking=True)
         g.graph.replay()
-        return g.logits.clone()
+        return g.logits.to(torch.float32, copy=True)  # the buffer is the next replay's
 
     def _capture(self, cache: KVCache, x: _Batch, pool) -> tuple[torch.Tensor, _Graph | None]:
         """Run ``x`` eagerly on a side stream (as warm-up; its logits are the answer), then
@@ -249,7 +249,7 @@ class CudaGraphs:
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                out = rt._layers(cache, x)
+                out = rt._layers(cache, x, to_float=False)  # in the model's dtype: half the buffer in bf16
         except Exception as e:  # an op that cannot be captured: eager from now on
             log.warning("CUDA graph capture failed (%s: %s); running eagerly", type(e).__name__, e)
             rt.graphs = None
@@ -427,10 +427,12 @@ class TorchLlama:
         dev = self.device
         return _Batch(ids.to(dev), pos.to(dev), write.to(dev), torch.tensor(list(slots), device=dev), mask)
 
-    def _layers(self, cache: KVCache, x: "_Batch", last: torch.Tensor | None = None) -> torch.Tensor:
-        """The model over one batch: logits ``[B, T, vocab]``, or ``[B, vocab]`` at row ``last[b]``
-        of each. Device work alone (no host sync, no allocation that depends on values), so that
-        a CUDA graph can capture it."""
+    def _layers(self, cache: KVCache, x: "_Batch", last: torch.Tensor | None = None,
+                to_float: bool = True) -> torch.Tensor:
+        """The model over one batch: logits ``[B, T, vocab]``, or ``[B, vocab]`` at row
+        ``last[b]`` of each, in float32 (``to_float``) or the model's dtype. Device work alone
+        (no host sync, no allocation that depends on values), so that a CUDA graph can capture
+        it."""
         B, T = x.ids.shape
         S = x.mask.shape[-1]
         freqs = x.pos[..., None].float() * self.inv_freq  # [B, T, head_dim/2]
@@ -465,7 +467,8 @@ class TorchLlama:
             h = h + L["down"](F.silu(gate) * up)
         if last is not None:
             h = h[torch.arange(B, device=h.device), last]  # [B, hidden]
-        return self.lm_head(rms_norm(h, self.norm, self.eps)).float()
+        logits = self.lm_head(rms_norm(h, self.norm, self.eps))
+        return logits.float() if to_float else logits
 
     def _mask(self, starts: list[int], S: int, T: int, chunk_masks) -> torch.Tensor:
         """``[B, 1, T, S]`` bool. Row b's chunk mask ``[n_b, m_b]`` covers its last ``m_b``
