@@ -414,7 +414,8 @@ class TorchLlama:
 
     def _batch(self, starts: list[int], slots, tokens, positions, chunk_masks, width: int | None) -> "_Batch":
         """A forward's inputs as device tensors; ``width``: keys attended (default: up to the
-        last new token's)."""
+        last new token's). A graphed forward's (``width`` given: at most ``GRAPH_MAX_TOKENS``
+        rows) are built on the host and sent in two copies, not a dozen small kernels."""
         B, T = len(slots), max(len(t) for t in tokens)
         ids = torch.zeros(B, T, dtype=torch.long)
         write = torch.tensor(starts)[:, None] + torch.arange(T)[None, :]  # [B, T] cache index of each new token
@@ -423,9 +424,11 @@ class TorchLlama:
             ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
             if positions is not None and positions[b] is not None:
                 pos[b, : len(positions[b])] = torch.tensor(positions[b])
-        mask = self._mask(starts, width or max(starts) + T, T, chunk_masks)  # [B, 1, T, S]
-        dev = self.device
-        return _Batch(ids.to(dev), pos.to(dev), write.to(dev), torch.tensor(list(slots), device=dev), mask)
+        where = torch.device("cpu") if width is not None else self.device
+        mask = self._mask(starts, width or max(starts) + T, T, chunk_masks, where)  # [B, 1, T, S]
+        packed = torch.cat([ids.flatten(), pos.flatten(), write.flatten(), torch.tensor(list(slots))]).to(self.device)
+        ids, pos, write, slots_ = packed.split([B * T, B * T, B * T, B])
+        return _Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device))
 
     def _layers(self, cache: KVCache, x: "_Batch", last: torch.Tensor | None = None,
                 to_float: bool = True) -> torch.Tensor:
@@ -470,12 +473,13 @@ class TorchLlama:
         logits = self.lm_head(rms_norm(h, self.norm, self.eps))
         return logits.float() if to_float else logits
 
-    def _mask(self, starts: list[int], S: int, T: int, chunk_masks) -> torch.Tensor:
+    def _mask(self, starts: list[int], S: int, T: int, chunk_masks, dev: torch.device) -> torch.Tensor:
         """``[B, 1, T, S]`` bool. Row b's chunk mask ``[n_b, m_b]`` covers its last ``m_b``
         keys: the ``m_b - n_b`` cached keys before the chunk (a draft tree's earlier depths)
         and the chunk itself; every key before those is the committed prefix, always seen.
-        No mask: causal over the chunk (``m_b = n_b``). ``starts``: each row's cached tokens."""
-        B, dev = len(starts), self.device
+        No mask: causal over the chunk (``m_b = n_b``). ``starts``: each row's cached tokens;
+        built on ``dev``."""
+        B = len(starts)
         tails = [0] * B
         if chunk_masks is not None:
             tails = [0 if m is None else m.shape[1] - m.shape[0] for m in chunk_masks]
