@@ -10,8 +10,8 @@ grammar forbids has ``p = 0`` on its row, so it is rejected there (greedy and sa
 alike) and the rows after it are never reached. The constrained target is thus verified
 exactly as an unconstrained one: greedy output equals the constrained target's own, and
 sampled output follows its distribution. A draft model drafts under the same masks (its
-``q`` is the masked distribution), and the engine cuts an n-gram chain before its first
-draft the grammar forbids (``Matcher.valid_prefix``).
+``q`` is the masked distribution), and an n-gram chain, or each branch of an n-gram tree,
+stops before its first draft the grammar forbids (``Matcher.valid_prefix``).
 
 A thinking model's reasoning is left free (vLLM's rule with a reasoning parser): a matcher
 with a ``gate`` (the token ids of ``</think>``) allows everything until the output holds the

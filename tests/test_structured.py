@@ -167,6 +167,15 @@ def test_ngram_match_the_grammar_forbids_is_no_match(loaded):
         seq = llm.make_sequences("xyzxy", SamplingParams(structured_outputs={"regex": regex}))[0]
         assert (NgramDrafter().context(seq) is not None) == ready, regex  # the lookup drafts "z"
     assert NgramDrafter().context(llm.make_sequences("xyzxy", SamplingParams())[0]) is not None
+    # a tree's branches stop before their first forbidden draft: "xyzxyq...xyw...": after "xy",
+    # the matches continue with z, q and w; the regex allows only branches that start with q
+    seq = llm.make_sequences("xyzxyqxywxy", SamplingParams(structured_outputs={"regex": "q[a-z]*"}))[0]
+    free = llm.make_sequences("xyzxyqxywxy", SamplingParams())[0]
+    trees = [NgramDrafter(branches=3).propose([s], [3])[0] for s in (free, seq)]
+    tok = llm.tokenizer
+    firsts = [{tok.decode([d.tree.tokens[c]]) if d.tree else tok.decode(d.tokens[:1])
+               for c in (d.tree.children[0] if d.tree else [0])} for d in trees]
+    assert firsts[0] == {"z", "q", "w"} and firsts[1] == {"q"}
 
 
 def test_grammar_wins_over_an_empty_allowed_set(loaded):

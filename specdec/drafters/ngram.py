@@ -94,6 +94,9 @@ class NgramDrafter:
             return Draft(cut_after_eos(lookup(seq.ids, k, self.n_max, self.n_min), seq.eos_ids))
         paths = [cut_after_eos(p, seq.eos_ids)
                  for p in lookup_branches(seq.ids, k, self.n_max, self.n_min, self.branches)]
+        if seq.grammar is not None:  # each branch stops before its first draft the grammar forbids
+            paths = [p[:seq.grammar.valid_prefix(p)] for p in paths]
+            paths = [p for p in paths if p]
         if not paths:
             return Draft([])
         tree = DraftTree.from_paths(seq.ids[-1], paths)
