@@ -81,7 +81,7 @@ Parsed = tuple  # (content or None, calls)
 def parse_hermes(text: str, names: frozenset[str] = frozenset()) -> Parsed:
     """``(content, calls)`` of a Hermes-style answer: the text before the first call (None
     when blank) and each ``<tool_call>`` block's ``{"name", "arguments"}`` (a last block
-    without its end tag counts). Without the tags, bare JSON calls (``_bare_calls``)."""
+    without its end tag counts). Without the tags, bare JSON calls (``_bare_or_text``)."""
     start = text.find(HERMES)
     if start < 0:
         return _bare_or_text(text, names)
@@ -115,7 +115,7 @@ def parse_llama3_json(text: str, names: frozenset[str] = frozenset()) -> Parsed:
 def parse_mistral(text: str, names: frozenset[str] = frozenset()) -> Parsed:
     """Mistral's calls after ``[TOOL_CALLS]``: a JSON list (or object) of ``{"name",
     "arguments"}``, or ``name[ARGS]{...}`` once per call, each after its own ``[TOOL_CALLS]``.
-    Without the tag, bare JSON calls (``_bare_calls``)."""
+    Without the tag, bare JSON calls (``_bare_or_text``)."""
     start = text.find(MISTRAL)
     if start < 0:
         return _bare_or_text(text, names, mistral_id)
