@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Union
 
+from .answer import grammar_gate
 from .config import EngineConfig, SamplingParams, SpecConfig
 from .drafters import ModelDrafter, NgramDrafter
 from .cost import DraftCost, Planner, forward_costs
@@ -13,7 +14,6 @@ from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
 from .sampling import make_generator
 from .sequence import Sequence, TokenLogprobs, bad_words_ids, output_text
-from .answer import grammar_gate
 from .structured import Grammars
 
 # prompt tokens per step by default, by device type (others: cuda's). Measured on Qwen2.5-Coder-1.5B

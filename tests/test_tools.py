@@ -2,6 +2,7 @@
 parser, required and named through structured outputs), streamed and not."""
 import json
 import re
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -132,7 +133,20 @@ def tool_server(loaded):
 
 @pytest.fixture(scope="module")
 def client(tool_server):
-    return openai.OpenAI(base_url=tool_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return client_of(tool_server)
+
+
+def client_of(server: BackgroundServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@contextmanager
+def ngram_server(loaded, **app_options):
+    """A client of a server (``create_app(..., **app_options)``) over the tiny llama with
+    n-gram drafting, for a test's own parsers."""
+    llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram"), max_batch_size=2)
+    with BackgroundServer(create_app(llm, served_model_name=MODEL, **app_options)) as srv:
+        yield client_of(srv)
 
 
 def streamed(client, **kw) -> tuple[str, list, str]:
@@ -269,12 +283,9 @@ def test_reasoning_parser_on_the_server(loaded):
     reasoning_content and content, the same streamed, with a tool call after the thinking. (A
     regex applies from the first token only where the prompt closed its <think>, as here;
     else it would wait for the reasoning's end.)"""
-    llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram"), max_batch_size=2)
     messages = [{"role": "user", "content": "weather in Paris? <think></think>"}]
     regex = r'<think>\n[a-z]{2,6}\n</think>\n\n(Hi [a-z]{1,4}|Ok\n<tool_call>\n\{"name": "search", "arguments": \{"q": "x"\}\}\n</tool_call>)'
-    with BackgroundServer(create_app(llm, served_model_name=MODEL, reasoning_parser="qwen3", enable_auto_tool_choice=True,
-                                     tool_call_parser="hermes")) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with ngram_server(loaded, reasoning_parser="qwen3", enable_auto_tool_choice=True, tool_call_parser="hermes") as client:
         for tools in (None, TOOLS):
             kw = dict(messages=messages, temperature=0, max_tokens=120, extra_body={"structured_outputs": {"regex": regex}},
                       **({"tools": tools} if tools else {}))
@@ -292,7 +303,7 @@ def test_reasoning_parser_on_the_server(loaded):
             assert (rc, text or None, finish) == (reasoning, r.message.content, r.finish_reason)
             assert calls == [c.function.name for c in r.message.tool_calls or []]
     with pytest.raises(ValueError, match="reasoning_parser"):
-        create_app(llm, reasoning_parser="o1")
+        create_app(LLM(loaded("llama")), reasoning_parser="o1")
 
 
 @pytest.mark.parametrize("parser, regex", [
@@ -304,10 +315,7 @@ def test_auto_tool_choice_with_other_parsers(loaded, parser, regex):
     """--tool-call-parser pythonic / mistral / llama3_json on the server: an answer in the
     family's format (forced by a regex) comes back as a tool call, streamed alike; Mistral's
     call ids are 9 letters and digits."""
-    llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram"), max_batch_size=2)
-    with BackgroundServer(create_app(llm, served_model_name=MODEL, enable_auto_tool_choice=True,
-                                     tool_call_parser=parser)) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with ngram_server(loaded, enable_auto_tool_choice=True, tool_call_parser=parser) as client:
         kw = dict(messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=80,
                   extra_body={"structured_outputs": {"regex": regex}})
         r = client.chat.completions.create(model=MODEL, **kw).choices[0]
@@ -327,9 +335,7 @@ def test_structured_output_after_reasoning_on_the_server(loaded):
     (vLLM's rule): the grammar starts after </think>. The tiny model never writes it, so its
     answer is the free one; a prompt that already closed its <think> (as Qwen3's template does
     with thinking off) gets the grammar from the first token."""
-    llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram"), max_batch_size=2)
-    with BackgroundServer(create_app(llm, served_model_name=MODEL, reasoning_parser="qwen3")) as srv:
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with ngram_server(loaded, reasoning_parser="qwen3") as client:
         kw = dict(model=MODEL, temperature=0, max_tokens=12)
         fmt = {"structured_outputs": {"regex": "[0-9]{4}"}}
         asked = [{"role": "user", "content": "a number?"}]
