@@ -127,8 +127,15 @@ def unless_empty(logits: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row: ``probs [rows, vocab] -> ids [rows]``."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One draw per row: ``probs [rows, vocab] -> ids [rows]``, by inverting the running sum
+    of the row (in float64, so each token's share is exact to about 1e-16; unnormalised rows
+    are fine). A zero-probability token is never drawn. Over a 150k vocabulary on a CPU this
+    costs about a twentieth of ``torch.multinomial`` (which draws an exponential per token)."""
+    cdf = probs.double().cumsum(-1)  # [rows, vocab]
+    total = cdf[:, -1:]  # [rows, 1]
+    u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device, generator=generator) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # < total: never past the end
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)  # first i with cdf[i] > u: p[i] > 0
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:

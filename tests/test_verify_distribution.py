@@ -275,3 +275,22 @@ def test_residual_is_normalised_positive_part():
     torch.testing.assert_close(residual(p, torch.tensor([0.8, 0.2]), 0), torch.tensor([0.0, 1.0]))
     torch.testing.assert_close(residual(torch.tensor([0.5, 0.3, 0.2]), None, 0),
                                torch.tensor([0.0, 0.6, 0.4]))
+
+
+def test_sample_draws_each_row_from_its_distribution():
+    """``sample`` (the inverse-CDF draw every verifier and drafter uses): each row of a batch
+    follows its own, possibly unnormalised, distribution, zero-probability tokens included
+    (never drawn, also at the ends of the vocabulary)."""
+    g = torch.Generator().manual_seed(11)
+    rows = torch.rand(3, 40, generator=g) ** 4  # [rows, vocab], unnormalised
+    rows[:, [0, 7, 39]] = 0.0
+    rows[1, 20:] = 0.0
+    rows[2] *= 1e-3
+    counts = np.zeros(rows.shape, dtype=np.int64)
+    for _ in range(N_CASE):
+        for r, t in enumerate(sample(rows, g).tolist()):
+            counts[r, t] += 1
+    for r in range(rows.shape[0]):
+        assert chi2_pvalue(counts[r], rows[r]) > ALPHA
+    assert counts[1, 20:].sum() == 0 and counts[0, 20:].sum() > 0
+    assert chi2_pvalue(counts[2], rows[0]) < ALPHA  # the criterion tells rows apart
