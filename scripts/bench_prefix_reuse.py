@@ -47,19 +47,19 @@ def main() -> int:
     a = p.parse_args()
     base = LLM(a.model, draft=a.draft, backend=a.backend)
     turn = [{"role": "user", "content": "Review this code:\n" + SOURCE.read_text()[:2400]}]
-    first = base.chat(turn, SamplingParams(max_new_tokens=16))[0]
+    first = base.chat(turn, SamplingParams(max_tokens=16))[0]
     follow = turn + [{"role": "assistant", "content": first.text},
                      {"role": "user", "content": "Rewrite the first function with type hints."}]
     cases = {
-        "turn2": (lambda: LLM(base.target), lambda m: m.chat(turn, SamplingParams(max_new_tokens=16)),
-                  lambda m: m.chat(follow, SamplingParams(max_new_tokens=1))),
+        "turn2": (lambda: LLM(base.target), lambda m: m.chat(turn, SamplingParams(max_tokens=16)),
+                  lambda m: m.chat(follow, SamplingParams(max_tokens=1))),
         "n4": (lambda: LLM(base.target), None,
-               lambda m: m.chat(turn, SamplingParams(max_new_tokens=16, n=4, temperature=0.8, seed=1))),
+               lambda m: m.chat(turn, SamplingParams(max_tokens=16, n=4, temperature=0.8, seed=1))),
     }
     if a.draft:
         cases["turn2-draft"] = (lambda: LLM(base.target, draft=base.draft),
-                                lambda m: m.chat(turn, SamplingParams(max_new_tokens=16)),
-                                lambda m: m.chat(follow, SamplingParams(max_new_tokens=a.max_new_tokens)))
+                                lambda m: m.chat(turn, SamplingParams(max_tokens=16)),
+                                lambda m: m.chat(follow, SamplingParams(max_tokens=a.max_new_tokens)))
     cases = {name: case for name, case in cases.items() if name in a.cases.split(",")}
     print(f"first turn {len(first.prompt_token_ids)} prompt tokens, second {len(base.encode(follow))}")
     failed = 0

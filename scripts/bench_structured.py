@@ -43,7 +43,7 @@ def main(repeats: int) -> None:
         for name, llm in llms.items():
             for mode, so in (("free", None), ("json", {"json": SCHEMA})):
                 t = time.perf_counter()
-                out = llm.chat(MESSAGES, SamplingParams(max_new_tokens=96, structured_outputs=so))[0]
+                out = llm.chat(MESSAGES, SamplingParams(max_tokens=96, structured_outputs=so))[0]
                 rate = len(out.token_ids) / (time.perf_counter() - t)
                 runs.setdefault((name, mode), []).append((rate, out.token_ids))
                 print(rep, name, mode, f"{rate:.2f} tok/s", len(out.token_ids), "tokens, acceptance",

@@ -263,8 +263,8 @@ class LLM:
         if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         limit = self.context_window
-        if len(ids) + sp.max_new_tokens > limit:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_new_tokens {sp.max_new_tokens} "
+        if len(ids) + sp.max_tokens > limit:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {sp.max_tokens} "
                              f"exceeds the context window of {limit} tokens")
         if any(t >= vocab for t, _ in sp.logit_bias):
             raise ValueError(f"logit_bias token ids must be in [0, {vocab})")

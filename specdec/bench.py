@@ -85,7 +85,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-shapes", default=DEFAULT_TREE_SHAPES,
                    help="specdec-draft-tree shapes, comma list of TOPKxDEPTHxNODES "
                         "(tree_topk, tree_depth, tree_nodes; default %(default)s)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="default %(default)s")
+    p.add_argument("--max-new-tokens", "--max-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--prompts-file", default=DEFAULT_PROMPTS,
                    help="JSONL: {id, kind: chat|completion, messages|prompt} (default %(default)s)")
     p.add_argument("--limit", type=int, help="only the first N prompts")
@@ -204,7 +204,7 @@ def _specdec_runner(llm):
     from .config import SamplingParams
 
     def run(ids, max_new_tokens):
-        out = llm.generate({"prompt_token_ids": list(ids)}, SamplingParams(max_new_tokens=max_new_tokens))[0]
+        out = llm.generate({"prompt_token_ids": list(ids)}, SamplingParams(max_tokens=max_new_tokens))[0]
         m = out.metrics
         stats = {k: m.get(k) for k in (
             "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens",

@@ -71,7 +71,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=SamplingParams.max_new_tokens)
+    g.add_argument("--max-tokens", "--max-new-tokens", type=int, default=SamplingParams.max_tokens,
+                   help="tokens to generate at most (default %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -137,7 +138,7 @@ def spec_from_args(a) -> tuple[SpecConfig, str | None]:
 
 
 def sampling_from_args(a) -> SamplingParams:
-    return SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
                           top_p=a.top_p, min_p=a.min_p, seed=a.seed, stop=tuple(a.stop),
                           stop_token_ids=tuple(a.stop_token_ids), ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
                           include_stop_str_in_output=a.include_stop_str_in_output,
@@ -279,7 +280,7 @@ def cmd_check_vocab(a) -> int:
 def cmd_demo(a) -> int:
     from .demo import run_demo
 
-    return run_demo(max_new_tokens=a.max_new_tokens, k=a.num_draft_tokens, device=a.device)
+    return run_demo(max_tokens=a.max_tokens, k=a.num_draft_tokens, device=a.device)
 
 
 def cmd_bench(a) -> int:
@@ -336,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="plain vs n-gram vs self-draft on the embedded model; checks equality")
-    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--max-tokens", "--max-new-tokens", type=int, default=64)
     d.add_argument("--num-draft-tokens", "-k", type=int, default=4)
     d.add_argument("--device")
     d.set_defaults(func=cmd_demo)

@@ -77,8 +77,8 @@ def show_tree(tree: DraftTree, committed: list[int], decode) -> str:
     return "\n".join(lines)
 
 
-def run_demo(max_new_tokens: int = 64, k: int = 4, device: str | None = None) -> int:
-    sp = SamplingParams(max_new_tokens=max_new_tokens)
+def run_demo(max_tokens: int = 64, k: int = 4, device: str | None = None) -> int:
+    sp = SamplingParams(max_tokens=max_tokens)
     plain = LLM(None, device=device)
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     runs = {"plain": plain.generate(chats, sp)}
@@ -88,7 +88,7 @@ def run_demo(max_new_tokens: int = 64, k: int = 4, device: str | None = None) ->
     tree_llm = LLM(plain.target, draft=str(plain.target.path), speculative=TREE, device=device)
     recorder = tree_llm.engine.drafters["draft"] = TreeRecorder(tree_llm.engine.drafters["draft"])
     runs["tree"] = tree_llm.generate(chats, sp)
-    print(f"specdec demo: SmolLM2-135M-Instruct, greedy, {max_new_tokens} new tokens, k={k}; "
+    print(f"specdec demo: SmolLM2-135M-Instruct, greedy, {max_tokens} new tokens, k={k}; "
           f"tree = int8 copy drafting top-{TREE.tree_topk}, depth {TREE.depth}, {TREE.node_budget} nodes\n")
     print(f"{'target forwards for':<44} {'tokens':>6} " + " ".join(f"{m:>6}" for m in METHODS) + "  same")
     ok = True

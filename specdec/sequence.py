@@ -107,7 +107,7 @@ class Sequence:
 
     @property
     def remaining(self) -> int:
-        return self.sampling.max_new_tokens - self.num_output
+        return self.sampling.max_tokens - self.num_output
 
     @property
     def finished(self) -> bool:

@@ -15,7 +15,7 @@ from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
     (lambda: SamplingParams(temperature=-0.1), "temperature"),
     (lambda: SamplingParams(top_p=0.0), "top_p"),
     (lambda: SamplingParams(top_p=1.5), "top_p"),
-    (lambda: SamplingParams(max_new_tokens=0), "max_new_tokens"),
+    (lambda: SamplingParams(max_tokens=0), "max_tokens"),
     (lambda: SamplingParams(top_k=-1), "top_k"),
     (lambda: EngineConfig(load_format="zeros"), "unknown load_format"),
     (lambda: EngineConfig(draft_backend="llamacpp", load_format="dummy"), "GGUF's own weights"),
@@ -45,13 +45,13 @@ def test_model_errors(tmp_path, tiny_dirs, loaded):
     with pytest.raises(ValueError, match="empty"):
         llm.generate("")
     with pytest.raises(ValueError, match="context window"):
-        llm.generate("x" * 600, SamplingParams(max_new_tokens=4))
+        llm.generate("x" * 600, SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="context window"):
-        llm.generate("x", SamplingParams(max_new_tokens=600))
+        llm.generate("x", SamplingParams(max_tokens=600))
     short = LLM(loaded("llama"), max_model_len=40)  # vLLM's max_model_len caps prompt + output
-    assert short.context_window == 40 and len(short.generate("x", SamplingParams(max_new_tokens=30))[0].token_ids) <= 30
+    assert short.context_window == 40 and len(short.generate("x", SamplingParams(max_tokens=30))[0].token_ids) <= 30
     with pytest.raises(ValueError, match="context window of 40"):
-        short.generate("x" * 20, SamplingParams(max_new_tokens=30))
+        short.generate("x" * 20, SamplingParams(max_tokens=30))
     with pytest.raises(ValueError, match="exceeds the models' context of 512"):
         LLM(loaded("llama"), max_model_len=513)
 
@@ -88,7 +88,7 @@ def test_vllm_speculative_config(loaded, tiny_dirs):
         method="draft", ngram_min=4, ngram_max=4, tree_topk=2)  # draft inferred from the model, as vLLM
     assert SpecConfig.from_vllm({"method": "self"}, cost_model=True, num_draft_tokens=6)[0] == SpecConfig(
         method="self", cost_model=True, num_draft_tokens=6)  # over the other flags
-    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
     ours = LLM(loaded("llama"), draft=loaded("draft"), speculative=SpecConfig(method="draft", num_draft_tokens=3))
     theirs = LLM(loaded("llama"), speculative_config={"method": "draft_model", "model": loaded("draft"),
                                                       "num_speculative_tokens": 3})

@@ -321,7 +321,7 @@ def test_greedy_equal_whatever_the_plan(loaded, method, cost_model, monkeypatch)
             return forward_costs(model, max_tokens)
 
         monkeypatch.setattr(api, "forward_costs", free_draft)
-    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
     base = LLM(loaded("llama")).generate(PROMPTS, sp)
     draft = loaded("llama") if method != "ngram" else None  # a perfect draft: every draft accepted
     llm = LLM(loaded("llama"), draft=draft, speculative=SpecConfig(method=method, cost_model=cost_model))

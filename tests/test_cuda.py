@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 PROMPTS = ["Hello world, this is a test of speculative decoding", "abc",
            "The quick brown fox jumps over the lazy dog. The quick brown"]
-GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 NEAR_TIE = {"float32": 1e-4, "bfloat16": 2 ** -6}  # top-2 gap, relative to the top logit
 
 
@@ -94,7 +94,7 @@ def test_greedy_speculation_equals_plain_on_cuda(on_cuda, dtype, method, shape, 
 def test_chunked_prefill_and_penalties_on_cuda(on_cuda):
     """Prompts in chunks of 5 and penalised rows (counts on the GPU): self-drafted greedy
     output equals plain decoding of whole prompts with the same penalties."""
-    sp = SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.3)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.3)
     base = LLM(on_cuda("llama"), chunked_prefill_size=0).generate(PROMPTS, sp)
     llm = LLM(on_cuda("llama"), speculative=SpecConfig(method="self", num_draft_tokens=3), chunked_prefill_size=5)
     assert_same_greedy(llm, llm.generate(PROMPTS, sp), base, "float32")
@@ -104,7 +104,7 @@ def test_vllm_sampling_fields_on_cuda(on_cuda):
     """min_tokens and stop_token_ids (rows banned on the GPU), n, logprobs and prompt logprobs
     on cuda: the self-drafted output equals plain decoding, logprobs and ranks alike; min_p seeded
     sampling accepts every self-drafted token."""
-    sp = SamplingParams(max_new_tokens=30, ignore_eos=True, n=2, logprobs=2, min_tokens=10, prompt_logprobs=1)
+    sp = SamplingParams(max_tokens=30, ignore_eos=True, n=2, logprobs=2, min_tokens=10, prompt_logprobs=1)
     out = LLM(on_cuda("llama")).generate(PROMPTS[0], sp)[0].token_ids
     j = next(j for j in range(10, 30) if out[j] not in out[:j])
     sp = SamplingParams(**{**vars(sp), "stop_token_ids": [out[j]]})
@@ -119,14 +119,14 @@ def test_vllm_sampling_fields_on_cuda(on_cuda):
             assert [e[t].rank for t, e in zip(c.token_ids, c.logprobs)] == [1] * len(c.token_ids)
             assert c.cumulative_logprob == pytest.approx(r.cumulative_logprob, abs=1e-3)
     assert base[0].finish_reason == "stop" and len(base[0].token_ids) == j + 1
-    sampled = SamplingParams(max_new_tokens=20, temperature=1.0, min_p=0.2, seed=2, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=20, temperature=1.0, min_p=0.2, seed=2, ignore_eos=True)
     outs = LLM(on_cuda("llama"), speculative=SpecConfig(method="self", num_draft_tokens=3)).generate(PROMPTS, sampled)
     assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
 
 
 def test_prefix_reuse_on_cuda(on_cuda):
     """A finished prompt's KV reused from its slot on the GPU: the same output as from scratch."""
-    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
     llm = LLM(on_cuda("llama"), speculative=SpecConfig(method="self", num_draft_tokens=3), chunked_prefill_size=4)
     llm.generate(PROMPTS[2], sp)
     again = llm.generate(PROMPTS[2] + " and more", sp)[0]
@@ -139,7 +139,7 @@ def test_structured_outputs_on_cuda(on_cuda):
     and self and n-gram drafting give plain decoding's tokens."""
     import re
 
-    sp = SamplingParams(max_new_tokens=16, structured_outputs={"regex": "[ab]{3}-[0-9]{2}(x|yz)"})
+    sp = SamplingParams(max_tokens=16, structured_outputs={"regex": "[ab]{3}-[0-9]{2}(x|yz)"})
     base = LLM(on_cuda("llama")).generate(PROMPTS, sp)
     assert all(re.fullmatch("[ab]{3}-[0-9]{2}(x|yz)", o.text) for o in base)
     for method in ("self", "ngram"):
@@ -203,7 +203,7 @@ def test_sampling_verifier_on_cuda_is_lossless():
 
 
 def test_seeded_sampling_on_cuda(on_cuda):
-    sp = SamplingParams(max_new_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+    sp = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
     a = LLM(on_cuda("llama")).generate(PROMPTS, sp)
     b = LLM(on_cuda("llama"), draft=on_cuda("draft"), speculative=SpecConfig(method="draft")).generate(PROMPTS, sp)
     again = LLM(on_cuda("llama")).generate(PROMPTS, sp)

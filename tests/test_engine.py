@@ -13,7 +13,7 @@ from specdec.sequence import Sequence
 PROMPTS = ["Hello world, this is a test of speculative decoding", "abc",
            "The quick brown fox jumps over the lazy dog. The quick brown"]
 N = 64
-GREEDY = SamplingParams(max_new_tokens=N, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=N, ignore_eos=True)
 
 
 def plain(loaded, arch, prompts=PROMPTS, sp=GREEDY):
@@ -67,7 +67,7 @@ def test_ngram_equal(loaded, arch, batch):
 
 def test_ragged_batch_different_budgets(loaded):
     """Sequences of different prompt lengths and budgets finish at different steps."""
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (5, 33, 17)]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (5, 33, 17)]
     base = [plain(loaded, "llama", [p], sp)[0] for p, sp in zip(PROMPTS, params)]
     outs = spec(loaded, "llama", "self", k=3).generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
@@ -77,15 +77,15 @@ def test_ragged_batch_different_budgets(loaded):
 
 def test_more_prompts_than_batch_slots(loaded):
     prompts = PROMPTS * 3
-    base = plain(loaded, "llama", prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    base = plain(loaded, "llama", prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     outs = spec(loaded, "llama", "self", k=2, max_batch_size=2).generate(
-        prompts, SamplingParams(max_new_tokens=12, ignore_eos=True))
+        prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 3, 7])
 def test_budget_respected(loaded, max_new):
-    sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    sp = SamplingParams(max_tokens=max_new, ignore_eos=True)
     base = plain(loaded, "llama", sp=sp)
     outs = spec(loaded, "llama", "self", k=4).generate(PROMPTS, sp)
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
@@ -122,7 +122,7 @@ class ScriptedDrafter:
 def run_engine(loaded, drafter, prompt_ids, max_new, eos_ids, k=4):
     target = loaded("llama")
     eng = Engine(target, drafter, SpecConfig(method="ngram", num_draft_tokens=k), max_batch_size=2)
-    sp = SamplingParams(max_new_tokens=max_new)
+    sp = SamplingParams(max_tokens=max_new)
     s = Sequence(1, list(prompt_ids), len(prompt_ids), sp, make_generator(0, "cpu"), frozenset(eos_ids))
     eng.add(s)
     while eng.has_work:
@@ -172,7 +172,7 @@ def test_rollback_invariant(loaded):
     eng = Engine(target, drafter, SpecConfig(method="draft", num_draft_tokens=4), 3)
     tok = target.tokenizer
     seqs = [Sequence(i, tok(p)["input_ids"], len(tok(p)["input_ids"]),
-                     SamplingParams(max_new_tokens=40, ignore_eos=True), make_generator(0, "cpu"),
+                     SamplingParams(max_tokens=40, ignore_eos=True), make_generator(0, "cpu"),
                      frozenset()) for i, p in enumerate(PROMPTS)]
     for s in seqs:
         eng.add(s)
@@ -196,7 +196,7 @@ def test_stop_string_cuts_text(loaded):
     stop = base.text[20:23]
     cut = base.text.find(stop)
     for method in ("none", "ngram", "self"):
-        sp = SamplingParams(max_new_tokens=N, ignore_eos=True, stop=(stop,))
+        sp = SamplingParams(max_tokens=N, ignore_eos=True, stop=(stop,))
         o = spec(loaded, "llama", method).generate(PROMPTS[0], sp)[0] if method != "none" \
             else plain(loaded, "llama", [PROMPTS[0]], sp)[0]
         assert o.finish_reason == "stop"
@@ -205,7 +205,7 @@ def test_stop_string_cuts_text(loaded):
         assert o.token_ids == base.token_ids[: len(o.token_ids)]
         tok = loaded("llama").tokenizer
         assert stop in tok.decode(o.token_ids) and stop not in tok.decode(o.token_ids[:-1])
-        kept = SamplingParams(max_new_tokens=N, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True)
+        kept = SamplingParams(max_tokens=N, ignore_eos=True, stop=(stop,), include_stop_str_in_output=True)
         o = spec(loaded, "llama", method).generate(PROMPTS[0], kept)[0] if method != "none" \
             else plain(loaded, "llama", [PROMPTS[0]], kept)[0]
         assert o.text == base.text[:cut + len(stop)] and o.finish_reason == "stop"
@@ -216,7 +216,7 @@ def test_special_tokens_in_text(loaded):
     ``include_stop_str_in_output``; EOS, a special token, then shows only with
     ``skip_special_tokens=False``."""
     eos = 257  # tiny.py: </s>
-    forced = dict(max_new_tokens=4, logit_bias={eos: 100})  # EOS first
+    forced = dict(max_tokens=4, logit_bias={eos: 100})  # EOS first
     for skip, include, text in ((True, False, ""), (False, False, ""), (True, True, ""), (False, True, "</s>")):
         sp = SamplingParams(**forced, skip_special_tokens=skip, include_stop_str_in_output=include)
         o = plain(loaded, "llama", [PROMPTS[0]], sp)[0]
@@ -225,14 +225,14 @@ def test_special_tokens_in_text(loaded):
     t = base.token_ids[5]
     j = base.token_ids.index(t)
     for include in (False, True):
-        sp = SamplingParams(max_new_tokens=N, ignore_eos=True, stop_token_ids=[t], include_stop_str_in_output=include)
+        sp = SamplingParams(max_tokens=N, ignore_eos=True, stop_token_ids=[t], include_stop_str_in_output=include)
         o = spec(loaded, "llama", "self").generate(PROMPTS[0], sp)[0]
         tok = loaded("llama").tokenizer
         assert o.token_ids == base.token_ids[:j + 1] and o.text == tok.decode(base.token_ids[:j + include])
 
 
 def test_seeded_sampling_reproducible_and_self_draft_accepts_all(loaded):
-    sp = SamplingParams(max_new_tokens=30, temperature=0.9, top_k=50, top_p=0.95, seed=123, ignore_eos=True)
+    sp = SamplingParams(max_tokens=30, temperature=0.9, top_k=50, top_p=0.95, seed=123, ignore_eos=True)
     a = plain(loaded, "llama", PROMPTS, sp)
     b = plain(loaded, "llama", PROMPTS, sp)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
@@ -271,7 +271,7 @@ def test_chunked_prefill_interleaves_with_decoding(loaded):
     self-drafted, more prompts than slots, hf fallback too), and a request aborted mid-prefill
     frees its slot."""
     long = [PROMPTS[2] * 2, PROMPTS[0] + PROMPTS[2], PROMPTS[1]]
-    sp = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
     base = LLM(loaded("llama"), chunked_prefill_size=0).generate(long, sp)
     for size, method, backend in [(1, "none", "auto"), (7, "self", "auto"), (16, "none", "auto"),
                                   (7, "ngram", "hf")]:
@@ -287,7 +287,7 @@ def test_chunked_prefill_interleaves_with_decoding(loaded):
 
     def seq(i, text):
         ids = tok(text)["input_ids"]
-        return Sequence(i, ids, len(ids), SamplingParams(max_new_tokens=50, ignore_eos=True),
+        return Sequence(i, ids, len(ids), SamplingParams(max_tokens=50, ignore_eos=True),
                         make_generator(0, "cpu"), frozenset())
 
     a = seq(0, PROMPTS[1])  # 3 tokens: prefilled in one step
@@ -334,7 +334,7 @@ def test_penalties_stay_lossless(loaded, tiny_dirs):
     generate. Seeded sampling with penalties is reproducible."""
     from transformers import AutoModelForCausalLM
 
-    sp = SamplingParams(max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4,
+    sp = SamplingParams(max_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4,
                         frequency_penalty=0.3)
     base = plain(loaded, "llama", PROMPTS, sp)
     assert [o.token_ids for o in base] != [o.token_ids for o in plain(loaded, "llama", PROMPTS, GREEDY)]
@@ -348,14 +348,14 @@ def test_penalties_stay_lossless(loaded, tiny_dirs):
             assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
 
     top = max(set(base[0].token_ids), key=base[0].token_ids.count)  # banned below
-    banned = SamplingParams(max_new_tokens=40, ignore_eos=True, frequency_penalty=0.3, logit_bias={top: -100})
+    banned = SamplingParams(max_tokens=40, ignore_eos=True, frequency_penalty=0.3, logit_bias={top: -100})
     ref = plain(loaded, "llama", PROMPTS, banned)
     assert all(top not in o.token_ids for o in ref)
     for method in ("self", "ngram"):
         outs = spec(loaded, "llama", method, k=3).generate(PROMPTS, banned)
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref], method
 
-    rep = SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.5)
+    rep = SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.5)
     hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
     tok = loaded("llama").tokenizer
     for p, o in zip(PROMPTS, spec(loaded, "llama", "self", k=3).generate(PROMPTS, rep)):
@@ -364,7 +364,7 @@ def test_penalties_stay_lossless(loaded, tiny_dirs):
                           pad_token_id=0)[0, ids.shape[1]:].tolist()
         assert o.token_ids == ref
 
-    sampled = SamplingParams(max_new_tokens=20, temperature=0.8, seed=7, ignore_eos=True, presence_penalty=1.0,
+    sampled = SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True, presence_penalty=1.0,
                              repetition_penalty=1.2)
     llm = spec(loaded, "llama", "draft", k=3, draft="draft")
     assert [o.token_ids for o in llm.generate(PROMPTS, sampled)] == [o.token_ids for o in llm.generate(PROMPTS, sampled)]
@@ -375,7 +375,7 @@ def test_n_completions_and_logprobs(loaded):
     seed + i (under speculation too); greedy completions are all the plain output.
     ``logprobs=N``: the target's log-probability and rank of each output token (the same
     as one full forward over prompt + output), the N most likely tokens, and their sum."""
-    sp = SamplingParams(max_new_tokens=12, temperature=0.9, seed=5, ignore_eos=True)
+    sp = SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)
     for method in ("none", "self"):
         llm = spec(loaded, "llama", method, k=3)
         many = llm.generate(PROMPTS[:2], SamplingParams(**{**vars(sp), "n": 3}))
@@ -387,7 +387,7 @@ def test_n_completions_and_logprobs(loaded):
             assert len({tuple(c.token_ids) for c in o.outputs}) > 1  # the seeds differ
             assert o.metrics["generated_tokens"] == 36 and o.prompt_token_ids == llm.encode(prompt)
     base = plain(loaded, "llama", PROMPTS[:1])[0]
-    greedy = spec(loaded, "llama", "ngram").generate(PROMPTS[0], SamplingParams(max_new_tokens=N, ignore_eos=True,
+    greedy = spec(loaded, "llama", "ngram").generate(PROMPTS[0], SamplingParams(max_tokens=N, ignore_eos=True,
                                                                                 n=2, logprobs=3))[0]
     assert [c.token_ids for c in greedy.outputs] == [base.token_ids] * 2
     llm = LLM(loaded("llama"))
@@ -395,7 +395,7 @@ def test_n_completions_and_logprobs(loaded):
     rt = llm.target.runtime
     ref = torch.log_softmax(rt.forward(rt.new_cache(1), [0], [ids + base.token_ids])[0].float(), -1)
     ref = ref[len(ids) - 1:len(ids) - 1 + N]  # [N, vocab]: row j predicts output token j
-    for c in (greedy.outputs[0], llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, ignore_eos=True,
+    for c in (greedy.outputs[0], llm.generate(PROMPTS[0], SamplingParams(max_tokens=N, ignore_eos=True,
                                                                         logprobs=3))[0].outputs[0]):
         assert len(c.logprobs) == N
         for j, (t, entry) in enumerate(zip(c.token_ids, c.logprobs)):
@@ -406,7 +406,7 @@ def test_n_completions_and_logprobs(loaded):
             assert list(entry) == top.indices.tolist()
             assert entry[t].decoded_token == llm.tokenizer.decode([t])
         assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
-    sampled = llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=N, ignore_eos=True, temperature=1.5,
+    sampled = llm.generate(PROMPTS[0], SamplingParams(max_tokens=N, ignore_eos=True, temperature=1.5,
                                                       seed=1, logprobs=0))[0].outputs[0]
     sampled_ref = torch.log_softmax(rt.forward(rt.new_cache(1), [0], [ids + sampled.token_ids])[0].float(), -1)
     for j, (t, entry) in enumerate(zip(sampled.token_ids, sampled.logprobs)):
@@ -426,19 +426,19 @@ def test_stop_token_ids_min_tokens_and_min_p(loaded):
     out = base.token_ids
     j = next(j for j in range(4, N) if out[j] not in out[:j])  # the first occurrence of out[j]
     tok = loaded("llama").tokenizer
-    stop_tok = SamplingParams(max_new_tokens=N, ignore_eos=True, stop_token_ids=[out[j]])
+    stop_tok = SamplingParams(max_tokens=N, ignore_eos=True, stop_token_ids=[out[j]])
     later = next(i for i in range(j + 1, N) if out[i] not in out[:i])  # a token first seen after j
-    late = SamplingParams(max_new_tokens=N, ignore_eos=True, stop_token_ids=[out[4], out[later]], min_tokens=later)
-    banned = plain(loaded, "llama", PROMPTS[:1], SamplingParams(max_new_tokens=later, ignore_eos=True,
+    late = SamplingParams(max_tokens=N, ignore_eos=True, stop_token_ids=[out[4], out[later]], min_tokens=later)
+    banned = plain(loaded, "llama", PROMPTS[:1], SamplingParams(max_tokens=later, ignore_eos=True,
                                                                 logit_bias={out[4]: -100, out[later]: -100}))[0]
-    stop_str = SamplingParams(max_new_tokens=N, ignore_eos=True, stop=[base.text[2:5]], min_tokens=N)
+    stop_str = SamplingParams(max_tokens=N, ignore_eos=True, stop=[base.text[2:5]], min_tokens=N)
     text = base.text
     for m in range(2, N):  # a character in the first m tokens' text that comes again after it
         head = tok.decode(out[:m], skip_special_tokens=True)
         again = [c for c in head if c != "\ufffd" and text.find(c, len(head)) > 0] if text.startswith(head) else []
         if again:
             break
-    second = SamplingParams(max_new_tokens=N, ignore_eos=True, stop=[again[0]], min_tokens=m)
+    second = SamplingParams(max_tokens=N, ignore_eos=True, stop=[again[0]], min_tokens=m)
     for method in ("none", "self", "ngram"):
         llm = spec(loaded, "llama", method, k=3)
         o = llm.generate(PROMPTS[0], stop_tok)[0]
@@ -452,7 +452,7 @@ def test_stop_token_ids_min_tokens_and_min_p(loaded):
         o = llm.generate(PROMPTS[0], second)[0]  # the stop string's first occurrence after min_tokens
         assert o.finish_reason == "stop" and o.text == text[:text.find(again[0], len(head))], method
         assert o.token_ids == out[:len(o.token_ids)] and len(o.token_ids) > m
-    sp = SamplingParams(max_new_tokens=30, temperature=1.0, min_p=0.3, seed=3, ignore_eos=True)
+    sp = SamplingParams(max_tokens=30, temperature=1.0, min_p=0.3, seed=3, ignore_eos=True)
     s1 = spec(loaded, "llama", "self", k=4).generate(PROMPTS, sp)
     assert all(o.metrics["acceptance_rate"] == 1.0 for o in s1)
     assert [o.token_ids for o in s1] != [o.token_ids for o in plain(loaded, "llama", PROMPTS, GREEDY)]
@@ -474,8 +474,8 @@ def test_allowed_token_ids_and_bad_words(loaded):
                     if all(len(c) == 1 and c.isascii() and c.isprintable() and not c.isspace() for c in text[j:j + 2]))
 
     words = [ascii_pair(b.token_ids) for b in base]  # banned where the output would complete them
-    cases = [SamplingParams(max_new_tokens=N, ignore_eos=True, allowed_token_ids=allowed),
-             SamplingParams(max_new_tokens=N, ignore_eos=True, bad_words=tuple(words))]
+    cases = [SamplingParams(max_tokens=N, ignore_eos=True, allowed_token_ids=allowed),
+             SamplingParams(max_tokens=N, ignore_eos=True, bad_words=tuple(words))]
     for sp in cases:
         ref = plain(loaded, "llama", PROMPTS, sp)
         for o in ref:
@@ -502,12 +502,12 @@ def test_prompt_logprobs(loaded):
     """``prompt_logprobs=N``: each prompt token's log-probability, rank and the N most likely
     tokens, from the prefill's rows (None for the first token), the same as one full forward
     whether the prompt goes whole or in chunks, and the output unchanged."""
-    sp = SamplingParams(max_new_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=2)
     llm = LLM(loaded("llama"))
     ids = llm.encode(PROMPTS[2])
     rt = llm.target.runtime
     ref = torch.log_softmax(rt.forward(rt.new_cache(1), [0], [ids])[0].float(), -1)  # [prompt, vocab]
-    base = llm.generate(PROMPTS[2], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    base = llm.generate(PROMPTS[2], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     for size, method in [(0, "none"), (5, "none"), (3, "self"), (0, "ngram")]:
         outs = spec(loaded, "llama", method, k=3, chunked_prefill_size=size).generate(PROMPTS, sp)
         o = outs[2]
@@ -527,7 +527,7 @@ def test_chat_api(loaded, monkeypatch):
     messages; ``continue_final_message`` continues the last assistant message (no new turn);
     ``chat_template_kwargs`` reach the template."""
     llm = LLM(loaded("llama"))
-    sp = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
     ask = [{"role": "user", "content": "hello there"}]
     one = llm.chat(ask, sp)[0]
     assert one.token_ids == llm.generate(ask, sp)[0].token_ids and one.prompt == ask
@@ -549,7 +549,7 @@ def test_prefix_reuse(loaded):
     output as from scratch (plain and speculative, more prompts than slots); a draft model
     keeps its prompt KV as well. Not with whole
     prompts (size 0), nor when prompt logprobs need every prompt row, nor on a bare slot."""
-    size, sp = 4, SamplingParams(max_new_tokens=10, ignore_eos=True)
+    size, sp = 4, SamplingParams(max_tokens=10, ignore_eos=True)
     first = PROMPTS[2]
     longer = [first + " and then some more words", first + " xyz", "unrelated prompt here", first]
     for method in ("none", "self", "ngram"):
@@ -566,7 +566,7 @@ def test_prefix_reuse(loaded):
         assert cached[3] == (n - 1) // size * size  # the same prompt: its last token is prefilled again
         assert outs[0].metrics["target_forwards"] < ref[0].metrics["target_forwards"]
     # the draft model's slot keeps the prompt too: it catches up on the rest only, drafts sooner
-    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
     llm = spec(loaded, "llama", "self", k=3, chunked_prefill_size=size, max_batch_size=1)
     llm.generate(first, sp)
     assert llm.engine.drafters["self"].cached_ids[0] == llm.encode(first)
@@ -580,7 +580,7 @@ def test_prefix_reuse(loaded):
     assert not whole.engine.retained and whole.generate(first, sp)[0].metrics["cached_prompt_tokens"] == 0
     llm = LLM(loaded("llama"), chunked_prefill_size=size)
     llm.generate(first, sp)
-    scored = llm.generate(first, SamplingParams(max_new_tokens=2, prompt_logprobs=0))[0]
+    scored = llm.generate(first, SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
     assert scored.metrics["cached_prompt_tokens"] == 0 and len(scored.prompt_logprobs) == len(scored.prompt_token_ids)
 
 
@@ -590,7 +590,7 @@ def test_running_requests_share_prompt_chunks(loaded):
     its KV (the torch runtime and the hf fallback), with the same outputs as alone."""
     size = 4
     p = PROMPTS[2]
-    sp = SamplingParams(max_new_tokens=8, n=3, temperature=0.9, seed=5, ignore_eos=True)
+    sp = SamplingParams(max_tokens=8, n=3, temperature=0.9, seed=5, ignore_eos=True)
     shared = [p + " one", p + " two two", "unrelated"]
     for backend, method in [("auto", "none"), ("auto", "self"), ("hf", "none")]:
         model = loaded("llama", backend=backend)
@@ -603,7 +603,7 @@ def test_running_requests_share_prompt_chunks(loaded):
         n = len(o.prompt_token_ids)
         assert o.metrics["cached_prompt_tokens"] == 2 * ((n - 1) // size * size)  # the 2nd and 3rd copy
         assert o.metrics["target_forwards"] < sum(a.metrics["target_forwards"] for a in alone)
-        greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
+        greedy = SamplingParams(max_tokens=8, ignore_eos=True)
         outs = LLM(model, chunked_prefill_size=size, max_batch_size=4).generate(shared, greedy)
         ref = [LLM(model, chunked_prefill_size=size).generate(q, greedy)[0] for q in shared]
         assert [x.token_ids for x in outs] == [r.token_ids for r in ref], backend

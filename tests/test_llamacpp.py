@@ -285,7 +285,7 @@ def test_max_model_len_sets_the_slot_size():
     assert llm.target.runtime.max_context == llm.context_window == 6000
     assert llm.engine.cache.size >= 2 * 6000
     prompt = {"prompt_token_ids": [1] * 4100}  # longer than the default slot
-    assert len(llm.generate(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids) == 4
+    assert len(llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
     with pytest.raises(ValueError, match="exceeds the models' context of 8192"):
         LLM(None, backend="llamacpp", max_model_len=9000)
 
@@ -307,7 +307,7 @@ def assert_same_greedy(lc, prompt: list[int], out: list[int], ref: list[int], wh
 def generate(llm, prompts, batch: int) -> list[list[int]]:
     """Greedy outputs, all prompts as one batch or one at a time (so that the prefills, which
     llama.cpp evaluates with other kernels past 64 tokens, are the same as plain decoding's)."""
-    sp, reqs = SamplingParams(max_new_tokens=N), [{"prompt_token_ids": p} for p in prompts]
+    sp, reqs = SamplingParams(max_tokens=N), [{"prompt_token_ids": p} for p in prompts]
     outs = llm.generate(reqs, sp) if batch == 3 else [llm.generate(r, sp)[0] for r in reqs]
     return [o.token_ids for o in outs]
 
@@ -506,7 +506,7 @@ def test_chunked_prefill_goes_whole_and_is_recomputed_alike(pieces, prompts, mon
     assert cache.prefill_ends[0] == [5]
 
     monkeypatch.undo()
-    sp, reqs = SamplingParams(max_new_tokens=N), [{"prompt_token_ids": p} for p in prompts]
+    sp, reqs = SamplingParams(max_tokens=N), [{"prompt_token_ids": p} for p in prompts]
     base = LLM(pieces, max_batch_size=2, chunked_prefill_size=5).generate(reqs, sp)
     llm = LLM(pieces, speculative=SpecConfig(method="ngram", num_draft_tokens=4), max_batch_size=2,
               chunked_prefill_size=5)
@@ -530,9 +530,9 @@ def test_prompt_logprobs_chunks_go_whole(pieces, prompts, monkeypatch):
     monkeypatch.undo()
     whole = torch.log_softmax(rt.forward(rt.new_cache(1), [0], [ids], prefill=True)[0].float(), -1)
     expected = whole[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-    sp = SamplingParams(max_new_tokens=N, prompt_logprobs=0)
+    sp = SamplingParams(max_tokens=N, prompt_logprobs=0)
     reqs = [{"prompt_token_ids": p} for p in prompts]
-    base = LLM(pieces, max_batch_size=2, chunked_prefill_size=5).generate(reqs, SamplingParams(max_new_tokens=N))
+    base = LLM(pieces, max_batch_size=2, chunked_prefill_size=5).generate(reqs, SamplingParams(max_tokens=N))
     outs = LLM(pieces, speculative=SpecConfig(method="ngram", num_draft_tokens=4), max_batch_size=2,
                chunked_prefill_size=5).generate(reqs, sp)
     got = torch.tensor([e[t].logprob for t, e in zip(ids[1:], outs[0].prompt_logprobs[1:])])
@@ -547,7 +547,7 @@ def test_prefix_reuse_is_exact(lc):
     engine's, alone, beside another running request, and after a recompute (buffer full)."""
     a = "The quick brown fox jumps over the lazy dog. " * 3
     b = a + "Then it ran far away into the forest and"
-    sp = SamplingParams(max_new_tokens=16, logprobs=0)
+    sp = SamplingParams(max_tokens=16, logprobs=0)
 
     def logprobs(out):
         return [e[t].logprob for t, e in zip(out.token_ids, out.outputs[0].logprobs)]
@@ -575,7 +575,7 @@ def test_an_idle_slot_lets_a_lone_request_free_its_rejected_rows(lc):
     """A slot that keeps a finished prompt adds no rows until a prompt that starts the same
     comes, so a request running alone beside it still frees its rejected drafts instead of
     parking them (else they would fill the buffer and force recomputes); outputs unchanged."""
-    sp = SamplingParams(max_new_tokens=24, logprobs=0)
+    sp = SamplingParams(max_tokens=24, logprobs=0)
     llm = LLM(lc, chunked_prefill_size=5, max_batch_size=2, speculative=SpecConfig(method="ngram"))
     llm.generate("hello there, how are you doing today", sp)
     assert llm.engine.retained and llm.engine.cache.idle == set(llm.engine.retained)
@@ -598,7 +598,7 @@ def test_structured_outputs_on_llamacpp(lc):
     schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
               "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}}}
     messages = [{"role": "user", "content": "Describe a fictional cat as a JSON object with name and age."}]
-    sp = SamplingParams(max_new_tokens=48, structured_outputs={"json": schema})
+    sp = SamplingParams(max_tokens=48, structured_outputs={"json": schema})
     ref = LLM(lc, max_batch_size=1).chat(messages, sp)[0]
     obj = json.loads(ref.text)
     assert set(obj) == {"name", "age"} and isinstance(obj["age"], int) and ref.finish_reason == "stop"

@@ -38,14 +38,14 @@ def test_logits_match_transformers(smol):
 
 @pytest.fixture(scope="module")
 def plain_outputs(smol):
-    return LLM(smol).generate(CHATS, SamplingParams(max_new_tokens=N))
+    return LLM(smol).generate(CHATS, SamplingParams(max_tokens=N))
 
 
 @pytest.mark.parametrize("method", ["ngram", "self"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_equal_to_plain(smol, plain_outputs, method, batch):
     llm = LLM(smol, speculative=SpecConfig(method=method, num_draft_tokens=4))
-    sp = SamplingParams(max_new_tokens=N)
+    sp = SamplingParams(max_tokens=N)
     outs = llm.generate(CHATS, sp) if batch == 3 else [llm.generate(c, sp)[0] for c in CHATS]
     for o, b in zip(outs, plain_outputs):
         assert o.token_ids == b.token_ids
@@ -72,7 +72,7 @@ def test_draft_model_tree_greedy_equal(smol, plain_outputs, batch):
     """A top-2 token tree drafted by an int8 copy of SmolLM2 (it agrees often, not always)."""
     spec = SpecConfig(method="draft", draft_quantization="int8", tree_topk=2, tree_depth=4, tree_nodes=8)
     llm = LLM(smol, draft=str(smol.path), speculative=spec)
-    sp = SamplingParams(max_new_tokens=N)
+    sp = SamplingParams(max_tokens=N)
     outs = llm.generate(CHATS, sp) if batch == 3 else [llm.generate(c, sp)[0] for c in CHATS]
     assert [o.token_ids for o in outs] == [b.token_ids for b in plain_outputs]
     m = [o.metrics for o in outs]
@@ -88,7 +88,7 @@ def test_structured_json_schema_greedy_equal(smol):
     schema = {"type": "object", "additionalProperties": False, "required": ["title", "steps"],
               "properties": {"title": {"type": "string", "maxLength": 40},
                              "steps": {"type": "array", "items": {"type": "string", "maxLength": 60}, "maxItems": 3}}}
-    sp = SamplingParams(max_new_tokens=120, structured_outputs={"json": schema})
+    sp = SamplingParams(max_tokens=120, structured_outputs={"json": schema})
     base = LLM(smol).chat(CHATS, sp)
     for b in base:
         obj = json.loads(b.text)

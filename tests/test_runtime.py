@@ -136,7 +136,7 @@ def test_int8_linear_close_but_not_exact():
 def test_int8_draft_model_stays_lossless(loaded, tiny_dirs):
     from specdec import LLM, SamplingParams, SpecConfig
 
-    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
     prompts = ["Hello there", "The quick brown fox"]
     base = LLM(loaded("llama")).generate(prompts, sp)
     llm = LLM(loaded("llama"), draft=str(tiny_dirs["llama"]),
@@ -228,7 +228,7 @@ def test_graphed_forward_equals_eager(tiny_dirs):
     from specdec.runtime import load_model
 
     prompts = ["Hello world, this is a test", "abc", "The quick brown fox. The quick brown"]
-    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
     base = [o.token_ids for o in LLM(load_model(str(tiny_dirs["llama"]))).generate(prompts, sp)]
     model = load_model(str(tiny_dirs["llama"]))
     model.runtime.graphs = graphs = EagerGraphs(model.runtime)

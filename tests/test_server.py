@@ -88,12 +88,12 @@ def test_completion_stream_equals_non_stream(llm, client):
     assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
     assert chunks[-1].usage.completion_tokens == 40 and not chunks[-1].choices
     # the same text as the library's own generate (no server involved)
-    ref = LLM(llm.target).generate("The quick brown fox", SamplingParams(max_new_tokens=40, ignore_eos=True))[0]
+    ref = LLM(llm.target).generate("The quick brown fox", SamplingParams(max_tokens=40, ignore_eos=True))[0]
     assert whole.choices[0].text == ref.text
     penalised = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "repetition_penalty": 1.3}},
                                           presence_penalty=0.5, frequency_penalty=0.2)
     ref = LLM(llm.target).generate("The quick brown fox", SamplingParams(
-        max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2))[0]
+        max_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2))[0]
     assert penalised.choices[0].text == ref.text != whole.choices[0].text
     # vLLM's stop_token_ids (the token's text left out, streamed or not), min_tokens and min_p
     out = ref.token_ids
@@ -103,7 +103,7 @@ def test_completion_stream_equals_non_stream(llm, client):
     streamed = list(client.completions.create(**{**kw, "extra_body": extra, "stream": True},
                                               presence_penalty=0.5, frequency_penalty=0.2))
     ref = LLM(llm.target).generate("The quick brown fox", SamplingParams(
-        max_new_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+        max_tokens=40, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
         stop_token_ids=[out[j], out[1]], min_tokens=2))[0]
     assert ref.finish_reason == "stop" and ref.token_ids[-1] in (out[j], out[1]) and len(ref.token_ids) > 2
     assert stopped.choices[0].text == "".join(c.choices[0].text for c in streamed) == ref.text
@@ -118,7 +118,7 @@ def test_completion_stream_equals_non_stream(llm, client):
     sampled = dict(model=MODEL, prompt="The quick brown fox", max_tokens=20, temperature=1.0, seed=4)
     same = LLM(llm.target, speculative=llm.spec)  # the server's speculation, its own engine
     assert client.completions.create(**sampled, extra_body={"min_p": 0.2}).choices[0].text == same.generate(
-        "The quick brown fox", SamplingParams(max_new_tokens=20, temperature=1.0, seed=4, min_p=0.2))[0].text
+        "The quick brown fox", SamplingParams(max_tokens=20, temperature=1.0, seed=4, min_p=0.2))[0].text
 
 
 def test_chat_stream_equals_non_stream(llm, client):
@@ -132,7 +132,7 @@ def test_chat_stream_equals_non_stream(llm, client):
     assert deltas[0].choices[0].delta.role == "assistant"
     assert "".join(d.choices[0].delta.content or "" for d in deltas) == msg.content
     assert deltas[-1].choices[0].finish_reason == whole.choices[0].finish_reason
-    ref = LLM(llm.target).generate([messages], SamplingParams(max_new_tokens=30))[0]
+    ref = LLM(llm.target).generate([messages], SamplingParams(max_tokens=30))[0]
     assert msg.content == ref.text and whole.choices[0].finish_reason == ref.finish_reason
 
 
@@ -160,7 +160,7 @@ def test_logprobs_from_verify_rows(llm, client):
     import torch
 
     ids = llm.encode("Hello")
-    out = LLM(llm.target).generate("Hello", SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    out = LLM(llm.target).generate("Hello", SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
     rt = llm.target.runtime
     logits = rt.forward(rt.new_cache(1), [0], [ids + out])[0]
     ref = torch.log_softmax(logits.float(), -1)[len(ids) - 1:len(ids) - 1 + 12]
@@ -252,7 +252,7 @@ def test_16_concurrent_equal_to_alone(server, aclient, llm):
     plain = LLM(llm.target)
     for r, (text, reason) in zip(reqs, outs):
         prompt = [{"role": "user", "content": r["prompt"]}] if r["chat"] else r["prompt"]
-        ref = plain.generate([prompt], SamplingParams(max_new_tokens=r["max_tokens"], stop=r["stop"] or (), ignore_eos=True,
+        ref = plain.generate([prompt], SamplingParams(max_tokens=r["max_tokens"], stop=r["stop"] or (), ignore_eos=True,
                                                       structured_outputs=r["regex"] and {"regex": r["regex"]}))[0]
         assert (text, reason) == (ref.text, ref.finish_reason)
 
@@ -387,7 +387,7 @@ def test_metrics_add_up(server, client, llm):
     # the same requests through the library: the same per-request speculation counters
     lib = LLM(llm.target, speculative=SpecConfig(method="self", num_draft_tokens=3))
     prompts = [f"metrics {i} " * (i + 1) for i in range(5)] + [[{"role": "user", "content": "hi"}]]
-    outs = lib.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (7, 8, 9, 10, 11, 9)])
+    outs = lib.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in (7, 8, 9, 10, 11, 9)])
     assert drafted == sum(o.metrics["drafted_tokens"] for o in outs)
     assert accepted == sum(o.metrics["accepted_tokens"] for o in outs)
     assert per_pos == [sum(o.metrics["accepted_per_position"][i] for o in outs) for i in range(3)]
@@ -595,7 +595,7 @@ def test_smollm2_ngram_end_to_end():
     llm = LLM(speculative=SpecConfig(method="ngram", num_draft_tokens=4), max_batch_size=4)
     chat = [{"role": "user", "content": "List the days of the week, then list them again in reverse order."}]
     code = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
-    ref_chat, ref_code = llm.generate([chat, code], SamplingParams(max_new_tokens=32))
+    ref_chat, ref_code = llm.generate([chat, code], SamplingParams(max_tokens=32))
     with BackgroundServer(create_app(llm)) as srv:
         name = openai.OpenAI(base_url=srv.url + "/v1", api_key="x").models.list().data[0].id
         assert name == llm.target.name  # served under the model's own name by default
@@ -667,7 +667,7 @@ def test_chat_template_options(llm, client):
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                        extra_body={"continue_final_message": True, "ignore_eos": True,
                                                    "chat_template_kwargs": {"enable_thinking": False}})
-    ref = LLM(llm.target).chat(messages, SamplingParams(max_new_tokens=8, ignore_eos=True),
+    ref = LLM(llm.target).chat(messages, SamplingParams(max_tokens=8, ignore_eos=True),
                                continue_final_message=True)[0]
     assert r.choices[0].message.content == ref.text
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
@@ -690,7 +690,7 @@ def test_prefix_reuse_in_usage(loaded):
         assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens // 4 * 4 > 0
         assert metrics(srv.url)[("specdec_prefix_cache_tokens", ())] > 0
     ref = LLM(loaded("llama"), speculative=SpecConfig(method="ngram")).chat(
-        follow, SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+        follow, SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert second.choices[0].message.content == ref.text
 
 
@@ -706,7 +706,7 @@ def test_structured_outputs(llm, client):
                                                         "json_schema": {"name": "ab", "schema": schema}})
     obj = json.loads(r.choices[0].message.content)
     assert set(obj) == {"a", "b"} and r.choices[0].finish_reason == "stop"
-    ref = LLM(llm.target).chat(messages, SamplingParams(max_new_tokens=30, structured_outputs={"json": schema}))[0]
+    ref = LLM(llm.target).chat(messages, SamplingParams(max_tokens=30, structured_outputs={"json": schema}))[0]
     assert r.choices[0].message.content == ref.text
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
                                        response_format={"type": "json_object"})

@@ -64,11 +64,11 @@ def test_greedy_constrained_output_equal_under_speculation(loaded, kind):
     """The text follows the constraint, and every drafter (self, n-gram and a random draft
     model, chains and trees) gives plain decoding's constrained output; the self-draft,
     drafting under the same grammar, has every draft accepted."""
-    sp = SamplingParams(max_new_tokens=40, structured_outputs=CASES[kind])
+    sp = SamplingParams(max_tokens=40, structured_outputs=CASES[kind])
     base = LLM(loaded("llama")).generate(PROMPTS, sp)
     for o in base:
         assert o.finish_reason == "stop" and follows(kind, o.text), o.text
-    assert [o.text for o in base] != [o.text for o in LLM(loaded("llama")).generate(PROMPTS, SamplingParams(max_new_tokens=40))]
+    assert [o.text for o in base] != [o.text for o in LLM(loaded("llama")).generate(PROMPTS, SamplingParams(max_tokens=40))]
     for method, draft, topk in [("self", None, 1), ("ngram", None, 1), ("draft", "draft", 1), ("self", None, 2),
                                 ("ngram", None, 2), ("draft", "draft", 2), ("hybrid", "draft", 1)]:
         llm = LLM(loaded("llama"), draft=loaded(draft) if draft else None,
@@ -135,8 +135,8 @@ def test_reasoning_then_grammar_under_speculation(loaded, monkeypatch):
     output's, the rest follows the regex, and every drafter gives plain decoding's tokens."""
     import specdec.api
 
-    sp = SamplingParams(max_new_tokens=30, structured_outputs=StructuredOutputs(regex=REGEX))
-    free = LLM(loaded("llama")).generate(PROMPTS[0], SamplingParams(max_new_tokens=30))[0].token_ids
+    sp = SamplingParams(max_tokens=30, structured_outputs=StructuredOutputs(regex=REGEX))
+    free = LLM(loaded("llama")).generate(PROMPTS[0], SamplingParams(max_tokens=30))[0].token_ids
     gate = (free[3],)
     monkeypatch.setattr(specdec.api, "grammar_gate", lambda tokenizer, ids: gate)
 
@@ -182,7 +182,7 @@ def test_grammar_wins_over_an_empty_allowed_set(loaded):
     """allowed_token_ids that the grammar forbids everywhere would leave no token: those rows
     follow the grammar alone (the same under speculation)."""
     tok = LLM(loaded("llama")).tokenizer
-    sp = SamplingParams(max_new_tokens=20, structured_outputs=StructuredOutputs(choice=["ab"]),
+    sp = SamplingParams(max_tokens=20, structured_outputs=StructuredOutputs(choice=["ab"]),
                         allowed_token_ids=tok.encode("xyz", add_special_tokens=False))
     for method in ("none", "ngram", "self"):
         o = LLM(loaded("llama"), speculative=SpecConfig(method=method)).generate("abc", sp)[0]
@@ -193,7 +193,7 @@ def test_grammar_wins_over_an_empty_allowed_set(loaded):
 def test_grammar_wins_over_min_tokens(loaded):
     """A complete grammar allows only EOS; min_tokens does not ban it then (the row would be
     empty), so the output ends."""
-    sp = SamplingParams(max_new_tokens=20, min_tokens=10, structured_outputs=StructuredOutputs(choice=["ab"]))
+    sp = SamplingParams(max_tokens=20, min_tokens=10, structured_outputs=StructuredOutputs(choice=["ab"]))
     for method in ("none", "ngram", "self"):
         o = LLM(loaded("llama"), speculative=SpecConfig(method=method)).generate("abc", sp)[0]
         assert o.text == "ab" and o.finish_reason == "stop", method
@@ -233,7 +233,7 @@ def test_sampled_constrained_distribution_is_exact(loaded, tiny_dirs, method):
     expected = constrained_probs(AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval(), prompt, choices,
                                  tok.eos_token_id, temperature)
     assert expected.sum() == pytest.approx(1.0, abs=1e-4) and expected.min() * n > 5
-    sps = [SamplingParams(max_new_tokens=8, temperature=temperature, seed=j * n // 16, n=n // 16,
+    sps = [SamplingParams(max_tokens=8, temperature=temperature, seed=j * n // 16, n=n // 16,
                           structured_outputs=StructuredOutputs(choice=CHOICE)) for j in range(16)]  # n seeds
     outs = llm.generate([{"prompt_token_ids": prompt}] * 16, sps)
     texts = [c.text for o in outs for c in o.outputs]
@@ -248,7 +248,7 @@ def test_sampled_constrained_distribution_is_exact(loaded, tiny_dirs, method):
 def test_structured_outputs_on_the_hf_fallback(loaded):
     """transformers' own model (the hf backend): the same constrained output as the torch
     runtime, plain and with n-gram drafts."""
-    sp = SamplingParams(max_new_tokens=40, structured_outputs=CASES["grammar"])
+    sp = SamplingParams(max_tokens=40, structured_outputs=CASES["grammar"])
     ref = [o.token_ids for o in LLM(loaded("llama")).generate(PROMPTS, sp)]
     for method in ("none", "ngram"):
         outs = LLM(loaded("llama", "hf"), speculative=SpecConfig(method=method, num_draft_tokens=3)).generate(PROMPTS, sp)

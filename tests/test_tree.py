@@ -177,7 +177,7 @@ def run(loaded, drafter, prompt, max_new=24):
     target = loaded("llama")
     eng = Engine(target, drafter, SpecConfig(method="ngram", num_draft_tokens=4), max_batch_size=1)
     ids = target.tokenizer(prompt)["input_ids"]
-    s = Sequence(1, ids, len(ids), SamplingParams(max_new_tokens=max_new), make_generator(0, "cpu"), frozenset())
+    s = Sequence(1, ids, len(ids), SamplingParams(max_tokens=max_new), make_generator(0, "cpu"), frozenset())
     eng.add(s)
     while eng.has_work:
         eng.step()
@@ -232,7 +232,7 @@ def test_kv_keep_matches_fresh_forward(loaded):
 
 @pytest.mark.parametrize("batch", [1, 3])
 def test_ngram_tree_greedy_equal(loaded, batch):
-    sp = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    sp = SamplingParams(max_tokens=48, ignore_eos=True)
     base = LLM(loaded("llama")).generate(PROMPTS, sp)
     llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram", num_draft_tokens=4, tree_topk=3))
     outs = llm.generate(PROMPTS, sp) if batch == 3 else [llm.generate(p, sp)[0] for p in PROMPTS]
@@ -261,7 +261,7 @@ def test_ngram_tree_drafter_builds_trie():
 @pytest.mark.parametrize("shape", [(2, 3, None), (3, 4, 6)])
 def test_model_tree_greedy_equal(loaded, method, batch, shape):
     topk, depth, nodes = shape
-    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
     base = LLM(loaded("llama")).generate(PROMPTS, sp)
     spec = SpecConfig(method=method, tree_topk=topk, tree_depth=depth, tree_nodes=nodes)
     llm = LLM(loaded("llama"), draft=loaded("draft") if method == "draft" else None, speculative=spec)
@@ -302,7 +302,7 @@ def test_model_tree_draft_cache_keeps_accepted_path(loaded):
 def test_model_tree_sampling_reproducible(loaded):
     spec = SpecConfig(method="draft", tree_topk=2, tree_depth=3)
     llm = LLM(loaded("llama"), draft=loaded("draft"), speculative=spec)
-    sp = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    sp = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
     a, b = (llm.generate(PROMPTS, sp) for _ in range(2))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 24 for o in a)

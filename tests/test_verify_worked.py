@@ -1,7 +1,7 @@
 """The tutorial's worked verification cases, with hand-built logits.
 
 Row ``i`` of the target logits verifies draft ``i``; row ``k`` gives the bonus token.
-Stop/commit handling (EOS as bonus, budget running out, max_new_tokens=1) is the engine's
+Stop/commit handling (EOS as bonus, budget running out, max_tokens=1) is the engine's
 job and is tested with the engine, not here.
 """
 from __future__ import annotations

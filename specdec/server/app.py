@@ -236,7 +236,7 @@ class _API:
                 seqs += self.llm.make_sequences({"prompt_token_ids": ids}, sp, num_draft_tokens=req.num_draft_tokens,
                                                 reasoning=chat and self.reasoning_parser is not None)
             except ValueError as e:
-                raise bad_request(str(e).replace("max_new_tokens", "max_tokens")) from None
+                raise bad_request(str(e)) from None
             if not chat and req.echo:  # the prompt as given, or its ids' text
                 text = prompt if isinstance(prompt, str) else self.tok.decode(ids, skip_special_tokens=True)
                 echoes += [text] * req.n

@@ -97,7 +97,7 @@ class _Request(_Strict):
         if self.top_k < -1:
             raise bad_request(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}", "top_k")
         try:
-            return SamplingParams(max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                                   top_k=max(self.top_k, 0), min_p=self.min_p, seed=self.seed, stop=tuple(stop),
                                   stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=self.min_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output,
@@ -109,7 +109,7 @@ class _Request(_Strict):
                                   structured_outputs=self._structured_outputs(),
                                   allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()))
         except ValueError as e:
-            msg = str(e).replace("max_new_tokens", "max_tokens")
+            msg = str(e)
             field_name = msg.split()[0] if msg.split()[0] in type(self).model_fields else None
             raise bad_request(msg, field_name) from None
 
