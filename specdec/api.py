@@ -22,7 +22,7 @@ from .structured import Grammars
 # 12.7 s whole, 13.2 / 10.9 / 11.6 s chunked (long single forwards cost more per token here)
 CHUNKED_PREFILL_SIZE = {"cpu": 256, "cuda": 2048}
 CATCH_UP_TOKENS = 16  # draft forward costs measured up to this many tokens (then extrapolated)
-Prompt = Union[str, list[dict], dict]  # text | chat messages | {"prompt_token_ids": [...]}
+Prompt = Union[str, list[dict], dict]  # text | chat messages | {"prompt_token_ids": [...]} | {"prompt": text}
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,12 @@ class RequestOutput:
 
 
 def encode_prompt(tok, prompt: Prompt, chat: dict | None = None) -> list[int]:
-    """Token ids for a text prompt, a chat (list of messages) or ``{"prompt_token_ids": ...}``.
+    """Token ids for a text prompt, a chat (list of messages), ``{"prompt": text}`` or
+    ``{"prompt_token_ids": ...}`` (vLLM's TextPrompt and TokensPrompt).
     ``chat``: keyword arguments for the tokenizer's ``apply_chat_template`` (default: a
     generation prompt after the messages), e.g. ``{"enable_thinking": False}`` for Qwen3."""
+    if isinstance(prompt, dict) and "prompt" in prompt and "prompt_token_ids" not in prompt:
+        prompt = prompt["prompt"]  # vLLM's TextPrompt
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = list(prompt["prompt_token_ids"])
     elif isinstance(prompt, list):
@@ -98,7 +101,7 @@ def encode_prompt(tok, prompt: Prompt, chat: dict | None = None) -> list[int]:
             raise ValueError("the prompt is empty")
         ids = tok(prompt)["input_ids"]
     else:
-        raise ValueError(f"a prompt must be text, a list of chat messages or "
+        raise ValueError(f"a prompt must be text, a list of chat messages, {{'prompt': text}} or "
                          f"{{'prompt_token_ids': [...]}}, not {type(prompt).__name__}")
     if not ids:
         raise ValueError("the prompt is empty after tokenization")
@@ -151,14 +154,14 @@ class LLM:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
                              "use method 'draft' or 'hybrid'")
         self.target: LoadedModel = model if isinstance(model, LoadedModel) \
-            else load_model(model, device, dtype, backend, repack=repack, load_format=load_format,
+            else load_model(model, device, self.engine_config.dtype, backend, repack=repack, load_format=load_format,
                             max_model_len=max_model_len, enforce_eager=enforce_eager)
         self.draft: LoadedModel | None = None
         if uses_draft:
             from .vocab import require_compatible
 
             if not isinstance(draft, LoadedModel):
-                draft = load_model(draft, device, dtype, draft_backend or backend,
+                draft = load_model(draft, device, self.engine_config.dtype, draft_backend or backend,
                                    quantize=speculative.draft_quantization, draft=True, repack=repack,
                                    load_format=load_format, max_model_len=max_model_len,
                                    enforce_eager=enforce_eager)
@@ -212,9 +215,14 @@ class LLM:
         return Planner(target, cost, spec.depth, nodes, layout=self.target.runtime.batch_layout)
 
     def encode(self, prompt: Prompt, chat: dict | None = None) -> list[int]:
-        """Token ids for a text prompt, a chat (list of messages) or ``{"prompt_token_ids": ...}``
-        (``chat``: ``apply_chat_template`` options, see ``encode_prompt``)."""
+        """Token ids for a text prompt, a chat (list of messages), ``{"prompt": text}`` or
+        ``{"prompt_token_ids": ...}`` (``chat``: ``apply_chat_template`` options, see
+        ``encode_prompt``)."""
         return encode_prompt(self.tokenizer, prompt, chat)
+
+    def get_tokenizer(self):
+        """The target's tokenizer (vLLM's ``LLM.get_tokenizer``)."""
+        return self.tokenizer
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,

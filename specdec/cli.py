@@ -42,8 +42,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-quantization", choices=["auto", "none", "int8"], default="auto",
                    help="int8 draft weights (lossless; auto = int8 for a CPU float32 draft)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
-                   help="default: float32 on cpu, bfloat16 on cuda")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+                   help="auto (default): float32 on cpu, bfloat16 on cuda")
     g.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="torch = specdec's Llama-family runtime, hf = transformers' model, "
                         "llamacpp = llama.cpp on a .gguf (pip install 'specdec[llamacpp]'); "

@@ -261,12 +261,15 @@ class SpecConfig:
         return self.tree_nodes or self.depth * self.tree_topk
 
 
+DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32"}  # vLLM's --dtype names
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Where and how the models run."""
 
     device: str | None = None  # None = cuda if available, else cpu
-    dtype: str | None = None  # None = float32 on cpu, bfloat16 on cuda
+    dtype: str | None = None  # None (or "auto") = float32 on cpu, bfloat16 on cuda; "half", "float": vLLM's aliases
     max_batch_size: int = 8
     backend: str = "auto"  # auto | torch | hf | llamacpp  (hf = transformers' own model and cache)
     threads: int | None = None  # torch intra-op threads on cpu; None = torch's default
@@ -296,8 +299,9 @@ class EngineConfig:
             value = getattr(self, name)
             _check(value in BACKENDS or (name == "draft_backend" and value is None),
                    f"unknown {name} {value!r}; choose {', '.join(BACKENDS)}")
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         _check(self.dtype in (None, "float32", "bfloat16", "float16"),
-               f"unknown dtype {self.dtype!r}; choose float32, bfloat16 or float16")
+               f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
         _check(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
         _check(self.load_format in LOAD_FORMATS,
                f"unknown load_format {self.load_format!r}; choose {', '.join(LOAD_FORMATS)}")

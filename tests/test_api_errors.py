@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
 
@@ -105,6 +106,18 @@ def test_vllm_speculative_config(loaded, tiny_dirs):
     assert first["metrics"]["target_forwards"] == second["metrics"]["target_forwards"]
     r = run_cli("serve", str(tiny_dirs["llama"]), "--model", str(tiny_dirs["draft"]))
     assert r.returncode == 2 and "two targets" in r.stderr
+
+
+def test_vllm_prompt_dtype_and_tokenizer(loaded, tiny_dirs):
+    """vLLM's other names: ``{"prompt": text}`` prompts, dtype ``auto`` / ``half`` / ``float``
+    and ``LLM.get_tokenizer()``."""
+    llm = LLM(loaded("llama"))
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert llm.generate({"prompt": "abc"}, sp)[0].token_ids == llm.generate("abc", sp)[0].token_ids
+    assert llm.get_tokenizer() is llm.tokenizer
+    assert [EngineConfig(dtype=d).dtype for d in ("auto", "half", "float", "bfloat16")] == \
+        [None, "float16", "float32", "bfloat16"]
+    assert LLM(str(tiny_dirs["llama"]), device="cpu", dtype="float").target.runtime.dtype == torch.float32
 
 
 def test_cli_unknown_method_and_empty_prompt(tiny_dirs):
