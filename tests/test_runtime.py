@@ -215,15 +215,18 @@ class EagerGraphs:
     def __init__(self, runtime):
         self.runtime, self.shapes = runtime, set()
 
-    def run(self, cache, x):
+    def run(self, cache, x, tokens):
         assert x.mask.shape[-1] == cache.capacity
         self.shapes.add(tuple(x.ids.shape))
-        return self.runtime._layers(cache, x)
+        return self.runtime._layers(cache, x)[:, :tokens]
 
 
 def test_graphed_forward_equals_eager(tiny_dirs):
-    """The CUDA-graph branch of the forward (full-capacity masks) gives eager decoding's greedy
-    tokens under plain decoding, chains, n-gram and draft trees, in batches and one by one."""
+    """The CUDA-graph branch of the forward (full-capacity masks, rows padded up to a graph's
+    size) gives eager decoding's greedy tokens under plain decoding, chains, n-gram and draft
+    trees, in batches and one by one."""
+    from specdec.runtime.torch_llama import GRAPH_TOKEN_SIZES
+
     from specdec import LLM, SamplingParams, SpecConfig
     from specdec.runtime import load_model
 
@@ -238,11 +241,14 @@ def test_graphed_forward_equals_eager(tiny_dirs):
         llm = LLM(model, speculative=spec)
         assert [o.token_ids for o in llm.generate(prompts, sp)] == base, spec
         assert [llm.generate(p, sp)[0].token_ids for p in prompts] == base, spec
-    assert {(1, 1), (3, 1), (1, 5), (3, 5)} <= graphs.shapes
-    rt, ragged = model.runtime, [[5, 6, 7, 8, 9], [10, 11]]  # last rows of a ragged batch
-    graphed = rt.forward(rt.new_cache(2), [0, 1], ragged, last_only=True)
+    assert {(1, 1), (3, 1), (1, 6), (3, 6)} <= graphs.shapes  # k = 4: 5 rows run as 6
+    assert {t for _, t in graphs.shapes} <= set(GRAPH_TOKEN_SIZES)
+    rt, ragged = model.runtime, [[5, 6, 7, 8, 9], [10, 11]]  # a ragged batch, padded to 6 rows
+    graphed = [rt.forward(rt.new_cache(2), [0, 1], ragged, last_only=last) for last in (True, False)]
     rt.graphs = None
-    assert torch.allclose(graphed, rt.forward(rt.new_cache(2), [0, 1], ragged, last_only=True), atol=1e-5)
+    eager = [rt.forward(rt.new_cache(2), [0, 1], ragged, last_only=last) for last in (True, False)]
+    assert graphed[1].shape == eager[1].shape == (2, 5, rt.vocab_size)
+    assert all(torch.allclose(g, e, atol=1e-5) for g, e in zip(graphed, eager))
 
 
 def test_cuda_graphs_need_cuda(tiny_dirs):

@@ -180,7 +180,16 @@ class KVCache:
         self.lengths[slot] = start + len(rows)
 
 
-GRAPH_MAX_TOKENS = 32  # on CUDA, forwards of at most this many tokens per row replay a CUDA graph
+# On CUDA, forwards of at most GRAPH_MAX_TOKENS tokens per row replay a CUDA graph, their rows
+# padded to the next of these sizes: a handful of graphs per batch size serves every verify
+# width, prompt chunk and catch-up (padding is nearly free in a launch-bound forward)
+GRAPH_TOKEN_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+GRAPH_MAX_TOKENS = GRAPH_TOKEN_SIZES[-1]
+
+
+def graph_tokens(n: int) -> int:
+    """The tokens per row of the graph that serves a forward of ``n <= GRAPH_MAX_TOKENS``."""
+    return next(size for size in GRAPH_TOKEN_SIZES if size >= n)
 
 
 @dataclass
@@ -207,8 +216,9 @@ class CudaGraphs:
     each, so launching them one by one from Python costs more than running them (eager
     Qwen2.5-Coder-1.5B in bfloat16 on an H200: ~19 ms per token, for ~0.7 ms of weights).
 
-    One graph per KV cache, batch size and tokens per row, captured the first time that shape
-    comes (the capture's warm-up run is that forward's own); a cache that grows gets new ones.
+    One graph per KV cache, batch size and tokens per row (``GRAPH_TOKEN_SIZES``: a forward's
+    rows are padded up to one), captured the first time that shape comes (the capture's
+    warm-up run is that forward's own); a cache that grows gets new ones.
     Every graph attends over its cache's whole capacity under the mask, so a graph serves any
     position. A cache's graphs share one memory pool and are dropped together, with the cache
     or when it grows: PyTorch cannot capture into a pool whose graphs are all gone (an internal
@@ -220,7 +230,9 @@ class CudaGraphs:
         # cache -> (its K buffer's address, its memory pool, its graphs by (batch, tokens))
         self.by_cache: "weakref.WeakKeyDictionary[KVCache, tuple[int, tuple, dict]]" = weakref.WeakKeyDictionary()
 
-    def run(self, cache: KVCache, x: _Batch) -> torch.Tensor:
+    def run(self, cache: KVCache, x: _Batch, tokens: int) -> torch.Tensor:
+        """Logits ``[B, tokens, vocab]`` (float32) of ``x``'s first ``tokens`` rows (the
+        others are padding)."""
         ptr, pool, graphs = self.by_cache.get(cache, (None, None, None))
         if ptr != cache.k.data_ptr():  # new, or grown since: its old graphs point at freed memory
             ptr, pool, graphs = cache.k.data_ptr(), torch.cuda.graph_pool_handle(), {}
@@ -231,11 +243,11 @@ class CudaGraphs:
             logits, g = self._capture(cache, x, pool)
             if g is not None:
                 graphs[key] = g
-            return logits
+            return logits[:, :tokens]
         for f in fields(_Batch):
             getattr(g.inputs, f.name).copy_(getattr(x, f.name), non_blocking=True)
         g.graph.replay()
-        return g.logits.to(torch.float32, copy=True)  # the buffer is the next replay's
+        return g.logits[:, :tokens].to(torch.float32, copy=True)  # the buffer is the next replay's
 
     def _capture(self, cache: KVCache, x: _Batch, pool) -> tuple[torch.Tensor, _Graph | None]:
         """Run ``x`` eagerly on a side stream (as warm-up; its logits are the answer), then
@@ -397,13 +409,15 @@ class TorchLlama:
                 last_only: bool = False, prefill: bool = False) -> torch.Tensor:
         B, T = len(slots), max(len(t) for t in tokens)
         starts = [cache.lengths[s] for s in slots]  # host ints: nothing here waits for the device
-        cache.ensure(max(starts) + T)
         graphed = self.graphs is not None and T <= GRAPH_MAX_TOKENS
+        width = graph_tokens(T) if graphed else T  # a graph's rows: padding KV lands past the lengths
+        cache.ensure(max(starts) + width)
         # a CUDA graph attends over the cache's whole capacity (its shapes are fixed), masked
-        batch = self._batch(starts, slots, tokens, positions, chunk_masks, cache.capacity if graphed else None)
+        batch = self._batch(starts, slots, tokens, positions, chunk_masks, width,
+                            cache.capacity if graphed else None)
         last = torch.tensor([len(t) - 1 for t in tokens], device=self.device) if last_only else None  # [B]
         if graphed:
-            logits = self.graphs.run(cache, batch)  # [B, T, vocab]
+            logits = self.graphs.run(cache, batch, T)  # [B, T, vocab]
             if last is not None:
                 logits = logits[torch.arange(B, device=self.device), last]  # [B, vocab]
         else:
@@ -412,11 +426,13 @@ class TorchLlama:
             cache.lengths[s] += len(tokens[b])
         return logits
 
-    def _batch(self, starts: list[int], slots, tokens, positions, chunk_masks, width: int | None) -> "_Batch":
-        """A forward's inputs as device tensors; ``width``: keys attended (default: up to the
-        last new token's). A graphed forward's (``width`` given: at most ``GRAPH_MAX_TOKENS``
-        rows) are built on the host and sent in two copies, not a dozen small kernels."""
-        B, T = len(slots), max(len(t) for t in tokens)
+    def _batch(self, starts: list[int], slots, tokens, positions, chunk_masks, T: int,
+               keys: int | None) -> "_Batch":
+        """A forward's inputs as device tensors, ``T`` tokens per row (the longest of
+        ``tokens`` or more: padding); ``keys``: keys attended (default: up to the last new
+        token's). A graphed forward's (``keys`` given: at most ``GRAPH_MAX_TOKENS`` rows) are
+        built on the host and sent in two copies, not a dozen small kernels."""
+        B = len(slots)
         ids = torch.zeros(B, T, dtype=torch.long)
         write = torch.tensor(starts)[:, None] + torch.arange(T)[None, :]  # [B, T] cache index of each new token
         pos = write.clone()
@@ -424,8 +440,8 @@ class TorchLlama:
             ids[b, : len(t)] = torch.tensor(t, dtype=torch.long)
             if positions is not None and positions[b] is not None:
                 pos[b, : len(positions[b])] = torch.tensor(positions[b])
-        where = torch.device("cpu") if width is not None else self.device
-        mask = self._mask(starts, width or max(starts) + T, T, chunk_masks, where)  # [B, 1, T, S]
+        where = torch.device("cpu") if keys is not None else self.device
+        mask = self._mask(starts, keys or max(starts) + T, T, chunk_masks, where)  # [B, 1, T, S]
         packed = torch.cat([ids.flatten(), pos.flatten(), write.flatten(), torch.tensor(list(slots))]).to(self.device)
         ids, pos, write, slots_ = packed.split([B * T, B * T, B * T, B])
         return _Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device))
