@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Union
 
 from .answer import grammar_gate
-from .config import EngineConfig, SamplingParams, SpecConfig
+from .config import EngineConfig, SamplingParams, SpecConfig, generation_defaults
 from .drafters import ModelDrafter, NgramDrafter
 from .cost import DraftCost, Planner, forward_costs
 from .engine import Engine
@@ -127,7 +128,9 @@ class LLM:
     ``speculative_config``: vLLM's dict instead of ``speculative`` and ``draft``, e.g.
     ``{"method": "draft_model", "model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 5}``
     or ``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}``
-    (``SpecConfig.from_vllm``).
+    (``SpecConfig.from_vllm``). ``generation_config``: where default sampling comes from
+    (``get_default_sampling_params``): ``"auto"``, the target's ``generation_config.json``
+    (vLLM's default); ``"vllm"``, ``SamplingParams()``; or a directory holding one.
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
@@ -135,7 +138,8 @@ class LLM:
                  dtype: str | None = None, max_batch_size: int = 8, backend: str = "auto",
                  draft_backend: str | None = None, repack: bool = True, load_format: str = "auto",
                  chunked_prefill_size: int | None = None, max_model_len: int | None = None,
-                 enforce_eager: bool = False, speculative_config: dict | None = None):
+                 enforce_eager: bool = False, speculative_config: dict | None = None,
+                 generation_config: str = "auto"):
         if speculative_config is not None:
             if speculative is not None or draft is not None:
                 raise ValueError("give speculative_config (vLLM's form) or speculative / draft, not both")
@@ -146,7 +150,11 @@ class LLM:
         self.engine_config = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size,
                                           backend=backend, draft_backend=draft_backend, repack=repack,
                                           load_format=load_format, chunked_prefill_size=chunked_prefill_size,
-                                          max_model_len=max_model_len, enforce_eager=enforce_eager)
+                                          max_model_len=max_model_len, enforce_eager=enforce_eager,
+                                          generation_config=generation_config)
+        if generation_config not in ("auto", "vllm") and not (Path(generation_config) / "generation_config.json").is_file():
+            raise ValueError(f"generation_config {generation_config!r} is not 'auto', 'vllm' or a directory "
+                             "with a generation_config.json")
         uses_draft = speculative.method in ("draft", "hybrid")
         if uses_draft and not draft:
             raise ValueError(f"method {speculative.method!r} needs a draft model (draft=... / --draft)")
@@ -181,9 +189,25 @@ class LLM:
         self.engine = Engine(self.target, drafters, speculative, max_batch_size, planner,
                              chunked_prefill_size=chunked_prefill_size)
         self.tokenizer = self.target.tokenizer
+        self.sampling_defaults = self._generation_defaults(generation_config)
         self.grammars = Grammars(self.tokenizer, self.target.runtime.vocab_size, self.target.eos_ids)
         self.last_run_metrics: Metrics | None = None
         self._next_id = 0
+
+    def _generation_defaults(self, source: str) -> dict:
+        """``SamplingParams`` fields from ``generation_config`` (see ``EngineConfig``)."""
+        if source == "vllm":
+            return {}
+        if source == "auto":
+            return generation_defaults(self.target.path)
+        return generation_defaults(source)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's generation config over it (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens; vLLM's
+        ``--generation-config auto``): what ``generate`` and ``chat`` use without
+        ``sampling_params``."""
+        return SamplingParams(**self.sampling_defaults)
 
     def _drafters(self, max_batch_size: int, max_catch_up: int) -> dict:
         """By name, in the order ``hybrid`` tries them: n-gram first, then the draft model
@@ -246,7 +270,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], dict) and "role" in prompts[0]):
             prompts = [prompts]
-        sampling_params = sampling_params or SamplingParams()
+        sampling_params = sampling_params or self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")

@@ -12,7 +12,8 @@ import os
 import sys
 
 from .answer import REASONING_PARSERS
-from .config import BACKENDS, LOAD_FORMATS, METHODS, EngineConfig, SamplingParams, SpecConfig, StructuredOutputs
+from .config import (BACKENDS, GENERATION_FIELDS, LOAD_FORMATS, METHODS, EngineConfig, SamplingParams, SpecConfig,
+                     StructuredOutputs)
 from .tools import PARSERS
 
 
@@ -64,6 +65,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", choices=LOAD_FORMATS, default=EngineConfig.load_format,
                    help="auto = the checkpoint's weights; dummy = random weights of its shapes (only "
                         "config and tokenizer are read), to measure speed (default %(default)s)")
+    g.add_argument("--generation-config", default=EngineConfig.generation_config,
+                   help="default sampling: auto = the model's generation_config.json (temperature, "
+                        "top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM; vllm = "
+                        "specdec's own defaults (greedy); or a directory with a generation_config.json")
     g.add_argument("--enforce-eager", action="store_true",
                    help="torch runtime on cuda: no CUDA graphs (by default decoding, verification and "
                         "drafting forwards of up to 32 tokens per row replay captured graphs)")
@@ -71,12 +76,15 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", "--max-new-tokens", type=int, default=SamplingParams.max_tokens,
-                   help="tokens to generate at most (default %(default)s)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    g.add_argument("--min-p", type=float, default=0.0,
+    g.description = ("--max-tokens, --temperature, --top-k, --top-p, --min-p and --repetition-penalty "
+                     "default to the model's generation config (see --generation-config), else to the "
+                     "defaults below")
+    g.add_argument("--max-tokens", "--max-new-tokens", type=int,
+                   help=f"tokens to generate at most (default {SamplingParams.max_tokens})")
+    g.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, help="0 = off (default)")
+    g.add_argument("--top-p", type=float, help="1 = off (default)")
+    g.add_argument("--min-p", type=float,
                    help="drop tokens less likely than this times the most likely one (0 = off, default)")
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -89,7 +97,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="keep the stop string (or stop token) at the end of the text")
     g.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
                    help="leave special tokens out of the text (default on)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0,
+    g.add_argument("--repetition-penalty", type=float,
                    help="divide (multiply) the positive (negative) logits of tokens in the prompt or "
                         "output by this (1 = off, default)")
     g.add_argument("--presence-penalty", type=float, default=0.0,
@@ -137,13 +145,15 @@ def spec_from_args(a) -> tuple[SpecConfig, str | None]:
     return SpecConfig.from_vllm(config, **flags)
 
 
-def sampling_from_args(a) -> SamplingParams:
-    return SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_k=a.top_k,
-                          top_p=a.top_p, min_p=a.min_p, seed=a.seed, stop=tuple(a.stop),
+def sampling_from_args(a, defaults: dict | None = None) -> SamplingParams:
+    """The sampling flags as ``SamplingParams``; the fields a model's generation config may
+    set (``GENERATION_FIELDS``) and the flags leave out come from ``defaults``."""
+    given = {f: getattr(a, f) for f in GENERATION_FIELDS.values() if getattr(a, f) is not None}
+    return SamplingParams(**{**(defaults or {}), **given}, seed=a.seed, stop=tuple(a.stop),
                           stop_token_ids=tuple(a.stop_token_ids), ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
                           include_stop_str_in_output=a.include_stop_str_in_output,
                           skip_special_tokens=a.skip_special_tokens,
-                          repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+                          presence_penalty=a.presence_penalty,
                           frequency_penalty=a.frequency_penalty, logit_bias=parse_logit_bias(a.logit_bias),
                           n=a.n, logprobs=a.logprobs, prompt_logprobs=a.prompt_logprobs,
                           structured_outputs=structured_from_args(a), allowed_token_ids=a.allowed_token_ids,
@@ -187,7 +197,7 @@ def make_llm(a):
                dtype=a.dtype, max_batch_size=a.max_batch_size, backend=a.backend,
                draft_backend=a.draft_backend, repack=a.repack, load_format=a.load_format,
                chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len,
-               enforce_eager=a.enforce_eager)
+               enforce_eager=a.enforce_eager, generation_config=a.generation_config)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:
@@ -228,6 +238,7 @@ def cmd_generate(a) -> int:
     else:
         items = [("0", [{"role": "user", "content": a.prompt}] if a.chat else a.prompt)]
     llm = make_llm(a)
+    sp = sampling_from_args(a, llm.sampling_defaults)
     outputs = llm.generate([p for _, p in items], sp)
     for (pid, _), o in zip(items, outputs):
         if a.json:

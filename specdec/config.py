@@ -25,6 +25,10 @@ VLLM_SPEC_KEYS = {"num_speculative_tokens": "num_draft_tokens", "prompt_lookup_m
                   "prompt_lookup_min": "ngram_min"}
 BACKENDS = ("auto", "torch", "hf", "llamacpp")
 LOAD_FORMATS = ("auto", "dummy")  # the checkpoint's weights, or random ones of its shapes (vLLM's dummy)
+# generation_config.json keys a model's default sampling comes from, as SamplingParams fields
+# (vLLM's --generation-config auto reads the same ones)
+GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -76,6 +80,25 @@ class StructuredOutputs:
         if self.json_object:
             return "json_object"
         return next(k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+
+def generation_defaults(directory) -> dict:
+    """The ``SamplingParams`` fields a model directory's ``generation_config.json`` sets
+    (``GENERATION_FIELDS``; none without the file). Read as raw JSON: transformers' own
+    defaults (top_k 50...) are not the model's."""
+    from pathlib import Path
+
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not readable JSON: {e}") from None
+    out = {field: raw[key] for key, field in GENERATION_FIELDS.items() if raw.get(key) is not None}
+    if "top_k" in out:
+        out["top_k"] = max(int(out["top_k"]), 0)  # -1 / 0: off
+    return out
 
 
 @dataclass(frozen=True)
@@ -287,8 +310,14 @@ class EngineConfig:
     # the torch runtime on CUDA replays small forwards (decoding, verification, drafting) as
     # CUDA graphs; True = always eager (vLLM's enforce_eager)
     enforce_eager: bool = False
+    # default sampling (LLM.get_default_sampling_params, and the server's fields a request
+    # leaves out): "auto" = the target's generation_config.json, as vLLM's; "vllm" = none
+    # (SamplingParams' own defaults); else a directory holding a generation_config.json
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.generation_config, str) and self.generation_config != "",
+               f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
         _check(self.chunked_prefill_size is None or (isinstance(self.chunked_prefill_size, int)
                                                      and self.chunked_prefill_size >= 0),

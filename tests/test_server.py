@@ -6,6 +6,8 @@ the embedded SmolLM2 with n-gram drafting end to end (``real``).
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -737,3 +739,51 @@ def test_tokenize_and_detokenize(llm, server):
                        ("/tokenize", {"messages": []}), ("/detokenize", {"tokens": [10 ** 9]}),
                        ("/detokenize", {"tokens": "abc"})]:
         assert httpx.post(server.url + path, json=body).status_code == 400, (path, body)
+
+
+def test_generation_config_defaults(tiny_dirs, loaded, tmp_path):
+    """A model's generation_config.json sets its default sampling (vLLM's ``--generation-config
+    auto``): ``LLM.get_default_sampling_params()``, ``generate`` without params, and the server's
+    fields a request leaves out; a request's own values, and ``"vllm"``, override it."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dirs["llama"], model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config.update(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.2, max_new_tokens=9, do_sample=True)
+    (model / "generation_config.json").write_text(json.dumps(config))
+    llm = LLM(str(model), device="cpu")
+    want = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.2, max_tokens=9)
+    assert llm.get_default_sampling_params() == want
+    assert LLM(loaded("llama"), generation_config=str(model)).get_default_sampling_params() == want
+    assert LLM(llm.target, generation_config="vllm").get_default_sampling_params() == SamplingParams()
+    assert LLM(loaded("llama")).get_default_sampling_params() == SamplingParams()  # no sampling fields
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(loaded("llama"), generation_config=str(tmp_path / "nowhere"))
+    assert len(llm.generate("abc")[0].token_ids) <= 9
+    ref = {seed: llm.generate("The quick brown fox", replace_sp(want, seed=seed, max_tokens=12))[0].text
+           for seed in (1, 2)}
+    assert ref[1] != ref[2]  # sampled
+    greedy = llm.generate("The quick brown fox", replace_sp(want, temperature=0.0, max_tokens=12))[0].text
+    with BackgroundServer(create_app(llm, served_model_name=MODEL)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for seed in (1, 2):
+            out = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, seed=seed)
+            assert out.choices[0].text == ref[seed]
+        out = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
+        assert out.choices[0].text == greedy
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+        assert chat.usage.completion_tokens <= 9  # the model's max_new_tokens
+    # the CLI: flags left out take the model's defaults; --generation-config vllm, specdec's own
+    cli = [sys.executable, "-m", "specdec.cli", "generate", "--model", str(model), "--device", "cpu",
+           "--prompt", "The quick brown fox", "--max-tokens", "12", "--json"]
+    runs = [subprocess.run(cli + extra, capture_output=True, text=True, check=True)
+            for extra in (["--seed", "1"], ["--generation-config", "vllm"])]
+    plain = llm.generate("The quick brown fox", SamplingParams(max_tokens=12))[0].text
+    assert [json.loads(r.stdout)["text"] for r in runs] == [ref[1], plain]
+
+
+def replace_sp(sp: SamplingParams, **changes) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(sp, **changes)

@@ -225,11 +225,12 @@ class _API:
                 raise bad_request(f"cannot encode the prompt: {type(e).__name__}: {e}",
                                   "messages" if chat else "prompt") from None
             max_tokens = req.requested_max_tokens if chat else req.max_tokens
-            if max_tokens is None:  # chat default: whatever the context window leaves
-                max_tokens = max(1, self.llm.context_window - len(ids))
+            if max_tokens is None:  # chat default: what the context window leaves (at most the model's default)
+                max_tokens = max(1, min(self.llm.context_window - len(ids),
+                                        self.llm.sampling_defaults.get("max_tokens", self.llm.context_window)))
             if req.prompt_only:
                 max_tokens = 1  # one token is generated, then left out of the response
-            sp = req.sampling(max_tokens)
+            sp = req.sampling(max_tokens, self.llm.sampling_defaults)
             if chat and req.tool_mode == "auto" and TOOL_PARSERS[self.tool_call_parser].special:
                 sp = replace(sp, skip_special_tokens=False)  # the parser reads its special-token markers
             try:

@@ -29,6 +29,10 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+# a sampling field's value when neither the request nor the model's generation config sets it
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
 
@@ -53,9 +57,10 @@ class _Request(_Strict):
 
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # extension (vLLM): 0 or -1 = off
+    # left out: the model's generation config (LLM.sampling_defaults), else OPENAI_DEFAULTS
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM): 0 or -1 = off
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(2 ** 63), lt=2 ** 64)
     stream: bool = False
@@ -65,8 +70,8 @@ class _Request(_Strict):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False  # extension (vLLM)
-    repetition_penalty: float = 1.0  # extension (vLLM)
-    min_p: float = 0.0  # extension (vLLM)
+    repetition_penalty: float | None = None  # extension (vLLM)
+    min_p: float | None = None  # extension (vLLM)
     stop_token_ids: list[int] | None = None  # extension (vLLM)
     min_tokens: int = 0  # extension (vLLM)
     include_stop_str_in_output: bool = False  # extension (vLLM)
@@ -90,19 +95,23 @@ class _Request(_Strict):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        """The request as ``SamplingParams``; a sampling field it leaves out takes ``defaults``
+        (the model's generation config), else OpenAI's default."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOPS:
             raise bad_request(f"at most {MAX_STOPS} stop strings", "stop")
-        if self.top_k < -1:
+        if self.top_k is not None and self.top_k < -1:
             raise bad_request(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k}", "top_k")
+        chosen = {**OPENAI_DEFAULTS, **(defaults or {}),
+                  **{f: getattr(self, f) for f in OPENAI_DEFAULTS if getattr(self, f) is not None}}
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                                  top_k=max(self.top_k, 0), min_p=self.min_p, seed=self.seed, stop=tuple(stop),
+            return SamplingParams(max_tokens=max_tokens, temperature=chosen["temperature"], top_p=chosen["top_p"],
+                                  top_k=max(chosen["top_k"], 0), min_p=chosen["min_p"], seed=self.seed, stop=tuple(stop),
                                   stop_token_ids=tuple(self.stop_token_ids or ()), min_tokens=self.min_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output,
                                   skip_special_tokens=self.skip_special_tokens,
-                                  ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
+                                  ignore_eos=self.ignore_eos, repetition_penalty=chosen["repetition_penalty"],
                                   presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                   logit_bias=self._logit_bias(), n=self.n, logprobs=self.requested_logprobs,
                                   prompt_logprobs=self.requested_prompt_logprobs,
