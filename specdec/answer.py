@@ -4,7 +4,12 @@
 ``view`` is a pure function of the text so far: a stream sends, for each part, what the
 view shows beyond what it sent before. A partial view shows only what the rest of the
 answer cannot change (it holds back a tail that could begin ``</think>`` or a tool call),
-so each part's streamed text is a prefix of the final view's part.
+so each part's streamed text is a prefix of the final view's part. Tool calls likewise: a
+partial view shows a call once its name is complete, with its arguments so far (raw JSON
+text, which the final call carries too), for tool choices "required" and a named function,
+and for "auto" with parsers that can read a call in progress (``ToolParser.partial``:
+hermes); the others' calls arrive whole at the end. (A call whose JSON turns out broken at
+the end leaves the answer as content, after its beginning was streamed, as in vLLM.)
 
 Reasoning parsers (vLLM's names), for models that think between ``<think>`` and
 ``</think>`` before answering:
@@ -19,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .sequence import held_back
-from .tools import TOOL_PARSERS, ToolCall, parse_required
+from .tools import TOOL_PARSERS, ToolCall, parse_required, required_partial
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK, END_THINK = "<think>", "</think>"
@@ -91,15 +96,20 @@ class AnswerParser:
             else:
                 content, calls = rest, []
             return Answer(reasoning, content, calls)
-        if mode in ("required", "function"):  # JSON calls: nothing until the end
-            return Answer(reasoning, "")
+        if mode == "required":  # JSON calls, shown as they are written
+            return Answer(reasoning, "", required_partial(rest))
+        if mode == "function":  # the text is the arguments
+            return Answer(reasoning, "", [ToolCall(self.function, rest)])
+        calls = []
         if mode == "auto":
             parser = TOOL_PARSERS[self.tool_parser]
             starts = [i for i in (rest.find(m) for m in parser.markers) if i >= 0]
+            if starts and parser.partial:
+                calls = parser.partial(rest[min(starts):])
             rest = rest[:min(starts)] if starts else rest[:len(rest) - held_back(rest, parser.markers)]
             if parser.could_be_call(rest):  # a call without a marker, perhaps: wait
                 rest = ""
-        return Answer(reasoning, rest)
+        return Answer(reasoning, rest, calls)
 
     def finish_reason(self, answer: Answer, finish_reason: str) -> str:
         """OpenAI's finish reason after tool calls is "tool_calls", except for a named function."""

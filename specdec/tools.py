@@ -70,9 +70,162 @@ def compact(schema: dict) -> dict:
 def parse_required(text: str) -> list[ToolCall]:
     """The calls of a ``required_schema`` output (none when it was cut short)."""
     try:
-        return [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+        if not isinstance(json.loads(text), list):
+            return []
+        return [raw_call(text[start:end]) for start, end in _list_items(text)]
     except (ValueError, TypeError, KeyError):
         return []
+
+
+def required_partial(text: str) -> list[ToolCall]:
+    """The calls a ``required_schema`` output written so far shows (``partial_call``)."""
+    try:
+        calls = [partial_call(text[start:end or len(text)]) for start, end in _list_items(text)]
+    except ValueError:
+        return []
+    return [c for c in calls if c is not None]
+
+
+# Streaming calls. A stream sends each call's name once it is complete, then its arguments as
+# they are written: the raw JSON text of the arguments object, which is also what the whole
+# answer's call carries, so that what a stream sent is always a prefix of the final call.
+_WS = re.compile(r"\s*")
+_SCALAR = re.compile(r"[^,\]}\s]*")
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """The index after the JSON string that begins at ``text[i]`` (None: not closed yet)."""
+    j = i + 1
+    while j < len(text):
+        if text[j] == "\\":
+            j += 2
+        elif text[j] == '"':
+            return j + 1
+        else:
+            j += 1
+    return None
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """The index after the JSON value that begins at ``text[i]`` (None: not finished yet; a
+    number at the end of the text may go on)."""
+    if text[i] == '"':
+        return _string_end(text, i)
+    if text[i] not in "{[":
+        end = _SCALAR.match(text, i).end()
+        return end if end < len(text) else None
+    depth, j = 0, i
+    while j < len(text):
+        c = text[j]
+        if c == '"':
+            j = _string_end(text, j)
+            if j is None:
+                return None
+            continue
+        if c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+        j += 1
+    return None
+
+
+def json_members(text: str) -> tuple[dict[str, tuple[int, int | None]], int | None]:
+    """The members of the JSON object ``text`` begins with, as far as it is written:
+    ``{key: (where its value begins, where it ends or None)}`` for each member whose value has
+    begun, and the object's end (None: still open). ValueError where it is not an object."""
+    members: dict[str, tuple[int, int | None]] = {}
+    if not text.startswith("{"):
+        raise ValueError("not a JSON object")
+    j = _WS.match(text, 1).end()
+    if text[j:j + 1] == "}":
+        return members, j + 1
+    while j < len(text):
+        if text[j] != '"':
+            raise ValueError("not a JSON object")
+        key_end = _string_end(text, j)
+        if key_end is None:
+            break
+        key = json.loads(text[j:key_end])
+        j = _WS.match(text, key_end).end()
+        if j < len(text) and text[j] != ":":
+            raise ValueError("not a JSON object")
+        j = _WS.match(text, j + 1).end()
+        if j >= len(text):
+            break
+        end = _value_end(text, j)
+        members[key] = (j, end)
+        if end is None:
+            break
+        j = _WS.match(text, end).end()
+        if text[j:j + 1] == "}":
+            return members, j + 1
+        if j < len(text) and text[j] != ",":
+            raise ValueError("not a JSON object")
+        j = _WS.match(text, j + 1).end()
+    return members, None
+
+
+def _list_items(text: str) -> list[tuple[int, int | None]]:
+    """Where the items of the JSON list ``text`` begins with begin and end, as far as it is
+    written (the last one's end None while it is open)."""
+    if not text.startswith("["):
+        raise ValueError("not a JSON list")
+    items, j = [], _WS.match(text, 1).end()
+    while j < len(text) and text[j] != "]":
+        end = _value_end(text, j)
+        items.append((j, end))
+        if end is None:
+            break
+        j = _WS.match(text, end).end()
+        if text[j:j + 1] == ",":
+            j = _WS.match(text, j + 1).end()
+    return items
+
+
+def _arguments(members: dict) -> tuple[int, int | None] | None:
+    """The span of a call's arguments ("parameters" in some formats) among its members."""
+    return members.get("arguments", members.get("parameters"))
+
+
+def raw_call(obj_text: str, call_id: str = "") -> ToolCall:
+    """The call a complete JSON object ``{"name", "arguments" (or "parameters")}`` makes, its
+    arguments the object's own text (a JSON string's content when the model wrote one)."""
+    obj = json.loads(obj_text)
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise ValueError("not a call")
+    members, _ = json_members(obj_text)
+    span = _arguments(members)
+    if span is None:
+        return ToolCall(obj["name"], "{}", call_id)
+    args = obj.get("arguments", obj.get("parameters"))
+    return ToolCall(obj["name"], args if isinstance(args, str) else obj_text[span[0]:span[1]], call_id)
+
+
+def partial_call(obj_text: str) -> ToolCall | None:
+    """The call a JSON object written so far shows: none until its name is complete, then
+    the name and the arguments so far (the object's text, a prefix of ``raw_call``'s; a
+    string's only once it is complete)."""
+    try:
+        members, _ = json_members(obj_text)
+        name = members.get("name")
+        if name is None or name[1] is None or not isinstance(json.loads(obj_text[name[0]:name[1]]), str):
+            return None
+        name = json.loads(obj_text[name[0]:name[1]])
+    except ValueError:
+        return None
+    span = _arguments(members)
+    if span is None:
+        return ToolCall(name, "")
+    start, end = span
+    if obj_text[start] != "{":  # a string (or another value): whole, once complete
+        if end is None:
+            return ToolCall(name, "")
+        value = json.loads(obj_text[start:end])
+        return ToolCall(name, value if isinstance(value, str) else obj_text[start:end])
+    return ToolCall(name, obj_text[start:end or len(obj_text)])
 
 
 Parsed = tuple  # (content or None, calls)
@@ -86,10 +239,21 @@ def parse_hermes(text: str, names: frozenset[str] = frozenset()) -> Parsed:
     if start < 0:
         return _bare_or_text(text, names)
     try:
-        calls = [_call(json.loads(m.group(1))) for m in _HERMES_CALL.finditer(text, start)]
+        calls = [raw_call(m.group(1)) for m in _HERMES_CALL.finditer(text, start)]
     except (ValueError, TypeError, KeyError, AttributeError):
         return text, []
     return _content(text[:start]), calls
+
+
+def hermes_partial(text: str) -> list[ToolCall]:
+    """The calls of a Hermes answer written so far (``text``: from its first ``<tool_call>``)."""
+    calls = []
+    for block in text.split(HERMES)[1:]:
+        call = partial_call(block.lstrip())
+        if call is None:
+            break
+        calls.append(call)
+    return calls
 
 
 def parse_llama3_json(text: str, names: frozenset[str] = frozenset()) -> Parsed:
@@ -220,12 +384,15 @@ class ToolParser:
     ``markers``: text that begins a call (a stream's content stops there); ``starts``: first
     characters of an answer that may be a call without a marker (a stream holds its content
     back until it knows); ``special``: the markers are special tokens, so an answer is
-    decoded with special tokens kept (vLLM's parsers ask the same)."""
+    decoded with special tokens kept (vLLM's parsers ask the same); ``partial``: the calls of
+    an answer written so far, from its first marker (a stream sends them as they grow;
+    without it, calls arrive whole at the end)."""
 
     parse: Callable[[str, frozenset[str]], Parsed]
     markers: tuple[str, ...]
     starts: tuple[str, ...]
     special: bool = False
+    partial: Callable[[str], list[ToolCall]] | None = None
 
     def could_be_call(self, text: str) -> bool:
         """Whether an answer that begins with ``text`` may still turn out to be a call."""
@@ -234,7 +401,7 @@ class ToolParser:
 
 
 TOOL_PARSERS = {
-    "hermes": ToolParser(parse_hermes, (HERMES,), JSON_STARTS),
+    "hermes": ToolParser(parse_hermes, (HERMES,), JSON_STARTS, partial=hermes_partial),
     "llama3_json": ToolParser(parse_llama3_json, (PYTHON_TAG,), ("{",), special=True),
     "mistral": ToolParser(parse_mistral, (MISTRAL,), JSON_STARTS, special=True),
     "pythonic": ToolParser(parse_pythonic, (PYTHON_START,), ("[",), special=True),

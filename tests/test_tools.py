@@ -157,7 +157,12 @@ def streamed(client, **kw) -> tuple[str, list, str]:
             continue
         delta = chunk.choices[0].delta
         content += delta.content or ""
-        calls += [(c.index, c.function.name, c.function.arguments) for c in delta.tool_calls or []]
+        for c in delta.tool_calls or []:  # a call's first delta names it, later ones add arguments
+            if c.index == len(calls):
+                assert c.id and c.function.name, c
+                calls.append((c.index, c.function.name, ""))
+            assert not c.function.name or c.function.name == calls[c.index][1]
+            calls[c.index] = (c.index, calls[c.index][1], calls[c.index][2] + (c.function.arguments or ""))
         finish = chunk.choices[0].finish_reason or finish
     return content, calls, finish
 
@@ -180,6 +185,9 @@ def test_required_and_named_tool_choice(client, choice):
     content, calls, finish = streamed(client, **kw)
     assert content == "" and finish == r.finish_reason
     assert calls == [(j, c.function.name, c.function.arguments) for j, c in enumerate(r.message.tool_calls)]
+    pieces = sum(bool(chunk.choices and chunk.choices[0].delta.tool_calls)
+                 for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw))
+    assert pieces > 1  # the arguments stream as they are written
 
 
 def test_auto_tool_choice_parses_hermes_calls(client):
@@ -265,6 +273,52 @@ def test_answer_views_only_grow(reasoning, tool_mode):
             assert (final.content or "").startswith(part.content), (text, n)
 
 
+CALL_ANSWERS = [  # (tool mode, answer)
+    ("auto", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "n": [1, {"x": 2}]}}\n'
+             '</tool_call>\n<tool_call>\n{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}\n</tool_call>'),
+    ("auto", '<tool_call>{"arguments": {"q": "y"}, "name": "search"}</tool_call>'),
+    ("auto", '<tool_call>\n{"name": "search", "parameters": {"q": 12}}'),
+    ("required", '[{"name":"search","parameters":{"q":"a,b"}},{"name":"get_weather","parameters":{"city":"Rome"}}]'),
+    ("function", '{"q":"x y"}'),
+]
+
+
+@pytest.mark.parametrize("tool_mode, text", CALL_ANSWERS)
+def test_streamed_calls_only_grow(tool_mode, text):
+    """Every partial view's calls are the final view's, in order, each with a prefix of its
+    arguments (the raw JSON the model wrote); a call shows once its name is complete, and
+    the final calls' arguments are valid JSON."""
+    from specdec.answer import AnswerParser
+
+    parser = AnswerParser(None, tool_mode, NAMES, "search" if tool_mode == "function" else None)
+    final = parser.view(text, final=True)
+    assert final.calls and all(isinstance(json.loads(c.arguments), dict) for c in final.calls)
+    grew = set()
+    for n in range(len(text) + 1):
+        calls = parser.view(text[:n]).calls
+        assert len(calls) <= len(final.calls), (text, n)
+        for c, f in zip(calls, final.calls):
+            assert c.name == f.name and f.arguments.startswith(c.arguments), (text[:n], c, f)
+            grew.add((c.name, len(c.arguments)))
+    first = {n for name, n in grew if name == final.calls[0].name}
+    # the first call's arguments streamed in pieces, unless written before its name
+    assert len(first) > 2 or text.startswith('<tool_call>{"arguments"'), first
+
+
+def test_json_members():
+    from specdec.tools import json_members
+
+    text = '{"a": "x}\\"", "b" : [1, {"c": "]"}], "c": 12'
+    members, end = json_members(text)
+    assert {k: text[s:e] if e else None for k, (s, e) in members.items()} == {"a": '"x}\\""', "b": '[1, {"c": "]"}]', "c": None}
+    assert end is None  # 12 may go on
+    assert json_members(text + "}")[1] == len(text) + 1 and json_members("{}") == ({}, 2)
+    with pytest.raises(ValueError):
+        json_members('{"a" 1}')
+    with pytest.raises(ValueError):
+        json_members("[1]")
+
+
 def test_answer_parts():
     from specdec.answer import AnswerParser
 
@@ -298,7 +352,7 @@ def test_reasoning_parser_on_the_server(loaded):
                     delta = chunk.choices[0].delta
                     text += delta.content or ""
                     rc += (delta.model_extra or {}).get("reasoning_content") or ""
-                    calls += [c.function.name for c in delta.tool_calls or []]
+                    calls += [c.function.name for c in delta.tool_calls or [] if c.function.name]  # first deltas
                     finish = chunk.choices[0].finish_reason or finish
             assert (rc, text or None, finish) == (reasoning, r.message.content, r.finish_reason)
             assert calls == [c.function.name for c in r.message.tool_calls or []]

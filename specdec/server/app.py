@@ -425,7 +425,8 @@ class _Output:
                     yield self.chunk(i, {"role": "assistant", "content": ""}, None, None)
             running = len(self.sreqs)
             echoed = [False] * len(self.sreqs)
-            shown = [[0, 0] for _ in self.sreqs]  # parsed answers: characters of reasoning, content sent
+            # parsed answers: characters of reasoning and content sent, then of each call's arguments
+            shown = [[0, 0] for _ in self.sreqs]
             while running:
                 i, u = await updates.get()
                 if u.error:
@@ -456,9 +457,10 @@ class _Output:
             yield {**self.chunk(0, None, None, None), "choices": [], "usage": self.usage()}
 
     def _parsed_chunks(self, i: int, stream: TextStream, logprobs, finish_reason: str | None, shown: list[int]):
-        """Choice i's chunks when its answer is parsed: the reasoning and content the view of
-        the text so far shows beyond ``shown`` (characters sent of each), and at the end the
-        tool calls, in one delta, then the finish reason."""
+        """Choice i's chunks when its answer is parsed: the reasoning, content and tool calls
+        the view of the text so far shows beyond ``shown`` (characters sent of the reasoning,
+        the content and each call's arguments; a call's first delta has its id and name),
+        then at the end the finish reason."""
         final = finish_reason is not None
         answer = self.parser.view(stream.text if final else stream.text[:stream.sent], final)
         delta = {}
@@ -467,11 +469,19 @@ class _Output:
             if more:
                 delta[key] = more
                 shown[j] += len(more)
+        calls = []
+        for j, call in enumerate(answer.calls):
+            if 2 + j == len(shown):  # a new call
+                calls.append(call.to_openai(j))
+                shown.append(len(call.arguments))
+            elif len(call.arguments) > shown[2 + j]:
+                calls.append({"index": j, "function": {"arguments": call.arguments[shown[2 + j]:]}})
+                shown[2 + j] = len(call.arguments)
+        if calls:
+            delta["tool_calls"] = calls
         if delta or logprobs:
             yield self.chunk(i, delta, logprobs, None)
         if final:
-            if answer.calls:
-                yield self.chunk(i, {"tool_calls": [c.to_openai(j) for j, c in enumerate(answer.calls)]}, None, None)
             yield self.chunk(i, {}, None, self.parser.finish_reason(answer, finish_reason))
 
     def chunk(self, i: int, delta, logprobs, finish_reason) -> dict:
