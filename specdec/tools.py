@@ -90,7 +90,7 @@ def required_partial(text: str) -> list[ToolCall]:
 # they are written: the raw JSON text of the arguments object, which is also what the whole
 # answer's call carries, so that what a stream sent is always a prefix of the final call.
 _WS = re.compile(r"\s*")
-_SCALAR = re.compile(r"[^,\]}\s]*")
+_SCALAR = re.compile(r"[\w.+-]*")  # a number, true, false or null (or its start)
 
 
 def _string_end(text: str, i: int) -> int | None:
@@ -113,6 +113,8 @@ def _value_end(text: str, i: int) -> int | None:
         return _string_end(text, i)
     if text[i] not in "{[":
         end = _SCALAR.match(text, i).end()
+        if end == i:
+            raise ValueError(f"not a JSON value: {text[i]!r}")
         return end if end < len(text) else None
     depth, j = 0, i
     while j < len(text):
@@ -150,7 +152,9 @@ def json_members(text: str) -> tuple[dict[str, tuple[int, int | None]], int | No
             break
         key = json.loads(text[j:key_end])
         j = _WS.match(text, key_end).end()
-        if j < len(text) and text[j] != ":":
+        if j >= len(text):
+            break
+        if text[j] != ":":
             raise ValueError("not a JSON object")
         j = _WS.match(text, j + 1).end()
         if j >= len(text):
@@ -180,8 +184,9 @@ def _list_items(text: str) -> list[tuple[int, int | None]]:
         if end is None:
             break
         j = _WS.match(text, end).end()
-        if text[j:j + 1] == ",":
-            j = _WS.match(text, j + 1).end()
+        if text[j:j + 1] != ",":
+            break
+        j = _WS.match(text, j + 1).end()
     return items
 
 

@@ -11,7 +11,7 @@ import pytest
 from specdec import LLM, SpecConfig
 from specdec.server import BackgroundServer, create_app
 from specdec.tools import (TOOL_PARSERS, ToolCall, parse_hermes, parse_llama3_json, parse_mistral, parse_pythonic,
-                           parse_required, required_schema)
+                           parse_required, required_partial, required_schema)
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "function": {
@@ -315,8 +315,10 @@ def test_json_members():
     assert json_members(text + "}")[1] == len(text) + 1 and json_members("{}") == ({}, 2)
     with pytest.raises(ValueError):
         json_members('{"a" 1}')
-    with pytest.raises(ValueError):
-        json_members("[1]")
+    for bad in ("[1]", '{"a": :}', '{"a": 1 "b"'):
+        with pytest.raises(ValueError):
+            json_members(bad)
+    assert required_partial('[: ') == [] and [c.name for c in required_partial('[{"name": "f"} {')] == ["f"]  # ends
 
 
 def test_answer_parts():
