@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Union
 
+from tqdm.auto import tqdm
+
 from .answer import grammar_gate
 from .config import EngineConfig, SamplingParams, SpecConfig, generation_defaults
 from .drafters import ModelDrafter, NgramDrafter
@@ -45,6 +47,9 @@ class CompletionOutput:
     # token and the N most likely ones (N or N+1 entries), and the chosen tokens' sum
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # what stopped it (as vLLM's): the stop string, or the token of stop_token_ids; None for
+    # an EOS of the model's or the length
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -251,7 +256,8 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
         """``generate`` for one conversation or a list of them, as vLLM's ``LLM.chat``:
         ``chat_template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``);
         ``continue_final_message`` continues the last (assistant) message instead of
@@ -260,13 +266,19 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         options = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {}),
                    "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
-        outs = self.generate([{"prompt_token_ids": self.encode(c, options)} for c in conversations], sampling_params)
+        outs = self.generate([{"prompt_token_ids": self.encode(c, options)} for c in conversations], sampling_params,
+                             use_tqdm=use_tqdm)
         for out, conversation in zip(outs, conversations):
             out.prompt = conversation
         return outs
 
     def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """One ``RequestOutput`` per prompt, in order, run as one batch (``sampling_params``:
+        one for all or one per prompt; default ``get_default_sampling_params()``).
+        ``use_tqdm``: a progress bar of finished completions on stderr, when it is a terminal
+        (as vLLM's)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], dict) and "role" in prompts[0]):
             prompts = [prompts]
@@ -279,8 +291,9 @@ class LLM:
         start = time.perf_counter()
         for s in seqs:
             self.engine.add(s)
-        while self.engine.has_work:
-            self.engine.step()
+        with tqdm(total=len(seqs), desc="Generated", unit="seq", disable=None if use_tqdm else True) as bar:
+            while self.engine.has_work:
+                bar.update(len(self.engine.step()))
         self.last_run_metrics = run_metrics([s.metrics for s in seqs], time.perf_counter() - start)
         return [self._output(group, p) for group, p in zip(groups, prompts)]
 
@@ -335,9 +348,9 @@ class LLM:
     def _completion(self, index: int, s: Sequence) -> CompletionOutput:
         text = s.text if s.text is not None else output_text(self.tokenizer, s.output_ids, s.sampling)
         if s.logprobs is None:
-            return CompletionOutput(index, text, s.output_ids, s.finish_reason)
+            return CompletionOutput(index, text, s.output_ids, s.finish_reason, stop_reason=s.stop_reason)
         return CompletionOutput(index, text, s.output_ids, s.finish_reason, self._logprobs(s.output_ids, s.token_logprobs),
-                                sum(e.logprob for e in s.token_logprobs))
+                                sum(e.logprob for e in s.token_logprobs), s.stop_reason)
 
     def _logprobs(self, tokens: list[int], entries: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
         """Per token ``{id: Logprob}``: the token itself first, then the most likely ones."""

@@ -204,7 +204,7 @@ def _specdec_runner(llm):
     from .config import SamplingParams
 
     def run(ids, max_new_tokens):
-        out = llm.generate({"prompt_token_ids": list(ids)}, SamplingParams(max_tokens=max_new_tokens))[0]
+        out = llm.generate({"prompt_token_ids": list(ids)}, SamplingParams(max_tokens=max_new_tokens), use_tqdm=False)[0]
         m = out.metrics
         stats = {k: m.get(k) for k in (
             "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens",

@@ -239,7 +239,7 @@ def cmd_generate(a) -> int:
         items = [("0", [{"role": "user", "content": a.prompt}] if a.chat else a.prompt)]
     llm = make_llm(a)
     sp = sampling_from_args(a, llm.sampling_defaults)
-    outputs = llm.generate([p for _, p in items], sp)
+    outputs = llm.generate([p for _, p in items], sp, use_tqdm=False)
     for (pid, _), o in zip(items, outputs):
         if a.json:
             print(json.dumps({"id": pid, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,

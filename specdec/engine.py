@@ -337,6 +337,9 @@ class Engine:
             s.grammar.advance(kept)
         if hit_eos or self._hit_stop_string(s, len(kept)):
             s.finish_reason = "stop"
+            model_eos = not s.sampling.ignore_eos and kept[-1] in self.target.eos_ids
+            if hit_eos and kept[-1] in s.sampling.stop_token_ids and not model_eos:
+                s.stop_reason = kept[-1]
             if hit_eos and not s.sampling.include_stop_str_in_output:  # an EOS or stop token: not in the text
                 s.text = output_text(self.target.tokenizer, s.output_ids[:-1], s.sampling)  # (vLLM's rule)
         elif s.remaining == 0:
@@ -371,6 +374,7 @@ class Engine:
                 break
         cut, stop = hit
         s.text = text[:cut + len(stop) if sp.include_stop_str_in_output else cut]
+        s.stop_reason = stop
         return True
 
     def _retire(self) -> list[Sequence]:

@@ -76,6 +76,9 @@ class Sequence:
     eos_ids: frozenset[int]  # the model's EOS ids (none with sampling.ignore_eos) and sampling.stop_token_ids
     slot: int = -1  # KV slot in the target cache (and the drafter's), -1 = not admitted
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # what stopped it, as vLLM reports: the stop string, or the stop_token_ids token (None: an
+    # EOS of the model's, the length, or not finished)
+    stop_reason: int | str | None = None
     text: str | None = None  # final text when a stop string cut it
     metrics: Metrics = field(default_factory=Metrics)
     started_at: float = 0.0

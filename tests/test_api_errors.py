@@ -109,11 +109,12 @@ def test_vllm_speculative_config(loaded, tiny_dirs):
 
 
 def test_vllm_prompt_dtype_and_tokenizer(loaded, tiny_dirs):
-    """vLLM's other names: ``{"prompt": text}`` prompts, dtype ``auto`` / ``half`` / ``float``
-    and ``LLM.get_tokenizer()``."""
+    """vLLM's other names: ``{"prompt": text}`` prompts, dtype ``auto`` / ``half`` / ``float``,
+    ``use_tqdm`` and ``LLM.get_tokenizer()``."""
     llm = LLM(loaded("llama"))
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    assert llm.generate({"prompt": "abc"}, sp)[0].token_ids == llm.generate("abc", sp)[0].token_ids
+    assert llm.generate({"prompt": "abc"}, sp)[0].token_ids == llm.generate("abc", sp, use_tqdm=False)[0].token_ids
+    assert llm.chat([{"role": "user", "content": "abc"}], sampling_params=sp, use_tqdm=False)[0].token_ids
     assert llm.get_tokenizer() is llm.tokenizer
     assert [EngineConfig(dtype=d).dtype for d in ("auto", "half", "float", "bfloat16")] == \
         [None, "float16", "float32", "bfloat16"]

@@ -199,7 +199,7 @@ def test_stop_string_cuts_text(loaded):
         sp = SamplingParams(max_tokens=N, ignore_eos=True, stop=(stop,))
         o = spec(loaded, "llama", method).generate(PROMPTS[0], sp)[0] if method != "none" \
             else plain(loaded, "llama", [PROMPTS[0]], sp)[0]
-        assert o.finish_reason == "stop"
+        assert o.finish_reason == "stop" and o.outputs[0].stop_reason == stop
         assert o.text == base.text[:cut]
         # nothing past the token that completed the stop string
         assert o.token_ids == base.token_ids[: len(o.token_ids)]
@@ -221,6 +221,7 @@ def test_special_tokens_in_text(loaded):
         sp = SamplingParams(**forced, skip_special_tokens=skip, include_stop_str_in_output=include)
         o = plain(loaded, "llama", [PROMPTS[0]], sp)[0]
         assert o.text == text and o.token_ids == [eos] and o.finish_reason == "stop", (skip, include)
+        assert o.outputs[0].stop_reason is None  # the model's EOS (vLLM's rule)
     base = plain(loaded, "llama", [PROMPTS[0]])[0]
     t = base.token_ids[5]
     j = base.token_ids.index(t)
@@ -229,6 +230,8 @@ def test_special_tokens_in_text(loaded):
         o = spec(loaded, "llama", "self").generate(PROMPTS[0], sp)[0]
         tok = loaded("llama").tokenizer
         assert o.token_ids == base.token_ids[:j + 1] and o.text == tok.decode(base.token_ids[:j + include])
+        assert o.outputs[0].stop_reason == t
+    assert base.outputs[0].stop_reason is None and base.finish_reason == "length"
 
 
 def test_seeded_sampling_reproducible_and_self_draft_accepts_all(loaded):

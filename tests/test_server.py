@@ -110,6 +110,9 @@ def test_completion_stream_equals_non_stream(llm, client):
     assert ref.finish_reason == "stop" and ref.token_ids[-1] in (out[j], out[1]) and len(ref.token_ids) > 2
     assert stopped.choices[0].text == "".join(c.choices[0].text for c in streamed) == ref.text
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == len(ref.token_ids)
+    # vLLM's stop_reason: the stop token, in the response and the stream's last chunk
+    assert stopped.choices[0].model_extra["stop_reason"] == streamed[-1].choices[0].model_extra["stop_reason"] \
+        == ref.token_ids[-1] == ref.outputs[0].stop_reason
     kept = client.completions.create(**{**kw, "extra_body": {**extra, "include_stop_str_in_output": True}},
                                      presence_penalty=0.5, frequency_penalty=0.2).choices[0].text
     assert kept == llm.tokenizer.decode(ref.token_ids) != ref.text
@@ -146,6 +149,7 @@ def test_raw_sse_format(server):
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     payloads = [json.loads(e[6:]) for e in events[:-1]]
     assert payloads[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert payloads[-1]["choices"][0]["stop_reason"] is None and "stop_reason" not in payloads[0]["choices"][0]
 
 
 def test_logprobs_from_verify_rows(llm, client):

@@ -396,8 +396,10 @@ class _Output:
                     message["reasoning_content"] = answer.reasoning
                 if answer.calls:
                     message["tool_calls"] = [c.to_openai() for c in answer.calls]
-            return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                    "stop_reason": self.stop_reason(i)}
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": self.stop_reason(i)}
 
     def prompt_logprobs(self, sreq: ServerRequest) -> tuple[list[int], list]:
         """A completion's prompt ids and their logprob entries (None for the first token),
@@ -484,11 +486,17 @@ class _Output:
         if final:
             yield self.chunk(i, {}, None, self.parser.finish_reason(answer, finish_reason))
 
+    def stop_reason(self, i: int) -> int | str | None:
+        """vLLM's ``stop_reason`` of choice i: the stop string or stop token that ended it."""
+        return None if self.req.prompt_only else self.sreqs[i].seq.stop_reason
+
     def chunk(self, i: int, delta, logprobs, finish_reason) -> dict:
         if self.chat:
             choice = {"index": i, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": i, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = self.stop_reason(i)
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.api.name, "choices": [choice]}
 
