@@ -128,3 +128,26 @@ def test_min_p_and_min_tokens_worked_example():
     out = process_logits(rows, sp, prompt=[0], output=[1], extra=[[], [2], [2, 3]], stop_ids=frozenset({3, 9}))
     assert out[0].tolist() == [0, 0, 0, float("-inf")] and out[1:].eq(0).all()
     assert process_logits(rows, SamplingParams(min_tokens=2), [0], [1, 2], stop_ids=frozenset({3})).eq(0).all()
+
+
+def test_top_p_worked_example_and_wide_nuclei():
+    """top_p 0.8 keeps the most likely tokens up to the one that brings their mass to 0.8
+    (p = .05 .5 .3 .15 -> .5 and .3 kept, the .3 reaching 0.8); and on rows whose nucleus
+    holds thousands of tokens (past the first topk's candidates) the kept set is the one a
+    full sort gives."""
+    import math
+
+    from specdec.sampling import TOP_P_CANDIDATES, probs_from_logits, top_p_keep
+
+    logits = torch.tensor([[math.log(p) for p in (0.05, 0.5, 0.3, 0.15)]])
+    probs = probs_from_logits(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 0.5, 0.3, 0.0]]) / 0.8)
+    g = torch.Generator().manual_seed(0)
+    rows = torch.cat([torch.randn(2, 20_000, generator=g) * 0.1, torch.randn(2, 20_000, generator=g) * 4])
+    probs = rows.softmax(-1)  # [4, 20000]: two flat rows (wide nuclei), two peaked ones
+    for top_p in (0.3, 0.9, 0.999):
+        values, order = probs.sort(-1, descending=True)
+        want = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, order, values.cumsum(-1) - values < top_p)
+        keep = top_p_keep(probs, top_p)
+        assert torch.equal(keep, want), top_p
+    assert keep[:2].sum(-1).min() > 4 * TOP_P_CANDIDATES  # the flat rows needed more candidates
