@@ -308,6 +308,10 @@ class LLM:
         if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         limit = self.context_window
+        if len(ids) >= limit:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context window of {limit} tokens")
+        if sp.max_tokens is None:  # what the context window leaves (vLLM's None)
+            sp = replace(sp, max_tokens=limit - len(ids))
         if len(ids) + sp.max_tokens > limit:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {sp.max_tokens} "
                              f"exceeds the context window of {limit} tokens")

@@ -105,7 +105,9 @@ def generation_defaults(directory) -> dict:
 class SamplingParams:
     """How one request samples and when it stops."""
 
-    max_tokens: int = 128  # new tokens at most (vLLM's name; transformers' max_new_tokens)
+    # new tokens at most (vLLM's name; transformers' max_new_tokens); None = what the context
+    # window leaves after the prompt
+    max_tokens: int | None = 128
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
@@ -160,8 +162,8 @@ class SamplingParams:
                "structured_outputs must be a StructuredOutputs (or a dict of its fields)")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
         object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(isinstance(self.top_k, int) and self.top_k >= 0,
                f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
@@ -169,7 +171,7 @@ class SamplingParams:
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be token ids (integers >= 0)")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
                f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop strings must be non-empty strings")

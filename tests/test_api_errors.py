@@ -53,6 +53,10 @@ def test_model_errors(tmp_path, tiny_dirs, loaded):
     assert short.context_window == 40 and len(short.generate("x", SamplingParams(max_tokens=30))[0].token_ids) <= 30
     with pytest.raises(ValueError, match="context window of 40"):
         short.generate("x" * 20, SamplingParams(max_tokens=30))
+    out = short.generate("x" * 20, SamplingParams(max_tokens=None, ignore_eos=True))[0]  # vLLM's None: the rest
+    assert len(out.prompt_token_ids) + len(out.token_ids) == 40 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="leaves no room"):
+        short.generate("x" * 40, SamplingParams(max_tokens=None))
     with pytest.raises(ValueError, match="exceeds the models' context of 512"):
         LLM(loaded("llama"), max_model_len=513)
 
