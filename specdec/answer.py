@@ -8,7 +8,8 @@ so each part's streamed text is a prefix of the final view's part. Tool calls li
 partial view shows a call once its name is complete, with its arguments so far (raw JSON
 text, which the final call carries too), for tool choices "required" and a named function,
 and for "auto" with parsers that can read a call in progress (``ToolParser.partial``:
-hermes); the others' calls arrive whole at the end. (A call whose JSON turns out broken at
+hermes, llama3_json, mistral); pythonic calls, and bare JSON calls without a marker in
+hermes's and mistral's formats, arrive whole at the end. (A call whose JSON turns out broken at
 the end leaves the answer as content, after its beginning was streamed, as in vLLM.)
 
 Reasoning parsers (vLLM's names), for models that think between ``<think>`` and
@@ -104,11 +105,12 @@ class AnswerParser:
         if mode == "auto":
             parser = TOOL_PARSERS[self.tool_parser]
             starts = [i for i in (rest.find(m) for m in parser.markers) if i >= 0]
-            if starts and parser.partial:
-                calls = parser.partial(rest[min(starts):])
+            answer = rest
             rest = rest[:min(starts)] if starts else rest[:len(rest) - held_back(rest, parser.markers)]
             if parser.could_be_call(rest):  # a call without a marker, perhaps: wait
                 rest = ""
+            if parser.partial and (starts or not rest):  # calls from the first marker (or the start)
+                calls = parser.partial(answer[min(starts, default=0):], self.tool_names)
         return Answer(reasoning, rest, calls)
 
     def finish_reason(self, answer: Answer, finish_reason: str) -> str:

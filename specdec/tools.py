@@ -79,11 +79,7 @@ def parse_required(text: str) -> list[ToolCall]:
 
 def required_partial(text: str) -> list[ToolCall]:
     """The calls a ``required_schema`` output written so far shows (``partial_call``)."""
-    try:
-        calls = [partial_call(text[start:end or len(text)]) for start, end in _list_items(text)]
-    except ValueError:
-        return []
-    return [c for c in calls if c is not None]
+    return _partial_items(text) if text.startswith("[") else []
 
 
 # Streaming calls. A stream sends each call's name once it is complete, then its arguments as
@@ -209,7 +205,7 @@ def raw_call(obj_text: str, call_id: str = "") -> ToolCall:
     return ToolCall(obj["name"], args if isinstance(args, str) else obj_text[span[0]:span[1]], call_id)
 
 
-def partial_call(obj_text: str) -> ToolCall | None:
+def partial_call(obj_text: str, call_id: str = "") -> ToolCall | None:
     """The call a JSON object written so far shows: none until its name is complete, then
     the name and the arguments so far (the object's text, a prefix of ``raw_call``'s; a
     string's only once it is complete)."""
@@ -223,14 +219,29 @@ def partial_call(obj_text: str) -> ToolCall | None:
         return None
     span = _arguments(members)
     if span is None:
-        return ToolCall(name, "")
+        return ToolCall(name, "", call_id)
     start, end = span
     if obj_text[start] != "{":  # a string (or another value): whole, once complete
         if end is None:
-            return ToolCall(name, "")
+            return ToolCall(name, "", call_id)
         value = json.loads(obj_text[start:end])
-        return ToolCall(name, value if isinstance(value, str) else obj_text[start:end])
-    return ToolCall(name, obj_text[start:end or len(obj_text)])
+        return ToolCall(name, value if isinstance(value, str) else obj_text[start:end], call_id)
+    return ToolCall(name, obj_text[start:end or len(obj_text)], call_id)
+
+
+def _partial_items(text: str, new_id: Callable[[], str] = lambda: "") -> list[ToolCall]:
+    """The calls of a JSON list of call objects (or one object) written so far."""
+    try:
+        spans = _list_items(text) if text.startswith("[") else [(0, None)]
+    except ValueError:
+        return []
+    calls = []
+    for start, end in spans:
+        call = partial_call(text[start:end or len(text)], new_id())
+        if call is None:
+            break
+        calls.append(call)
+    return calls
 
 
 Parsed = tuple  # (content or None, calls)
@@ -250,7 +261,7 @@ def parse_hermes(text: str, names: frozenset[str] = frozenset()) -> Parsed:
     return _content(text[:start]), calls
 
 
-def hermes_partial(text: str) -> list[ToolCall]:
+def hermes_partial(text: str, names: frozenset[str] = frozenset()) -> list[ToolCall]:
     """The calls of a Hermes answer written so far (``text``: from its first ``<tool_call>``)."""
     calls = []
     for block in text.split(HERMES)[1:]:
@@ -270,15 +281,34 @@ def parse_llama3_json(text: str, names: frozenset[str] = frozenset()) -> Parsed:
     decoder, calls, i = json.JSONDecoder(), [], 0
     try:
         while i < len(body):
-            obj, i = decoder.raw_decode(body, i)
+            obj, end = decoder.raw_decode(body, i)
             if not (isinstance(obj, dict) and _known(obj.get("name"), names)
                     and ("parameters" in obj or "arguments" in obj)):
                 return text, []
-            calls.append(_call(obj))
-            i = len(body) - len(body[i:].lstrip().removeprefix(";").lstrip())
+            calls.append(raw_call(body[i:end]))
+            i = len(body) - len(body[end:].lstrip().removeprefix(";").lstrip())
     except (ValueError, TypeError):
         return text, []
     return (None, calls) if calls else (text, [])
+
+
+def llama3_partial(text: str, names: frozenset[str] = frozenset()) -> list[ToolCall]:
+    """The calls of a Llama 3 JSON answer written so far (``parse_llama3_json``'s)."""
+    body = text.lstrip()
+    if body.startswith(PYTHON_TAG):
+        body = body[len(PYTHON_TAG):].lstrip()
+    calls, i = [], 0
+    while body[i:i + 1] == "{":
+        call = partial_call(body[i:])
+        if call is None or not _known(call.name, names):
+            break
+        calls.append(call)
+        end = _value_end(body, i)
+        rest = body[end:].lstrip() if end is not None else ""
+        if not rest.startswith(";"):
+            break
+        i = len(body) - len(rest[1:].lstrip())
+    return calls
 
 
 def parse_mistral(text: str, names: frozenset[str] = frozenset()) -> Parsed:
@@ -293,15 +323,36 @@ def parse_mistral(text: str, names: frozenset[str] = frozenset()) -> Parsed:
         piece = piece.strip()
         try:
             if piece[:1] in ("[", "{"):
-                obj = json.loads(piece)
-                items = obj if isinstance(obj, list) else [obj]
-                calls += [_call(c, mistral_id()) for c in items]
+                spans = _list_items(piece) if isinstance(json.loads(piece), list) else [(0, len(piece))]
+                calls += [raw_call(piece[a:b], mistral_id()) for a, b in spans]
                 continue
             name, args = re.fullmatch(r"([\w.\-]+)\s*(?:\[ARGS\])?\s*(\{.*\})", piece, re.DOTALL).groups()
-            calls.append(ToolCall(name, json.dumps(json.loads(args), ensure_ascii=False), mistral_id()))
+            if not isinstance(json.loads(args), dict):
+                raise ValueError("arguments are not an object")
+            calls.append(ToolCall(name, args, mistral_id()))
         except (ValueError, TypeError, KeyError, AttributeError):
             return text, []
     return (_content(text[:start]), calls) if calls else (text, [])
+
+
+def mistral_partial(text: str, names: frozenset[str] = frozenset()) -> list[ToolCall]:
+    """The calls of a Mistral answer written so far (``text``: from its first ``[TOOL_CALLS]``)."""
+    calls = []
+    for piece in text.split(MISTRAL)[1:]:
+        piece = piece.lstrip()
+        if piece[:1] in ("[", "{"):
+            calls += _partial_items(piece, mistral_id)
+            continue
+        named = re.match(r"([\w.\-]+)\s*(?:\[ARGS\]\s*|(?=\{))", piece)  # the name, complete
+        if named is None:
+            break
+        start = named.end()
+        if piece[start:start + 1] != "{":
+            calls.append(ToolCall(named.group(1), "", mistral_id()))
+            break
+        end = _value_end(piece, start)
+        calls.append(ToolCall(named.group(1), piece[start:end or len(piece)], mistral_id()))
+    return calls
 
 
 def parse_pythonic(text: str, names: frozenset[str] = frozenset()) -> Parsed:
@@ -389,15 +440,16 @@ class ToolParser:
     ``markers``: text that begins a call (a stream's content stops there); ``starts``: first
     characters of an answer that may be a call without a marker (a stream holds its content
     back until it knows); ``special``: the markers are special tokens, so an answer is
-    decoded with special tokens kept (vLLM's parsers ask the same); ``partial``: the calls of
-    an answer written so far, from its first marker (a stream sends them as they grow;
-    without it, calls arrive whole at the end)."""
+    decoded with special tokens kept (vLLM's parsers ask the same); ``partial(text, names)``:
+    the calls of an answer written so far, from its first marker (or the whole answer where
+    it may be a call without one); a stream sends them as they grow, and without it calls
+    arrive whole at the end."""
 
     parse: Callable[[str, frozenset[str]], Parsed]
     markers: tuple[str, ...]
     starts: tuple[str, ...]
     special: bool = False
-    partial: Callable[[str], list[ToolCall]] | None = None
+    partial: Callable[[str, frozenset[str]], list[ToolCall]] | None = None
 
     def could_be_call(self, text: str) -> bool:
         """Whether an answer that begins with ``text`` may still turn out to be a call."""
@@ -407,8 +459,8 @@ class ToolParser:
 
 TOOL_PARSERS = {
     "hermes": ToolParser(parse_hermes, (HERMES,), JSON_STARTS, partial=hermes_partial),
-    "llama3_json": ToolParser(parse_llama3_json, (PYTHON_TAG,), ("{",), special=True),
-    "mistral": ToolParser(parse_mistral, (MISTRAL,), JSON_STARTS, special=True),
+    "llama3_json": ToolParser(parse_llama3_json, (PYTHON_TAG,), ("{",), special=True, partial=llama3_partial),
+    "mistral": ToolParser(parse_mistral, (MISTRAL,), JSON_STARTS, special=True, partial=mistral_partial),
     "pythonic": ToolParser(parse_pythonic, (PYTHON_START,), ("[",), special=True),
 }
 PARSERS = tuple(TOOL_PARSERS)

@@ -273,13 +273,17 @@ def test_answer_views_only_grow(reasoning, tool_mode):
             assert (final.content or "").startswith(part.content), (text, n)
 
 
-CALL_ANSWERS = [  # (tool mode, answer)
+CALL_ANSWERS = [  # (tool mode, answer), or (tool mode and parser, answer)
     ("auto", 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "n": [1, {"x": 2}]}}\n'
              '</tool_call>\n<tool_call>\n{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}\n</tool_call>'),
     ("auto", '<tool_call>{"arguments": {"q": "y"}, "name": "search"}</tool_call>'),
     ("auto", '<tool_call>\n{"name": "search", "parameters": {"q": 12}}'),
     ("required", '[{"name":"search","parameters":{"q":"a,b"}},{"name":"get_weather","parameters":{"city":"Rome"}}]'),
     ("function", '{"q":"x y"}'),
+    ("auto llama3_json", '{"name": "search", "parameters": {"q": "a;b"}}; {"name": "get_weather", "parameters": {"city": "Rome"}}'),
+    ("auto llama3_json", '<|python_tag|>{"name": "search", "parameters": {"q": "x"}}'),
+    ("auto mistral", 'Checking.[TOOL_CALLS][{"name": "search", "arguments": {"q": "x"}}, {"name": "get_weather", "arguments": {"city": "Paris"}}]'),
+    ("auto mistral", '[TOOL_CALLS]search[ARGS]{"q": "y z"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'),
 ]
 
 
@@ -290,7 +294,8 @@ def test_streamed_calls_only_grow(tool_mode, text):
     the final calls' arguments are valid JSON."""
     from specdec.answer import AnswerParser
 
-    parser = AnswerParser(None, tool_mode, NAMES, "search" if tool_mode == "function" else None)
+    tool_mode, _, tool_parser = tool_mode.partition(" ")
+    parser = AnswerParser(None, tool_mode, NAMES, "search" if tool_mode == "function" else None, tool_parser or "hermes")
     final = parser.view(text, final=True)
     assert final.calls and all(isinstance(json.loads(c.arguments), dict) for c in final.calls)
     grew = set()
@@ -300,6 +305,8 @@ def test_streamed_calls_only_grow(tool_mode, text):
         for c, f in zip(calls, final.calls):
             assert c.name == f.name and f.arguments.startswith(c.arguments), (text[:n], c, f)
             grew.add((c.name, len(c.arguments)))
+    if tool_parser == "mistral":
+        assert all(len(c.id) == 9 for c in parser.view(text[:-3]).calls + final.calls)  # Mistral's ids
     first = {n for name, n in grew if name == final.calls[0].name}
     # the first call's arguments streamed in pieces, unless written before its name
     assert len(first) > 2 or text.startswith('<tool_call>{"arguments"'), first
@@ -401,3 +408,19 @@ def test_structured_output_after_reasoning_on_the_server(loaded):
         closed = [{"role": "user", "content": "a number? <think>no</think>"}]
         r = client.chat.completions.create(messages=closed, extra_body=fmt, **kw).choices[0]
         assert re.fullmatch("[0-9]{4}", r.message.content) and r.finish_reason == "stop"
+
+
+def test_partial_calls_need_a_complete_known_name():
+    """A call in progress shows only once its name is complete, and for llama3_json (no tag of
+    its own) only when the name is among the request's tools; pythonic calls wait for the end."""
+    from specdec.answer import AnswerParser
+
+    def calls(parser, text):
+        return [(c.name, c.arguments) for c in AnswerParser(None, "auto", NAMES, None, parser).view(text).calls]
+
+    assert calls("llama3_json", '{"name": "other", "parameters": {"q"') == []
+    assert calls("llama3_json", '{"name": "sear') == []
+    assert calls("llama3_json", '{"name": "search", "parameters": {"q"') == [("search", '{"q"')]
+    assert calls("hermes", '<tool_call>{"name": "search"') == [("search", "")]
+    assert calls("mistral", "[TOOL_CALLS]sear") == [] and calls("mistral", "[TOOL_CALLS]search[ARGS]") == [("search", "")]
+    assert calls("pythonic", "[search(q='x'), get_weather(") == []
