@@ -587,6 +587,47 @@ def test_prefix_reuse(loaded):
     assert scored.metrics["cached_prompt_tokens"] == 0 and len(scored.prompt_logprobs) == len(scored.prompt_token_ids)
 
 
+def test_n_completions_share_the_draft_prefill(loaded, monkeypatch):
+    """``n`` completions of one prompt: the draft model catches up on the prompt once (one
+    computes it, the others copy its rows), with the same outputs as when each catches up
+    alone."""
+    sp = SamplingParams(max_tokens=10, n=3, temperature=0.9, seed=5, ignore_eos=True)
+    runtime = loaded("draft").runtime
+    forward = runtime.forward
+
+    def run(share: bool, chunk: int | None = None):
+        llm = LLM(loaded("llama"), draft=loaded("draft"), speculative=SpecConfig(method="draft", num_draft_tokens=3),
+                  chunked_prefill_size=chunk)
+        drafter, fed = llm.engine.drafters["draft"], []
+        if not share:
+            monkeypatch.setattr(drafter, "_leaders", lambda seqs, feed: (list(range(len(seqs))), [0] * len(seqs)))
+            monkeypatch.setattr(drafter, "_copy_longest", lambda seq: None)
+
+        def counting(cache, slots, tokens, **kw):  # draft tokens fed per forward
+            fed.append(sum(map(len, tokens)))
+            return forward(cache, slots, tokens, **kw)
+
+        monkeypatch.setattr(runtime, "forward", counting)
+        out = llm.generate(PROMPTS[2], sp)[0]
+        return [c.token_ids for c in out.outputs], fed, len(out.prompt_token_ids)
+
+    shared, fed, n = run(True)
+    alone, fed_alone, _ = run(False)
+    assert shared == alone and len({tuple(t) for t in shared}) == 3  # the same three different answers
+    # the prompt once, then the other two their first tokens, instead of the prompt 3 times
+    assert fed_alone[0] == 3 * (n + 1) and fed[:2] == [n + 1, 2]
+    assert sum(fed_alone) - sum(fed) == 3 * (n + 1) - (n + 1) - 2
+    # in chunks of 16 the 2nd and 3rd completion run a step behind the 1st and copy what it
+    # fed; they then draft sooner, which changes which rounds draw what (a sampled answer is
+    # the same only in distribution), so greedy here: every answer is the target's own
+    sp = SamplingParams(max_tokens=10, n=3, ignore_eos=True)
+    shared, fed, n = run(True, 16)
+    alone, fed_alone, _ = run(False, 16)
+    target = LLM(loaded("llama")).generate(PROMPTS[2], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
+    assert shared == alone == [target] * 3
+    assert sum(fed_alone) - sum(fed) > n  # most of two prompts
+
+
 def test_running_requests_share_prompt_chunks(loaded):
     """Requests running together whose prompts start alike (``n`` completions, a shared
     system prompt) prefill each whole shared chunk once: one computes it, the others copy

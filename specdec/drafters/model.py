@@ -129,11 +129,66 @@ class ModelDrafter:
             if len(cached) >= len(s.ids):
                 del cached[len(s.ids) - 1:]
                 self.cache.rewind(s.slot, len(cached))
+        if callable(getattr(self.cache, "copy", None)):
+            for s in seqs:
+                self._copy_longest(s)
         feed = [s.ids[len(self.cached_ids[s.slot]):][: self.max_catch_up or None] for s in seqs]
-        logits = self.runtime.forward(self.cache, [s.slot for s in seqs], feed, last_only=True)
+        lead, shared = self._leaders(seqs, feed)
+        first = [i for i, j in enumerate(lead) if j == i]
+        logits: list = [None] * len(seqs)
+        out = self.runtime.forward(self.cache, [seqs[i].slot for i in first], [feed[i] for i in first],
+                                   last_only=True)  # [len(first), vocab_d]
+        for b, i in enumerate(first):
+            logits[i] = out[b]
+        rest = []
+        for i, s in enumerate(seqs):  # the others copy the shared rows, then feed what follows
+            if lead[i] != i:
+                self.cache.copy(seqs[lead[i]].slot, s.slot, len(self.cached_ids[s.slot]) + shared[i])
+                if len(feed[i]) > shared[i]:
+                    rest.append(i)
+                else:
+                    logits[i] = logits[lead[i]]
+        if rest:
+            out = self.runtime.forward(self.cache, [seqs[i].slot for i in rest], [feed[i][shared[i]:] for i in rest],
+                                       last_only=True)
+            for b, i in enumerate(rest):
+                logits[i] = out[b]
         for s, toks in zip(seqs, feed):
             self.cached_ids[s.slot].extend(toks)
-        return logits
+        return torch.stack(logits)  # [B, vocab_d]
+
+    def _copy_longest(self, seq: Sequence) -> None:
+        """Where ``seq`` is catching up (more than a round's 1-2 ids behind) and another slot
+        holds more of its ids (a sibling completion a step ahead, or a free slot keeping a
+        prompt that starts the same), copy those rows instead of computing them."""
+        cached = self.cached_ids[seq.slot]
+        if len(seq.ids) - len(cached) <= 2:
+            return
+        best, n = None, len(cached)
+        for slot, ids in enumerate(self.cached_ids):
+            if slot != seq.slot and len(ids) > n:
+                m = common_prefix(ids, seq.ids[:-1])  # the last id is fed: its logits start the draft
+                if m > n:
+                    best, n = slot, m
+        if best is not None:
+            self.cache.copy(best, seq.slot, n)
+            cached[:] = seq.ids[:n]
+
+    def _leaders(self, seqs: list[Sequence], feed: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Per sequence, which one computes the prompt part of its ``feed`` and how long that
+        part is: ``n`` completions of one prompt catch up on it once (the first computes it,
+        the others copy its rows and feed only their own tokens after it), where the cache can
+        copy rows between slots and the part is longer than a round's 1-2 ids; else itself."""
+        lead, shared = list(range(len(seqs))), [0] * len(seqs)
+        if len(seqs) < 2 or not callable(getattr(self.cache, "copy", None)):
+            return lead, shared
+        first: dict[tuple, int] = {}
+        for i, (s, toks) in enumerate(zip(seqs, feed)):
+            done = len(self.cached_ids[s.slot])
+            part = min(len(toks), s.prompt_len - done)  # the feed's prompt tokens
+            if part > 2:
+                lead[i], shared[i] = first.setdefault((done, tuple(s.ids[:done + part])), i), part
+        return lead, shared
 
     def _chains(self, seqs, ks, active, logits) -> list[Draft]:
         drafts = [Draft([], [] if not s.sampling.greedy else None) for s in seqs]
