@@ -71,6 +71,9 @@ def wait_idle(url: str, timeout: float = 20.0) -> dict:
 
 def test_health_and_models(server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    from specdec import __version__
+
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
 

@@ -110,6 +110,12 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
                                 status_code=503)
         return {"status": "ok"}
 
+    @app.get("/version")
+    async def version():
+        from .. import __version__
+
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
