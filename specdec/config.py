@@ -95,6 +95,8 @@ def generation_defaults(directory) -> dict:
         raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} is not a JSON object")
     out = {field: raw[key] for key, field in GENERATION_FIELDS.items() if raw.get(key) is not None}
     if "top_k" in out:
         out["top_k"] = max(int(out["top_k"]), 0)  # -1 / 0: off
