@@ -8,8 +8,8 @@ so each part's streamed text is a prefix of the final view's part. Tool calls li
 partial view shows a call once its name is complete, with its arguments so far (raw JSON
 text, which the final call carries too), for tool choices "required" and a named function,
 and for "auto" with parsers that can read a call in progress (``ToolParser.partial``:
-hermes, llama3_json, mistral); pythonic calls, and bare JSON calls without a marker in
-hermes's and mistral's formats, arrive whole at the end. (A call whose JSON turns out broken at
+hermes, llama3_json, mistral, bare JSON calls included); pythonic calls arrive whole at
+the end. (A call whose JSON turns out broken at
 the end leaves the answer as content, after its beginning was streamed, as in vLLM.)
 
 Reasoning parsers (vLLM's names), for models that think between ``<think>`` and

@@ -262,7 +262,10 @@ def parse_hermes(text: str, names: frozenset[str] = frozenset()) -> Parsed:
 
 
 def hermes_partial(text: str, names: frozenset[str] = frozenset()) -> list[ToolCall]:
-    """The calls of a Hermes answer written so far (``text``: from its first ``<tool_call>``)."""
+    """The calls of a Hermes answer written so far (``text``: from its first ``<tool_call>``,
+    or an answer without one that may be bare JSON calls)."""
+    if not text.startswith(HERMES):
+        return _bare_partial(text, names)
     calls = []
     for block in text.split(HERMES)[1:]:
         call = partial_call(block.lstrip())
@@ -336,7 +339,10 @@ def parse_mistral(text: str, names: frozenset[str] = frozenset()) -> Parsed:
 
 
 def mistral_partial(text: str, names: frozenset[str] = frozenset()) -> list[ToolCall]:
-    """The calls of a Mistral answer written so far (``text``: from its first ``[TOOL_CALLS]``)."""
+    """The calls of a Mistral answer written so far (``text``: from its first ``[TOOL_CALLS]``,
+    or an answer without one that may be bare JSON calls)."""
+    if not text.startswith(MISTRAL):
+        return _bare_partial(text, names, mistral_id)
     calls = []
     for piece in text.split(MISTRAL)[1:]:
         piece = piece.lstrip()
@@ -401,24 +407,35 @@ def _known(name, names: frozenset[str]) -> bool:
     return isinstance(name, str) and bool(name) and (not names or name in names)
 
 
-def _call(obj: dict, call_id: str = "") -> ToolCall:
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False), call_id)
-
-
 def _bare_or_text(text: str, names: frozenset[str], new_id: Callable[[], str] = lambda: "") -> Parsed:
     """An answer that is nothing but a JSON call ``{"name", "arguments"}``, or a list of them,
     to functions in ``names`` (none given: no bare calls), perhaps in a ```json fence."""
     body = text.strip()
     fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL)
+    body = fenced.group(1) if fenced else body
     try:
-        obj = json.loads(fenced.group(1) if fenced else body)
+        obj = json.loads(body)
+        items = obj if isinstance(obj, list) else [obj]
+        if not items or not all(isinstance(c, dict) and c.get("name") in names
+                                and ("arguments" in c or "parameters" in c) for c in items):
+            return text, []
+        spans = _list_items(body) if isinstance(obj, list) else [(0, len(body))]
+        return None, [raw_call(body[a:b], new_id()) for a, b in spans]
     except ValueError:
         return text, []
-    items = obj if isinstance(obj, list) else [obj]
-    if not items or not all(isinstance(c, dict) and c.get("name") in names and "arguments" in c for c in items):
-        return text, []
-    return None, [_call(c, new_id()) for c in items]
+
+
+def _bare_partial(text: str, names: frozenset[str], new_id: Callable[[], str] = lambda: "") -> list[ToolCall]:
+    """The calls of an answer written so far that may be ``_bare_or_text``'s JSON calls:
+    those whose names are complete and among ``names``."""
+    body = text.lstrip()
+    fence = re.match(r"```(?:json)?\s*", body)
+    if fence is None and body.startswith("`"):  # a fence on its way
+        return []
+    body = body[fence.end():] if fence else body
+    calls = _partial_items(body, new_id) if body[:1] in ("[", "{") else []
+    known = [c.name in names for c in calls] + [False]
+    return calls[:known.index(False)]
 
 
 def mistral_id() -> str:

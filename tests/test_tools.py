@@ -284,6 +284,8 @@ CALL_ANSWERS = [  # (tool mode, answer), or (tool mode and parser, answer)
     ("auto llama3_json", '<|python_tag|>{"name": "search", "parameters": {"q": "x"}}'),
     ("auto mistral", 'Checking.[TOOL_CALLS][{"name": "search", "arguments": {"q": "x"}}, {"name": "get_weather", "arguments": {"city": "Paris"}}]'),
     ("auto mistral", '[TOOL_CALLS]search[ARGS]{"q": "y z"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'),
+    ("auto", '```json\n{"name": "search", "arguments": {"q": "bare"}}\n```'),  # bare JSON (Qwen2.5-Coder)
+    ("auto mistral", ' [{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "search", "arguments": {}}]'),
 ]
 
 
@@ -424,3 +426,5 @@ def test_partial_calls_need_a_complete_known_name():
     assert calls("hermes", '<tool_call>{"name": "search"') == [("search", "")]
     assert calls("mistral", "[TOOL_CALLS]sear") == [] and calls("mistral", "[TOOL_CALLS]search[ARGS]") == [("search", "")]
     assert calls("pythonic", "[search(q='x'), get_weather(") == []
+    assert calls("hermes", '{"name": "other", "arguments": {"q"') == [] and calls("hermes", "``") == []
+    assert calls("hermes", "```json\n[{\"name\": \"search\", \"arguments\": {\"q\"") == [("search", "{\"q\"")]
