@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .sequence import held_back
-from .tools import TOOL_PARSERS, ToolCall, parse_required, required_partial
+from .tools import TOOL_PARSERS, ToolCall, Tools, parse_required, required_partial
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK, END_THINK = "<think>", "</think>"
@@ -55,12 +55,14 @@ class Answer:
 @dataclass(frozen=True)
 class AnswerParser:
     """``reasoning``: a reasoning parser's name or None; ``tool_mode``: the request's (None,
-    auto, required, function); ``tool_names``: the functions auto may call; ``function``: the
-    named function's name; ``tool_parser``: how auto's calls are written (``TOOL_PARSERS``)."""
+    auto, required, function); ``tool_names``: the functions auto may call (their names, or
+    their names mapped to their parameters' JSON schemas, which typed formats read:
+    ``tools.Tools``); ``function``: the named function's name; ``tool_parser``: how auto's
+    calls are written (``TOOL_PARSERS``)."""
 
     reasoning: str | None = None
     tool_mode: str | None = None
-    tool_names: frozenset[str] = frozenset()
+    tool_names: Tools = field(default=frozenset(), hash=False)
     function: str | None = None
     tool_parser: str = "hermes"
 

@@ -383,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--tool-call-parser", choices=PARSERS,
                    help="how tool calls are read from the model's text: hermes = <tool_call>{json}</tool_call> "
                         "(Qwen2.5, Hermes); llama3_json = {\"name\": ..., \"parameters\": ...} (Llama 3.1-4); "
-                        "mistral = [TOOL_CALLS]...; pythonic = [f(a=1), g(b='x')] (Llama 3.2, 4)")
+                        "mistral = [TOOL_CALLS]...; pythonic = [f(a=1), g(b='x')] (Llama 3.2, 4); "
+                        "qwen3_coder = <tool_call><function=f><parameter=a>1</parameter>... (Qwen3-Coder)")
     h.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="return a thinking model's <think>...</think> as reasoning_content (qwen3: the answer "
                         "opens <think>; deepseek_r1: the prompt does)")

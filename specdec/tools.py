@@ -16,7 +16,10 @@
     letters and digits, as Mistral's templates require;
   - ``pythonic`` (Llama 3.2 and 4, ToolACE): the answer is a Python list of calls with
     keyword arguments, ``[get_weather(city='Paris'), search(q="x")]``, perhaps between
-    ``<|python_start|>`` and ``<|python_end|>``.
+    ``<|python_start|>`` and ``<|python_end|>``;
+  - ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=NAME><parameter=KEY>value
+    </parameter>...</function></tool_call>``, each value read as its parameter's type in the
+    tool's JSON schema (text where the schema does not say).
 
   A call that does not parse leaves the whole answer as content. So does a call to a
   function that is not among the request's tools, where the format has no tag of its own. An
@@ -33,7 +36,8 @@ import re
 import string
 import uuid
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Mapping
+from typing import Callable, Union
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -245,9 +249,12 @@ def _partial_items(text: str, new_id: Callable[[], str] = lambda: "") -> list[To
 
 
 Parsed = tuple  # (content or None, calls)
+# the request's functions: their names, or their names mapped to their parameters' JSON
+# schemas (parsers that read typed values, qwen3_coder, use the schemas)
+Tools = Union[frozenset, Mapping]
 
 
-def parse_hermes(text: str, names: frozenset[str] = frozenset()) -> Parsed:
+def parse_hermes(text: str, names: Tools = frozenset()) -> Parsed:
     """``(content, calls)`` of a Hermes-style answer: the text before the first call (None
     when blank) and each ``<tool_call>`` block's ``{"name", "arguments"}`` (a last block
     without its end tag counts). Without the tags, bare JSON calls (``_bare_or_text``)."""
@@ -261,7 +268,7 @@ def parse_hermes(text: str, names: frozenset[str] = frozenset()) -> Parsed:
     return _content(text[:start]), calls
 
 
-def hermes_partial(text: str, names: frozenset[str] = frozenset()) -> list[ToolCall]:
+def hermes_partial(text: str, names: Tools = frozenset()) -> list[ToolCall]:
     """The calls of a Hermes answer written so far (``text``: from its first ``<tool_call>``,
     or an answer without one that may be bare JSON calls)."""
     if not text.startswith(HERMES):
@@ -275,7 +282,7 @@ def hermes_partial(text: str, names: frozenset[str] = frozenset()) -> list[ToolC
     return calls
 
 
-def parse_llama3_json(text: str, names: frozenset[str] = frozenset()) -> Parsed:
+def parse_llama3_json(text: str, names: Tools = frozenset()) -> Parsed:
     """Llama 3's JSON-based calls: the answer (after an optional ``<|python_tag|>``) is one
     ``{"name", "parameters"}`` object or several separated by ``;``."""
     body = text.strip()
@@ -295,7 +302,7 @@ def parse_llama3_json(text: str, names: frozenset[str] = frozenset()) -> Parsed:
     return (None, calls) if calls else (text, [])
 
 
-def llama3_partial(text: str, names: frozenset[str] = frozenset()) -> list[ToolCall]:
+def llama3_partial(text: str, names: Tools = frozenset()) -> list[ToolCall]:
     """The calls of a Llama 3 JSON answer written so far (``parse_llama3_json``'s)."""
     body = text.lstrip()
     if body.startswith(PYTHON_TAG):
@@ -314,7 +321,7 @@ def llama3_partial(text: str, names: frozenset[str] = frozenset()) -> list[ToolC
     return calls
 
 
-def parse_mistral(text: str, names: frozenset[str] = frozenset()) -> Parsed:
+def parse_mistral(text: str, names: Tools = frozenset()) -> Parsed:
     """Mistral's calls after ``[TOOL_CALLS]``: a JSON list (or object) of ``{"name",
     "arguments"}``, or ``name[ARGS]{...}`` once per call, each after its own ``[TOOL_CALLS]``.
     Without the tag, bare JSON calls (``_bare_or_text``)."""
@@ -338,7 +345,7 @@ def parse_mistral(text: str, names: frozenset[str] = frozenset()) -> Parsed:
     return (_content(text[:start]), calls) if calls else (text, [])
 
 
-def mistral_partial(text: str, names: frozenset[str] = frozenset()) -> list[ToolCall]:
+def mistral_partial(text: str, names: Tools = frozenset()) -> list[ToolCall]:
     """The calls of a Mistral answer written so far (``text``: from its first ``[TOOL_CALLS]``,
     or an answer without one that may be bare JSON calls)."""
     if not text.startswith(MISTRAL):
@@ -361,7 +368,96 @@ def mistral_partial(text: str, names: frozenset[str] = frozenset()) -> list[Tool
     return calls
 
 
-def parse_pythonic(text: str, names: frozenset[str] = frozenset()) -> Parsed:
+def parse_qwen3_coder(text: str, names: Tools = frozenset()) -> Parsed:
+    """Qwen3-Coder's XML calls: ``<tool_call><function=NAME><parameter=KEY>value</parameter>...
+    </function></tool_call>``; each value is read as its parameter's type in the tool's
+    schema (``names`` mapping names to parameter schemas; a string where none is known)."""
+    start = text.find(HERMES)
+    if start < 0:
+        return text, []
+    calls = []
+    for block in text[start:].split(HERMES)[1:]:
+        head = _QWEN3_FUNCTION.search(block)
+        if head is None:
+            return text, []
+        body = block[head.end():].split(_QWEN3_END)[0]
+        args = {key: _qwen3_value(raw, _parameter_schema(names, head.group(1), key))
+                for key, raw, _ in _qwen3_parameters(body)}
+        calls.append(ToolCall(head.group(1), json.dumps(args, ensure_ascii=False)))
+    return _content(text[:start]), calls
+
+
+def qwen3_coder_partial(text: str, names: Tools = frozenset()) -> list[ToolCall]:
+    """The calls of a Qwen3-Coder answer written so far (``text``: from its first
+    ``<tool_call>``): each once its name is complete, with the JSON of its complete
+    parameters, in the order and form ``parse_qwen3_coder`` writes them."""
+    calls = []
+    for block in text.split(HERMES)[1:]:
+        head = _QWEN3_FUNCTION.search(block)
+        if head is None:
+            break
+        body = block[head.end():]
+        closed = _QWEN3_END in body
+        done = [(key, raw) for key, raw, complete in _qwen3_parameters(body.split(_QWEN3_END)[0])
+                if complete or closed]
+        items = [json.dumps(key, ensure_ascii=False) + ": " + json.dumps(
+            _qwen3_value(raw, _parameter_schema(names, head.group(1), key)), ensure_ascii=False) for key, raw in done]
+        calls.append(ToolCall(head.group(1), "{" + ", ".join(items) + ("}" if closed else "")))
+        if not closed:
+            break
+    return calls
+
+
+_QWEN3_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_QWEN3_PARAMETER = re.compile(r"<parameter=([^>\n]+)>")
+_QWEN3_END = "</function>"
+
+
+def _qwen3_parameters(body: str) -> list[tuple[str, str, bool]]:
+    """``(key, raw value, complete)`` per ``<parameter=KEY>`` of a function's body; a value
+    ends at ``</parameter>`` or the next parameter."""
+    heads = list(_QWEN3_PARAMETER.finditer(body))
+    out = []
+    for i, head in enumerate(heads):
+        end = heads[i + 1].start() if i + 1 < len(heads) else len(body)
+        raw, closed, _ = body[head.end():end].partition("</parameter>")
+        out.append((head.group(1), raw, bool(closed) or i + 1 < len(heads)))
+    return out
+
+
+def _parameter_schema(tools: Tools, function: str, key: str) -> dict:
+    schema = tools.get(function) if isinstance(tools, Mapping) else None
+    props = (schema or {}).get("properties") if isinstance(schema, dict) else None
+    value = props.get(key) if isinstance(props, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
+def _qwen3_value(raw: str, schema: dict):
+    """A parameter's text as its schema's type (vLLM's rules): the newline after the tag and
+    the one before the end tag are dropped; ``null`` is None; strings (and parameters the
+    schema does not know) stay text; numbers, booleans, objects and arrays are read as JSON
+    (or a Python literal), else left as text."""
+    value = raw.removeprefix("\n").removesuffix("\n")
+    kind = schema.get("type")
+    if value.lower() == "null":
+        return None
+    if kind in (None, "string", "str", "text") or not isinstance(kind, str):
+        return value
+    if kind == "boolean":
+        return value.lower() == "true" if value.lower() in ("true", "false") else value
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        try:
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            return value
+    if kind == "integer" and isinstance(parsed, float) and parsed.is_integer():
+        return int(parsed)
+    return parsed
+
+
+def parse_pythonic(text: str, names: Tools = frozenset()) -> Parsed:
     """Pythonic calls: the answer (perhaps between ``<|python_start|>`` and
     ``<|python_end|>``) is a Python list of calls with literal keyword arguments."""
     body = text.strip()
@@ -402,12 +498,12 @@ def _content(text: str) -> str | None:
     return text if text.strip() else None
 
 
-def _known(name, names: frozenset[str]) -> bool:
+def _known(name, names: Tools) -> bool:
     """A function name the request may call (any name when ``names`` is empty)."""
     return isinstance(name, str) and bool(name) and (not names or name in names)
 
 
-def _bare_or_text(text: str, names: frozenset[str], new_id: Callable[[], str] = lambda: "") -> Parsed:
+def _bare_or_text(text: str, names: Tools, new_id: Callable[[], str] = lambda: "") -> Parsed:
     """An answer that is nothing but a JSON call ``{"name", "arguments"}``, or a list of them,
     to functions in ``names`` (none given: no bare calls), perhaps in a ```json fence."""
     body = text.strip()
@@ -425,7 +521,7 @@ def _bare_or_text(text: str, names: frozenset[str], new_id: Callable[[], str] = 
         return text, []
 
 
-def _bare_partial(text: str, names: frozenset[str], new_id: Callable[[], str] = lambda: "") -> list[ToolCall]:
+def _bare_partial(text: str, names: Tools, new_id: Callable[[], str] = lambda: "") -> list[ToolCall]:
     """The calls of an answer written so far that may be ``_bare_or_text``'s JSON calls:
     those whose names are complete and among ``names``."""
     body = text.lstrip()
@@ -479,5 +575,6 @@ TOOL_PARSERS = {
     "llama3_json": ToolParser(parse_llama3_json, (PYTHON_TAG,), ("{",), special=True, partial=llama3_partial),
     "mistral": ToolParser(parse_mistral, (MISTRAL,), JSON_STARTS, special=True, partial=mistral_partial),
     "pythonic": ToolParser(parse_pythonic, (PYTHON_START,), ("[",), special=True),
+    "qwen3_coder": ToolParser(parse_qwen3_coder, (HERMES,), (), partial=qwen3_coder_partial),
 }
 PARSERS = tuple(TOOL_PARSERS)

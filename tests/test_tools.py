@@ -286,6 +286,8 @@ CALL_ANSWERS = [  # (tool mode, answer), or (tool mode and parser, answer)
     ("auto mistral", '[TOOL_CALLS]search[ARGS]{"q": "y z"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'),
     ("auto", '```json\n{"name": "search", "arguments": {"q": "bare"}}\n```'),  # bare JSON (Qwen2.5-Coder)
     ("auto mistral", ' [{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "search", "arguments": {}}]'),
+    ("auto qwen3_coder", 'Sure.\n<tool_call>\n<function=search>\n<parameter=q>\nx <b>\n</parameter>\n<parameter=n>\n2\n'
+                         '</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n</function>\n</tool_call>'),
 ]
 
 
@@ -312,6 +314,30 @@ def test_streamed_calls_only_grow(tool_mode, text):
     first = {n for name, n in grew if name == final.calls[0].name}
     # the first call's arguments streamed in pieces, unless written before its name
     assert len(first) > 2 or text.startswith('<tool_call>{"arguments"'), first
+
+
+def test_parse_qwen3_coder_types_values_by_schema():
+    """qwen3_coder: each value as its parameter's type in the tool's schema (vLLM's rules),
+    text where the schema does not say; streamed parameter by parameter in the same JSON."""
+    from specdec.answer import AnswerParser
+    from specdec.tools import parse_qwen3_coder
+
+    schema = {"find": {"properties": {"n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"},
+                                      "opt": {"type": "object"}, "tags": {"type": "array"}, "s": {"type": "string"}}}}
+    params = {"n": "3", "x": "2.5", "ok": "True", "opt": '{"a": [1]}', "tags": "['a', 'b']", "s": "007",
+              "free": "12", "none": "null"}
+    text = "<tool_call>\n<function=find>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items()) \
+        + "</function>\n</tool_call>"
+    content, calls = parse_qwen3_coder(text, schema)
+    assert content is None and [c.name for c in calls] == ["find"]
+    assert json.loads(calls[0].arguments) == {"n": 3, "x": 2.5, "ok": True, "opt": {"a": [1]}, "tags": ["a", "b"],
+                                              "s": "007", "free": "12", "none": None}
+    assert json.loads(parse_qwen3_coder(text)[1][0].arguments)["n"] == "3"  # no schemas: text
+    assert parse_qwen3_coder("no call here") == ("no call here", [])
+    parser = AnswerParser(None, "auto", schema, None, "qwen3_coder")
+    shown = [parser.view(text[:n]).calls for n in range(len(text) + 1)]
+    assert all(calls[0].arguments.startswith(c[0].arguments) for c in shown if c)
+    assert len({c[0].arguments for c in shown if c}) == len(params) + 2  # "{", each parameter, then "}"
 
 
 def test_json_members():
@@ -375,13 +401,14 @@ def test_reasoning_parser_on_the_server(loaded):
     ("pythonic", r"\[get_weather\(city='(Paris|Rome)'\)\]"),
     ("mistral", r'[A-Z][a-z]{1,3}\.\[TOOL_CALLS\]get_weather\[ARGS\]\{"city": "(Paris|Rome)"\}'),
     ("llama3_json", r'\{"name": "get_weather", "parameters": \{"city": "(Paris|Rome)"\}\}'),
+    ("qwen3_coder", r'<tool_call>\n<function=get_weather>\n<parameter=city>\n(Paris|Rome)\n</parameter>\n</function>\n</tool_call>'),
 ])
 def test_auto_tool_choice_with_other_parsers(loaded, parser, regex):
-    """--tool-call-parser pythonic / mistral / llama3_json on the server: an answer in the
+    """--tool-call-parser pythonic / mistral / llama3_json / qwen3_coder on the server: an answer in the
     family's format (forced by a regex) comes back as a tool call, streamed alike; Mistral's
     call ids are 9 letters and digits."""
     with ngram_server(loaded, enable_auto_tool_choice=True, tool_call_parser=parser) as client:
-        kw = dict(messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=80,
+        kw = dict(messages=MESSAGES, tools=TOOLS, temperature=0, max_tokens=120,
                   extra_body={"structured_outputs": {"regex": regex}})
         r = client.chat.completions.create(model=MODEL, **kw).choices[0]
         call = r.message.tool_calls[0]

@@ -49,7 +49,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
     """An app serving ``llm``: at most ``llm``'s max_batch_size requests run at once and
     ``max_queue`` more wait; beyond that a request gets 429. ``enable_auto_tool_choice``
     with a ``tool_call_parser`` (``tools.TOOL_PARSERS``: hermes, llama3_json, mistral,
-    pythonic) lets chat requests with tools have the model
+    pythonic, qwen3_coder) lets chat requests with tools have the model
     decide whether to call them (vLLM's flags); required and named tool choices need neither.
     ``reasoning_parser`` (``qwen3``, ``deepseek_r1``) returns a thinking model's reasoning as
     ``reasoning_content``, apart from the content (``answer.py``)."""
@@ -358,8 +358,9 @@ class _Output:
         self.parser = None
         if chat and (api.reasoning_parser or tool_mode):
             named = req.named_function
-            self.parser = AnswerParser(api.reasoning_parser, tool_mode, frozenset(t.function.name for t in req.tools or []),
-                                       named.name if named else None, api.tool_call_parser or "hermes")
+            tools = {t.function.name: t.function.parameters or {} for t in req.tools or []}  # name -> schema
+            self.parser = AnswerParser(api.reasoning_parser, tool_mode, tools, named.name if named else None,
+                                       api.tool_call_parser or "hermes")
 
     def usage(self) -> dict:
         firsts = self.sreqs[::self.req.n]  # each prompt once
