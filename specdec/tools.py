@@ -512,7 +512,7 @@ def _bare_or_text(text: str, names: Tools, new_id: Callable[[], str] = lambda: "
     try:
         obj = json.loads(body)
         items = obj if isinstance(obj, list) else [obj]
-        if not items or not all(isinstance(c, dict) and c.get("name") in names
+        if not items or not all(isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] in names
                                 and ("arguments" in c or "parameters" in c) for c in items):
             return text, []
         spans = _list_items(body) if isinstance(obj, list) else [(0, len(body))]

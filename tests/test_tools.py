@@ -40,7 +40,7 @@ def test_parse_hermes():
     assert [c.name for c in parse_hermes(bare, NAMES)[1]] == ["search"] and parse_hermes(bare, NAMES)[0] is None
     both = '[{"name": "search", "arguments": {"q": "x"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]'
     assert [c.name for c in parse_hermes(both, NAMES)[1]] == ["search", "get_weather"]
-    for text in ('{"name": "unknown", "arguments": {}}', '{"a": 1}', "plain words", bare):
+    for text in ('{"name": "unknown", "arguments": {}}', '{"a": 1}', "plain words", bare, '{"name": ["x"], "arguments": {}}'):
         assert parse_hermes(text) == (text, [])  # unknown names (none given here) stay text
     assert parse_required('[{"name": "search", "parameters": {"q": "x"}}]')[0].arguments == '{"q": "x"}'
     assert parse_required('[{"name": "search", "param') == []
