@@ -577,4 +577,7 @@ TOOL_PARSERS = {
     "pythonic": ToolParser(parse_pythonic, (PYTHON_START,), ("[",), special=True),
     "qwen3_coder": ToolParser(parse_qwen3_coder, (HERMES,), (), partial=qwen3_coder_partial),
 }
+# vLLM's other names for the same formats
+TOOL_PARSERS.update(llama4_json=TOOL_PARSERS["llama3_json"], llama4_pythonic=TOOL_PARSERS["pythonic"],
+                    qwen3_xml=TOOL_PARSERS["qwen3_coder"])
 PARSERS = tuple(TOOL_PARSERS)

@@ -46,6 +46,8 @@ def test_parse_hermes():
     assert parse_required('[{"name": "search", "param') == []
     assert ToolCall("f", "{}", "call_1").to_openai(0) == {
         "index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert TOOL_PARSERS["llama4_json"] is TOOL_PARSERS["llama3_json"] and TOOL_PARSERS["qwen3_xml"] is TOOL_PARSERS["qwen3_coder"]
+    assert TOOL_PARSERS["llama4_pythonic"] is TOOL_PARSERS["pythonic"]  # vLLM's aliases
     hermes = TOOL_PARSERS["hermes"]
     assert hermes.could_be_call(" \n{") and hermes.could_be_call("```") and hermes.could_be_call("")
     assert not hermes.could_be_call("Sure")
