@@ -337,11 +337,12 @@ class Engine:
             s.grammar.advance(kept)
         if hit_eos or self._hit_stop_string(s, len(kept)):
             s.finish_reason = "stop"
-            model_eos = not s.sampling.ignore_eos and kept[-1] in self.target.eos_ids
-            if hit_eos and kept[-1] in s.sampling.stop_token_ids and not model_eos:
-                s.stop_reason = kept[-1]
-            if hit_eos and not s.sampling.include_stop_str_in_output:  # an EOS or stop token: not in the text
-                s.text = output_text(self.target.tokenizer, s.output_ids[:-1], s.sampling)  # (vLLM's rule)
+            if hit_eos:  # an EOS or stop token (a stop string set its own reason and text)
+                last, sp = kept[-1], s.sampling
+                if last in sp.stop_token_ids and (sp.ignore_eos or last not in self.target.eos_ids):
+                    s.stop_reason = last  # vLLM's: a stop token, not the model's EOS
+                if not sp.include_stop_str_in_output:  # the token is not in the text (vLLM's rule)
+                    s.text = output_text(self.target.tokenizer, s.output_ids[:-1], sp)
         elif s.remaining == 0:
             s.finish_reason = "length"
         del s.token_logprobs[s.num_output:]  # captured for tokens cut at EOS / budget / stop

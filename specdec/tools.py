@@ -215,11 +215,11 @@ def partial_call(obj_text: str, call_id: str = "") -> ToolCall | None:
     string's only once it is complete)."""
     try:
         members, _ = json_members(obj_text)
-        name = members.get("name")
-        if name is None or name[1] is None or not isinstance(json.loads(obj_text[name[0]:name[1]]), str):
-            return None
-        name = json.loads(obj_text[name[0]:name[1]])
+        span = members.get("name")
+        name = json.loads(obj_text[span[0]:span[1]]) if span and span[1] is not None else None
     except ValueError:
+        return None
+    if not isinstance(name, str):
         return None
     span = _arguments(members)
     if span is None:
@@ -373,36 +373,33 @@ def parse_qwen3_coder(text: str, names: Tools = frozenset()) -> Parsed:
     </function></tool_call>``; each value is read as its parameter's type in the tool's
     schema (``names`` mapping names to parameter schemas; a string where none is known)."""
     start = text.find(HERMES)
-    if start < 0:
-        return text, []
-    calls = []
-    for block in text[start:].split(HERMES)[1:]:
-        head = _QWEN3_FUNCTION.search(block)
-        if head is None:
-            return text, []
-        body = block[head.end():].split(_QWEN3_END)[0]
-        args = {key: _qwen3_value(raw, _parameter_schema(names, head.group(1), key))
-                for key, raw, _ in _qwen3_parameters(body)}
-        calls.append(ToolCall(head.group(1), json.dumps(args, ensure_ascii=False)))
-    return _content(text[:start]), calls
+    calls = _qwen3_calls(text[start:], names, final=True) if start >= 0 else None
+    return (text, []) if calls is None else (_content(text[:start]), calls)
 
 
 def qwen3_coder_partial(text: str, names: Tools = frozenset()) -> list[ToolCall]:
     """The calls of a Qwen3-Coder answer written so far (``text``: from its first
     ``<tool_call>``): each once its name is complete, with the JSON of its complete
-    parameters, in the order and form ``parse_qwen3_coder`` writes them."""
+    parameters, a prefix of what ``parse_qwen3_coder`` makes of the whole answer."""
+    return _qwen3_calls(text, names, final=False)
+
+
+def _qwen3_calls(text: str, names: Tools, final: bool) -> list[ToolCall] | None:
+    """The calls of the ``<tool_call>`` blocks of ``text`` (from its first one): the whole
+    answer's (``final``: every parameter, each call closed; None where a block names no
+    function), or those written so far (complete parameters; a call still open shows its
+    JSON without the closing brace, and is the last)."""
     calls = []
     for block in text.split(HERMES)[1:]:
         head = _QWEN3_FUNCTION.search(block)
         if head is None:
-            break
-        body = block[head.end():]
-        closed = _QWEN3_END in body
-        done = [(key, raw) for key, raw, complete in _qwen3_parameters(body.split(_QWEN3_END)[0])
-                if complete or closed]
-        items = [json.dumps(key, ensure_ascii=False) + ": " + json.dumps(
-            _qwen3_value(raw, _parameter_schema(names, head.group(1), key)), ensure_ascii=False) for key, raw in done]
-        calls.append(ToolCall(head.group(1), "{" + ", ".join(items) + ("}" if closed else "")))
+            return None if final else calls
+        body, closed, _ = block[head.end():].partition(_QWEN3_END)
+        closed = bool(closed) or final
+        args = {key: _qwen3_value(raw, _parameter_schema(names, head.group(1), key))
+                for key, raw, complete in _qwen3_parameters(body) if complete or closed}
+        arguments = json.dumps(args, ensure_ascii=False)
+        calls.append(ToolCall(head.group(1), arguments if closed else arguments[:-1]))
         if not closed:
             break
     return calls
@@ -558,11 +555,11 @@ class ToolParser:
     it may be a call without one); a stream sends them as they grow, and without it calls
     arrive whole at the end."""
 
-    parse: Callable[[str, frozenset[str]], Parsed]
+    parse: Callable[[str, Tools], Parsed]
     markers: tuple[str, ...]
     starts: tuple[str, ...]
     special: bool = False
-    partial: Callable[[str, frozenset[str]], list[ToolCall]] | None = None
+    partial: Callable[[str, Tools], list[ToolCall]] | None = None
 
     def could_be_call(self, text: str) -> bool:
         """Whether an answer that begins with ``text`` may still turn out to be a call."""
