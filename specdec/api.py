@@ -200,12 +200,19 @@ class LLM:
         self._next_id = 0
 
     def _generation_defaults(self, source: str) -> dict:
-        """``SamplingParams`` fields from ``generation_config`` (see ``EngineConfig``)."""
+        """``SamplingParams`` fields from ``generation_config`` (see ``EngineConfig``),
+        checked here so that a value ``SamplingParams`` refuses fails the load, not the
+        first ``generate``."""
         if source == "vllm":
             return {}
-        if source == "auto":
-            return generation_defaults(self.target.path)
-        return generation_defaults(source)
+        out = generation_defaults(self.target.path if source == "auto" else source)
+        try:
+            SamplingParams(**out)
+        except (TypeError, ValueError) as e:
+            where = self.target.path if source == "auto" else source
+            raise ValueError(f"generation_config.json in {where}: {e} "
+                             f"(generation_config='vllm' ignores the file)") from None
+        return out
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's generation config over it (temperature,
@@ -282,11 +289,12 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], dict) and "role" in prompts[0]):
             prompts = [prompts]
+        defaults = sampling_params is None  # the model's max_new_tokens is capped to the context, not an error
         sampling_params = sampling_params or self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        groups = [self.make_sequences(p, sp) for p, sp in zip(prompts, params)]  # n per prompt
+        groups = [self.make_sequences(p, sp, cap_max_tokens=defaults) for p, sp in zip(prompts, params)]  # n per prompt
         seqs = [s for group in groups for s in group]
         start = time.perf_counter()
         for s in seqs:
@@ -298,9 +306,12 @@ class LLM:
         return [self._output(group, p) for group, p in zip(groups, prompts)]
 
     def make_sequences(self, prompt: Prompt, sp: SamplingParams, *,
-                       num_draft_tokens: int | None = None, reasoning: bool = False) -> list[Sequence]:
+                       num_draft_tokens: int | None = None, reasoning: bool = False,
+                       cap_max_tokens: bool = False) -> list[Sequence]:
         """``sp.n`` validated ``Sequence``s for ``Engine.add``, one per completion
         (``ValueError`` on bad input); with a seed, completion i draws from ``sp.seed + i``.
+        ``cap_max_tokens``: a ``max_tokens`` past the context window is cut to what it leaves
+        (a default's), instead of refused (a request's own).
         ``num_draft_tokens``: cap k for this request. ``reasoning``: a thinking model's
         answer, whose structured output starts after its reasoning (``grammar_gate``)."""
         ids = self.encode(prompt)
@@ -310,8 +321,8 @@ class LLM:
         limit = self.context_window
         if len(ids) >= limit:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context window of {limit} tokens")
-        if sp.max_tokens is None:  # what the context window leaves (vLLM's None)
-            sp = replace(sp, max_tokens=limit - len(ids))
+        if sp.max_tokens is None or (cap_max_tokens and len(ids) + sp.max_tokens > limit):
+            sp = replace(sp, max_tokens=limit - len(ids))  # what the context window leaves (vLLM's None)
         if len(ids) + sp.max_tokens > limit:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {sp.max_tokens} "
                              f"exceeds the context window of {limit} tokens")

@@ -768,6 +768,18 @@ def test_generation_config_defaults(tiny_dirs, loaded, tmp_path):
     with pytest.raises(ValueError, match="generation_config"):
         LLM(loaded("llama"), generation_config=str(tmp_path / "nowhere"))
     assert len(llm.generate("abc")[0].token_ids) <= 9
+    # the model's max_new_tokens is cut to what the context leaves; a request's own is refused
+    short = LLM(llm.target, max_model_len=24, generation_config="vllm")
+    short.sampling_defaults = {"max_tokens": 100, "ignore_eos": True}
+    ids = short.encode("The quick brown fox")
+    assert len(short.generate({"prompt_token_ids": ids}, use_tqdm=False)[0].token_ids) == 24 - len(ids)
+    with pytest.raises(ValueError, match="context window"):
+        short.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=100))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "generation_config.json").write_text(json.dumps({"top_p": 0}))
+    with pytest.raises(ValueError, match="generation_config.json in .*top_p"):  # at load, not at generate
+        LLM(loaded("llama"), generation_config=str(bad))
     ref = {seed: llm.generate("The quick brown fox", replace_sp(want, seed=seed, max_tokens=12))[0].text
            for seed in (1, 2)}
     assert ref[1] != ref[2]  # sampled
