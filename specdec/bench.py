@@ -86,6 +86,14 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="specdec-draft-tree shapes, comma list of TOPKxDEPTHxNODES "
                         "(tree_topk, tree_depth, tree_nodes; default %(default)s)")
     p.add_argument("--max-new-tokens", "--max-tokens", type=int, default=128, help="default %(default)s")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy, with the equality check (default); above 0 every method samples "
+                        "(top_p, top_k below, nothing else: no min_p, no penalties) and outputs are "
+                        "draws, not compared token by token")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0 (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature > 0; 0 = off (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --temperature > 0: repeat r of every method draws with seed + r (default %(default)s)")
     p.add_argument("--prompts-file", default=DEFAULT_PROMPTS,
                    help="JSONL: {id, kind: chat|completion, messages|prompt} (default %(default)s)")
     p.add_argument("--limit", type=int, help="only the first N prompts")
@@ -197,14 +205,18 @@ def _rss_gb() -> str:
 
 
 # ----------------------------------------------------------------------------- runners
-# A runner is ``run(ids, max_new_tokens) -> (token_ids, stats)``; timing happens outside.
+# A runner is ``run(ids, max_new_tokens, seed) -> (token_ids, stats)``; timing happens outside.
+# ``sampling`` is ``{}`` (greedy) or ``{"temperature": T, "top_p": P, "top_k": K}``, which
+# each runner passes with every other sampling option of its library off; ``seed`` seeds a
+# sampled run.
 
 
-def _specdec_runner(llm):
+def _specdec_runner(llm, sampling: dict):
     from .config import SamplingParams
 
-    def run(ids, max_new_tokens):
-        out = llm.generate({"prompt_token_ids": list(ids)}, SamplingParams(max_tokens=max_new_tokens), use_tqdm=False)[0]
+    def run(ids, max_new_tokens, seed):
+        sp = SamplingParams(max_tokens=max_new_tokens, seed=seed if sampling else None, **sampling)
+        out = llm.generate({"prompt_token_ids": list(ids)}, sp, use_tqdm=False)[0]
         m = out.metrics
         stats = {k: m.get(k) for k in (
             "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens",
@@ -234,8 +246,9 @@ class FirstToken:
         return None if self.first is None else self.first - self.start
 
 
-def _hf_runner(model, eos: list[int], device, **extra):
-    """``model.generate`` greedy; counts target forwards, and drafted / accepted tokens of the
+def _hf_runner(model, eos: list[int], device, sampling: dict, **extra):
+    """``model.generate``, greedy or sampled (the model's own generation config overridden:
+    no repetition penalty, top_k / top_p only as given); counts target forwards, and drafted / accepted tokens of the
     candidate generator (assisted and prompt-lookup) by wrapping the generator transformers builds."""
     import torch
 
@@ -267,14 +280,19 @@ def _hf_runner(model, eos: list[int], device, **extra):
     if extra:  # instance attribute shadows GenerationMixin._get_candidate_generator
         model._get_candidate_generator = get_candidate_generator
 
-    def run(ids, max_new_tokens):
+    how = ({"do_sample": True, "temperature": sampling["temperature"], "top_p": sampling["top_p"],
+            "top_k": sampling["top_k"]} if sampling else {"do_sample": False})
+
+    def run(ids, max_new_tokens, seed):
         counts.update(target_forwards=0, drafted_tokens=0, accepted_tokens=0, verify_steps=0)
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
         first = FirstToken()
+        if sampling:
+            torch.manual_seed(seed)
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                 pad_token_id=eos[0], streamer=first, **extra)
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
+                                 repetition_penalty=1.0, streamer=first, **how, **extra)
         new = out[0, input_ids.shape[1]:].tolist()
         stats = {"target_forwards": counts["target_forwards"], "ttft_s": first.seconds()}
         if extra:
@@ -294,9 +312,9 @@ def _hf_runner(model, eos: list[int], device, **extra):
     return run
 
 
-def _llamacpp_runner(gguf: Path, context: int, threads: int, lookup: bool):
-    """llama-cpp-python's ``Llama.create_completion`` (temperature 0, its default settings
-    otherwise), optionally with its ``LlamaPromptLookupDecoding``. The tokens come from the
+def _llamacpp_runner(gguf: Path, context: int, threads: int, lookup: bool, sampling: dict):
+    """llama-cpp-python's ``Llama.create_completion`` (temperature 0, or ``sampling`` with its
+    top_k 40 and min_p 0.05 defaults off; its default settings otherwise), optionally with its ``LlamaPromptLookupDecoding``. The tokens come from the
     ``Llama.generate`` calls that ``create_completion`` makes (wrapped on the instance);
     ``reset()`` before each run, so every run prefills its whole prompt as specdec does."""
     from llama_cpp import Llama
@@ -329,13 +347,16 @@ def _llamacpp_runner(gguf: Path, context: int, threads: int, lookup: bool):
 
     llm.generate, llm.eval = recorded_generate, counted_eval
 
-    def run(ids, max_new_tokens):
+    how = ({"temperature": sampling["temperature"], "top_p": sampling["top_p"], "top_k": sampling["top_k"],
+            "min_p": 0.0} if sampling else {"temperature": 0.0})
+
+    def run(ids, max_new_tokens, seed):
         got.clear()
         counts.update(target_forwards=0, drafted_tokens=0)
         first.clear()
         first["start"] = time.perf_counter()
         llm.reset()
-        llm.create_completion(list(ids), max_tokens=max_new_tokens, temperature=0.0)
+        llm.create_completion(list(ids), max_tokens=max_new_tokens, seed=seed, **how)
         stats = {"target_forwards": counts["target_forwards"],
                  "ttft_s": first["token"] - first["start"] if "token" in first else None}
         if lookup:  # the prefill commits one token, each later forward its accepted drafts + 1
@@ -353,18 +374,18 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
     taking turns run by run (so a drift in the machine's speed hits them all alike); one
     record per method and prompt."""
     for run in runs.values():
-        run(prompts[0]["ids"], min(WARMUP_TOKENS, args.max_new_tokens))  # untimed warm-up
+        run(prompts[0]["ids"], min(WARMUP_TOKENS, args.max_new_tokens), args.seed)  # untimed warm-up
     records: dict[str, list[dict]] = {m: [] for m in runs}
     for p in prompts:
         secs = {m: [] for m in runs}
         ttft = {m: [] for m in runs}
         outs = {m: [] for m in runs}
         stats = {}
-        for _ in range(args.repeats):
+        for r in range(args.repeats):
             for m, run in runs.items():
                 _sync(device)
                 t0 = time.perf_counter()
-                ids, st = run(p["ids"], args.max_new_tokens)
+                ids, st = run(p["ids"], args.max_new_tokens, args.seed + r)
                 _sync(device)
                 secs[m].append(time.perf_counter() - t0)
                 ttft[m].append(st.pop("ttft_s", None))
@@ -411,6 +432,7 @@ def run_bench(args) -> int:
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     SpecConfig(method="draft", num_draft_tokens=args.num_draft_tokens)  # validates k
+    sampling = bench_sampling(args)
     needs_draft = any(m.startswith(("specdec-draft", "specdec-hybrid", "hf-assisted")) for m in methods)
     if needs_draft and not args.draft:
         raise ValueError("specdec-draft, specdec-hybrid, specdec-draft-tree and hf-assisted need --draft")
@@ -447,7 +469,8 @@ def run_bench(args) -> int:
     eos = eos_ids_of(target_path, AutoConfig.from_pretrained(target_path), tokenizer)
     eos_list = sorted(eos)
     prompts = [{"id": pid, "ids": encode_prompt(tokenizer, prompt)} for pid, prompt in items]
-    log(f"specdec bench: {len(prompts)} prompt(s), methods {','.join(methods)}, greedy, "
+    mode = describe_sampling(sampling, args)
+    log(f"specdec bench: {len(prompts)} prompt(s), methods {','.join(methods)}, {mode}, "
         f"max_new_tokens {args.max_new_tokens}, repeats {args.repeats}, specdec on {args.backend}, "
         f"{device} {str(dtype)[6:]}, {torch.get_num_threads()} threads")
 
@@ -469,7 +492,7 @@ def run_bench(args) -> int:
             extra = {"hf-plain": {}, "hf-assisted": {"assistant_model": hf_draft},
                      "hf-lookup": {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS}}[m]
             log(f"{m}:")
-            run = _hf_runner(hf_target, eos_list, device, **extra)
+            run = _hf_runner(hf_target, eos_list, device, sampling, **extra)
             results.update(_time_methods({m: run}, prompts, args, device, eos, log))
             run.close()
         del hf_target, hf_draft, extra, run
@@ -483,7 +506,7 @@ def run_bench(args) -> int:
     runs, plain = {}, None
     for m in (m for m in methods if m.startswith("llamacpp-")):
         t0 = time.perf_counter()
-        runs[m] = _llamacpp_runner(gguf, context, torch.get_num_threads(), lookup=m == "llamacpp-lookup")
+        runs[m] = _llamacpp_runner(gguf, context, torch.get_num_threads(), m == "llamacpp-lookup", sampling)
         load_s[m] = time.perf_counter() - t0
 
     # --- specdec
@@ -520,12 +543,12 @@ def run_bench(args) -> int:
             cost_curve["draft"] = list(forward_costs(draft_model, CATCH_UP_TOKENS).seconds)
         log(f"forward cost relative to 1 token ({cost_curve['target'][0] * 1e3:.2f} ms): " + " ".join(
             f"{n + 1}:{t / cost_curve['target'][0]:.2f}" for n, t in enumerate(cost_curve["target"])))
-        runs.update({m: _specdec_runner(llms[m]) for m in sd_methods})
+        runs.update({m: _specdec_runner(llms[m], sampling) for m in sd_methods})
     refs = references(methods, own_family=on_llamacpp or (device.type, dtype) != ("cpu", torch.float32))
     if runs:
         log("timing " + ", ".join(runs) + " in turns:")
         results.update(_time_methods(runs, prompts, args, device, eos, log))
-        if plain is not None:
+        if plain is not None and not sampling:
             add_flip_gaps(plain, prompts, results, refs)
         for run in runs.values():
             getattr(run, "close", lambda: None)()
@@ -542,6 +565,8 @@ def run_bench(args) -> int:
         ref_ids = [r["token_ids"] for r in results[refs[m]]]
         for rec, want in zip(recs, ref_ids):
             idx = [i for i in (_first_diff(got, want) for got in rec.pop("_all_ids")) if i is not None]
+            if sampling:  # draws: nothing to compare token by token
+                idx = []
             rec["first_diff_vs_ref"] = min(idx) if idx else None
             if idx:
                 diverged[rec["id"]] = min(idx)
@@ -552,7 +577,7 @@ def run_bench(args) -> int:
              "total_tokens": tokens, "total_seconds": secs,
              "aggregate_tokens_per_s": tokens / secs if secs > 0 else None,
              "target_forwards": sum(r["target_forwards"] for r in recs),
-             "reference": refs[m], "diverged": len(diverged), "diverged_first_index": diverged,
+             "reference": None if sampling else refs[m], "diverged": len(diverged), "diverged_first_index": diverged,
              "flip_gaps": {r["id"]: r["flip_gap"] for r in recs if r.get("flip_gap") is not None}}
         # a divergence passes only as a near-tie flip: on the torch runtime within the dtype's
         # rounding; on llama.cpp (exact verification) at most one on the bench prompts
@@ -579,7 +604,7 @@ def run_bench(args) -> int:
             else:
                 s["mean_accepted_length"] = tokens / s["target_forwards"] if s["target_forwards"] else None
         summary[m] = s
-    if "specdec-plain" in results and "target" in cost_curve:
+    if "specdec-plain" in results and "target" in cost_curve and not sampling:
         add_chain_bounds(prompts, results["specdec-plain"], cost_curve["target"], args.num_draft_tokens)
     baselines = [b for b in BASELINES if b in summary]
     for b in baselines:
@@ -604,7 +629,8 @@ def run_bench(args) -> int:
               "draft_dir": str(draft_path) if draft_path else None, "num_draft_tokens": args.num_draft_tokens,
               "ngram_tree": {"topk": args.tree_topk, "depth": args.tree_depth, "nodes": args.tree_nodes},
               "draft_tree_shapes": [list(x) for x in shapes],
-              "max_new_tokens": args.max_new_tokens, "prompts_file": os.path.abspath(args.prompts_file),
+              "max_new_tokens": args.max_new_tokens, "sampling": sampling or "greedy",
+              "seeds": [args.seed, args.seed + args.repeats - 1] if sampling else None, "prompts_file": os.path.abspath(args.prompts_file),
               "num_prompts": len(prompts), "repeats": args.repeats, "methods": methods,
               "references": refs, "eos_ids": eos_list, "hf_prompt_lookup_num_tokens": HF_LOOKUP_TOKENS,
               "llamacpp_lookup_num_pred_tokens": LLAMACPP_LOOKUP_TOKENS,
@@ -619,16 +645,20 @@ def run_bench(args) -> int:
     ok = all(s["diverged"] == 0 or s["near_ties_only"] for m, s in summary.items() if m.startswith("specdec-"))
     flips = sum(s["diverged"] for m, s in summary.items() if m.startswith("specdec-"))
     peers = [m for m, s in summary.items() if s["diverged"] and not m.startswith("specdec-")]
-    verdict = (("OK: every specdec method's greedy tokens equal its reference's" if not flips else
-                f"OK: every specdec method's greedy tokens equal its reference's, but for {flips} near-tie "
-                "flip(s) (logit gaps in the table)") if ok
-               else "FAILED: a specdec method's greedy tokens differ from its reference's") + \
-        (f"; peers that differ from their own plain decoding: {', '.join(peers)}" if peers else "")
+    if sampling:
+        verdict = ("sampled: outputs are draws, not compared token by token (the tests check specdec's "
+                   "draws against the target's distribution)")
+    else:
+        verdict = (("OK: every specdec method's greedy tokens equal its reference's" if not flips else
+                    f"OK: every specdec method's greedy tokens equal its reference's, but for {flips} near-tie "
+                    "flip(s) (logit gaps in the table)") if ok
+                   else "FAILED: a specdec method's greedy tokens differ from its reference's") + \
+            (f"; peers that differ from their own plain decoding: {', '.join(peers)}" if peers else "")
     md = ["# specdec bench", "", "```", command, "```", "",
           f"- target `{args.model}`" + (f", draft `{args.draft}`, k={args.num_draft_tokens}" if needs_draft else "")
           + (" - **random weights** (`--load-format dummy`): the speeds of these shapes; acceptance "
              "and output mean nothing" if dummy else ""),
-          f"- {len(prompts)} prompt(s) from `{args.prompts_file}`, greedy, max_new_tokens {args.max_new_tokens}, "
+          f"- {len(prompts)} prompt(s) from `{args.prompts_file}`, {mode}, max_new_tokens {args.max_new_tokens}, "
           f"batch size 1, repeats {args.repeats} (medians), {WARMUP_TOKENS}-token warm-up per method",
           f"- specdec on the {args.backend} backend"
           + {True: " (repacked weights)", False: " (weights not repacked)", None: ""}[repacked] +
@@ -640,7 +670,8 @@ def run_bench(args) -> int:
           f"prompt_lookup_num_tokens={HF_LOOKUP_TOKENS}; "
           f"HF mean accepted length = tokens / target forwards; llamacpp-lookup uses "
           f"LlamaPromptLookupDecoding(num_pred_tokens={LLAMACPP_LOOKUP_TOKENS})",
-          "- greedy references: " + ", ".join(f"{m} -> {r}" for m, r in refs.items() if m != r), "",
+          ("- greedy references: " + ", ".join(f"{m} -> {r}" for m, r in refs.items() if m != r)
+           if not sampling else "- sampled: no greedy references"), "",
           tables, "", verdict, ""]
     (out / "bench.md").write_text("\n".join(md))
     print(tables)
@@ -649,6 +680,25 @@ def run_bench(args) -> int:
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f" and {plot}" if plot else
                                                                 " (no plot: pip install matplotlib)"))
     return 0 if ok else 1
+
+
+def bench_sampling(args) -> dict:
+    """``{}`` for greedy (``--temperature 0``), else the sampling every method uses, checked
+    as ``SamplingParams`` checks it."""
+    from .config import SamplingParams
+
+    if args.temperature == 0:
+        return {}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    SamplingParams(**sampling)  # ValueError on a bad value
+    return sampling
+
+
+def describe_sampling(sampling: dict, args) -> str:
+    if not sampling:
+        return "greedy"
+    return (f"sampled (temperature {sampling['temperature']}, top_p {sampling['top_p']}, top_k "
+            f"{sampling['top_k']}; seeds {args.seed}..{args.seed + args.repeats - 1}, one per repeat)")
 
 
 def flip_gap(llm, prompt_ids: list[int], reference: list[int], j: int) -> float:
@@ -822,7 +872,8 @@ def _tables(methods, summary, results, prompts, baselines) -> str:
             "|---|---:|---:|" + "---:|" * (1 + 2 * len(baselines)) + "---:|---:|---:|---:|---:|---|---|"]
     for m in methods:
         s = summary[m]
-        div = "(is the reference)" if m == s["reference"] else f"{s['diverged']} ({s['reference']})"
+        div = ("- (sampled)" if s["reference"] is None else
+               "(is the reference)" if m == s["reference"] else f"{s['diverged']} ({s['reference']})")
         if s["diverged"]:
             gaps = s.get("flip_gaps", {})
             div += ": " + ", ".join(f"{k}@{v}" + (f" (gap {gaps[k]:.1e})" if k in gaps else "")

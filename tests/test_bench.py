@@ -80,13 +80,13 @@ def test_bench_tells_near_tie_flips_from_bugs(tiny_dirs, tmp_path, monkeypatch, 
 
     real = bench._specdec_runner
 
-    def flipping(llm):
-        run = real(llm)
+    def flipping(llm, sampling):
+        run = real(llm, sampling)
         if llm.spec.method != "ngram":
             return run
 
-        def changed(ids, max_new_tokens):
-            out, stats = run(ids, max_new_tokens)
+        def changed(ids, max_new_tokens, seed):
+            out, stats = run(ids, max_new_tokens, seed)
             return out[:3] + [(out[3] + 1) % 256] + out[4:], stats
         return changed
 
@@ -105,3 +105,36 @@ def test_bench_tells_near_tie_flips_from_bugs(tiny_dirs, tmp_path, monkeypatch, 
     monkeypatch.setitem(bench.NEAR_TIE, "float32", 1.0)  # the same gap, read as a near-tie
     assert main(common + ["--out", str(tmp_path / "b")]) == 0
     assert "but for 1 near-tie flip(s)" in capsys.readouterr().out
+
+
+def test_bench_sampled(tiny_dirs, tmp_path, capsys):
+    """``--temperature`` > 0: every method samples with the same top_p / top_k, repeat r with
+    seed + r; specdec's draws are those of ``LLM.generate`` with that seed, outputs are not
+    compared token by token, and the report says so."""
+    from specdec import LLM, SamplingParams
+    from specdec.cli import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "comp-a", "kind": "completion", "prompt": "abc abc abc"}\n')
+    out = tmp_path / "out"
+    code = main(["bench", "--model", str(tiny_dirs["llama"]), "--draft", str(tiny_dirs["draft"]),
+                 "--prompts-file", str(prompts), "--methods", "specdec-plain,specdec-draft,hf-plain,hf-assisted",
+                 "--max-new-tokens", "12", "--temperature", "1.5", "--top-p", "0.95", "--top-k", "50",
+                 "--seed", "3", "--repeats", "3", "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["config"]["sampling"] == {"temperature": 1.5, "top_p": 0.95, "top_k": 50}
+    assert report["config"]["seeds"] == [3, 5]
+    assert all(s["reference"] is None for s in report["summary"].values())
+    sp = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, top_k=50, seed=3)
+    ids = report["per_prompt"]["specdec-plain"][0]["token_ids"]
+    llm = LLM(str(tiny_dirs["llama"]), device="cpu")
+    assert ids == list(llm.generate("abc abc abc", sp, use_tqdm=False)[0].token_ids)
+    greedy = list(llm.generate("abc abc abc", SamplingParams(max_tokens=12), use_tqdm=False)[0].token_ids)
+    assert ids != greedy
+    assert not report["per_prompt"]["hf-plain"][0]["repeats_identical"]  # three seeds, three draws
+    md = (out / "bench.md").read_text()
+    assert "sampled (temperature 1.5, top_p 0.95, top_k 50; seeds 3..5" in md and "- (sampled)" in md
+    assert "sampled: outputs are draws" in capsys.readouterr().out
+    assert main(["bench", "--model", str(tiny_dirs["llama"]), "--temperature", "0.5", "--top-p", "0",
+                 "--prompts-file", str(prompts), "--methods", "specdec-plain", "--out", str(out)]) == 2

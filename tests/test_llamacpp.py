@@ -384,6 +384,14 @@ def test_bench_on_llamacpp(tmp_path, monkeypatch):
             assert all(0 < t < max(rec["seconds"]) for t in rec["ttft_s"]) and rec["decode_tokens_per_s"] > 0
     md = (out / "bench.md").read_text()
     assert "speed relative to llamacpp-plain" in md and "llama-cpp-python" in md
+    # sampled: llama-cpp-python draws with the seed (its top_k 40 / min_p 0.05 defaults off)
+    code = main(["bench", "--backend", "llamacpp", "--model", gguf, "--threads", "1", "--prompts-file", str(prompts),
+                 "--methods", "specdec-plain,llamacpp-plain", "--max-new-tokens", "12", "--temperature", "2",
+                 "--repeats", "2", "--limit", "1", "--out", str(tmp_path / "sampled")])
+    assert code == 0
+    sampled = json.loads((tmp_path / "sampled" / "bench.json").read_text())["per_prompt"]
+    for m in ("specdec-plain", "llamacpp-plain"):
+        assert sampled[m][0]["token_ids"] != report["per_prompt"][m][0]["token_ids"], m  # not greedy
 
 
 def test_a_new_prompt_frees_only_the_parked_cells_it_refills(lc, prompts):
