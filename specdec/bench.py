@@ -393,13 +393,18 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
                 stats.setdefault(m, st)
         for m in runs:
             first, n = outs[m][0], len(outs[m][0])
-            med = statistics.median(secs[m])
+            # greedy: every repeat is the same output, so the median time; sampled: the draws
+            # differ in length, so their mean length over their mean time (all tokens / all seconds)
+            average = statistics.mean if args.temperature > 0 else statistics.median
+            if args.temperature > 0:
+                n = statistics.mean(len(o) for o in outs[m])
+            med = average(secs[m])
             decode = decode_s = None  # seconds after the first token, tokens after it per second
             if None not in ttft[m]:
-                decode_s = statistics.median(t - f for t, f in zip(secs[m], ttft[m]))
+                decode_s = average(t - f for t, f in zip(secs[m], ttft[m]))
                 decode = (n - 1) / decode_s if n > 1 and decode_s > 0 else None
             rec = {"id": p["id"], "prompt_tokens": len(p["ids"]), "generated_tokens": n,
-                   "hit_eos": bool(n and first[-1] in eos), "seconds": secs[m], "median_s": med,
+                   "hit_eos": bool(first and first[-1] in eos), "seconds": secs[m], "median_s": med,
                    "tokens_per_s": n / med if med > 0 else None, "ttft_s": ttft[m],
                    "median_decode_s": decode_s, "decode_tokens_per_s": decode, **stats[m],
                    "token_ids": first,
