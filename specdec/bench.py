@@ -1,7 +1,8 @@
 """``specdec bench``: specdec vs transformers' ``generate`` and llama-cpp-python, side by
 side, in one run (llama-cpp-python's and specdec's methods in turns, run by run).
 
-The methods, greedy, batch size 1, on the prompts of a JSONL file:
+The methods, greedy (or sampled alike with ``--temperature``), batch size 1, on the prompts
+of a JSONL file:
 
 * ``specdec-plain`` / ``specdec-draft`` / ``specdec-ngram`` - ``specdec.LLM`` with
   ``SpecConfig(method="none" | "draft" | "ngram")``;
@@ -27,7 +28,9 @@ including the first eos) must equal its family's reference - ``hf-plain`` for th
 transformers methods and for specdec on torch on the CPU in float32 (the same weights, logits
 equal to 1e-4), ``llamacpp-plain`` for llama-cpp-python's, ``specdec-plain`` for specdec on
 llama.cpp (llama-cpp-python's F16 KV cache and whole products of several rows round unlike
-specdec's exact settings), on a GPU or in 16-bit. ``--load-format dummy`` runs specdec and
+specdec's exact settings), on a GPU or in 16-bit. Sampled (``--temperature`` > 0), every
+method samples with the same top_p / top_k (each library's other sampling defaults off),
+repeat r with seed + r, and outputs are draws, not compared. ``--load-format dummy`` runs specdec and
 transformers on random weights of the models' shapes (their speed without the weights). The exit
 code is 1 when any prompt of a specdec method diverges (a peer's divergence is reported, e.g.
 llama-cpp-python's prompt lookup verifies with other kernels than its plain decoding). Writes ``<out>/bench.json``, ``<out>/bench.md`` and ``<out>/bench.png``.
