@@ -413,7 +413,7 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
                    "token_ids": first,
                    "repeats_identical": all(r == first for r in outs[m]), "_all_ids": outs[m]}
             records[m].append(rec)
-            log(f"  {m:<24} {p['id']:<16} {n:>4} tok  {med:7.2f}s  {rec['tokens_per_s']:7.2f} tok/s")
+            log(f"  {m:<24} {p['id']:<16} {round(n, 1):>5} tok  {med:7.2f}s  {rec['tokens_per_s']:7.2f} tok/s")
     return records
 
 
@@ -889,14 +889,14 @@ def _tables(methods, summary, results, prompts, baselines) -> str:
         ratios = "".join(f" {_fmt(s[_vs(b, 'median')])}x |" for b in baselines)
         decode = "".join(f" {_fmt(s[_vs(b, 'median_decode')])}x |" for b in baselines)
         rows.append(f"| {m} | {_fmt(s['median_tokens_per_s'])} | {_fmt(s['aggregate_tokens_per_s'])} |{ratios} "
-                    f"{_fmt(s['median_decode_tokens_per_s'])} |{decode} {s['total_tokens']} | {s['target_forwards']} "
+                    f"{_fmt(s['median_decode_tokens_per_s'])} |{decode} {s['total_tokens']:.0f} | {s['target_forwards']} "
                     f"| {_fmt(s.get('acceptance_rate'))} | {_fmt(s.get('mean_accepted_length'))} "
                     f"| {_fmt(s.get('nodes_per_verify_step'))} "
                     f"| {' '.join(_fmt(a) for a in s.get('acceptance_by_depth') or []) or '-'} | {div} |")
     per = ["| prompt | tokens | " + " | ".join(methods) + " |",
            "|---|---:|" + "---:|" * len(methods)]
     for i, p in enumerate(prompts):
-        per.append(f"| {p['id']} | {results[methods[0]][i]['generated_tokens']} | "
+        per.append(f"| {p['id']} | {results[methods[0]][i]['generated_tokens']:.0f} | "
                    + " | ".join(_fmt(results[m][i]["tokens_per_s"]) for m in methods) + " |")
     text = "\n".join(rows) + "\n\nper prompt, tokens/s:\n\n" + "\n".join(per)
     if baselines:  # per prompt and per group, speed relative to the main baseline
