@@ -30,8 +30,9 @@ equal to 1e-4), ``llamacpp-plain`` for llama-cpp-python's, ``specdec-plain`` for
 llama.cpp (llama-cpp-python's F16 KV cache and whole products of several rows round unlike
 specdec's exact settings), on a GPU or in 16-bit. Sampled (``--temperature`` > 0), every
 method samples with the same top_p / top_k (each library's other sampling defaults off),
-repeat r with seed + r, and outputs are draws, not compared. ``--load-format dummy`` runs specdec and
-transformers on random weights of the models' shapes (their speed without the weights). The exit
+repeat r with seed + r, and outputs are draws, not compared. ``--load-format dummy`` runs
+specdec and transformers on random weights of the models' shapes (their speed without the
+weights). The exit
 code is 1 when any prompt of a specdec method diverges (a peer's divergence is reported, e.g.
 llama-cpp-python's prompt lookup verifies with other kernels than its plain decoding). Writes ``<out>/bench.json``, ``<out>/bench.md`` and ``<out>/bench.png``.
 """
@@ -250,9 +251,10 @@ class FirstToken:
 
 
 def _hf_runner(model, eos: list[int], device, sampling: dict, **extra):
-    """``model.generate``, greedy or sampled (the model's own generation config overridden:
-    no repetition penalty, top_k / top_p only as given); counts target forwards, and drafted / accepted tokens of the
-    candidate generator (assisted and prompt-lookup) by wrapping the generator transformers builds."""
+    """``model.generate``, greedy or sampled (over the model's own generation config: no
+    repetition penalty, top_k / top_p only as given); counts target forwards, and drafted /
+    accepted tokens of the candidate generator (assisted and prompt-lookup) by wrapping the
+    generator transformers builds."""
     import torch
 
     counts = {}
@@ -317,9 +319,10 @@ def _hf_runner(model, eos: list[int], device, sampling: dict, **extra):
 
 def _llamacpp_runner(gguf: Path, context: int, threads: int, lookup: bool, sampling: dict):
     """llama-cpp-python's ``Llama.create_completion`` (temperature 0, or ``sampling`` with its
-    top_k 40 and min_p 0.05 defaults off; its default settings otherwise), optionally with its ``LlamaPromptLookupDecoding``. The tokens come from the
-    ``Llama.generate`` calls that ``create_completion`` makes (wrapped on the instance);
-    ``reset()`` before each run, so every run prefills its whole prompt as specdec does."""
+    top_k 40 and min_p 0.05 defaults off; its default settings otherwise), optionally with its
+    ``LlamaPromptLookupDecoding``. The tokens come from the ``Llama.generate`` calls that
+    ``create_completion`` makes (wrapped on the instance); ``reset()`` before each run, so
+    every run prefills its whole prompt as specdec does."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -395,12 +398,11 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
                 outs[m].append(cut_after_eos(ids, eos))
                 stats.setdefault(m, st)
         for m in runs:
-            first, n = outs[m][0], len(outs[m][0])
             # greedy: every repeat is the same output, so the median time; sampled: the draws
             # differ in length, so their mean length over their mean time (all tokens / all seconds)
-            average = statistics.mean if args.temperature > 0 else statistics.median
-            if args.temperature > 0:
-                n = statistics.mean(len(o) for o in outs[m])
+            sampled = args.temperature > 0
+            first, n = outs[m][0], statistics.mean(len(o) for o in outs[m]) if sampled else len(outs[m][0])
+            average = statistics.mean if sampled else statistics.median
             med = average(secs[m])
             decode = decode_s = None  # seconds after the first token, tokens after it per second
             if None not in ttft[m]:
@@ -572,9 +574,8 @@ def run_bench(args) -> int:
         diverged = {}
         ref_ids = [r["token_ids"] for r in results[refs[m]]]
         for rec, want in zip(recs, ref_ids):
-            idx = [i for i in (_first_diff(got, want) for got in rec.pop("_all_ids")) if i is not None]
-            if sampling:  # draws: nothing to compare token by token
-                idx = []
+            draws = rec.pop("_all_ids")
+            idx = [] if sampling else [i for i in (_first_diff(got, want) for got in draws) if i is not None]
             rec["first_diff_vs_ref"] = min(idx) if idx else None
             if idx:
                 diverged[rec["id"]] = min(idx)
