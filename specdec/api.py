@@ -205,11 +205,11 @@ class LLM:
         first ``generate``."""
         if source == "vllm":
             return {}
-        out = generation_defaults(self.target.path if source == "auto" else source)
+        where = self.target.path if source == "auto" else source
+        out = generation_defaults(where)
         try:
             SamplingParams(**out)
         except (TypeError, ValueError) as e:
-            where = self.target.path if source == "auto" else source
             raise ValueError(f"generation_config.json in {where}: {e} "
                              f"(generation_config='vllm' ignores the file)") from None
         return out

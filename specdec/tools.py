@@ -76,7 +76,7 @@ def parse_required(text: str) -> list[ToolCall]:
     try:
         if not isinstance(json.loads(text), list):
             return []
-        return [raw_call(text[start:end]) for start, end in _list_items(text)]
+        return raw_calls(text)
     except (ValueError, TypeError, KeyError):
         return []
 
@@ -209,6 +209,12 @@ def raw_call(obj_text: str, call_id: str = "") -> ToolCall:
     return ToolCall(obj["name"], args if isinstance(args, str) else obj_text[span[0]:span[1]], call_id)
 
 
+def raw_calls(text: str, new_id: Callable[[], str] = lambda: "") -> list[ToolCall]:
+    """``raw_call`` of each object of a complete JSON list of calls, or of one call object."""
+    spans = _list_items(text) if text.startswith("[") else [(0, len(text))]
+    return [raw_call(text[start:end], new_id()) for start, end in spans]
+
+
 def partial_call(obj_text: str, call_id: str = "") -> ToolCall | None:
     """The call a JSON object written so far shows: none until its name is complete, then
     the name and the arguments so far (the object's text, a prefix of ``raw_call``'s; a
@@ -333,8 +339,8 @@ def parse_mistral(text: str, names: Tools = frozenset()) -> Parsed:
         piece = piece.strip()
         try:
             if piece[:1] in ("[", "{"):
-                spans = _list_items(piece) if isinstance(json.loads(piece), list) else [(0, len(piece))]
-                calls += [raw_call(piece[a:b], mistral_id()) for a, b in spans]
+                json.loads(piece)  # ValueError unless the whole piece is JSON
+                calls += raw_calls(piece, mistral_id)
                 continue
             name, args = re.fullmatch(r"([\w.\-]+)\s*(?:\[ARGS\])?\s*(\{.*\})", piece, re.DOTALL).groups()
             if not isinstance(json.loads(args), dict):
@@ -512,8 +518,7 @@ def _bare_or_text(text: str, names: Tools, new_id: Callable[[], str] = lambda: "
         if not items or not all(isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] in names
                                 and ("arguments" in c or "parameters" in c) for c in items):
             return text, []
-        spans = _list_items(body) if isinstance(obj, list) else [(0, len(body))]
-        return None, [raw_call(body[a:b], new_id()) for a, b in spans]
+        return None, raw_calls(body, new_id)
     except ValueError:
         return text, []
 

@@ -81,6 +81,7 @@ class ModelDrafter:
                              "the transformers fallback drafts chains only")
         self.runtime = runtime
         self.cache = runtime.new_cache(num_slots)
+        self.can_copy = callable(getattr(self.cache, "copy", None))  # rows between slots (not llama.cpp)
         self.cached_ids: list[list[int]] = [[] for _ in range(num_slots)]  # ids behind each slot's KV
         self.target_vocab = target_vocab
         self.topk, self.max_nodes = topk, max_nodes
@@ -129,7 +130,7 @@ class ModelDrafter:
             if len(cached) >= len(s.ids):
                 del cached[len(s.ids) - 1:]
                 self.cache.rewind(s.slot, len(cached))
-        if callable(getattr(self.cache, "copy", None)):
+        if self.can_copy:
             for s in seqs:
                 self._copy_longest(s)
         feed = [s.ids[len(self.cached_ids[s.slot]):][: self.max_catch_up or None] for s in seqs]
@@ -180,7 +181,7 @@ class ModelDrafter:
         the others copy its rows and feed only their own tokens after it), where the cache can
         copy rows between slots and the part is longer than a round's 1-2 ids; else itself."""
         lead, shared = list(range(len(seqs))), [0] * len(seqs)
-        if len(seqs) < 2 or not callable(getattr(self.cache, "copy", None)):
+        if len(seqs) < 2 or not self.can_copy:
             return lead, shared
         first: dict[tuple, int] = {}
         for i, (s, toks) in enumerate(zip(seqs, feed)):

@@ -231,9 +231,9 @@ class _API:
                 raise bad_request(f"cannot encode the prompt: {type(e).__name__}: {e}",
                                   "messages" if chat else "prompt") from None
             max_tokens = req.requested_max_tokens if chat else req.max_tokens
-            if max_tokens is None:  # chat default: what the context window leaves (at most the model's default)
-                max_tokens = max(1, min(self.llm.context_window - len(ids),
-                                        self.llm.sampling_defaults.get("max_tokens", self.llm.context_window)))
+            default = max_tokens is None  # chat's default: the model's max_new_tokens, else all the
+            if default:  # context window leaves; make_sequences cuts it to what the window leaves
+                max_tokens = self.llm.sampling_defaults.get("max_tokens")
             if req.prompt_only:
                 max_tokens = 1  # one token is generated, then left out of the response
             sp = req.sampling(max_tokens, self.llm.sampling_defaults)
@@ -241,7 +241,8 @@ class _API:
                 sp = replace(sp, skip_special_tokens=False)  # the parser reads its special-token markers
             try:
                 seqs += self.llm.make_sequences({"prompt_token_ids": ids}, sp, num_draft_tokens=req.num_draft_tokens,
-                                                reasoning=chat and self.reasoning_parser is not None)
+                                                reasoning=chat and self.reasoning_parser is not None,
+                                                cap_max_tokens=default)
             except ValueError as e:
                 raise bad_request(str(e)) from None
             if not chat and req.echo:  # the prompt as given, or its ids' text

@@ -95,7 +95,7 @@ class _Request(_Strict):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
-    def sampling(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+    def sampling(self, max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
         """The request as ``SamplingParams``; a sampling field it leaves out takes ``defaults``
         (the model's generation config), else OpenAI's default."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
