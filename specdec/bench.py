@@ -223,7 +223,7 @@ def _specdec_runner(llm, sampling: dict):
         out = llm.generate({"prompt_token_ids": list(ids)}, sp, use_tqdm=False)[0]
         m = out.metrics
         stats = {k: m.get(k) for k in (
-            "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens",
+            "target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens", "verify_steps",
             "acceptance_rate", "mean_accepted_length", "nodes_per_verify_step",
             "accepted_per_position", "drafted_per_position", "chosen_k", "drafter_steps", "time_split_s")}
         return list(out.token_ids), {**stats, "ttft_s": m["time_split_s"]["prefill"]}  # prefill commits token 1
@@ -304,7 +304,7 @@ def _hf_runner(model, eos: list[int], device, sampling: dict, **extra):
             n = len(cut_after_eos(new, frozenset(eos)))
             drafted = counts["drafted_tokens"]
             stats.update(drafted_tokens=drafted, accepted_tokens=counts["accepted_tokens"],
-                         acceptance_rate=counts["accepted_tokens"] / drafted if drafted else None,
+                         verify_steps=counts["verify_steps"], acceptance_rate=counts["accepted_tokens"] / drafted if drafted else None,
                          # every round is one target forward (the first one includes the prompt)
                          mean_accepted_length=n / counts["verify_steps"] if counts["verify_steps"] else None)
         return new, stats
@@ -386,7 +386,7 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
         secs = {m: [] for m in runs}
         ttft = {m: [] for m in runs}
         outs = {m: [] for m in runs}
-        stats = {}
+        stats = {m: [] for m in runs}
         for r in range(args.repeats):
             for m, run in runs.items():
                 _sync(device)
@@ -396,11 +396,12 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
                 secs[m].append(time.perf_counter() - t0)
                 ttft[m].append(st.pop("ttft_s", None))
                 outs[m].append(cut_after_eos(ids, eos))
-                stats.setdefault(m, st)
+                stats[m].append(st)
         for m in runs:
             # greedy: every repeat is the same output, so the median time; sampled: the draws
             # differ in length, so their mean length over their mean time (all tokens / all seconds)
             sampled = args.temperature > 0
+            counters = pool_draws(stats[m]) if sampled else stats[m][0]  # greedy: the repeats agree
             first, n = outs[m][0], statistics.mean(len(o) for o in outs[m]) if sampled else len(outs[m][0])
             average = statistics.mean if sampled else statistics.median
             med = average(secs[m])
@@ -411,7 +412,7 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
             rec = {"id": p["id"], "prompt_tokens": len(p["ids"]), "generated_tokens": n,
                    "hit_eos": bool(first and first[-1] in eos), "seconds": secs[m], "median_s": med,
                    "tokens_per_s": n / med if med > 0 else None, "ttft_s": ttft[m],
-                   "median_decode_s": decode_s, "decode_tokens_per_s": decode, **stats[m],
+                   "median_decode_s": decode_s, "decode_tokens_per_s": decode, **counters,
                    "token_ids": first,
                    "repeats_identical": all(r == first for r in outs[m]), "_all_ids": outs[m]}
             records[m].append(rec)
@@ -597,7 +598,7 @@ def run_bench(args) -> int:
             accepted = sum(r["accepted_tokens"] or 0 for r in recs)
             s["acceptance_rate"] = accepted / drafted if drafted else None
             if m.startswith("specdec-"):  # verify steps exclude the prefill, which commits one token
-                steps = [r["target_forwards"] - 1 for r in recs]
+                steps = [r["verify_steps"] for r in recs]
                 committed = sum((r["mean_accepted_length"] or 0) * n for r, n in zip(recs, steps))
                 s["mean_accepted_length"] = committed / sum(steps) if sum(steps) else None
                 s["nodes_per_verify_step"] = drafted / sum(steps) if sum(steps) else None
@@ -851,6 +852,33 @@ def write_plot(path: Path, methods, summary, results, prompts, cost_curve) -> Pa
     return path
 
 
+# ratios a runner reports, each a count over the counter named here, so draws pool exactly
+RATIO_WEIGHTS = {"acceptance_rate": "drafted_tokens", "mean_accepted_length": "verify_steps",
+                 "nodes_per_verify_step": "verify_steps"}
+
+
+def pool_draws(draws: list[dict]) -> dict:
+    """One prompt's counters over its sampled draws, as the mean draw: counts, per-position
+    counts, chosen-k histograms and time splits averaged over the draws; the ratios of
+    ``RATIO_WEIGHTS`` averaged weighted by their denominators (all tokens over all steps)."""
+    pooled = {}
+    for key, value in draws[0].items():
+        values = [d.get(key) for d in draws]
+        if key in RATIO_WEIGHTS:
+            pairs = [(v, d.get(RATIO_WEIGHTS[key]) or 0) for v, d in zip(values, draws) if v is not None]
+            weight = sum(w for _, w in pairs)
+            pooled[key] = sum(v * w for v, w in pairs) / weight if weight else None
+        elif isinstance(value, dict):
+            pooled[key] = {k: sum(v.get(k, 0) for v in values) / len(draws) for k in {k for v in values for k in v}}
+        elif isinstance(value, list):
+            pooled[key] = [c / len(draws) for c in _sum_lists(values)]
+        elif isinstance(value, (int, float)) and None not in values:
+            pooled[key] = sum(values) / len(draws)
+        else:
+            pooled[key] = value
+    return pooled
+
+
 def _sum_lists(lists) -> list[int]:
     from .metrics import add_counts
 
@@ -890,7 +918,7 @@ def _tables(methods, summary, results, prompts, baselines) -> str:
         ratios = "".join(f" {_fmt(s[_vs(b, 'median')])}x |" for b in baselines)
         decode = "".join(f" {_fmt(s[_vs(b, 'median_decode')])}x |" for b in baselines)
         rows.append(f"| {m} | {_fmt(s['median_tokens_per_s'])} | {_fmt(s['aggregate_tokens_per_s'])} |{ratios} "
-                    f"{_fmt(s['median_decode_tokens_per_s'])} |{decode} {s['total_tokens']:.0f} | {s['target_forwards']} "
+                    f"{_fmt(s['median_decode_tokens_per_s'])} |{decode} {s['total_tokens']:.0f} | {_fmt(s['target_forwards'], 'g')} "
                     f"| {_fmt(s.get('acceptance_rate'))} | {_fmt(s.get('mean_accepted_length'))} "
                     f"| {_fmt(s.get('nodes_per_verify_step'))} "
                     f"| {' '.join(_fmt(a) for a in s.get('acceptance_by_depth') or []) or '-'} | {div} |")
@@ -924,6 +952,6 @@ def _tables(methods, summary, results, prompts, baselines) -> str:
             k = summary[m].get("chosen_k")
             steps = summary[m].get("drafter_steps")
             split.append(f"| {m} | " + " | ".join(_fmt(t[x]) for x in ("prefill", "draft", "verify", "bookkeeping"))
-                         + f" | {' '.join(map(str, k)) if k else '-'} "
-                         f"| {', '.join(f'{n} {c}' for n, c in steps.items()) if steps else '-'} |")
-    return text + "\n\nspecdec time split (summed over prompts) and the drafts chosen:\n\n" + "\n".join(split)
+                         + f" | {' '.join(_fmt(c, 'g') for c in k) if k else '-'} "
+                         f"| {', '.join(n + ' ' + _fmt(c, 'g') for n, c in steps.items()) if steps else '-'} |")
+    return text + "\n\nspecdec time split (summed over prompts; sampled: each prompt's mean draw) and the drafts chosen:\n\n" + "\n".join(split)

@@ -67,6 +67,7 @@ class Metrics:
             "draft_forwards": self.draft_forwards,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "verify_steps": self.verify_steps,
             "acceptance_rate": self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None,
             "mean_accepted_length": self.verify_committed / self.verify_steps if self.verify_steps else None,
             "nodes_per_verify_step": self.drafted_tokens / self.verify_steps if self.verify_steps else None,

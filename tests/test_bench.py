@@ -1,6 +1,8 @@
 """``specdec bench`` end to end on tiny models: every method runs, outputs agree, reports are written."""
 import json
 
+import pytest
+
 
 def test_bench_runs_all_kinds_of_methods(tiny_dirs, tmp_path, monkeypatch):
     from specdec.cli import main
@@ -138,3 +140,27 @@ def test_bench_sampled(tiny_dirs, tmp_path, capsys):
     assert "sampled: outputs are draws" in capsys.readouterr().out
     assert main(["bench", "--model", str(tiny_dirs["llama"]), "--temperature", "0.5", "--top-p", "0",
                  "--prompts-file", str(prompts), "--methods", "specdec-plain", "--out", str(out)]) == 2
+
+
+def test_pool_draws_means_counts_and_weights_ratios():
+    """Sampled draws pool into the mean draw: counts, lists and dicts averaged; each ratio
+    weighted by its denominator, so it equals all numerators over all denominators."""
+    from specdec.bench import pool_draws
+
+    a = {"target_forwards": 11, "drafted_tokens": 40, "accepted_tokens": 30, "verify_steps": 10,
+         "acceptance_rate": 0.75, "mean_accepted_length": 4.0, "nodes_per_verify_step": 4.0,
+         "chosen_k": [0, 0, 10], "drafter_steps": {"ngram": 10}, "time_split_s": {"draft": 1.0},
+         "accepted_per_position": [9, 8], "ttft_s": None}
+    b = {"target_forwards": 31, "drafted_tokens": 10, "accepted_tokens": 0, "verify_steps": 30,
+         "acceptance_rate": 0.0, "mean_accepted_length": 1.0, "nodes_per_verify_step": 1 / 3,
+         "chosen_k": [20, 10], "drafter_steps": {"draft": 10}, "time_split_s": {"draft": 3.0},
+         "accepted_per_position": [0], "ttft_s": None}
+    pooled = pool_draws([a, b])
+    assert pooled["target_forwards"] == 21 and pooled["drafted_tokens"] == 25
+    assert pooled["acceptance_rate"] == pytest.approx(30 / 50)
+    assert pooled["mean_accepted_length"] == pytest.approx((40 + 30) / 40)
+    assert pooled["nodes_per_verify_step"] == pytest.approx(50 / 40)
+    assert pooled["chosen_k"] == [10, 5, 5] and pooled["accepted_per_position"] == [4.5, 4]
+    assert pooled["drafter_steps"] == {"ngram": 5, "draft": 5} and pooled["time_split_s"] == {"draft": 2.0}
+    assert pooled["ttft_s"] is None
+    assert pool_draws([a]) == {**a, "chosen_k": [0, 0, 10], "accepted_per_position": [9, 8]}
