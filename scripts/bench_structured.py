@@ -32,7 +32,7 @@ MESSAGES = [{"role": "user", "content": "Describe a Python function that checks 
 
 def main(repeats: int) -> None:
     torch.set_num_threads(2)
-    target, draft = load_model(TARGET, backend="torch"), load_model(DRAFT, backend="torch", draft=True)
+    target, draft = load_model(TARGET, backend="torch"), load_model(DRAFT, backend="torch")
     llms = {"plain": LLM(target), "ngram": LLM(target, speculative=SpecConfig(method="ngram")),
             "draft": LLM(target, draft=draft, speculative=SpecConfig(method="draft")),
             "hybrid": LLM(target, draft=draft, speculative=SpecConfig(method="hybrid"))}

@@ -1,10 +1,12 @@
 """The Python API: ``LLM(...).generate(prompts, SamplingParams(...))``, in the spirit of vLLM."""
 from __future__ import annotations
 
+import random
 import time
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Union
+from typing import Union
 
 from tqdm.auto import tqdm
 
@@ -56,10 +58,11 @@ class CompletionOutput:
 class RequestOutput:
     """One prompt's result (as vLLM's): ``outputs`` holds its ``SamplingParams.n`` completions;
     ``text``, ``token_ids`` and ``finish_reason`` are the first one's. ``metrics`` add up
-    the completions' counters (``Metrics.to_dict``; wall time: the longest)."""
+    the completions' counters (``Metrics.to_dict``; wall time: the longest). ``prompt``: the
+    prompt's text (a chat's: as its template renders it; None for ``prompt_token_ids``)."""
 
-    request_id: int
-    prompt: Any
+    request_id: str
+    prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: dict
@@ -85,7 +88,15 @@ def encode_prompt(tok, prompt: Prompt, chat: dict | None = None) -> list[int]:
     """Token ids for a text prompt, a chat (list of messages), ``{"prompt": text}`` or
     ``{"prompt_token_ids": ...}`` (vLLM's TextPrompt and TokensPrompt).
     ``chat``: keyword arguments for the tokenizer's ``apply_chat_template`` (default: a
-    generation prompt after the messages), e.g. ``{"enable_thinking": False}`` for Qwen3."""
+    generation prompt after the messages), e.g. ``{"enable_thinking": False}`` for Qwen3, or
+    ``{"chat_template": ...}``, a Jinja template instead of the tokenizer's."""
+    return render_prompt(tok, prompt, chat)[1]
+
+
+def render_prompt(tok, prompt: Prompt, chat: dict | None = None) -> tuple[str | None, list[int]]:
+    """``(text, token ids)`` of a prompt (see ``encode_prompt``): the text as given, a chat's
+    as its template renders it, None for ``{"prompt_token_ids": ...}``."""
+    text = None
     if isinstance(prompt, dict) and "prompt" in prompt and "prompt_token_ids" not in prompt:
         prompt = prompt["prompt"]  # vLLM's TextPrompt
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -95,8 +106,8 @@ def encode_prompt(tok, prompt: Prompt, chat: dict | None = None) -> list[int]:
             raise ValueError("a chat prompt must be a list of {'role': ..., 'content': ...} messages")
         if not prompt:
             raise ValueError("the chat prompt has no messages")
-        if not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; pass plain text")
+        if not (chat or {}).get("chat_template") and not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass plain text (or a chat_template)")
         options = {"add_generation_prompt": True, **(chat or {})}
         if options.get("continue_final_message"):  # the last (assistant) message is continued
             options["add_generation_prompt"] = False
@@ -105,13 +116,13 @@ def encode_prompt(tok, prompt: Prompt, chat: dict | None = None) -> list[int]:
     elif isinstance(prompt, str):
         if not prompt:
             raise ValueError("the prompt is empty")
-        ids = tok(prompt)["input_ids"]
+        text, ids = prompt, tok(prompt)["input_ids"]
     else:
         raise ValueError(f"a prompt must be text, a list of chat messages, {{'prompt': text}} or "
                          f"{{'prompt_token_ids': [...]}}, not {type(prompt).__name__}")
     if not ids:
         raise ValueError("the prompt is empty after tokenization")
-    return ids
+    return text, ids
 
 
 class LLM:
@@ -136,6 +147,9 @@ class LLM:
     (``SpecConfig.from_vllm``). ``generation_config``: where default sampling comes from
     (``get_default_sampling_params``): ``"auto"``, the target's ``generation_config.json``
     (vLLM's default); ``"vllm"``, ``SamplingParams()``; or a directory holding one.
+    ``seed``: vLLM's global seed; requests without a seed of their own draw their random
+    generators' seeds from it in order, so an LLM made with the same seed and given the same
+    requests samples the same (None: each unseeded request draws a fresh seed).
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
@@ -144,7 +158,7 @@ class LLM:
                  draft_backend: str | None = None, repack: bool = True, load_format: str = "auto",
                  chunked_prefill_size: int | None = None, max_model_len: int | None = None,
                  enforce_eager: bool = False, speculative_config: dict | None = None,
-                 generation_config: str = "auto"):
+                 generation_config: str = "auto", seed: int | None = None):
         if speculative_config is not None:
             if speculative is not None or draft is not None:
                 raise ValueError("give speculative_config (vLLM's form) or speculative / draft, not both")
@@ -156,7 +170,8 @@ class LLM:
                                           backend=backend, draft_backend=draft_backend, repack=repack,
                                           load_format=load_format, chunked_prefill_size=chunked_prefill_size,
                                           max_model_len=max_model_len, enforce_eager=enforce_eager,
-                                          generation_config=generation_config)
+                                          generation_config=generation_config, seed=seed)
+        device = self.engine_config.device
         if generation_config not in ("auto", "vllm") and not (Path(generation_config) / "generation_config.json").is_file():
             raise ValueError(f"generation_config {generation_config!r} is not 'auto', 'vllm' or a directory "
                              "with a generation_config.json")
@@ -175,7 +190,7 @@ class LLM:
 
             if not isinstance(draft, LoadedModel):
                 draft = load_model(draft, device, self.engine_config.dtype, draft_backend or backend,
-                                   quantize=speculative.draft_quantization, draft=True, repack=repack,
+                                   quantize=speculative.draft_quantization, repack=repack,
                                    load_format=load_format, max_model_len=max_model_len,
                                    enforce_eager=enforce_eager)
             self.draft = draft
@@ -198,6 +213,7 @@ class LLM:
         self.grammars = Grammars(self.tokenizer, self.target.runtime.vocab_size, self.target.eos_ids)
         self.last_run_metrics: Metrics | None = None
         self._next_id = 0
+        self._seeds = None if seed is None else random.Random(seed)  # unseeded requests' seeds
 
     def _generation_defaults(self, source: str) -> dict:
         """``SamplingParams`` fields from ``generation_config`` (see ``EngineConfig``),
@@ -261,40 +277,55 @@ class LLM:
         return self.tokenizer
 
     def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None, *,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """``generate`` for one conversation or a list of them, as vLLM's ``LLM.chat``:
+        ``chat_template``: a Jinja template instead of the tokenizer's;
         ``chat_template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``);
         ``continue_final_message`` continues the last (assistant) message instead of
         starting a new one; ``tools`` (OpenAI's function specs) go to the template, which
-        lists them for the model (reading calls from the text: ``specdec.tools``)."""
+        lists them for the model (reading calls from the text: ``specdec.tools``). Each
+        output's ``prompt`` is the conversation as the template renders it."""
+        if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
+            raise ValueError(f"chat_template must be a Jinja template (a non-empty string), got {chat_template!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         options = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {}),
+                   **({"chat_template": chat_template} if chat_template else {}),
                    "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
-        outs = self.generate([{"prompt_token_ids": self.encode(c, options)} for c in conversations], sampling_params,
-                             use_tqdm=use_tqdm)
-        for out, conversation in zip(outs, conversations):
-            out.prompt = conversation
+        rendered = [render_prompt(self.tokenizer, c, options) for c in conversations]
+        outs = self.generate([{"prompt_token_ids": ids} for _, ids in rendered], sampling_params, use_tqdm=use_tqdm)
+        for out, (text, _) in zip(outs, rendered):
+            out.prompt = text
         return outs
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+    def generate(self, prompts: Prompt | SequenceOf[Prompt],
+                 sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None, *,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in order, run as one batch (``sampling_params``:
-        one for all or one per prompt; default ``get_default_sampling_params()``).
+        one for all or a sequence of one per prompt; default ``get_default_sampling_params()``).
         ``use_tqdm``: a progress bar of finished completions on stderr, when it is a terminal
         (as vLLM's)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], dict) and "role" in prompts[0]):
             prompts = [prompts]
         defaults = sampling_params is None  # the model's max_new_tokens is capped to the context, not an error
-        sampling_params = sampling_params or self.get_default_sampling_params()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if defaults:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, SequenceOf) and not isinstance(sampling_params, str) and all(
+                isinstance(sp, SamplingParams) for sp in sampling_params):
+            params = list(sampling_params)
+        else:
+            raise ValueError("sampling_params must be a SamplingParams or a sequence of them (one per prompt), "
+                             f"got {type(sampling_params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        groups = [self.make_sequences(p, sp, cap_max_tokens=defaults) for p, sp in zip(prompts, params)]  # n per prompt
+        rendered = [render_prompt(self.tokenizer, p) for p in prompts]  # (text, ids) per prompt
+        groups = [self.make_sequences({"prompt_token_ids": ids}, sp, cap_max_tokens=defaults)
+                  for (_, ids), sp in zip(rendered, params)]  # n per prompt
         seqs = [s for group in groups for s in group]
         start = time.perf_counter()
         for s in seqs:
@@ -303,7 +334,7 @@ class LLM:
             while self.engine.has_work:
                 bar.update(len(self.engine.step()))
         self.last_run_metrics = run_metrics([s.metrics for s in seqs], time.perf_counter() - start)
-        return [self._output(group, p) for group, p in zip(groups, prompts)]
+        return [self._output(group, text) for group, (text, _) in zip(groups, rendered)]
 
     def make_sequences(self, prompt: Prompt, sp: SamplingParams, *,
                        num_draft_tokens: int | None = None, reasoning: bool = False,
@@ -341,15 +372,16 @@ class LLM:
         seqs = []
         for i in range(sp.n):
             seed = None if sp.seed is None else (sp.seed + i) % 2 ** 64
+            draw = seed if seed is not None or self._seeds is None else self._seeds.getrandbits(64)  # LLM(seed=)
             self._next_id += 1
             seqs.append(Sequence(request_id=self._next_id, ids=list(ids), prompt_len=len(ids),
                                  sampling=replace(sp, seed=seed) if i else sp,
-                                 generator=make_generator(seed, self.target.runtime.device),
+                                 generator=make_generator(draw, self.target.runtime.device),
                                  eos_ids=eos_ids, num_draft_tokens=num_draft_tokens,
                                  grammar=grammar and (grammar.copy() if i else grammar), bad_words_ids=bad_words))
         return seqs
 
-    def _output(self, seqs: list[Sequence], prompt: Prompt) -> RequestOutput:
+    def _output(self, seqs: list[Sequence], prompt: str | None) -> RequestOutput:
         """The request's result from its completions' sequences."""
         first = seqs[0]
         prompt_ids = first.ids[:first.prompt_len]
@@ -357,8 +389,9 @@ class LLM:
         prompt_logprobs = None
         if first.sampling.prompt_logprobs is not None:
             prompt_logprobs = [None] + self._logprobs(prompt_ids[1:], first.prompt_token_logprobs)
-        return RequestOutput(first.request_id, prompt, prompt_ids, [self._completion(i, s) for i, s in enumerate(seqs)],
-                             metrics.to_dict(), prompt_logprobs=prompt_logprobs)
+        outputs = [self._completion(i, s) for i, s in enumerate(seqs)]
+        return RequestOutput(str(first.request_id), prompt, prompt_ids, outputs, metrics.to_dict(),
+                             prompt_logprobs=prompt_logprobs)
 
     def _completion(self, index: int, s: Sequence) -> CompletionOutput:
         text = s.text if s.text is not None else output_text(self.tokenizer, s.output_ids, s.sampling)

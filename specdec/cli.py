@@ -82,7 +82,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", "--max-new-tokens", type=int,
                    help=f"tokens to generate at most (default {SamplingParams.max_tokens})")
     g.add_argument("--temperature", type=float, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, help="0 = off (default)")
+    g.add_argument("--top-k", type=int, help="0 or -1 = off (default)")
     g.add_argument("--top-p", type=float, help="1 = off (default)")
     g.add_argument("--min-p", type=float,
                    help="drop tokens less likely than this times the most likely one (0 = off, default)")
@@ -97,6 +97,9 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="keep the stop string (or stop token) at the end of the text")
     g.add_argument("--skip-special-tokens", action=argparse.BooleanOptionalAction, default=True,
                    help="leave special tokens out of the text (default on)")
+    g.add_argument("--spaces-between-special-tokens", action=argparse.BooleanOptionalAction, default=True,
+                   help="a slow (Python) tokenizer's text puts a space around added and special tokens "
+                        "(vLLM's; a fast tokenizer decodes as it does; default on)")
     g.add_argument("--repetition-penalty", type=float,
                    help="divide (multiply) the positive (negative) logits of tokens in the prompt or "
                         "output by this (1 = off, default)")
@@ -153,6 +156,7 @@ def sampling_from_args(a, defaults: dict | None = None) -> SamplingParams:
                           stop_token_ids=tuple(a.stop_token_ids), ignore_eos=a.ignore_eos, min_tokens=a.min_tokens,
                           include_stop_str_in_output=a.include_stop_str_in_output,
                           skip_special_tokens=a.skip_special_tokens,
+                          spaces_between_special_tokens=a.spaces_between_special_tokens,
                           presence_penalty=a.presence_penalty,
                           frequency_penalty=a.frequency_penalty, logit_bias=parse_logit_bias(a.logit_bias),
                           n=a.n, logprobs=a.logprobs, prompt_logprobs=a.prompt_logprobs,

@@ -16,6 +16,7 @@ Every invalid value raises ``ValueError`` with a one-line message naming the fie
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, fields
 
 METHODS = ("none", "draft", "ngram", "self", "hybrid")
@@ -31,9 +32,35 @@ GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
+# device forms EngineConfig takes (torch's names; None = cuda if available, else cpu)
+DEVICE = re.compile(r"(cpu|cuda)(:[0-9]+)?")
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(msg)
+
+
+_KINDS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"), "bool": ((bool,), "true or false")}
+
+
+def _check_types(config) -> None:
+    """Every int, float and bool field of ``config`` (a dataclass; ``X | None`` also None)
+    holds one, as JSON would say: a bool is no number, an int is a float."""
+    for f in fields(config):
+        kind, _, rest = f.type.partition(" | ")
+        if kind in _KINDS:
+            value, (types, what) = getattr(config, f.name), _KINDS[kind]
+            optional = rest == "None"
+            ok = isinstance(value, types) and isinstance(value, bool) == (kind == "bool")
+            _check(ok or (value is None and optional), f"{f.name} must be {what}{' or None' if optional else ''}, "
+                                                       f"got {value!r}")
+
+
+def check_device(device) -> None:
+    """``device`` is None or one of the forms ``DEVICE`` takes."""
+    _check(device is None or (isinstance(device, str) and DEVICE.fullmatch(device) is not None),
+           f"unknown device {device!r}; use cpu, cuda or cuda:N (N: the GPU's index; default: cuda if available)")
 
 
 @dataclass(frozen=True)
@@ -123,6 +150,9 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token) in the text
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    # vLLM's: a space between an added (or special) token and the text around it, where a
+    # slow (Python) tokenizer decodes (sequence.output_text); a fast one decodes as it does
+    spaces_between_special_tokens: bool = True
     # penalties on the logits, greedy included, before temperature (as in vLLM): repetition
     # (transformers' and vLLM's: a token seen in the prompt or output has a positive logit
     # divided by it, a negative one multiplied), then OpenAI's presence (minus this once for
@@ -149,6 +179,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        _check_types(self)
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
@@ -164,16 +195,16 @@ class SamplingParams:
                "structured_outputs must be a StructuredOutputs (or a dict of its fields)")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
         object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
-        _check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        _check(self.max_tokens is None or self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
-               f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        _check(self.top_k >= -1, f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+        object.__setattr__(self, "top_k", max(self.top_k, 0))  # vLLM's -1: all tokens
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids must be token ids (integers >= 0)")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
+        _check(0 <= self.min_tokens <= (self.max_tokens or self.min_tokens),
                f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop strings must be non-empty strings")
@@ -187,11 +218,10 @@ class SamplingParams:
             _check(-2 <= value <= 2, f"{name} must be in [-2, 2] (0 = off), got {value}")
         _check(all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
                "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, int) and value >= 0),
-                   f"{name} must be an integer >= 0 (or None = off), got {value!r}")
+            _check(value is None or value >= 0, f"{name} must be an integer >= 0 (or None = off), got {value!r}")
 
     @property
     def greedy(self) -> bool:
@@ -231,9 +261,10 @@ class SpecConfig:
     cost_model: bool = False
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.method in METHODS,
                f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        _check(isinstance(self.num_draft_tokens, int) and self.num_draft_tokens >= 1,
+        _check(self.num_draft_tokens >= 1,
                f"num_draft_tokens (k) must be an integer >= 1, got {self.num_draft_tokens!r}")
         _check(1 <= self.ngram_min <= self.ngram_max,
                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
@@ -295,7 +326,8 @@ DTYPE_ALIASES = {"auto": None, "half": "float16", "float": "float32"}  # vLLM's 
 class EngineConfig:
     """Where and how the models run."""
 
-    device: str | None = None  # None = cuda if available, else cpu
+    # cpu, cuda or cuda:N (a torch.device: its name); None = cuda if available, else cpu
+    device: str | None = None
     dtype: str | None = None  # None (or "auto") = float32 on cpu, bfloat16 on cuda; "half", "float": vLLM's aliases
     max_batch_size: int = 8
     backend: str = "auto"  # auto | torch | hf | llamacpp  (hf = transformers' own model and cache)
@@ -318,15 +350,21 @@ class EngineConfig:
     # leaves out): "auto" = the target's generation_config.json, as vLLM's; "vllm" = none
     # (SamplingParams' own defaults); else a directory holding a generation_config.json
     generation_config: str = "auto"
+    # vLLM's global seed: requests without a seed of their own draw their generators' seeds
+    # from it, in order (the same in every LLM made with it); None = a fresh seed each
+    seed: int | None = None
 
     def __post_init__(self) -> None:
+        _check_types(self)
+        if hasattr(self.device, "type") and hasattr(self.device, "index"):  # a torch.device
+            object.__setattr__(self, "device", str(self.device))
+        check_device(self.device)
         _check(isinstance(self.generation_config, str) and self.generation_config != "",
                f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
         _check(self.max_batch_size >= 1, f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        _check(self.chunked_prefill_size is None or (isinstance(self.chunked_prefill_size, int)
-                                                     and self.chunked_prefill_size >= 0),
+        _check(self.chunked_prefill_size is None or self.chunked_prefill_size >= 0,
                f"chunked_prefill_size must be an integer >= 0 (0 = off), got {self.chunked_prefill_size!r}")
-        _check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+        _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be an integer >= 1, got {self.max_model_len!r}")
         for name in ("backend", "draft_backend"):
             value = getattr(self, name)

@@ -331,52 +331,64 @@ class Engine:
                    for t in batch)
 
     def _commit(self, s: Sequence, tokens: list[int]) -> int:
+        """Commit a round's verified ``tokens`` as plain decoding would, one at a time: a
+        token ends the output if it is an EOS or stop token, else if the output's text then
+        holds a stop string; the budget cuts the rest."""
+        before = s.num_output
         kept, hit_eos = truncate(tokens, s.remaining, s.eos_ids)
         s.ids.extend(kept)
-        if s.grammar is not None:
-            s.grammar.advance(kept)
-        if hit_eos or self._hit_stop_string(s, len(kept)):
+        stop = self._stop_string(s, before, before + len(kept) - hit_eos)  # an EOS ends its step first
+        if stop is not None:
+            end, s.text, s.stop_reason = stop
+            del s.ids[s.prompt_len + end:]
+            kept, hit_eos = kept[: end - before], False
             s.finish_reason = "stop"
-            if hit_eos:  # an EOS or stop token (a stop string set its own reason and text)
-                last, sp = kept[-1], s.sampling
-                if last in sp.stop_token_ids and (sp.ignore_eos or last not in self.target.eos_ids):
-                    s.stop_reason = last  # vLLM's: a stop token, not the model's EOS
-                if not sp.include_stop_str_in_output:  # the token is not in the text (vLLM's rule)
-                    s.text = output_text(self.target.tokenizer, s.output_ids[:-1], sp)
+        elif hit_eos:
+            s.finish_reason = "stop"
+            last, sp = kept[-1], s.sampling
+            if last in sp.stop_token_ids and (sp.ignore_eos or last not in self.target.eos_ids):
+                s.stop_reason = last  # vLLM's: a stop token, not the model's EOS
+            if not sp.include_stop_str_in_output:  # the token is not in the text (vLLM's rule)
+                s.text = output_text(self.target.tokenizer, s.output_ids[:-1], sp)
         elif s.remaining == 0:
             s.finish_reason = "length"
+        if s.grammar is not None:
+            s.grammar.advance(kept)
         del s.token_logprobs[s.num_output:]  # captured for tokens cut at EOS / budget / stop
         return len(kept)
 
-    def _hit_stop_string(self, s: Sequence, num_new: int) -> bool:
-        """Cut ``s`` after the token that completes a stop string; the text ends before it
-        (after it with ``include_stop_str_in_output``). A stop string within the first
-        ``min_tokens`` tokens' text does not count."""
-        sp = s.sampling
-        if not sp.stop or num_new == 0 or s.num_output <= sp.min_tokens:
-            return False
+    def _stop_string(self, s: Sequence, before: int, after: int) -> tuple[int, str, str] | None:
+        """The stop string plain decoding would meet between output lengths ``before`` and
+        ``after``: the fewest output tokens whose text holds one (a step within the first
+        ``min_tokens`` tokens does not count, nor does their text), as ``(output tokens kept,
+        text, stop string)``; the text ends before the stop string (after it with
+        ``include_stop_str_in_output``), and of several in that text, the one that starts first.
 
-        def find(text: str) -> tuple[int, str] | None:  # the first stop string that counts: (where, which)
-            hits = [(text.find(stop, max(0, start - len(stop) + 1)), stop) for stop in sp.stop]
-            return min(((i, stop) for i, stop in hits if i >= 0), default=None)
-
-        def decode(ids: list[int]) -> str:
-            return output_text(self.target.tokenizer, ids, sp)
-
+        Each step's text is the decode of the output so far. Decoding is prefix-stable but for
+        a character still incomplete at the end (U+FFFD until its last byte comes) and a
+        tokenizer's space clean-up, so where no stop string holds U+FFFD and the tokenizer
+        cleans up nothing, the last step's text tells whether any step holds one."""
+        sp, tokenizer = s.sampling, self.target.tokenizer
+        first = max(before, sp.min_tokens) + 1
+        if not sp.stop or first > after:
+            return None
         out = s.output_ids
-        start = len(decode(out[:sp.min_tokens])) if sp.min_tokens else 0
-        text = decode(out)
-        hit = find(text)
-        if hit is None:
-            return False
-        for m in range(max(len(out) - num_new, sp.min_tokens) + 1, len(out) + 1):  # fewest tokens that reach it
-            if find(decode(out[:m])) is not None:
-                del s.ids[s.prompt_len + m:]
-                break
-        cut, stop = hit
-        s.text = text[:cut + len(stop) if sp.include_stop_str_in_output else cut]
-        s.stop_reason = stop
-        return True
+        start = len(output_text(tokenizer, out[:sp.min_tokens], sp)) if sp.min_tokens else 0
+
+        def hit(m: int) -> tuple[int, str, str] | None:
+            text = output_text(tokenizer, out[:m], sp)
+            found = [(i, stop) for i, stop in ((text.find(stop, max(0, start - len(stop) + 1)), stop)
+                                               for stop in sp.stop) if i >= 0]
+            if not found:
+                return None
+            at, stop = min(found)
+            return m, text[:at + len(stop) if sp.include_stop_str_in_output else at], stop
+
+        stable = not getattr(tokenizer, "clean_up_tokenization_spaces", False) and \
+            not any("\ufffd" in stop for stop in sp.stop)
+        if stable and hit(after) is None:  # one decode: no step of the round holds one
+            return None
+        return next((h for h in map(hit, range(first, after + 1)) if h is not None), None)
 
     def _retire(self) -> list[Sequence]:
         done = [s for s in self.running if s.finished]

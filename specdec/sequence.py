@@ -14,8 +14,26 @@ if TYPE_CHECKING:
 
 
 def output_text(tokenizer, ids: list[int], sp: SamplingParams) -> str:
-    """The text of output ``ids``, special tokens left out unless ``sp`` keeps them."""
-    return tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+    """The text of output ``ids``, special tokens left out unless ``sp`` keeps them. As in
+    vLLM, a slow (Python) tokenizer with added tokens (specials among them) decodes the runs
+    between them apart, joined by a space with ``sp.spaces_between_special_tokens`` (by
+    nothing without); a fast one decodes the whole, as it is."""
+    added = {} if getattr(tokenizer, "is_fast", True) else tokenizer.get_added_vocab()
+    if not added:
+        return tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
+    specials, pieces, run = set(tokenizer.all_special_ids), [], []
+    for t in ids:
+        if sp.skip_special_tokens and t in specials:
+            continue
+        token = tokenizer.convert_ids_to_tokens(t)
+        if token in added:
+            pieces += [tokenizer.convert_tokens_to_string(run)] if run else []
+            pieces.append(token)
+            run = []
+        else:
+            run.append(token)
+    pieces += [tokenizer.convert_tokens_to_string(run)] if run else []
+    return (" " if sp.spaces_between_special_tokens else "").join(pieces)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -17,7 +17,21 @@ from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
     (lambda: SamplingParams(top_p=0.0), "top_p"),
     (lambda: SamplingParams(top_p=1.5), "top_p"),
     (lambda: SamplingParams(max_tokens=0), "max_tokens"),
-    (lambda: SamplingParams(top_k=-1), "top_k"),
+    (lambda: SamplingParams(top_k=-2), "top_k must be"),
+    (lambda: SamplingParams(temperature="0.5"), "temperature must be a number, got '0.5'"),
+    (lambda: SamplingParams(top_p=None), "top_p must be a number, got None"),
+    (lambda: SamplingParams(max_tokens=True), "max_tokens must be an integer or None, got True"),
+    (lambda: SamplingParams(n=2.0), "n must be an integer, got 2.0"),
+    (lambda: SamplingParams(ignore_eos=1), "ignore_eos must be true or false, got 1"),
+    (lambda: SamplingParams(logprobs="3"), "logprobs must be an integer or None"),
+    (lambda: SpecConfig(method="ngram", num_draft_tokens="4"), "num_draft_tokens must be an integer, got '4'"),
+    (lambda: SpecConfig(cost_model=None), "cost_model must be true or false"),
+    (lambda: EngineConfig(max_batch_size=None), "max_batch_size must be an integer, got None"),
+    (lambda: EngineConfig(enforce_eager="no"), "enforce_eager must be true or false"),
+    (lambda: EngineConfig(seed=1.5), "seed must be an integer or None"),
+    (lambda: EngineConfig(device="bogus"), "unknown device 'bogus'; use cpu, cuda or cuda:N"),
+    (lambda: EngineConfig(device="cuda:x"), "unknown device"),
+    (lambda: EngineConfig(device=0), "unknown device 0"),
     (lambda: EngineConfig(load_format="zeros"), "unknown load_format"),
     (lambda: EngineConfig(draft_backend="llamacpp", load_format="dummy"), "GGUF's own weights"),
     (lambda: EngineConfig(chunked_prefill_size=-1), "chunked_prefill_size"),
@@ -37,7 +51,24 @@ def test_config_errors(make, match):
         make()
 
 
+def test_config_types_and_vllm_values():
+    """An int is a number (float fields take it), a bool is not; vLLM's top_k -1 (all tokens)
+    is off, as 0; a device takes vLLM's forms (a torch.device too)."""
+    sp = SamplingParams(temperature=1, top_p=1, repetition_penalty=2, presence_penalty=1)
+    assert (sp.temperature, sp.top_p) == (1, 1)
+    assert SamplingParams(top_k=-1).top_k == 0 == SamplingParams(top_k=0).top_k and SamplingParams(top_k=5).top_k == 5
+    assert [EngineConfig(device=d).device for d in ("cpu", "cuda", "cuda:1", None)] == ["cpu", "cuda", "cuda:1", None]
+    assert EngineConfig(device=torch.device("cpu")).device == "cpu"
+    from specdec.runtime.loading import pick_device
+
+    with pytest.raises(ValueError, match="unknown device 'bogus'"):
+        pick_device("bogus")
+    assert pick_device("cpu") == torch.device("cpu")
+
+
 def test_model_errors(tmp_path, tiny_dirs, loaded):
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        LLM(loaded("llama"), device="gpu")
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="needs a draft model"):
@@ -73,6 +104,8 @@ def run_cli(*args):
     (["--prompt", "hi", "--method", "draft"], "needs a draft model"),
     (["--prompt", "hi", "--speculative-config", "{method: ngram}"], "not valid JSON"),
     (["--prompt", "hi", "--method", "ngram", "--speculative-config", '{"method": "ngram"}'], "drop --method"),
+    (["--prompt", "hi", "--device", "bogus"], "unknown device 'bogus'"),
+    (["--prompt", "hi", "--top-k", "-2"], "top_k"),
 ])
 def test_cli_errors_exit_2_one_line(args, match):
     r = run_cli("generate", *args)
@@ -123,6 +156,15 @@ def test_vllm_prompt_dtype_and_tokenizer(loaded, tiny_dirs):
     assert [EngineConfig(dtype=d).dtype for d in ("auto", "half", "float", "bfloat16")] == \
         [None, "float16", "float32", "bfloat16"]
     assert LLM(str(tiny_dirs["llama"]), device="cpu", dtype="float").target.runtime.dtype == torch.float32
+
+
+def test_cli_top_k_minus_one_is_off(tiny_dirs):
+    """vLLM's --top-k -1 (all tokens) samples as 0 (off)."""
+    common = ("generate", "--model", str(tiny_dirs["llama"]), "--prompt", "The quick brown fox", "--json",
+              "--max-new-tokens", "8", "--ignore-eos", "--temperature", "1.5", "--seed", "5")
+    off, minus_one = (run_cli(*common, "--top-k", k) for k in ("0", "-1"))
+    assert minus_one.returncode == 0, minus_one.stderr
+    assert json.loads(minus_one.stdout)["token_ids"] == json.loads(off.stdout)["token_ids"]
 
 
 def test_cli_unknown_method_and_empty_prompt(tiny_dirs):

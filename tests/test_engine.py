@@ -211,6 +211,46 @@ def test_stop_string_cuts_text(loaded):
         assert o.text == base.text[:cut + len(stop)] and o.finish_reason == "stop"
 
 
+def test_stop_strings_met_as_plain_decoding_meets_them(loaded):
+    """A round commits several tokens; each must end the output where plain decoding, one
+    token a step, would: a stop string before a stop token later in the round; of two stop
+    strings in one round, the one whose text comes first (the short one inside the long
+    one completes first); a stop string seen only while a character is incomplete (U+FFFD)."""
+    tok = loaded("llama").tokenizer
+    out = plain(loaded, "llama", [PROMPTS[0]])[0]
+    chars = [tok.decode([t]) for t in out.token_ids]
+    i = next(i for i in range(1, N - 3) if all(len(c) == 1 and c.isascii() and c.isprintable() for c in chars[i:i + 3])
+             and chars[i + 1] not in "".join(chars[:i + 1]) and out.token_ids[i + 2] not in out.token_ids[:i + 2])
+    cases = [SamplingParams(max_tokens=N, ignore_eos=True, stop=[chars[i + 1]], stop_token_ids=[out.token_ids[i + 2]]),
+             SamplingParams(max_tokens=N, ignore_eos=True, stop=["".join(chars[i:i + 3]), chars[i + 1]]),
+             SamplingParams(max_tokens=N, ignore_eos=True, stop=["\ufffd\ufffd"]),
+             SamplingParams(max_tokens=N, ignore_eos=True, stop=["\ufffd"], min_tokens=6)]
+    self_draft = spec(loaded, "llama", "self", k=6)  # accepts every draft: rounds of 7 tokens
+    for sp in cases:
+        want = plain(loaded, "llama", PROMPTS, sp)
+        got = self_draft.generate(PROMPTS, sp)
+        assert [(o.token_ids, o.text, o.outputs[0].stop_reason) for o in got] == \
+               [(o.token_ids, o.text, o.outputs[0].stop_reason) for o in want], sp.stop
+    assert want[0].finish_reason == "stop"
+    first = plain(loaded, "llama", [PROMPTS[0]], cases[1])[0].outputs[0]
+    assert first.stop_reason == chars[i + 1] and first.text == out.text[: out.text.find(chars[i + 1])]
+
+
+def test_draft_narrower_than_the_target(loaded, tmp_path):
+    """A draft whose embedding lacks the target's last ids (added tokens, padded rows) drafts
+    past them in the prompt and the output (fed as id 0) instead of failing."""
+    from tiny import make_tiny
+
+    from specdec.runtime import load_model
+
+    narrow = load_model(str(make_tiny(tmp_path / "narrow", "llama", seed=31, layers=1, vocab=258)), device="cpu")
+    prompt = {"prompt_token_ids": [65, 66, 260, 67, 261]}
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, logit_bias={262: 100.0})  # the output holds 262 too
+    want = LLM(loaded("llama")).generate(prompt, sp)[0].token_ids
+    got = LLM(loaded("llama"), draft=narrow, speculative=SpecConfig(method="draft", num_draft_tokens=3)).generate(prompt, sp)[0]
+    assert list(got.token_ids) == list(want) and 262 in want
+
+
 def test_special_tokens_in_text(loaded):
     """The EOS or stop token that ends a request is not in its text (vLLM's rule), unless
     ``include_stop_str_in_output``; EOS, a special token, then shows only with
@@ -232,6 +272,54 @@ def test_special_tokens_in_text(loaded):
         assert o.token_ids == base.token_ids[:j + 1] and o.text == tok.decode(base.token_ids[:j + include])
         assert o.outputs[0].stop_reason == t
     assert base.outputs[0].stop_reason is None and base.finish_reason == "length"
+
+
+def test_spaces_between_special_tokens():
+    """vLLM's ``spaces_between_special_tokens``: a slow tokenizer's added tokens get a space
+    each side (default) or none; a fast tokenizer decodes as it does, either way."""
+    from transformers import PythonBackend
+
+    from specdec.sequence import output_text
+    from tiny import byte_tokenizer
+
+    class CharTokenizer(PythonBackend):  # slow (Python): one token per letter
+        def __init__(self, **kw):
+            self.vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz .")}
+            super().__init__(**kw)
+
+        @property
+        def vocab_size(self):
+            return len(self.vocab)
+
+        def get_vocab(self):
+            return {**self.vocab, **self.added_tokens_encoder}
+
+        def _tokenize(self, text, **kw):
+            return list(text)
+
+        def _convert_token_to_id(self, token):
+            return self.vocab[token]
+
+        def _convert_id_to_token(self, i):
+            return "abcdefghijklmnopqrstuvwxyz ."[i]
+
+        def convert_tokens_to_string(self, tokens):
+            return "".join(tokens)
+
+    slow = CharTokenizer(eos_token="</s>")
+    slow.add_tokens(["<t>"])  # an added token, not a special one
+    ids = slow("ab<t>cd</s>", add_special_tokens=False)["input_ids"]
+    texts = {(spaces, skip): output_text(slow, ids, SamplingParams(spaces_between_special_tokens=spaces,
+                                                                   skip_special_tokens=skip))
+             for spaces in (True, False) for skip in (True, False)}
+    assert texts == {(True, False): "ab <t> cd </s>", (False, False): "ab<t>cd</s>",
+                     (True, True): "ab <t> cd", (False, True): "ab<t>cd"}
+    fast = byte_tokenizer()
+    ids = fast("ab</s>cd", add_special_tokens=False)["input_ids"]
+    assert {output_text(fast, ids, SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=spaces))
+            for spaces in (True, False)} == {"ab</s>cd"}
+    with pytest.raises(ValueError, match="spaces_between_special_tokens must be true or false"):
+        SamplingParams(spaces_between_special_tokens="no")
 
 
 def test_seeded_sampling_reproducible_and_self_draft_accepts_all(loaded):
@@ -533,7 +621,9 @@ def test_chat_api(loaded, monkeypatch):
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
     ask = [{"role": "user", "content": "hello there"}]
     one = llm.chat(ask, sp)[0]
-    assert one.token_ids == llm.generate(ask, sp)[0].token_ids and one.prompt == ask
+    templated = llm.tokenizer.apply_chat_template(ask, tokenize=False, add_generation_prompt=True)
+    assert one.token_ids == llm.generate(ask, sp)[0].token_ids and one.prompt == templated  # vLLM's: the text
+    assert llm.generate(ask, sp)[0].prompt == templated
     assert [o.token_ids for o in llm.chat([ask, ask], sp)] == [one.token_ids] * 2
     started = ask + [{"role": "assistant", "content": "general ken"}]
     cont = llm.chat(started, sp, continue_final_message=True)[0]
@@ -544,6 +634,63 @@ def test_chat_api(loaded, monkeypatch):
     monkeypatch.setattr(llm.tokenizer, "apply_chat_template", lambda *a, **kw: seen.append(kw) or apply(*a, **kw))
     llm.chat(ask, sp, chat_template_kwargs={"enable_thinking": False})
     assert seen[-1]["enable_thinking"] is False and seen[-1]["add_generation_prompt"] is True
+
+
+def test_chat_template_override(loaded):
+    """``LLM.chat(chat_template=...)`` (vLLM's) renders with that Jinja template instead of the
+    tokenizer's, also for a tokenizer without one."""
+    llm = LLM(loaded("llama"))
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+                "{% if add_generation_prompt %}>{% endif %}")
+    out = llm.chat([{"role": "user", "content": "hi"}], sp, chat_template=template)[0]
+    assert out.prompt == "[user] hi>"
+    assert out.prompt_token_ids == llm.tokenizer("[user] hi>", add_special_tokens=False)["input_ids"]
+    assert out.token_ids == llm.generate({"prompt_token_ids": out.prompt_token_ids}, sp)[0].token_ids
+    saved, llm.tokenizer.chat_template = llm.tokenizer.chat_template, None
+    try:
+        with pytest.raises(ValueError, match="no chat template"):
+            llm.chat([{"role": "user", "content": "hi"}], sp)
+        assert llm.chat([{"role": "user", "content": "hi"}], sp, chat_template=template)[0].prompt == "[user] hi>"
+    finally:
+        llm.tokenizer.chat_template = saved
+
+
+def test_request_output_as_vllm(loaded):
+    """``RequestOutput`` as vLLM's: ``request_id`` a distinct str per request, ``prompt`` the
+    prompt's text (None for token ids); ``sampling_params`` any sequence of them, one per prompt."""
+    llm = LLM(loaded("llama"))
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, n=2)
+    outs = llm.generate(["abc", {"prompt": "def"}, {"prompt_token_ids": [100, 101]}], sp)
+    assert [o.prompt for o in outs] == ["abc", "def", None]
+    assert all(isinstance(o.request_id, str) for o in outs) and len({o.request_id for o in outs}) == 3
+    params = (SamplingParams(max_tokens=3, ignore_eos=True), SamplingParams(max_tokens=5, ignore_eos=True))
+    by_tuple = llm.generate(PROMPTS[:2], params)
+    assert [len(o.token_ids) for o in by_tuple] == [3, 5]
+    assert [o.token_ids for o in by_tuple] == [o.token_ids for o in llm.generate(PROMPTS[:2], list(params))]
+    assert [o.token_ids for o in llm.chat([[{"role": "user", "content": p}] for p in PROMPTS[:2]], params)] == \
+        [o.token_ids for o in llm.chat([[{"role": "user", "content": p}] for p in PROMPTS[:2]], list(params))]
+    for bad in ("max_tokens", [params[0], {"max_tokens": 3}]):
+        with pytest.raises(ValueError, match="sampling_params must be"):
+            llm.generate(PROMPTS[:2], bad)
+    with pytest.raises(ValueError, match="1 sampling params for 2 prompts"):
+        llm.generate(PROMPTS[:2], params[:1])
+
+
+def test_llm_seed(loaded):
+    """``LLM(seed=S)`` (vLLM's global seed): requests without a seed of their own draw the same
+    in every LLM made with S, in the same order; a request's own seed still rules."""
+    sp = SamplingParams(max_tokens=24, temperature=50.0, ignore_eos=True)  # near uniform
+    runs = [[o.token_ids for o in LLM(loaded("llama"), seed=seed).generate(PROMPTS, sp)]
+            for seed in (7, 7, 8)]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    llm = LLM(loaded("llama"), seed=7)
+    assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == runs[0]
+    assert [o.token_ids for o in llm.generate(PROMPTS, sp)] != runs[0]  # the next draws
+    own = SamplingParams(max_tokens=24, temperature=50.0, ignore_eos=True, seed=3)
+    assert LLM(loaded("llama"), seed=7).generate(PROMPTS[0], own)[0].token_ids == \
+        LLM(loaded("llama")).generate(PROMPTS[0], own)[0].token_ids
+    assert LLM(loaded("llama"), seed=7).engine_config.seed == 7
 
 
 def test_prefix_reuse(loaded):

@@ -217,9 +217,9 @@ def test_greedy_speculation_in_pieces_equals_plain(pieces, lc, prompts, plain):
         assert_same_greedy(lc, p, out, ref, f"ngram in pieces, prompt {i}")
 
 
-def test_row_limit_is_cached_and_drafts_skip_it(monkeypatch, tmp_path, lc):
+def test_row_limit_is_cached_and_drafts_are_exact_too(monkeypatch, tmp_path, lc):
     """``max_rows`` is checked once per file, threads and machine, then read back; a draft
-    model drops the pieces (its rounding only sways its proposals)."""
+    model is loaded exact as well (its proposals then do not depend on the batch)."""
     import json
 
     from specdec.cost import cost_key
@@ -232,12 +232,9 @@ def test_row_limit_is_cached_and_drafts_skip_it(monkeypatch, tmp_path, lc):
     assert first.runtime.max_rows == 5 and second.runtime.max_rows == 5 and len(calls) == 1
     (entry,) = json.loads((tmp_path / "llamacpp_rows.json").read_text()).items()
     assert "threads=" in entry[0] and entry[1] == 5
-    draft = load_model(None, backend="llamacpp", draft=True)
-    assert not draft.runtime.exact
-    assert "max-rows=5" in cost_key(first) and cost_key(draft) != cost_key(first)  # F16 KV, no pieces
+    assert "max-rows=5" in cost_key(first)
     llm = LLM(lc, draft=str(lc.runtime.gguf), speculative=SpecConfig(method="draft"), backend="llamacpp")
-    assert lc.runtime.exact and not llm.draft.runtime.exact
-    assert LLM(lc, draft=first, speculative=SpecConfig(method="draft")).draft.runtime.exact  # left as loaded
+    assert lc.runtime.exact and llm.draft.runtime.exact
     # --no-repack reaches both models' runtimes and keys its own row check and cost curve
     from specdec.cli import build_parser, make_llm
 
@@ -346,6 +343,20 @@ def test_torch_draft_for_llamacpp_target(lc, tt, prompts, plain):
     for i, (p, out, ref) in enumerate(zip(prompts, generate(llm, prompts, 3), plain[3])):
         assert_same_greedy(lc, p, out, ref, f"torch draft prompt {i}")
     assert llm.last_run_metrics.to_dict()["acceptance_rate"] > 0.5
+
+
+def test_seeded_draws_with_a_llamacpp_draft_do_not_depend_on_the_batch(lc):
+    """A seeded sampled request drafting with a llama.cpp draft model draws the same tokens
+    alone, beside another request, and after other requests (the draft is exact, so its q
+    does not depend on the batch or on where its cache's cells lie)."""
+    llm = LLM(lc, draft=str(lc.runtime.gguf), speculative=SpecConfig(method="draft", num_draft_tokens=3),
+              backend="llamacpp", max_batch_size=2)
+    sp = SamplingParams(max_tokens=24, temperature=0.9, seed=1234)
+    other = SamplingParams(max_tokens=30, temperature=0.7)
+    prompt, second = TEXTS[2], TEXTS[0]
+    runs = [llm.generate(batch, [sp, other][: len(batch)])[0].token_ids
+            for batch in ([prompt], [prompt, second], [prompt], [prompt], [prompt, second], [prompt])]
+    assert all(r == runs[0] for r in runs)
 
 
 def test_bench_on_llamacpp(tmp_path, monkeypatch):

@@ -147,6 +147,43 @@ def test_int8_draft_model_stays_lossless(loaded, tiny_dirs):
     assert sum(o.metrics["accepted_tokens"] for o in outs) > 0  # an int8 copy of the target mostly agrees
 
 
+def test_int8_rows_do_not_depend_on_their_neighbours():
+    """fbgemm quantizes activations on one range per tensor; int8 linears quantize each row
+    on its own, so a row's output is the same alone or beside others (bit for bit), and a
+    large row does not coarsen the rest."""
+    from specdec.runtime.torch_llama import Linear
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 200, generator=g) * 0.05
+    b = torch.randn(300, generator=g)
+    x = torch.randn(6, 200, generator=g)
+    x[2] *= 100
+    lin = Linear(w, b, "int8")
+    together = lin(x)
+    for i in range(6):
+        assert torch.equal(lin(x[i:i + 1])[0], together[i])
+    exact = Linear(w, b, "dense")(x)
+    rel = (together - exact).norm(dim=1) / exact.norm(dim=1)  # [6]
+    assert rel.max() < 0.03
+
+
+def test_seeded_draws_with_an_int8_draft_do_not_depend_on_the_batch(tiny_dirs):
+    """A seeded sampled request drafting with an int8 draft model draws the same tokens alone,
+    beside another request, and sent again (prefix reuse feeds the draft fewer rows)."""
+    from specdec import LLM, SamplingParams, SpecConfig
+
+    llm = LLM(str(tiny_dirs["llama"]), draft=str(tiny_dirs["draft"]), device="cpu",
+              speculative=SpecConfig(method="draft", num_draft_tokens=3))
+    assert llm.draft.runtime.layers[0]["qkv"].kind == "int8"
+    sp = SamplingParams(max_tokens=24, temperature=0.9, seed=1234, ignore_eos=True)
+    other = SamplingParams(max_tokens=30, temperature=0.7, ignore_eos=True)
+    prompt = "abc abc abd hello world"
+    alone = llm.generate(prompt, sp)[0].token_ids
+    beside = llm.generate([prompt, "The quick brown fox jumps"], [sp, other])[0].token_ids
+    again = llm.generate(prompt, sp)[0].token_ids
+    assert alone == beside == again
+
+
 def test_tail_mask_reaches_earlier_chunks(loaded):
     """A draft tree fed one depth per forward: depth-2 nodes see their depth-1 parent among
     the cached keys before the chunk (the tail mask), not its sibling. Batched with a plain

@@ -76,6 +76,29 @@ def test_health_and_models(server, client):
     assert httpx.get(server.url + "/version").json() == {"version": __version__}
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    one = client.models.retrieve(MODEL)  # OpenAI's GET /v1/models/{model}
+    assert (one.id, one.object, one.owned_by) == (MODEL, "model", "specdec") and one == models.data[0]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+
+
+def test_served_model_name_with_slashes(loaded):
+    """A served name may hold '/' (a hub id, a file path): /v1/models/{name} and requests find it;
+    any other name is OpenAI's 404 ``model_not_found``."""
+    for name in ("org/tiny-1.5", "/models/tiny.gguf"):
+        with BackgroundServer(create_app(LLM(loaded("llama")), served_model_name=name)) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            assert c.models.retrieve(name).id == name
+            assert c.completions.create(model=name, prompt="hi", max_tokens=2).model == name
+            for other in ("org/tiny", "org/tiny-1.5/x", "tiny-1.5"):
+                with pytest.raises(openai.NotFoundError) as e:
+                    c.models.retrieve(other)
+                assert e.value.body["code"] == "model_not_found", other
+            with pytest.raises(openai.NotFoundError):
+                c.chat.completions.create(model="org", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            r = httpx.get(srv.url + "/v1/models/")
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_completion_stream_equals_non_stream(llm, client):
@@ -444,7 +467,9 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     (C, {**OK_C, "max_tokens": 2.5}, AUTH, 400),
     (C, {**OK_C, "max_tokens": 600}, AUTH, 400),
     (C, {**OK_C, "prompt": "x" * 500, "max_tokens": 20}, AUTH, 400),
-    (C, {**OK_C, "model": "gpt-4"}, AUTH, 400),
+    (C, {**OK_C, "model": "gpt-4"}, AUTH, 404),
+    (CHAT, {**OK_CHAT, "model": "gpt-4"}, AUTH, 404),
+    (C, {**OK_C, "logprobs": True}, AUTH, 200),  # vLLM's int field takes a bool (1)
     (C, {**OK_C, "temperature": "hot"}, AUTH, 400),
     (C, {**OK_C, "temperature": -1}, AUTH, 400),
     (C, {**OK_C, "top_p": 0}, AUTH, 400),
@@ -512,6 +537,33 @@ def test_bad_input(strict_server, path, body, headers, status):
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
 
 
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, {**OK_CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHAT, {**OK_CHAT, "max_completion_tokens": -2, "max_tokens": 5}, "max_completion_tokens"),
+    (CHAT, {**OK_CHAT, "max_tokens": 0}, "max_tokens"),
+    (C, {**OK_C, "prompt": "x" * 500, "max_tokens": 20}, "prompt"),
+    (C, {**OK_C, "prompt": "x" * 600}, "prompt"),
+    (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "x" * 600}]}, "messages"),
+    (C, {**OK_C, "prompt": [999999]}, "prompt"),
+    (C, {**OK_C, "logit_bias": {"999999": 1}}, "logit_bias"),
+    (C, {**OK_C, "stop_token_ids": [999999]}, "stop_token_ids"),
+    (C, {**OK_C, "allowed_token_ids": [999999]}, "allowed_token_ids"),
+    (C, {**OK_C, "structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
+    (C, {**OK_C, "guided_regex": "(ab"}, "guided_regex"),
+    (CHAT, {**OK_CHAT, "response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+])
+def test_error_names_its_field(strict_server, path, body, param):
+    """A 400 names the field to blame in ``param`` (and in its message), as the user sent it."""
+    r = httpx.post(strict_server.url + path, json=body, headers=AUTH)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    if param.startswith("max_"):
+        assert err["message"].startswith(param + " "), err
+
+
 def test_oversized_chunked_body_and_other_routes(strict_server):
     def chunks():
         for _ in range(10):
@@ -538,9 +590,12 @@ def test_full_queue_429_and_openai_errors(strict_server):
     busy.close()
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=strict_server.url + "/v1", api_key="bad", max_retries=0).models.list()
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:  # OpenAI's and vLLM's 404
         client.completions.create(model="other", prompt="x", max_tokens=3)
-    assert e.value.body["param"] == "model"
+    assert e.value.status_code == 404 and e.value.body["param"] == "model"
+    assert e.value.body["code"] == "model_not_found" and "other" in e.value.body["message"]
+    assert httpx.get(strict_server.url + "/v1/models/" + MODEL).status_code == 401
+    assert client.models.retrieve(MODEL).id == MODEL
     # nothing above hurt the server: once the slot is free, requests run
     deadline = time.monotonic() + 20
     while True:
@@ -669,6 +724,49 @@ def test_echo_scores_the_prompt(llm, client):
     assert batch.choices[0].logprobs.token_logprobs[1:] == pytest.approx(ref, abs=1e-4)
 
 
+def _pieces(text: str, offsets: list[int]) -> list[str]:
+    """Each token's part of ``text``, by its ``text_offset``."""
+    return [text[a:b] for a, b in zip(offsets, offsets[1:] + [len(text)])]
+
+
+def test_echo_text_offsets(llm, client):
+    """``text_offset`` indexes the returned text: ``text[offset_i:offset_i+1]`` is token i's
+    text, for an echoed prompt that writes special tokens, a token-id prompt (its text decoded
+    as the output's, by ``skip_special_tokens``) and an output with special tokens kept or not."""
+    tok = llm.tokenizer
+    a = tok.convert_tokens_to_ids("a")
+    prompt = "<s>hi</s> x"  # <s> and </s> are special tokens, written in the text
+    ids = llm.encode(prompt)
+    assert tok.convert_ids_to_tokens(ids)[0] == "<s>" and 257 in ids
+    kw = dict(model=MODEL, temperature=0, logprobs=1, echo=True, max_tokens=3)
+    out = client.completions.create(prompt=prompt, logit_bias={str(a): 100}, **kw).choices[0]
+    assert out.text == prompt + "aaa"
+    assert out.logprobs.text_offset == [0, 3, 4, 5, 9, 10, 11, 12, 13]
+    assert _pieces(out.text, out.logprobs.text_offset) == out.logprobs.tokens
+    streamed = list(client.completions.create(prompt=prompt, logit_bias={str(a): 100}, stream=True, **kw))
+    assert [o for ch in streamed if ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset] \
+        == out.logprobs.text_offset
+    # the output's special tokens: in the text and the offsets only when kept
+    eos = dict(logit_bias={"257": 100}, extra_body={"ignore_eos": True})
+    kept = client.completions.create(prompt=prompt, **{**eos, "extra_body": {
+        "ignore_eos": True, "skip_special_tokens": False}}, **kw).choices[0]
+    assert kept.text == prompt + "</s>" * 3
+    assert _pieces(kept.text, kept.logprobs.text_offset) == kept.logprobs.tokens
+    skipped = client.completions.create(prompt=prompt, **eos, **kw).choices[0]
+    assert skipped.text == prompt and skipped.logprobs.text_offset[-3:] == [len(prompt)] * 3
+    # a token-id prompt echoes its text as the output's: special tokens left out, or kept
+    plain = client.completions.create(prompt=ids, logit_bias={str(a): 100}, **kw).choices[0]
+    assert plain.text == "hi xaaa"
+    assert _pieces(plain.text, plain.logprobs.text_offset) == ["", "h", "i", "", " ", "x", "a", "a", "a"]
+    raw = client.completions.create(prompt=ids, logit_bias={str(a): 100}, **kw,
+                                    extra_body={"skip_special_tokens": False}).choices[0]
+    assert raw.text == prompt + "aaa" and raw.logprobs.text_offset == out.logprobs.text_offset
+    # logprobs=true, as vLLM's int field takes it: 1
+    plain_kw = dict(model=MODEL, prompt=prompt, temperature=0, echo=True, max_tokens=3)
+    one = client.completions.create(**plain_kw, extra_body={"logprobs": True}).choices[0]
+    assert one.logprobs == client.completions.create(**plain_kw, logprobs=1).choices[0].logprobs
+
+
 def test_chat_template_options(llm, client):
     """vLLM's chat extensions: ``continue_final_message`` continues the assistant's message,
     as ``LLM.chat`` does; ``chat_template_kwargs`` are accepted (the template may ignore them)."""
@@ -742,10 +840,10 @@ def test_tokenize_and_detokenize(llm, server):
     assert chat["tokens"] == llm.encode(messages)
     text = httpx.post(server.url + "/detokenize", json={"tokens": bare["tokens"]}).json()
     assert text == {"prompt": "Hello world"}
-    for path, body in [("/tokenize", {}), ("/tokenize", {"prompt": 5}), ("/tokenize", {"prompt": "a", "model": "gpt"}),
-                       ("/tokenize", {"messages": []}), ("/detokenize", {"tokens": [10 ** 9]}),
-                       ("/detokenize", {"tokens": "abc"})]:
+    for path, body in [("/tokenize", {}), ("/tokenize", {"prompt": 5}), ("/tokenize", {"messages": []}),
+                       ("/detokenize", {"tokens": [10 ** 9]}), ("/detokenize", {"tokens": "abc"})]:
         assert httpx.post(server.url + path, json=body).status_code == 400, (path, body)
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "a", "model": "gpt"}).status_code == 404
 
 
 def test_generation_config_defaults(tiny_dirs, loaded, tmp_path):

@@ -28,13 +28,14 @@ def byte_tokenizer(swap: bool = False):
 
 
 def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, std: float = 0.2,
-              swap_tokens: bool = False) -> Path:
+              swap_tokens: bool = False, vocab: int = VOCAB) -> Path:
     """Write a tiny random ``arch`` checkpoint to ``path``. A large init std gives peaked
-    logits, so greedy decoding has no near-ties that fp rounding could flip."""
+    logits, so greedy decoding has no near-ties that fp rounding could flip. ``vocab``: the
+    embedding's rows (fewer than ``VOCAB``: a draft narrower than the targets)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = byte_tokenizer(swap=swap_tokens)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   initializer_range=std, tie_word_embeddings=False)

@@ -84,6 +84,7 @@ class ModelDrafter:
         self.can_copy = callable(getattr(self.cache, "copy", None))  # rows between slots (not llama.cpp)
         self.cached_ids: list[list[int]] = [[] for _ in range(num_slots)]  # ids behind each slot's KV
         self.target_vocab = target_vocab
+        self.draft_vocab = runtime.vocab_size  # a narrower draft may lack the target's last ids
         self.topk, self.max_nodes = topk, max_nodes
         self.max_catch_up = max_catch_up  # tokens fed per sequence and round before drafting; 0 = all
         # per slot, the fed tree nodes after the committed ids: (parent fed index, token) -> index
@@ -137,7 +138,7 @@ class ModelDrafter:
         lead, shared = self._leaders(seqs, feed)
         first = [i for i, j in enumerate(lead) if j == i]
         logits: list = [None] * len(seqs)
-        out = self.runtime.forward(self.cache, [seqs[i].slot for i in first], [feed[i] for i in first],
+        out = self.runtime.forward(self.cache, [seqs[i].slot for i in first], [self._known(feed[i]) for i in first],
                                    last_only=True)  # [len(first), vocab_d]
         for b, i in enumerate(first):
             logits[i] = out[b]
@@ -150,13 +151,19 @@ class ModelDrafter:
                 else:
                     logits[i] = logits[lead[i]]
         if rest:
-            out = self.runtime.forward(self.cache, [seqs[i].slot for i in rest], [feed[i][shared[i]:] for i in rest],
-                                       last_only=True)
+            out = self.runtime.forward(self.cache, [seqs[i].slot for i in rest],
+                                       [self._known(feed[i][shared[i]:]) for i in rest], last_only=True)
             for b, i in enumerate(rest):
                 logits[i] = out[b]
         for s, toks in zip(seqs, feed):
             self.cached_ids[s.slot].extend(toks)
         return torch.stack(logits)  # [B, vocab_d]
+
+    def _known(self, ids: list[int]) -> list[int]:
+        """Committed ``ids`` as the draft's input: an id past the draft's embedding (a
+        narrower draft: the target's added tokens or padded rows) is fed as id 0. It sways
+        only the proposals, which the target checks."""
+        return ids if self.draft_vocab >= self.target_vocab else [t if t < self.draft_vocab else 0 for t in ids]
 
     def _copy_longest(self, seq: Sequence) -> None:
         """Where ``seq`` is catching up (more than a round's 1-2 ids behind) and another slot

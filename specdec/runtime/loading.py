@@ -236,9 +236,11 @@ def eos_ids_of(path: Path, config, tokenizer) -> frozenset[int]:
 
 
 def pick_device(device: str | None) -> torch.device:
+    """``device`` (``EngineConfig.device``'s forms) as a ``torch.device``; ``ValueError`` for
+    another name or cuda without CUDA."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    dev = torch.device(EngineConfig(device=device).device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     return dev
@@ -251,15 +253,12 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_model(model: str | None, device: str | None = None, dtype: str | None = None,
-               backend: str = "auto", quantize: str = "none", draft: bool = False,
-               repack: bool = True, load_format: str = "auto", max_model_len: int | None = None,
-               enforce_eager: bool = False) -> LoadedModel:
+               backend: str = "auto", quantize: str = "none", repack: bool = True, load_format: str = "auto",
+               max_model_len: int | None = None, enforce_eager: bool = False) -> LoadedModel:
     """Load ``model`` (path, .gguf, hub id or None for the default) onto a runtime.
 
     ``quantize`` (draft models only, see ``torch_llama.Linear``): ``int8`` linears, ``none``,
     or ``auto`` = int8 where it applies (torch runtime, CPU, float32).
-    ``draft``: the model only proposes tokens, so its rounding need not match one-row
-    decoding (on llama.cpp: no exact pieces, llama.cpp's F16 KV cache).
     ``backend="llamacpp"``: a GGUF on llama.cpp (CPU, the file's own quantization, torch's
     thread count, ``repack``: its repacked CPU weights); config and tokenizer still come from
     transformers; ``max_model_len`` sets its tokens per slot. ``load_format="dummy"``:
@@ -273,7 +272,7 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
 
     EngineConfig(backend=backend, load_format=load_format)  # validates the pair
     if backend == "llamacpp":
-        return load_llamacpp(model, device, dtype, quantize, draft, repack, max_model_len)
+        return load_llamacpp(model, device, dtype, quantize, repack, max_model_len)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve(model, weights=load_format == "auto")
@@ -296,7 +295,7 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
 
 
 def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quantize: str,
-                  draft: bool, repack: bool, max_model_len: int | None = None) -> LoadedModel:
+                  repack: bool, max_model_len: int | None = None) -> LoadedModel:
     """``load_model`` for ``backend="llamacpp"``: the GGUF's weights go to llama.cpp as they are."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -313,7 +312,7 @@ def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quan
     path = gguf_to_hf_dir(gguf, weights=False)
     config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    runtime = LlamaCppRuntime(gguf, threads=torch.get_num_threads(), exact=not draft, repack=repack,
+    runtime = LlamaCppRuntime(gguf, threads=torch.get_num_threads(), repack=repack,
                               context=max_model_len or DEFAULT_CONTEXT)
     return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer,
                        eos_ids_of(path, config, tokenizer), config)

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, ``/health`` and ``/metrics``.
+``/v1/models`` (and ``/v1/models/{model}``), ``/health`` and ``/metrics``.
 
 A handler validates and encodes its request, hands a ``Sequence`` per completion (``n``) to
 the scheduler and reads the committed tokens back from their asyncio queues, streaming them
@@ -18,7 +18,7 @@ import re
 import threading
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -29,13 +29,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..answer import REASONING_PARSERS, AnswerParser
 from ..api import LLM, encode_prompt
+from ..config import SamplingParams
 from ..sequence import output_text
 from ..tools import PARSERS, TOOL_PARSERS
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
-                       TokenizeRequest, bad_request, parse)
+                       TokenizeRequest, bad_request, model_not_found, parse)
 from .scheduler import QueueFull, Scheduler, ServerRequest, Update
-from .text import TextStream
+from .text import TextStream, TokenOffsets, prompt_offsets
 
 log = logging.getLogger("specdec.server")
 
@@ -123,8 +124,14 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
     @app.get("/v1/models")
     async def models(request: Request):
         api.check_auth(request)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": api.created,
-                                             "owned_by": "specdec", "max_model_len": llm.context_window}]}
+        return {"object": "list", "data": [api.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # a served name may hold '/' ("org/name", a file path)
+    async def model(model_id: str, request: Request):
+        api.check_auth(request)
+        if model_id != name:
+            raise model_not_found(model_id, name)
+        return api.model_card()
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -172,7 +179,12 @@ class _API:
         # the handlers' own tokenizer: the scheduler thread decodes with the engine's
         self.tok = copy.deepcopy(llm.tokenizer)
         self.created = int(time.time())
-        self._token_text: dict[tuple[int, bool], str] = {}
+        self._token_text: dict[int, str] = {}
+
+    def model_card(self) -> dict:
+        """The served model as OpenAI's model object (with vLLM's ``max_model_len``)."""
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "specdec",
+                "max_model_len": self.llm.context_window}
 
     # --- request intake ---------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -205,17 +217,16 @@ class _API:
             raise bad_request(f"the request body is not valid JSON: {e}") from None
 
     def parse_named(self, model, body: object):
-        """``parse`` a body for this server's model (another ``model`` name is a 400)."""
+        """``parse`` a body for this server's model (another ``model`` name is a 404)."""
         req = parse(model, body)
         if req.model is not None and req.model != self.name:
-            raise bad_request(f"the model {req.model!r} does not exist here; this server serves "
-                              f"{self.name!r}", "model", "model_not_found")
+            raise model_not_found(req.model, self.name)
         return req
 
     def prepare(self, body: object, chat: bool):
         """Validate a request body; return the parsed request, one ``Sequence`` per
         completion (``n`` per prompt: with a seed, completion j draws from seed + j; prompt
-        after prompt for a batch of prompts) and, with ``echo``, each completion's prompt text."""
+        after prompt for a batch of prompts) and, with ``echo``, each completion's ``Echo``."""
         req = self.parse_named(ChatCompletionRequest if chat else CompletionRequest, body)
         if chat and req.tool_mode == "auto" and self.tool_call_parser is None:
             raise bad_request('"auto" tool choice needs the server started with --enable-auto-tool-choice and '
@@ -226,10 +237,9 @@ class _API:
             try:
                 ids = encode_prompt(self.tok, prompt, req.chat_options())
             except ValueError as e:
-                raise bad_request(str(e), "messages" if chat else "prompt") from None
+                raise bad_request(str(e), req.prompt_field) from None
             except Exception as e:  # e.g. a chat template that rejects these roles (jinja2 errors)
-                raise bad_request(f"cannot encode the prompt: {type(e).__name__}: {e}",
-                                  "messages" if chat else "prompt") from None
+                raise bad_request(f"cannot encode the prompt: {type(e).__name__}: {e}", req.prompt_field) from None
             max_tokens = req.requested_max_tokens if chat else req.max_tokens
             default = max_tokens is None  # chat's default: the model's max_new_tokens, else all the
             if default:  # context window leaves; make_sequences cuts it to what the window leaves
@@ -244,11 +254,19 @@ class _API:
                                                 reasoning=chat and self.reasoning_parser is not None,
                                                 cap_max_tokens=default)
             except ValueError as e:
-                raise bad_request(str(e)) from None
-            if not chat and req.echo:  # the prompt as given, or its ids' text
-                text = prompt if isinstance(prompt, str) else self.tok.decode(ids, skip_special_tokens=True)
-                echoes += [text] * req.n
+                raise bad_request(str(e), req.field_of(str(e))) from None
+            if not chat and req.echo:
+                echoes += [self.echo(prompt, ids, sp, req.logprobs is not None)] * req.n
         return req, seqs, echoes
+
+    def echo(self, prompt: str | dict, ids: list[int], sp: SamplingParams, offsets: bool) -> "Echo":
+        """A completion's echoed prompt: the prompt as given, or its ids' text decoded as the
+        output's is (``sp``); with ``offsets``, where each of ``ids`` starts in it."""
+        if isinstance(prompt, str):
+            return Echo(prompt, tuple(prompt_offsets(self.tok, prompt, ids)) if offsets else ())
+        text = output_text(self.tok, ids, sp)
+        at = TokenOffsets(self.tok, sp).add(ids) if offsets else []
+        return Echo(text, tuple(min(o, len(text)) for o in at))
 
     async def generate(self, request: Request, chat: bool):
         self.check_auth(request)
@@ -298,20 +316,19 @@ class _API:
             self._release(out.sreqs, watcher)
 
     # --- token text ---------------------------------------------------------------------------
-    def token_text(self, token_id: int, skip_special: bool = False) -> str:
-        """One token's text (special tokens by name unless ``skip_special``, as in the output
-        text); a token that is part of a UTF-8 character is ``bytes:\\xNN...``, as OpenAI writes it."""
-        key = (token_id, skip_special)
-        text = self._token_text.get(key)
+    def token_text(self, token_id: int) -> str:
+        """One token's text (a special token by name); a token that is part of a UTF-8
+        character is ``bytes:\\xNN...``, as OpenAI writes it."""
+        text = self._token_text.get(token_id)
         if text is None:
-            text = self.tok.decode([token_id], skip_special_tokens=skip_special)
+            text = self.tok.decode([token_id])
             if "\ufffd" in text:
                 raw = self.token_bytes(token_id)
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError:
                     text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-            self._token_text[key] = text
+            self._token_text[token_id] = text
         return text
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -327,6 +344,15 @@ class _API:
         if all(c in table for c in piece):
             return bytes(table[c] for c in piece)
         return text.encode("utf-8")
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, put before its output (``echo``): its text and, with logprobs,
+    each prompt token's ``text_offset`` in it."""
+
+    text: str
+    offsets: tuple[int, ...] = ()
 
 
 @functools.lru_cache(maxsize=1)
@@ -347,13 +373,15 @@ class _Output:
     """Shapes one request's updates (one queue per completion, ``n``) into OpenAI responses or
     stream chunks; choice i is completion i."""
 
-    def __init__(self, api: _API, req, sreqs: list[ServerRequest], chat: bool, echoes: list[str]):
+    def __init__(self, api: _API, req, sreqs: list[ServerRequest], chat: bool, echoes: list[Echo]):
         self.api, self.req, self.sreqs, self.chat = api, req, sreqs, chat
-        self.echoes = echoes  # completions' echo: each choice's prompt text, sent before its output
+        self.echoes = echoes  # completions' echo: each choice's prompt, sent before its output
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text_offset = [0] * len(sreqs)  # completions logprobs: offset of each choice's next token text
         self.want_logprobs = sreqs[0].seq.logprobs is not None
+        # completions' logprobs: each choice's output tokens' text_offset, after its echoed prompt
+        self.offsets = [TokenOffsets(api.tok, sreq.seq.sampling, len(echoes[i].text) if echoes else 0)
+                        for i, sreq in enumerate(sreqs)]
         # a chat answer with reasoning or tool calls to read: split into parts (answer.py)
         tool_mode = req.tool_mode if chat else None
         self.parser = None
@@ -390,10 +418,13 @@ class _Output:
         finish_reason = u.finish_reason
         if self.req.prompt_only:  # echo with max_tokens 0: no output
             text, ids, lps, finish_reason = "", [], [], "length"
+        offsets = [] if self.chat or not self.want_logprobs else self.offsets[i].add(ids)
         if self.echoes:
             prompt_ids, prompt_lps = self.prompt_logprobs(sreq)
-            text, ids, lps = self.echoes[i] + text, prompt_ids + ids, prompt_lps + lps
-        logprobs = self.logprobs(i, ids, lps) if self.want_logprobs else None
+            echo = self.echoes[i]
+            text, ids, lps, offsets = echo.text + text, prompt_ids + ids, prompt_lps + lps, [*echo.offsets, *offsets]
+        # tokens past a stop string that the text leaves out sit at its end
+        logprobs = self.logprobs(ids, lps, [min(o, len(text)) for o in offsets]) if self.want_logprobs else None
         if self.chat:
             message = {"role": "assistant", "content": text}
             if self.parser:
@@ -445,7 +476,9 @@ class _Output:
                 if self.echoes and not echoed[i]:  # the prompt first (its logprobs are ready now)
                     echoed[i] = True
                     ids, lps = self.prompt_logprobs(self.sreqs[i])
-                    yield self.chunk(i, self.echoes[i], self.logprobs(i, ids, lps) if self.want_logprobs else None, None)
+                    echo = self.echoes[i]
+                    logprobs = self.logprobs(ids, lps, echo.offsets) if self.want_logprobs else None
+                    yield self.chunk(i, echo.text, logprobs, None)
                 if self.req.prompt_only:  # echo with max_tokens 0: no output
                     if u.finish_reason:
                         running -= 1
@@ -453,7 +486,10 @@ class _Output:
                     continue
                 stream = streams[i]
                 delta = stream.finish(u.token_ids, u.text) if u.finish_reason else stream.add(u.token_ids)
-                logprobs = self.logprobs(i, u.token_ids, u.logprobs) if self.want_logprobs and u.token_ids else None
+                logprobs = None
+                if self.want_logprobs and u.token_ids:
+                    offsets = [] if self.chat else self.offsets[i].add(u.token_ids)
+                    logprobs = self.logprobs(u.token_ids, u.logprobs, offsets)
                 if self.parser:
                     for chunk in self._parsed_chunks(i, stream, logprobs, u.finish_reason, shown[i]):
                         yield chunk
@@ -508,8 +544,9 @@ class _Output:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.api.name, "choices": [choice]}
 
-    def logprobs(self, i: int, ids: list[int], entries: list) -> dict:
-        """Choice i's logprobs for ``ids``, in the endpoint's format."""
+    def logprobs(self, ids: list[int], entries: list, offsets) -> dict:
+        """The logprobs of ``ids`` in the endpoint's format; ``offsets``: completions' text_offset
+        of each (where its text starts in the choice's text)."""
         text = self.api.token_text
         if self.chat:
             def item(t, lp):
@@ -518,10 +555,6 @@ class _Output:
             return {"content": [{**item(t, e.logprob), "top_logprobs": [item(a, alp) for a, alp in e.top]}
                                 for t, e in zip(ids, entries)], "refusal": None}
         tokens = [text(t) for t in ids]
-        offsets = []
-        for t in ids:  # offsets into the returned text, which has no special tokens
-            offsets.append(self.text_offset[i])
-            self.text_offset[i] += len(text(t, skip_special=True))
         tops = []
         for t, e in zip(ids, entries):
             if e is None:  # an echoed prompt's first token: nothing predicts it
@@ -531,4 +564,4 @@ class _Output:
             top.setdefault(text(t), max(e.logprob, MIN_LOGPROB))  # the sampled token is always listed
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": [None if e is None else max(e.logprob, MIN_LOGPROB) for e in entries],
-                "top_logprobs": tops, "text_offset": offsets}
+                "top_logprobs": tops, "text_offset": list(offsets)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..api import encode_prompt
 from ..config import SamplingParams, StructuredOutputs
@@ -35,6 +35,12 @@ OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def model_not_found(model: str, served: str) -> APIError:
+    """OpenAI's 404 for a model name this server does not serve (vLLM's status too)."""
+    return APIError(404, f"the model {model!r} does not exist here; this server serves {served!r}",
+                    "invalid_request_error", "model", "model_not_found")
 
 
 class _Strict(BaseModel):
@@ -118,9 +124,39 @@ class _Request(_Strict):
                                   structured_outputs=self._structured_outputs(),
                                   allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()))
         except ValueError as e:
-            msg = str(e)
-            field_name = msg.split()[0] if msg.split()[0] in type(self).model_fields else None
-            raise bad_request(msg, field_name) from None
+            raise bad_request(str(e), self.field_of(str(e))) from None
+
+    def field_of(self, message: str) -> str | None:
+        """The request field a ``SamplingParams`` or ``LLM.make_sequences`` error is about (its
+        message's first word), named as this request gave it; None when none is to blame."""
+        word = message.split(maxsplit=1)[0].rstrip(":,") if message.strip() else ""
+        if word == "prompt":
+            return self.prompt_field
+        if word == "max_tokens":
+            return self.max_tokens_field
+        if word.split(".")[0] == "structured_outputs":
+            return self.structure_field
+        return word if word in type(self).model_fields else None
+
+    @property
+    def prompt_field(self) -> str:
+        """The field that holds the prompt."""
+        return "prompt"
+
+    @property
+    def max_tokens_field(self) -> str:
+        """The field that holds the output's length limit."""
+        return "max_tokens"
+
+    @property
+    def structure_field(self) -> str:
+        """The field the output's constraint comes from: ``response_format``,
+        ``structured_outputs`` or one of vLLM's older ``guided_*`` fields."""
+        if (self.response_format or {}).get("type", "text") != "text":
+            return "response_format"
+        guided = [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                  if getattr(self, f) is not None]
+        return guided[0] if guided and not self.structured_outputs else "structured_outputs"
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -175,7 +211,7 @@ class _Request(_Strict):
                                      f"{', '.join(sorted(set(spec) - known))}")
                 return StructuredOutputs(**spec)
         except ValueError as e:
-            raise bad_request(str(e), "response_format" if kind != "text" else "structured_outputs") from None
+            raise bad_request(str(e), self.structure_field) from None
         return None
 
     def _logit_bias(self) -> dict[int, float]:
@@ -197,6 +233,12 @@ class CompletionRequest(_Request):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_bool(cls, value):
+        """``logprobs: true`` (false) is 1 (0), as vLLM's lax integer field reads it."""
+        return int(value) if isinstance(value, bool) else value
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -341,6 +383,9 @@ class ChatCompletionRequest(_Request, _ChatTemplate):
                               "response_format / structured_outputs", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            raise bad_request(f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}",
+                              "max_completion_tokens")
 
     @property
     def tool_mode(self) -> str | None:
@@ -373,6 +418,18 @@ class ChatCompletionRequest(_Request, _ChatTemplate):
 
     def chat_options(self) -> dict:
         return self.template_options(tools=self.tool_mode is not None)
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages"
+
+    @property
+    def max_tokens_field(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    @property
+    def structure_field(self) -> str:
+        return "tools" if self.tool_mode in ("required", "function") else super().structure_field
 
     def prompt_inputs(self) -> list[list[dict]]:
         return [self.conversation()]

@@ -1,4 +1,5 @@
-"""Incremental detokenization for streaming, holding back text that could begin a stop string."""
+"""Incremental detokenization for streaming, holding back text that could begin a stop string,
+and where each token's text lies in a completion's text (logprobs' ``text_offset``)."""
 from __future__ import annotations
 
 from ..config import SamplingParams
@@ -53,3 +54,51 @@ class TextStream:
             return ""
         self.text, self.sent = final, len(final)
         return final[len(sent):]
+
+
+class TokenOffsets:
+    """Where each token's text starts in the text ``sp`` decodes from the tokens (special
+    tokens kept or not, as ``output_text``), from ``start`` on: a token's part is what it adds
+    to the decoding of the few tokens before it. So a word's leading space, a skipped or kept
+    special token and a character split over tokens (it goes to the token that completes it)
+    land where the decoded text has them, at a cost that does not grow with the text."""
+
+    CONTEXT = 4  # tokens decoded before each one
+
+    def __init__(self, tokenizer, sp: SamplingParams, start: int = 0):
+        self.tok, self.sp = tokenizer, sp
+        self.pos = start  # where the next token's text starts
+        self.context: list[int] = []
+
+    def _length(self, ids: list[int]) -> int:
+        """Characters of ``ids``' text, an unfinished character at its end left out."""
+        return len(output_text(self.tok, ids, self.sp).rstrip("\ufffd"))
+
+    def add(self, ids: list[int]) -> list[int]:
+        """The offsets of ``ids``, the next tokens."""
+        out = []
+        for t in ids:
+            out.append(self.pos)
+            grown = self.context + [t]
+            self.pos += max(self._length(grown) - self._length(self.context), 0)
+            self.context = grown[-self.CONTEXT:]
+        return out
+
+
+def prompt_offsets(tokenizer, text: str, ids: list[int]) -> list[int]:
+    """Where each of ``ids`` (``text`` tokenized) starts in ``text`` as written: each token
+    spans from the end of the one before to its own end in the tokenizer's character offsets,
+    so a token the tokenizer added (a BOS) takes no room and a special token written in the
+    text takes its own. A tokenizer without offsets (a slow one) decodes them (``TokenOffsets``)."""
+    try:
+        encoded = tokenizer(text, return_offsets_mapping=True)
+        spans = encoded["offset_mapping"] if list(encoded["input_ids"]) == list(ids) else None
+    except (NotImplementedError, ValueError, TypeError, KeyError):
+        spans = None
+    if spans is None:
+        return [min(o, len(text)) for o in TokenOffsets(tokenizer, SamplingParams(skip_special_tokens=False)).add(ids)]
+    offsets, end = [], 0
+    for _, stop in spans:
+        offsets.append(end)
+        end = min(max(end, stop), len(text))
+    return offsets
