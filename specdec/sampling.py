@@ -60,7 +60,8 @@ def top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], output: list[int],
                    extra: list[list[int]] | None = None, *, stop_ids: frozenset[int] = frozenset(),
                    bad_words: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
-    """``sp``'s repetition, presence and frequency penalties, then its logit bias, then its
+    """``sp``'s logit bias, then its repetition, presence and frequency penalties (vLLM's
+    order: a bias that turns a logit's sign turns how repetition scales it), then its
     allowed token ids, then ``bad_words`` (token sequences: the last token is banned on a row
     whose output ends with the others), then min_tokens (``stop_ids``, the request's EOS and
     stop tokens, banned on rows with fewer than ``min_tokens`` tokens of output before them,
@@ -80,6 +81,10 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], 
         return torch.tensor([t for t in tokens if t < vocab], dtype=torch.long, device=dev)
 
     logits = logits.float()
+    if sp.logit_bias:
+        bias = [(t, b) for t, b in sp.logit_bias if t < vocab]
+        add = torch.tensor([float(b) for _, b in bias], device=dev).expand(rows, -1)  # [rows, biased ids]
+        logits = logits.index_add(1, ids([t for t, _ in bias]), add)  # a new tensor: raw logits stay
     if sp.penalized:
         counts = torch.bincount(ids(output), minlength=vocab).float().repeat(rows, 1)  # [rows, vocab] in the output
         for i, more in enumerate(extra or []):
@@ -92,10 +97,6 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], 
             scaled = torch.where(logits > 0, logits / sp.repetition_penalty, logits * sp.repetition_penalty)
             logits = torch.where(seen, scaled, logits)
         logits = logits - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
-    if sp.logit_bias:
-        bias = [(t, b) for t, b in sp.logit_bias if t < vocab]
-        add = torch.tensor([float(b) for _, b in bias], device=dev).expand(rows, -1)  # [rows, biased ids]
-        logits = logits.index_add(1, ids([t for t, _ in bias]), add)  # a new tensor: raw logits stay
     if sp.allowed_token_ids is not None:
         keep = torch.zeros(vocab, dtype=torch.bool, device=dev)
         keep[ids(list(sp.allowed_token_ids))] = True

@@ -105,7 +105,8 @@ def test_penalties_worked_example():
     assert process_logits(logits, SamplingParams(), [0], [1]) is logits  # no penalties: untouched
     biased = SamplingParams(repetition_penalty=2.0, logit_bias={4: -100, 1: 0.5, 99: 3})  # 99: past the vocab
     out = process_logits(logits, biased, prompt=[4], output=[])
-    torch.testing.assert_close(out[0], torch.tensor([1.0, -0.5, 2.0, 0.5, 1.5 - 100]))
+    # vLLM's order: the bias first, so token 4 (in the prompt) is biased to -97, then doubled
+    torch.testing.assert_close(out[0], torch.tensor([1.0, -0.5, 2.0, 0.5, (3.0 - 100) * 2]))
     assert logits[0, 4] == 3.0  # the raw logits (logprobs come from them) are left alone
 
 
