@@ -351,10 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, with metrics")
     g.set_defaults(func=cmd_generate)
 
-    d = sub.add_parser("demo", help="plain vs n-gram vs self-draft on the embedded model; checks equality")
-    d.add_argument("--max-tokens", "--max-new-tokens", type=int, default=64)
-    d.add_argument("--num-draft-tokens", "-k", type=int, default=4)
-    d.add_argument("--device")
+    d = sub.add_parser("demo", help="plain vs n-gram vs self-draft vs a draft tree on the embedded model: "
+                                    "target forwards side by side; checks the outputs are equal")
+    d.add_argument("--max-tokens", "--max-new-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    d.add_argument("--num-draft-tokens", "-k", type=int, default=4,
+                   help="draft tokens per round for n-gram and self-draft (default 4)")
+    d.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     d.set_defaults(func=cmd_demo)
 
     c = sub.add_parser("check-vocab", help="can DRAFT draft for TARGET? (token-by-token tokenizer check)")
