@@ -383,6 +383,25 @@ def test_abort_mid_stream_frees_kv(server, client):
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+def test_client_gone_mid_body(server):
+    """A client that closes its connection halfway through its request body is counted as
+    a 499 (no traceback logged as an unhandled error), and the server carries on."""
+    import socket
+    from urllib.parse import urlparse
+
+    before = metrics(server.url)
+    url = urlparse(server.url)
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": \"")
+    key = ("specdec_http_requests_rejected_total", (("status", "499"),))
+    deadline = time.time() + 10
+    while metrics(server.url).get(key, 0) == before.get(key, 0) and time.time() < deadline:
+        time.sleep(0.05)
+    assert metrics(server.url).get(key, 0) == before.get(key, 0) + 1
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 # --- metrics -----------------------------------------------------------------------------------------
 
 

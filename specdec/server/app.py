@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..answer import REASONING_PARSERS, AnswerParser
 from ..api import LLM, encode_prompt
@@ -201,13 +202,17 @@ class _API:
         declared = request.headers.get("content-length", "")
         too_big = declared.isdigit() and int(declared) > limit
         chunks, size = [], 0
-        async for chunk in request.stream():  # read it all (a clean 413, not a reset), keep <= limit
-            size += len(chunk)
-            too_big = too_big or size > limit
-            if not too_big:
-                chunks.append(chunk)
-            elif size > max(64 << 20, 4 * limit):
-                break
+        try:
+            async for chunk in request.stream():  # read it all (a clean 413, not a reset), keep <= limit
+                size += len(chunk)
+                too_big = too_big or size > limit
+                if not too_big:
+                    chunks.append(chunk)
+                elif size > max(64 << 20, 4 * limit):
+                    break
+        except ClientDisconnect:  # gone before its whole body came: nobody reads the answer (nginx's 499)
+            raise APIError(499, "the client closed the connection before sending the whole body",
+                           code="client_closed_request") from None
         if too_big:
             raise APIError(413, f"the request body is larger than {limit} bytes",
                            code="request_too_large")
