@@ -277,36 +277,10 @@ def test_special_tokens_in_text(loaded):
 def test_spaces_between_special_tokens():
     """vLLM's ``spaces_between_special_tokens``: a slow tokenizer's added tokens get a space
     each side (default) or none; a fast tokenizer decodes as it does, either way."""
-    from transformers import PythonBackend
-
     from specdec.sequence import output_text
-    from tiny import byte_tokenizer
+    from tiny import byte_tokenizer, char_tokenizer
 
-    class CharTokenizer(PythonBackend):  # slow (Python): one token per letter
-        def __init__(self, **kw):
-            self.vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz .")}
-            super().__init__(**kw)
-
-        @property
-        def vocab_size(self):
-            return len(self.vocab)
-
-        def get_vocab(self):
-            return {**self.vocab, **self.added_tokens_encoder}
-
-        def _tokenize(self, text, **kw):
-            return list(text)
-
-        def _convert_token_to_id(self, token):
-            return self.vocab[token]
-
-        def _convert_id_to_token(self, i):
-            return "abcdefghijklmnopqrstuvwxyz ."[i]
-
-        def convert_tokens_to_string(self, tokens):
-            return "".join(tokens)
-
-    slow = CharTokenizer(eos_token="</s>")
+    slow = char_tokenizer("abcdefghijklmnopqrstuvwxyz .", eos_token="</s>")
     slow.add_tokens(["<t>"])  # an added token, not a special one
     ids = slow("ab<t>cd</s>", add_special_tokens=False)["input_ids"]
     texts = {(spaces, skip): output_text(slow, ids, SamplingParams(spaces_between_special_tokens=spaces,

@@ -11,7 +11,9 @@ import random
 
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
+
+from tiny import char_tokenizer
 
 from specdec.vocab import (PROBE_TEXT, VocabReport, _first_merge_difference, compare_tokenizers,
                            require_compatible)
@@ -192,39 +194,14 @@ def test_limit_lists_first_problems_and_a_count_line():
 
 # --- slow tokenizers ----------------------------------------------------------------------
 
-class CharTokenizer(PreTrainedTokenizer):
-    """Minimal slow tokenizer: one token per character, '?' for anything else."""
-
-    def __init__(self, chars, **kw):
-        self._vocab = {c: i for i, c in enumerate(chars)}
-        self._inverse = {i: c for c, i in self._vocab.items()}
-        super().__init__(**kw)
-
-    @property
-    def vocab_size(self):
-        return len(self._vocab)
-
-    def get_vocab(self):
-        return {**self._vocab, **self.added_tokens_encoder}
-
-    def _tokenize(self, text):
-        return list(text)
-
-    def _convert_token_to_id(self, token):
-        return self._vocab.get(token, self._vocab["?"])
-
-    def _convert_id_to_token(self, index):
-        return self._inverse.get(index)
-
-
 def test_slow_tokenizers():
     chars = list("abcdefghijklmnopqrstuvwxyz ?")
-    target = CharTokenizer(chars, bos_token="<s>", eos_token="</s>")
+    target = char_tokenizer(chars, bos_token="<s>", eos_token="</s>")
     assert not target.is_fast
-    assert compare_tokenizers(target, CharTokenizer(chars, bos_token="<s>", eos_token="</s>")).compatible
+    assert compare_tokenizers(target, char_tokenizer(chars, bos_token="<s>", eos_token="</s>")).compatible
     swapped = chars[:]
     swapped[0], swapped[1] = swapped[1], swapped[0]
-    report = compare_tokenizers(target, CharTokenizer(swapped, bos_token="<s>", eos_token="</s>"))
+    report = compare_tokenizers(target, char_tokenizer(swapped, bos_token="<s>", eos_token="</s>"))
     assert not report.compatible and report.problems[:2] == ["id 0 'a' vs 'b'", "id 1 'b' vs 'a'"]
     # slow vs fast: nothing in common but the comparison still works
     assert not compare_tokenizers(target, bpe()).compatible

@@ -27,6 +27,38 @@ def byte_tokenizer(swap: bool = False):
     return fast
 
 
+def char_tokenizer(chars, **kw):
+    """A slow (Python) tokenizer: one token per character of ``chars``, '?' (when there)
+    for any other; ``kw`` go to ``PreTrainedTokenizer`` (bos/eos tokens...)."""
+    from transformers import PreTrainedTokenizer
+
+    class CharTokenizer(PreTrainedTokenizer):
+        def __init__(self, **kw):
+            self._vocab = {c: i for i, c in enumerate(chars)}
+            super().__init__(**kw)
+
+        @property
+        def vocab_size(self):
+            return len(self._vocab)
+
+        def get_vocab(self):
+            return {**self._vocab, **self.added_tokens_encoder}
+
+        def _tokenize(self, text, **kw):
+            return list(text)
+
+        def _convert_token_to_id(self, token):
+            return self._vocab.get(token, self._vocab.get("?"))
+
+        def _convert_id_to_token(self, index):
+            return chars[index] if 0 <= index < len(chars) else None
+
+        def convert_tokens_to_string(self, tokens):
+            return "".join(tokens)
+
+    return CharTokenizer(**kw)
+
+
 def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, std: float = 0.2,
               swap_tokens: bool = False, vocab: int = VOCAB) -> Path:
     """Write a tiny random ``arch`` checkpoint to ``path``. A large init std gives peaked
