@@ -201,7 +201,8 @@ def make_llm(a):
                dtype=a.dtype, max_batch_size=a.max_batch_size, backend=a.backend,
                draft_backend=a.draft_backend, repack=a.repack, load_format=a.load_format,
                chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len,
-               enforce_eager=a.enforce_eager, generation_config=a.generation_config)
+               enforce_eager=a.enforce_eager, generation_config=a.generation_config,
+               seed=getattr(a, "llm_seed", None))  # serve's --seed (generate's seeds its SamplingParams)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:
@@ -381,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: $SPECDEC_API_KEY, else none)")
     h.add_argument("--served-model-name", help="model id in requests and /v1/models (default: --model)")
+    h.add_argument("--seed", type=int, dest="llm_seed",
+                   help="vLLM's global seed: requests without a seed draw theirs from it, in order "
+                        "(default: a fresh seed each)")
     h.add_argument("--max-request-bytes", type=int, default=2_000_000,
                    help="larger request bodies get 413 (default %(default)s)")
     h.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -667,6 +667,17 @@ def test_llm_seed(loaded):
     assert LLM(loaded("llama"), seed=7).engine_config.seed == 7
 
 
+def test_serve_seed_flag(tiny_dirs):
+    """``specdec serve --seed`` is the LLM's global seed (vLLM's); ``generate --seed`` seeds
+    its SamplingParams instead."""
+    from specdec.cli import build_parser, make_llm
+
+    args = build_parser().parse_args(["serve", "--model", str(tiny_dirs["llama"]), "--seed", "5"])
+    assert make_llm(args).engine_config.seed == 5
+    args = build_parser().parse_args(["generate", "--model", str(tiny_dirs["llama"]), "--seed", "5", "--prompt", "x"])
+    assert make_llm(args).engine_config.seed is None and args.seed == 5
+
+
 def test_prefix_reuse(loaded):
     """A finished request's prompt KV stays in its slot, in whole prefill chunks; a new prompt
     that starts the same prefills only the rest (``cached_prompt_tokens``), with the same
