@@ -401,7 +401,7 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
             # greedy: every repeat is the same output, so the median time; sampled: the draws
             # differ in length, so their mean length over their mean time (all tokens / all seconds)
             sampled = args.temperature > 0
-            counters = pool_draws(stats[m]) if sampled else stats[m][0]  # greedy: the repeats agree
+            counters = pool_draws(stats[m])  # the mean repeat (a cost model's choices vary)
             first, n = outs[m][0], statistics.mean(len(o) for o in outs[m]) if sampled else len(outs[m][0])
             average = statistics.mean if sampled else statistics.median
             med = average(secs[m])
@@ -593,6 +593,12 @@ def run_bench(args) -> int:
         # rounding; on llama.cpp (exact verification) at most one on the bench prompts
         s["near_ties_only"] = len(s["flip_gaps"]) == len(diverged) and (
             len(diverged) <= 1 if tolerance is None else all(g <= tolerance for g in s["flip_gaps"].values()))
+        if m.startswith("specdec-"):  # every specdec method, plain too: its time split and drafts chosen
+            s["time_split_s"] = {phase: sum(r["time_split_s"][phase] for r in recs)
+                                 for phase in ("prefill", "draft", "verify", "bookkeeping")}
+            s["chosen_k"] = _sum_lists(r["chosen_k"] for r in recs)
+            s["drafter_steps"] = {n: sum(r["drafter_steps"].get(n, 0) for r in recs)
+                                  for n in sorted({n for r in recs for n in r["drafter_steps"]})}
         if m not in ("specdec-plain",) + BASELINES:
             drafted = sum(r["drafted_tokens"] or 0 for r in recs)
             accepted = sum(r["accepted_tokens"] or 0 for r in recs)
@@ -605,12 +611,6 @@ def run_bench(args) -> int:
                 acc, dra = (_sum_lists(r[key] for r in recs)
                             for key in ("accepted_per_position", "drafted_per_position"))
                 s["acceptance_by_depth"] = [a / d if d else None for a, d in zip(acc, dra)]
-                s["chosen_k"] = _sum_lists(r["chosen_k"] for r in recs)
-                s["drafter_steps"] = {n: sum(r["drafter_steps"].get(n, 0) for r in recs)
-                                      for n in sorted({n for r in recs for n in r["drafter_steps"]})}
-            if m.startswith("specdec-"):
-                s["time_split_s"] = {phase: sum(r["time_split_s"][phase] for r in recs)
-                                     for phase in ("prefill", "draft", "verify", "bookkeeping")}
             else:
                 s["mean_accepted_length"] = tokens / s["target_forwards"] if s["target_forwards"] else None
         summary[m] = s
@@ -699,9 +699,8 @@ def bench_sampling(args) -> dict:
 
     if args.temperature == 0:
         return {}
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
-    SamplingParams(**sampling)  # ValueError on a bad value
-    return sampling
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)  # ValueError on a bad value
+    return {"temperature": sp.temperature, "top_p": sp.top_p, "top_k": sp.top_k}  # top_k -1 (off) is 0
 
 
 def describe_sampling(sampling: dict, args) -> str:
@@ -892,6 +891,11 @@ def _fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
+def _count(x) -> str:
+    """A count as a whole number, or to one decimal where it is a mean over sampled draws."""
+    return "-" if x is None else f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+
+
 def _vs(baseline: str, how: str) -> str:
     """Summary key of the speed ratio to ``baseline``: ``vs_hf_plain_median`` ..."""
     return f"vs_{baseline.replace('-', '_')}_{how}"
@@ -918,7 +922,7 @@ def _tables(methods, summary, results, prompts, baselines) -> str:
         ratios = "".join(f" {_fmt(s[_vs(b, 'median')])}x |" for b in baselines)
         decode = "".join(f" {_fmt(s[_vs(b, 'median_decode')])}x |" for b in baselines)
         rows.append(f"| {m} | {_fmt(s['median_tokens_per_s'])} | {_fmt(s['aggregate_tokens_per_s'])} |{ratios} "
-                    f"{_fmt(s['median_decode_tokens_per_s'])} |{decode} {s['total_tokens']:.0f} | {_fmt(s['target_forwards'], 'g')} "
+                    f"{_fmt(s['median_decode_tokens_per_s'])} |{decode} {_count(s['total_tokens'])} | {_count(s['target_forwards'])} "
                     f"| {_fmt(s.get('acceptance_rate'))} | {_fmt(s.get('mean_accepted_length'))} "
                     f"| {_fmt(s.get('nodes_per_verify_step'))} "
                     f"| {' '.join(_fmt(a) for a in s.get('acceptance_by_depth') or []) or '-'} | {div} |")
@@ -952,6 +956,6 @@ def _tables(methods, summary, results, prompts, baselines) -> str:
             k = summary[m].get("chosen_k")
             steps = summary[m].get("drafter_steps")
             split.append(f"| {m} | " + " | ".join(_fmt(t[x]) for x in ("prefill", "draft", "verify", "bookkeeping"))
-                         + f" | {' '.join(_fmt(c, 'g') for c in k) if k else '-'} "
-                         f"| {', '.join(n + ' ' + _fmt(c, 'g') for n, c in steps.items()) if steps else '-'} |")
+                         + f" | {' '.join(map(_count, k)) if k else '-'} "
+                         f"| {', '.join(n + ' ' + _count(c) for n, c in steps.items()) if steps else '-'} |")
     return text + "\n\nspecdec time split (summed over prompts; sampled: each prompt's mean draw) and the drafts chosen:\n\n" + "\n".join(split)

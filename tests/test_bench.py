@@ -126,6 +126,9 @@ def test_bench_sampled(tiny_dirs, tmp_path, capsys):
     assert code == 0
     report = json.loads((out / "bench.json").read_text())
     assert report["config"]["sampling"] == {"temperature": 1.5, "top_p": 0.95, "top_k": 50}
+    plain = report["summary"]["specdec-plain"]  # plain decoding's time split and k=0 steps are reported too
+    assert set(plain["time_split_s"]) == {"prefill", "draft", "verify", "bookkeeping"} and plain["chosen_k"][0] > 0
+    assert "| specdec-plain |" in (out / "bench.md").read_text().split("specdec time split")[1]
     assert report["config"]["seeds"] == [3, 5]
     assert all(s["reference"] is None for s in report["summary"].values())
     sp = SamplingParams(max_tokens=12, temperature=1.5, top_p=0.95, top_k=50, seed=3)
@@ -140,6 +143,15 @@ def test_bench_sampled(tiny_dirs, tmp_path, capsys):
     assert "sampled: outputs are draws" in capsys.readouterr().out
     assert main(["bench", "--model", str(tiny_dirs["llama"]), "--temperature", "0.5", "--top-p", "0",
                  "--prompts-file", str(prompts), "--methods", "specdec-plain", "--out", str(out)]) == 2
+
+
+def test_bench_sampling_reads_top_k_minus_one_as_off():
+    from argparse import Namespace
+
+    from specdec.bench import bench_sampling
+
+    assert bench_sampling(Namespace(temperature=0.7, top_p=0.8, top_k=-1)) == {"temperature": 0.7, "top_p": 0.8, "top_k": 0}
+    assert bench_sampling(Namespace(temperature=0, top_p=0.8, top_k=-1)) == {}
 
 
 def test_pool_draws_means_counts_and_weights_ratios():

@@ -402,6 +402,26 @@ def test_client_gone_mid_body(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_loadtest_against_the_server(server, monkeypatch):
+    """``specdec loadtest``'s run: concurrent streamed requests each equal to their prompt's
+    reference sent alone, usage included; a usage that differs from the reference's fails."""
+    from specdec.server import loadtest
+
+    report = asyncio.run(loadtest.run(server.url, clients=3, duration=2.0, max_tokens=8, pool_size=4, api_key=None))
+    assert report["requests"] >= 3 and report["ok"] == report["requests"] and report["output_tokens_per_s"] > 0
+    real = loadtest.one
+
+    async def inflated(*a, **kw):  # the reference goes through as sent; later answers claim more tokens
+        text, tokens, ttft, problem = await real(*a, **kw)
+        inflated.calls += 1
+        return text, tokens + (inflated.calls > 4), ttft, problem
+
+    inflated.calls = 0
+    monkeypatch.setattr(loadtest, "one", inflated)
+    report = asyncio.run(loadtest.run(server.url, clients=2, duration=1.0, max_tokens=8, pool_size=4, api_key=None))
+    assert report["ok"] == 0 and any("usage says" in p for p in report["problems"])
+
+
 # --- metrics -----------------------------------------------------------------------------------------
 
 

@@ -3,7 +3,7 @@
 First each prompt of a small pool is sent alone (greedy) to get its reference output; then
 N clients send requests back to back until T seconds have passed, each request a pool
 prompt, streamed, greedy. Every response must come back complete (``[DONE]``, a finish
-reason, usage equal to the tokens sent) and equal its own prompt's reference: a response
+reason, usage) and equal its own prompt's reference, usage included: a response
 that equals another prompt's reference was crossed, one that equals none diverged.
 Reports requests/s, output tokens/s and p50/p99 time to first token and latency.
 """
@@ -108,7 +108,7 @@ async def run(url: str, clients: int, duration: float, max_tokens: int, pool_siz
             text, tokens, _, problem = await one(client, url, model, p, max_tokens, headers)
             if problem:
                 raise RuntimeError(f"reference request failed: {problem}")
-            refs.append(text)
+            refs.append((text, tokens))
 
         results: list[Result] = []
         deadline = time.perf_counter() + duration
@@ -123,9 +123,11 @@ async def run(url: str, clients: int, duration: float, max_tokens: int, pool_siz
                     text, tokens, ttft, problem = await one(client, url, model, pool[k], max_tokens, headers)
                 except Exception as e:  # connection errors count as failures, the run goes on
                     text, tokens, ttft, problem = "", 0, None, f"{type(e).__name__}: {e}"
-                if not problem and text != refs[k]:
-                    others = [i for i, r in enumerate(refs) if r == text and i != k]
+                if not problem and text != refs[k][0]:
+                    others = [i for i, (r, _) in enumerate(refs) if r == text and i != k]
                     problem = f"crossed (got prompt {others[0]}'s output)" if others else "diverged from reference"
+                elif not problem and tokens != refs[k][1]:
+                    problem = f"usage says {tokens} completion tokens, the reference {refs[k][1]}"
                 results.append(Result(k, not problem, text, tokens, ttft, time.perf_counter() - t0, problem))
 
         start = time.perf_counter()
