@@ -78,8 +78,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=DEFAULT_DRAFT,
                    help="draft model for specdec-draft and hf-assisted (default %(default)s)")
     p.add_argument("--num-draft-tokens", "-k", type=int, default=4,
-                   help="k for specdec-draft (default %(default)s); hf-assisted keeps transformers' "
-                        "own assistant settings")
+                   help="k, the most draft tokens per step, for every specdec method that drafts "
+                        "(default %(default)s); hf-assisted keeps transformers' own assistant settings")
     p.add_argument("--draft-quantization", choices=["auto", "none", "int8"], default="auto",
                    help="specdec-draft's draft weights (auto = int8 on CPU float32; lossless either way)")
     p.add_argument("--tree-topk", type=int, default=NGRAM_TREE_TOPK,

@@ -290,6 +290,8 @@ def cmd_check_vocab(a) -> int:
     print(report.summary())
     for line in report.problems:
         print("  " + line)
+    for line in report.notes:
+        print("  note: " + line)
     return 0 if report.compatible else 1
 
 
@@ -360,9 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     d.set_defaults(func=cmd_demo)
 
-    c = sub.add_parser("check-vocab", help="can DRAFT draft for TARGET? (token-by-token tokenizer check)")
-    c.add_argument("target")
-    c.add_argument("draft")
+    c = sub.add_parser("check-vocab", help="can DRAFT draft for TARGET? (token-by-token tokenizer check)",
+                       description="Compare two tokenizers id by id. Exit code 0: compatible, 1: "
+                                   "incompatible (the problems are listed), 2: an error (e.g. a path).")
+    c.add_argument("target", help="target model: HF dir, .gguf file or hub id")
+    c.add_argument("draft", help="draft model, in the same forms")
     c.set_defaults(func=cmd_check_vocab)
 
     b = sub.add_parser("bench", help="side-by-side tokens/s: specdec vs transformers and llama-cpp-python (see docs/bench.md)")
