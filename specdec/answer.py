@@ -58,13 +58,15 @@ class AnswerParser:
     auto, required, function); ``tool_names``: the functions auto may call (their names, or
     their names mapped to their parameters' JSON schemas, which typed formats read:
     ``tools.Tools``); ``function``: the named function's name; ``tool_parser``: how auto's
-    calls are written (``TOOL_PARSERS``)."""
+    calls are written (``TOOL_PARSERS``); ``parallel``: more than one call may stand (the
+    request's ``parallel_tool_calls``; false keeps auto's first, as vLLM)."""
 
     reasoning: str | None = None
     tool_mode: str | None = None
     tool_names: Tools = field(default=frozenset(), hash=False)
     function: str | None = None
     tool_parser: str = "hermes"
+    parallel: bool = True
 
     def split_reasoning(self, text: str, final: bool) -> tuple[str | None, str]:
         """``(reasoning, the rest)``; a partial view holds back what could still change."""
@@ -91,6 +93,7 @@ class AnswerParser:
         if final:
             if mode == "auto":
                 content, calls = TOOL_PARSERS[self.tool_parser].parse(rest, self.tool_names)
+                calls = calls if self.parallel else calls[:1]
             elif mode == "required":
                 calls = parse_required(rest)
                 content = None if calls else rest
@@ -113,6 +116,7 @@ class AnswerParser:
                 rest = ""
             if parser.partial and (starts or not rest):  # calls from the first marker (or the start)
                 calls = parser.partial(answer[min(starts, default=0):], self.tool_names)
+                calls = calls if self.parallel else calls[:1]
         return Answer(reasoning, rest, calls)
 
     def finish_reason(self, answer: Answer, finish_reason: str) -> str:

@@ -39,12 +39,39 @@ _FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex
 
 
 def grammar_text(so: StructuredOutputs) -> str:
-    """``so``'s constraint as the text of its llguidance format."""
+    """``so``'s constraint as the text of its llguidance format. A JSON schema's objects that
+    list their ``properties`` take no others unless they say so (``closed_objects``)."""
     if so.json_object:
         return '{"type": "object"}'
     if so.choice is not None:
         return json.dumps(list(so.choice))
+    if so.json is not None:
+        return json.dumps(closed_objects(json.loads(so.json)))
     return getattr(so, so.kind)
+
+
+def closed_objects(schema):
+    """``schema`` with ``"additionalProperties": false`` on every object schema that lists
+    ``properties`` and sets neither ``additionalProperties`` nor ``patternProperties``: as
+    vLLM's default grammar backend (xgrammar) and OpenAI's strict mode read a schema, so that
+    a tool's arguments or an answer hold only the fields it declares (llguidance, like JSON
+    Schema, allows others by default). An object without ``properties`` stays free-form."""
+    if isinstance(schema, list):
+        return [closed_objects(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("enum", "const", "default", "examples"):  # values, not schemas
+            out[key] = value
+        elif key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") \
+                and isinstance(value, dict):  # name -> schema
+            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        else:
+            out[key] = closed_objects(value)
+    if isinstance(out.get("properties"), dict) and not {"additionalProperties", "patternProperties"} & out.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 class Grammars:

@@ -547,6 +547,7 @@ PYTHON_TAG = "<|python_tag|>"
 MISTRAL = "[TOOL_CALLS]"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 JSON_STARTS = ("{", "[", "`")
+CALL_FENCES = ("```json", "```\n", "```{", "```[", "``` ")  # how a fenced bare call may open
 
 
 @dataclass(frozen=True)
@@ -567,9 +568,12 @@ class ToolParser:
     partial: Callable[[str, Tools], list[ToolCall]] | None = None
 
     def could_be_call(self, text: str) -> bool:
-        """Whether an answer that begins with ``text`` may still turn out to be a call."""
+        """Whether an answer that begins with ``text`` may still turn out to be a call (a
+        fence only as ```json or a bare ```: ```python opens code, never a call)."""
         head = text.lstrip()
-        return not head or head[0] in self.starts
+        if not head or head[0] not in self.starts:
+            return not head
+        return head[0] != "`" or any(head.startswith(f) or f.startswith(head) for f in CALL_FENCES)
 
 
 TOOL_PARSERS = {

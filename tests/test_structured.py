@@ -59,6 +59,28 @@ def test_invalid_constraint_is_a_value_error(loaded):
             llm.generate("abc", SamplingParams(structured_outputs=so))
 
 
+def test_schema_objects_take_only_their_properties(loaded):
+    """An object schema that lists its properties takes no others unless it says so (vLLM's
+    default backend and OpenAI's strict mode): sampled answers to a random model hold only
+    the declared keys; an object without properties, or one allowing more, stays open."""
+    import json
+
+    from specdec.structured import closed_objects
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "properties": {"type": "object"},
+                                               "b": {"type": "object", "properties": {"c": {"enum": [{"x": 1}]}}}},
+              "$defs": {"d": {"type": "object", "properties": {"e": {"type": "string"}}, "additionalProperties": True}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False and closed["properties"]["b"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["properties"]  # no properties: free-form
+    assert closed["properties"]["b"]["properties"]["c"] == {"enum": [{"x": 1}]}  # values left alone
+    assert closed["$defs"]["d"]["additionalProperties"] is True and "additionalProperties" not in closed["properties"]
+    so = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    sp = SamplingParams(max_tokens=60, temperature=1.5, n=8, seed=3, structured_outputs=so)
+    texts = [c.text for c in LLM(loaded("llama")).generate("abc", sp)[0].outputs]
+    assert all(set(json.loads(t)) <= {"a"} for t in texts if t.rstrip().endswith("}")), texts
+
+
 @pytest.mark.parametrize("kind", list(CASES))
 def test_greedy_constrained_output_equal_under_speculation(loaded, kind):
     """The text follows the constraint, and every drafter (self, n-gram and a random draft

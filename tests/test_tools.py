@@ -51,6 +51,8 @@ def test_parse_hermes():
     hermes = TOOL_PARSERS["hermes"]
     assert hermes.could_be_call(" \n{") and hermes.could_be_call("```") and hermes.could_be_call("")
     assert not hermes.could_be_call("Sure")
+    assert not hermes.could_be_call("```python\ndef f") and hermes.could_be_call("```js")  # ```json may follow
+    assert hermes.could_be_call("```json\n{") and not hermes.could_be_call("```jsx")
     schema = required_schema([WEATHER["function"]], parallel=False)
     assert schema["maxItems"] == 1 and schema["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]
 
@@ -212,7 +214,8 @@ def test_auto_tool_choice_parses_hermes_calls(client):
 
 def test_tool_conversation_and_none(client):
     """A conversation with an earlier call and its result goes through the chat template;
-    tool_choice "none" answers as without tools."""
+    tool_choice "none" shows the tools to the template (as vLLM does by default) but reads no
+    calls from the answer."""
     messages = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
@@ -220,7 +223,11 @@ def test_tool_conversation_and_none(client):
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", temperature=0,
                                        max_tokens=8)
     ref = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
-    assert r.choices[0].message.content == ref.choices[0].message.content and r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
+    from specdec.server.protocol import ChatCompletionRequest, parse
+
+    req = parse(ChatCompletionRequest, {"model": MODEL, "messages": messages, "tools": TOOLS, "tool_choice": "none"})
+    assert req.tool_mode is None and req.chat_options()["tools"][0]["function"]["name"] == "get_weather"
 
 
 @pytest.mark.parametrize("body, server, match", [
@@ -360,6 +367,13 @@ def test_json_members():
 
 def test_answer_parts():
     from specdec.answer import AnswerParser
+
+    two = '<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>' \
+          '<tool_call>{"name": "get_weather", "arguments": {"city": "B"}}</tool_call>'
+    for final in (True, False):  # parallel_tool_calls false: auto keeps the first call, as vLLM
+        assert len(AnswerParser(None, "auto", NAMES).view(two, final=final).calls) == 2
+        assert [c.arguments for c in AnswerParser(None, "auto", NAMES, parallel=False).view(two, final=final).calls] \
+            == ['{"city": "A"}']
 
     a = AnswerParser("qwen3", "auto", NAMES).view(ANSWERS[0], final=True)
     assert (a.reasoning, a.content, [c.name for c in a.calls]) == ("\nThe user wants weather.\n", "Sure.\n", ["get_weather"])

@@ -394,7 +394,7 @@ class _Output:
             named = req.named_function
             tools = {t.function.name: t.function.parameters or {} for t in req.tools or []}  # name -> schema
             self.parser = AnswerParser(api.reasoning_parser, tool_mode, tools, named.name if named else None,
-                                       api.tool_call_parser or "hermes")
+                                       api.tool_call_parser or "hermes", req.parallel_tool_calls)
 
     def usage(self) -> dict:
         firsts = self.sreqs[::self.req.n]  # each prompt once

@@ -417,7 +417,7 @@ class ChatCompletionRequest(_Request, _ChatTemplate):
         return super()._structured_outputs()
 
     def chat_options(self) -> dict:
-        return self.template_options(tools=self.tool_mode is not None)
+        return self.template_options(tools=True)  # "none" too, as vLLM shows them by default
 
     @property
     def prompt_field(self) -> str:
