@@ -93,9 +93,10 @@ def int8_rows(x: torch.Tensor, packed, anchor: torch.Tensor, bias: torch.Tensor 
     quantized on its own scale. fbgemm quantizes activations on one range for the whole
     tensor, so a row's result would depend on the rows beside it (a draft's q on its batch
     and chunking, and so a seeded draw on them), and one large row would coarsen the rest
-    (with one row 20x larger: ~28% relative error for the others, against ~2%). Each row is scaled to max |x| = 1 and
-    the ``anchor`` row (1, -1, 0, ...) pins the tensor's range to [-1, 1]; the integer
-    products are exact, so a row's output no longer depends on its neighbours."""
+    (with one row 20x larger: ~28% relative error for the others, against ~2%). Each row is
+    scaled to max |x| = 1 and the ``anchor`` row (1, -1, 0, ...) pins the tensor's range to
+    [-1, 1]; the integer products are exact, so a row's output no longer depends on its
+    neighbours."""
     scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)  # [n, 1]
     y = torch.ops.quantized.linear_dynamic(torch.cat([x / scale, anchor]), packed, reduce_range=True)
     y = y[:-1] * scale  # [n, out]
