@@ -483,7 +483,8 @@ def run_bench(args) -> int:
     mode = describe_sampling(sampling, args)
     log(f"specdec bench: {len(prompts)} prompt(s), methods {','.join(methods)}, {mode}, "
         f"max_new_tokens {args.max_new_tokens}, repeats {args.repeats}, specdec on {args.backend}, "
-        f"{device} {str(dtype)[6:]}, {torch.get_num_threads()} threads")
+        f"{device} {str(dtype)[6:]}{' for torch and transformers (llama.cpp: the GGUF types)' if on_llamacpp or peers else ''}, "
+        f"{torch.get_num_threads()} threads")
 
     results: dict[str, list[dict]] = {}
     load_s: dict[str, float] = {}
@@ -675,7 +676,8 @@ def run_bench(args) -> int:
           f"; machine: {machine['platform']}, {machine['cpu_count']} CPUs, "
           f"torch {machine['torch']} with {machine['torch_threads']} threads, transformers {machine['transformers']}, "
           + (f"llama-cpp-python {machine['llama_cpp_python']} (same threads), " if gguf is not None else "") +
-          f"{machine['device']}{' (' + machine['gpu'] + ')' if 'gpu' in machine else ''} {machine['dtype']}",
+          f"{machine['device']}{' (' + machine['gpu'] + ')' if 'gpu' in machine else ''} {machine['dtype']}"
+          + (" for torch and transformers (llama.cpp runs the GGUF's own types)" if gguf is not None else ""),
           f"- hf-assisted uses transformers' default assistant settings; hf-lookup uses "
           f"prompt_lookup_num_tokens={HF_LOOKUP_TOKENS}; "
           f"HF mean accepted length = tokens / target forwards; llamacpp-lookup uses "

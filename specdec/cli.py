@@ -239,6 +239,8 @@ def cmd_generate(a) -> int:
                          "of the JSON output)")
     spec_from_args(a)  # validate before loading models
     if a.prompts_file:
+        if a.chat:
+            raise ValueError("--chat applies to --prompt; a prompts file gives each prompt's kind (chat or completion)")
         items = read_prompts_file(a.prompts_file)
     else:
         items = [("0", [{"role": "user", "content": a.prompt}] if a.chat else a.prompt)]

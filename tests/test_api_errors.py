@@ -194,6 +194,8 @@ def test_cli_generate_json_prompts_file(tmp_path, tiny_dirs):
     bad.write_text('{"id": 1, "kind": "chat"}\n')
     r = run_cli("generate", "--model", str(tiny_dirs["llama"]), "--prompts-file", str(bad))
     assert r.returncode == 2 and "bad.jsonl:1" in r.stderr
+    r = run_cli("generate", "--model", str(tiny_dirs["llama"]), "--prompts-file", str(f), "--chat")
+    assert r.returncode == 2 and "--chat applies to --prompt" in r.stderr
 
 
 def test_cli_generate_n_and_logprobs(tiny_dirs):
