@@ -39,6 +39,14 @@ def grammar_gate(tokenizer, prompt_ids: list[int]) -> tuple[int, ...]:
     return () if _last(prompt_ids, end) > _last(prompt_ids, start) else end
 
 
+def opens_reasoning(tokenizer, prompt_ids: list[int]) -> bool:
+    """Whether the prompt leaves a ``<think>`` open, so that the answer starts in its
+    reasoning (a template that opens it for the model, as Qwen3's thinking-only ones do, or
+    an assistant message continued from within it)."""
+    start, end = (tuple(tokenizer.encode(m, add_special_tokens=False)) for m in (THINK, END_THINK))
+    return _last(prompt_ids, start) > _last(prompt_ids, end)
+
+
 def _last(ids: list[int], pattern: tuple[int, ...]) -> int:
     """Where ``pattern`` last begins in ``ids`` (-1: nowhere)."""
     n = len(pattern)
@@ -59,7 +67,9 @@ class AnswerParser:
     their names mapped to their parameters' JSON schemas, which typed formats read:
     ``tools.Tools``); ``function``: the named function's name; ``tool_parser``: how auto's
     calls are written (``TOOL_PARSERS``); ``parallel``: more than one call may stand (the
-    request's ``parallel_tool_calls``; false keeps auto's first, as vLLM)."""
+    request's ``parallel_tool_calls``; false keeps auto's first, as vLLM); ``opened``: the
+    prompt opened ``<think>`` (``opens_reasoning``), so a qwen3 answer starts in its reasoning
+    as a deepseek_r1 one does."""
 
     reasoning: str | None = None
     tool_mode: str | None = None
@@ -67,6 +77,7 @@ class AnswerParser:
     function: str | None = None
     tool_parser: str = "hermes"
     parallel: bool = True
+    opened: bool = False
 
     def split_reasoning(self, text: str, final: bool) -> tuple[str | None, str]:
         """``(reasoning, the rest)``; a partial view holds back what could still change."""
@@ -77,7 +88,7 @@ class AnswerParser:
             return None, ""
         if body.startswith(THINK):
             body = body[len(THINK):]
-        elif self.reasoning == "qwen3":
+        elif self.reasoning == "qwen3" and not self.opened:
             return None, text
         end = body.find(END_THINK)
         if end >= 0:

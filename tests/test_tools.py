@@ -266,14 +266,14 @@ ANSWERS = [
 ]
 
 
-@pytest.mark.parametrize("reasoning", [None, "qwen3", "deepseek_r1"])
+@pytest.mark.parametrize("reasoning, opened", [(None, False), ("qwen3", False), ("qwen3", True), ("deepseek_r1", False)])
 @pytest.mark.parametrize("tool_mode", [None, "auto"])
-def test_answer_views_only_grow(reasoning, tool_mode):
+def test_answer_views_only_grow(reasoning, opened, tool_mode):
     """For every prefix of an answer, each part of the partial view (reasoning, content) is a
     prefix of the whole answer's part: a stream never sends text it must take back."""
     from specdec.answer import AnswerParser
 
-    parser = AnswerParser(reasoning, tool_mode, NAMES)
+    parser = AnswerParser(reasoning, tool_mode, NAMES, opened=opened)
     for text in ANSWERS:
         final = parser.view(text, final=True)
         for n in range(len(text) + 1):
@@ -381,8 +381,21 @@ def test_answer_parts():
     assert (a.reasoning, a.content) == ("I reason here", "then answer")
     assert AnswerParser("deepseek_r1").view("still thinking", final=True).reasoning == "still thinking"
     assert AnswerParser("qwen3").view(ANSWERS[3], final=True).content == ANSWERS[3]  # qwen3 needs <think> first
+    opened = AnswerParser("qwen3", opened=True)  # ... unless the prompt opened it (Qwen3 thinking-only templates)
+    assert (opened.view(ANSWERS[3], final=True).reasoning, opened.view(ANSWERS[3], final=True).content) == \
+        ("I reason here", "then answer")
+    assert opened.view("I reason", final=False).reasoning == "I reason" and opened.view("I reason").content == ""
     assert AnswerParser("qwen3", "auto", NAMES).view("<think>a</think>Hello <tool_c").content == "Hello "
     assert AnswerParser("qwen3").view("<think>a</thi").reasoning == "a"  # held: may be the end tag
+
+
+def test_opens_reasoning(loaded):
+    from specdec.answer import opens_reasoning
+
+    tok = loaded("llama").tokenizer
+    for text, opened in [("user: hi\nassistant: <think>\n", True), ("a <think> b </think> c", False),
+                         ("<think>x</think> then <think>partly", True), ("no tags", False)]:
+        assert opens_reasoning(tok, tok.encode(text, add_special_tokens=False)) is opened, text
 
 
 def test_reasoning_parser_on_the_server(loaded):

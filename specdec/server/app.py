@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..answer import REASONING_PARSERS, AnswerParser
+from ..answer import REASONING_PARSERS, AnswerParser, opens_reasoning
 from ..api import LLM, encode_prompt
 from ..config import SamplingParams
 from ..sequence import output_text
@@ -393,8 +393,10 @@ class _Output:
         if chat and (api.reasoning_parser or tool_mode):
             named = req.named_function
             tools = {t.function.name: t.function.parameters or {} for t in req.tools or []}  # name -> schema
+            seq = sreqs[0].seq
+            opened = api.reasoning_parser is not None and opens_reasoning(api.tok, seq.ids[:seq.prompt_len])
             self.parser = AnswerParser(api.reasoning_parser, tool_mode, tools, named.name if named else None,
-                                       api.tool_call_parser or "hermes", req.parallel_tool_calls)
+                                       api.tool_call_parser or "hermes", req.parallel_tool_calls, opened)
 
     def usage(self) -> dict:
         firsts = self.sreqs[::self.req.n]  # each prompt once
