@@ -35,7 +35,7 @@ def grammar_gate(tokenizer, prompt_ids: list[int]) -> tuple[int, ...]:
     """The ids after which a thinking model's structured output starts (vLLM leaves the
     reasoning free): ``</think>``'s, or none when the prompt already closed its last
     ``<think>`` (Qwen3 with thinking turned off)."""
-    start, end = (tuple(tokenizer.encode(m, add_special_tokens=False)) for m in (THINK, END_THINK))
+    start, end = _think_ids(tokenizer)
     return () if _last(prompt_ids, end) > _last(prompt_ids, start) else end
 
 
@@ -43,8 +43,13 @@ def opens_reasoning(tokenizer, prompt_ids: list[int]) -> bool:
     """Whether the prompt leaves a ``<think>`` open, so that the answer starts in its
     reasoning (a template that opens it for the model, as Qwen3's thinking-only ones do, or
     an assistant message continued from within it)."""
-    start, end = (tuple(tokenizer.encode(m, add_special_tokens=False)) for m in (THINK, END_THINK))
+    start, end = _think_ids(tokenizer)
     return _last(prompt_ids, start) > _last(prompt_ids, end)
+
+
+def _think_ids(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The ids of ``<think>`` and of ``</think>``."""
+    return tuple(tuple(tokenizer.encode(m, add_special_tokens=False)) for m in (THINK, END_THINK))
 
 
 def _last(ids: list[int], pattern: tuple[int, ...]) -> int:

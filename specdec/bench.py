@@ -57,6 +57,7 @@ METHODS = ("specdec-plain", "specdec-draft", "specdec-ngram", "specdec-hybrid", 
 BASELINES = ("hf-plain", "llamacpp-plain")  # speed ratios are reported against each one present
 # a greedy output may part from its reference where the top-2 logits are this near (relative to
 # the top one): two steps of the dtype (tests/test_cuda.py's rule)
+GGUF_TYPES = " for torch and transformers (llama.cpp runs the GGUF's own types)"  # what the dtype applies to
 NEAR_TIE = {"float32": 1e-4, "bfloat16": 2 ** -6, "float16": 2 ** -9}
 COST_SUFFIX = "+cost"  # e.g. specdec-ngram+cost: the same drafter with the cost model choosing k
 DEFAULT_TREE_SHAPES = "2x4x8"
@@ -304,7 +305,8 @@ def _hf_runner(model, eos: list[int], device, sampling: dict, **extra):
             n = len(cut_after_eos(new, frozenset(eos)))
             drafted = counts["drafted_tokens"]
             stats.update(drafted_tokens=drafted, accepted_tokens=counts["accepted_tokens"],
-                         verify_steps=counts["verify_steps"], acceptance_rate=counts["accepted_tokens"] / drafted if drafted else None,
+                         verify_steps=counts["verify_steps"],
+                         acceptance_rate=counts["accepted_tokens"] / drafted if drafted else None,
                          # every round is one target forward (the first one includes the prompt)
                          mean_accepted_length=n / counts["verify_steps"] if counts["verify_steps"] else None)
         return new, stats
@@ -483,7 +485,7 @@ def run_bench(args) -> int:
     mode = describe_sampling(sampling, args)
     log(f"specdec bench: {len(prompts)} prompt(s), methods {','.join(methods)}, {mode}, "
         f"max_new_tokens {args.max_new_tokens}, repeats {args.repeats}, specdec on {args.backend}, "
-        f"{device} {str(dtype)[6:]}{' for torch and transformers (llama.cpp: the GGUF types)' if on_llamacpp or peers else ''}, "
+        f"{device} {str(dtype)[6:]}{GGUF_TYPES if on_llamacpp or peers else ''}, "
         f"{torch.get_num_threads()} threads")
 
     results: dict[str, list[dict]] = {}
@@ -677,7 +679,7 @@ def run_bench(args) -> int:
           f"torch {machine['torch']} with {machine['torch_threads']} threads, transformers {machine['transformers']}, "
           + (f"llama-cpp-python {machine['llama_cpp_python']} (same threads), " if gguf is not None else "") +
           f"{machine['device']}{' (' + machine['gpu'] + ')' if 'gpu' in machine else ''} {machine['dtype']}"
-          + (" for torch and transformers (llama.cpp runs the GGUF's own types)" if gguf is not None else ""),
+          + (GGUF_TYPES if gguf is not None else ""),
           f"- hf-assisted uses transformers' default assistant settings; hf-lookup uses "
           f"prompt_lookup_num_tokens={HF_LOOKUP_TOKENS}; "
           f"HF mean accepted length = tokens / target forwards; llamacpp-lookup uses "
@@ -859,9 +861,10 @@ RATIO_WEIGHTS = {"acceptance_rate": "drafted_tokens", "mean_accepted_length": "v
 
 
 def pool_draws(draws: list[dict]) -> dict:
-    """One prompt's counters over its sampled draws, as the mean draw: counts, per-position
-    counts, chosen-k histograms and time splits averaged over the draws; the ratios of
-    ``RATIO_WEIGHTS`` averaged weighted by their denominators (all tokens over all steps)."""
+    """One prompt's counters over its repeats (sampled draws, or greedy runs whose cost-model
+    choices vary), as the mean repeat: counts, per-position counts, chosen-k histograms and
+    time splits averaged; the ratios of ``RATIO_WEIGHTS`` averaged weighted by their
+    denominators (all tokens over all steps)."""
     pooled = {}
     for key, value in draws[0].items():
         values = [d.get(key) for d in draws]
@@ -931,7 +934,7 @@ def _tables(methods, summary, results, prompts, baselines) -> str:
     per = ["| prompt | tokens | " + " | ".join(methods) + " |",
            "|---|---:|" + "---:|" * len(methods)]
     for i, p in enumerate(prompts):
-        per.append(f"| {p['id']} | {results[methods[0]][i]['generated_tokens']:.0f} | "
+        per.append(f"| {p['id']} | {_count(results[methods[0]][i]['generated_tokens'])} | "
                    + " | ".join(_fmt(results[m][i]["tokens_per_s"]) for m in methods) + " |")
     text = "\n".join(rows) + "\n\nper prompt, tokens/s:\n\n" + "\n".join(per)
     if baselines:  # per prompt and per group, speed relative to the main baseline
@@ -960,4 +963,4 @@ def _tables(methods, summary, results, prompts, baselines) -> str:
             split.append(f"| {m} | " + " | ".join(_fmt(t[x]) for x in ("prefill", "draft", "verify", "bookkeeping"))
                          + f" | {' '.join(map(_count, k)) if k else '-'} "
                          f"| {', '.join(n + ' ' + _count(c) for n, c in steps.items()) if steps else '-'} |")
-    return text + "\n\nspecdec time split (summed over prompts; sampled: each prompt's mean draw) and the drafts chosen:\n\n" + "\n".join(split)
+    return text + "\n\nspecdec time split (summed over prompts, each prompt's mean repeat) and the drafts chosen:\n\n" + "\n".join(split)

@@ -160,7 +160,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 = off
     presence_penalty: float = 0.0  # 0 = off
     frequency_penalty: float = 0.0  # 0 = off
-    # OpenAI's logit_bias: added to a token's logit after the penalties (-100..100; a dict
+    # OpenAI's logit_bias: added to a token's logit before the penalties, as vLLM (-100..100; a dict
     # {token id: bias} is kept as sorted pairs)
     logit_bias: tuple[tuple[int, float], ...] = ()
     n: int = 1  # completions of the prompt (with a seed, completion i draws from seed + i)

@@ -386,9 +386,10 @@ class Engine:
 
         stable = not getattr(tokenizer, "clean_up_tokenization_spaces", False) and \
             not any("\ufffd" in stop for stop in sp.stop)
-        if stable and hit(after) is None:  # one decode: no step of the round holds one
+        last = hit(after)
+        if stable and last is None:  # one decode: no step of the round holds one
             return None
-        return next((h for h in map(hit, range(first, after + 1)) if h is not None), None)
+        return next((h for h in map(hit, range(first, after)) if h is not None), last)
 
     def _retire(self) -> list[Sequence]:
         done = [s for s in self.running if s.finished]
