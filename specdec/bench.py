@@ -898,7 +898,10 @@ def _fmt(x, spec=".2f"):
 
 def _count(x) -> str:
     """A count as a whole number, or to one decimal where it is a mean over sampled draws."""
-    return "-" if x is None else f"{x:.0f}" if float(x).is_integer() else f"{x:.1f}"
+    if x is None:
+        return "-"
+    x = round(float(x), 1)  # a sum of means (47.9999...) prints as the whole number it is
+    return f"{x:.0f}" if x.is_integer() else f"{x:.1f}"
 
 
 def _vs(baseline: str, how: str) -> str:
