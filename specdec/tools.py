@@ -289,23 +289,13 @@ def hermes_partial(text: str, names: Tools = frozenset()) -> list[ToolCall]:
 
 
 def parse_llama3_json(text: str, names: Tools = frozenset()) -> Parsed:
-    """Llama 3's JSON-based calls: the answer (after an optional ``<|python_tag|>``) is one
-    ``{"name", "parameters"}`` object or several separated by ``;``."""
+    """Llama 3's JSON-based calls: the answer (after an optional ``<|python_tag|>``) begins
+    with one ``{"name", "parameters"}`` object or several separated by ``;`` (``leading_calls``)."""
     body = text.strip()
     if body.startswith(PYTHON_TAG):
         body = body[len(PYTHON_TAG):].lstrip()
-    decoder, calls, i = json.JSONDecoder(), [], 0
-    try:
-        while i < len(body):
-            obj, end = decoder.raw_decode(body, i)
-            if not (isinstance(obj, dict) and _known(obj.get("name"), names)
-                    and ("parameters" in obj or "arguments" in obj)):
-                return text, []
-            calls.append(raw_call(body[i:end]))
-            i = len(body) - len(body[end:].lstrip().removeprefix(";").lstrip())
-    except (ValueError, TypeError):
-        return text, []
-    return (None, calls) if calls else (text, [])
+    calls, end = leading_calls(body, names)
+    return (_content(body[end:]), calls) if calls else (text, [])
 
 
 def llama3_partial(text: str, names: Tools = frozenset()) -> list[ToolCall]:
@@ -313,18 +303,7 @@ def llama3_partial(text: str, names: Tools = frozenset()) -> list[ToolCall]:
     body = text.lstrip()
     if body.startswith(PYTHON_TAG):
         body = body[len(PYTHON_TAG):].lstrip()
-    calls, i = [], 0
-    while body[i:i + 1] == "{":
-        call = partial_call(body[i:])
-        if call is None or not _known(call.name, names):
-            break
-        calls.append(call)
-        end = _value_end(body, i)
-        rest = body[end:].lstrip() if end is not None else ""
-        if not rest.startswith(";"):
-            break
-        i = len(body) - len(rest[1:].lstrip())
-    return calls
+    return leading_partial(body, names)
 
 
 def parse_mistral(text: str, names: Tools = frozenset()) -> Parsed:
@@ -506,34 +485,67 @@ def _known(name, names: Tools) -> bool:
     return isinstance(name, str) and bool(name) and (not names or name in names)
 
 
-def _bare_or_text(text: str, names: Tools, new_id: Callable[[], str] = lambda: "") -> Parsed:
-    """An answer that is nothing but a JSON call ``{"name", "arguments"}``, or a list of them,
-    to functions in ``names`` (none given: no bare calls), perhaps in a ```json fence."""
-    body = text.strip()
-    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL)
-    body = fenced.group(1) if fenced else body
-    try:
-        obj = json.loads(body)
+def _is_call(obj, names: Tools) -> bool:
+    return isinstance(obj, dict) and _known(obj.get("name"), names) and ("arguments" in obj or "parameters" in obj)
+
+
+def leading_calls(body: str, names: Tools, new_id: Callable[[], str] = lambda: "",
+                  final: bool = True) -> tuple[list[ToolCall], int]:
+    """The JSON calls ``{"name", "arguments" (or "parameters")}`` to functions in ``names``
+    that ``body`` begins with (objects, or lists of them, separated by whitespace or ``;``),
+    and where the text after them begins. The first value that is no such call ends them;
+    when ``final``, one cut short (the answer ended in it) leaves none, as a broken call
+    leaves a tagged answer all content."""
+    decoder, calls, i = json.JSONDecoder(), [], 0
+    while body[i:i + 1] in ("{", "["):
+        try:
+            obj, end = decoder.raw_decode(body, i)
+        except ValueError:
+            break
         items = obj if isinstance(obj, list) else [obj]
-        if not items or not all(isinstance(c, dict) and isinstance(c.get("name"), str) and c["name"] in names
-                                and ("arguments" in c or "parameters" in c) for c in items):
-            return text, []
-        return None, raw_calls(body, new_id)
-    except ValueError:
+        if not items or not all(_is_call(c, names) for c in items):
+            break
+        calls += raw_calls(body[i:end], new_id)
+        rest = body[end:].lstrip()
+        i = len(body) - len(rest.removeprefix(";").lstrip() if rest.startswith(";") else rest)
+    if final and body[i:i + 1] in ("{", "[") and _value_end(body, i) is None:
+        return [], 0
+    return calls, i
+
+
+def leading_partial(body: str, names: Tools, new_id: Callable[[], str] = lambda: "") -> list[ToolCall]:
+    """The calls of ``leading_calls`` in an answer written so far: the complete ones, then the
+    one in progress once its name is complete and among ``names``."""
+    calls, i = leading_calls(body, names, new_id, final=False)
+    if body[i:i + 1] not in ("{", "[") or _value_end(body, i) is not None:
+        return calls
+    for call in _partial_items(body[i:], new_id):
+        if not _known(call.name, names):
+            break
+        calls.append(call)
+    return calls
+
+
+def _bare_or_text(text: str, names: Tools, new_id: Callable[[], str] = lambda: "") -> Parsed:
+    """An answer that begins with JSON calls (``leading_calls``) to functions in ``names``
+    (none given: no bare calls), perhaps in a ```json fence; text after them is content."""
+    body = text.strip()
+    fence = re.match(r"```(?:json)?\s*", body)
+    body = body[fence.end():] if fence else body
+    calls, end = leading_calls(body, names, new_id) if names else ([], 0)
+    if not calls:
         return text, []
+    rest = body[end:]
+    return _content(rest.removeprefix("```") if fence else rest), calls
 
 
 def _bare_partial(text: str, names: Tools, new_id: Callable[[], str] = lambda: "") -> list[ToolCall]:
-    """The calls of an answer written so far that may be ``_bare_or_text``'s JSON calls:
-    those whose names are complete and among ``names``."""
+    """The calls of an answer written so far that may be ``_bare_or_text``'s JSON calls."""
     body = text.lstrip()
     fence = re.match(r"```(?:json)?\s*", body)
-    if fence is None and body.startswith("`"):  # a fence on its way
+    if fence is None and body.startswith("`") or not names:  # a fence on its way
         return []
-    body = body[fence.end():] if fence else body
-    calls = _partial_items(body, new_id) if body[:1] in ("[", "{") else []
-    known = [c.name in names for c in calls] + [False]
-    return calls[:known.index(False)]
+    return leading_partial(body[fence.end():] if fence else body, names, new_id)
 
 
 def mistral_id() -> str:

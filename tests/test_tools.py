@@ -42,6 +42,13 @@ def test_parse_hermes():
     assert [c.name for c in parse_hermes(both, NAMES)[1]] == ["search", "get_weather"]
     for text in ('{"name": "unknown", "arguments": {}}', '{"a": 1}', "plain words", bare, '{"name": ["x"], "arguments": {}}'):
         assert parse_hermes(text) == (text, [])  # unknown names (none given here) stay text
+    lines = '{"name": "search", "arguments": {"q": "x"}}\n{"name": "get_weather", "arguments": {"city": "Rome"}}'
+    assert parse_hermes(lines, NAMES)[0] is None and [c.name for c in parse_hermes(lines, NAMES)[1]] == ["search", "get_weather"]
+    content, calls = parse_hermes(bare + "\nThat looks x up.", NAMES)  # bare calls, then words: the content
+    assert content == "\nThat looks x up." and [c.name for c in calls] == ["search"]
+    content, calls = parse_hermes(lines + '\n{"a": 1}', NAMES)
+    assert content == '{"a": 1}' and len(calls) == 2
+    assert parse_hermes(lines[:-2], NAMES) == (lines[:-2], [])  # a call cut short: all text
     assert parse_required('[{"name": "search", "parameters": {"q": "x"}}]')[0].arguments == '{"q": "x"}'
     assert parse_required('[{"name": "search", "param') == []
     assert ToolCall("f", "{}", "call_1").to_openai(0) == {
@@ -263,6 +270,7 @@ ANSWERS = [
     "I reason here</think>then answer",
     "no tags at all <tool_call> {broken",
     "<thi",
+    '{"name": "search", "arguments": {"q": "x"}}; {"name": "search", "arguments": {}}\n\nThat finds x.',
 ]
 
 
@@ -294,6 +302,7 @@ CALL_ANSWERS = [  # (tool mode, answer), or (tool mode and parser, answer)
     ("auto mistral", 'Checking.[TOOL_CALLS][{"name": "search", "arguments": {"q": "x"}}, {"name": "get_weather", "arguments": {"city": "Paris"}}]'),
     ("auto mistral", '[TOOL_CALLS]search[ARGS]{"q": "y z"}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}'),
     ("auto", '```json\n{"name": "search", "arguments": {"q": "bare"}}\n```'),  # bare JSON (Qwen2.5-Coder)
+    ("auto", '{"name": "search", "arguments": {"q": "a"}}\n{"name": "get_weather", "arguments": {"city": "Rome"}}\nDone.'),
     ("auto mistral", ' [{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "search", "arguments": {}}]'),
     ("auto qwen3_coder", 'Sure.\n<tool_call>\n<function=search>\n<parameter=q>\nx <b>\n</parameter>\n<parameter=n>\n2\n'
                          '</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n</function>\n</tool_call>'),
