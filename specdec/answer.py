@@ -117,6 +117,8 @@ class AnswerParser:
                 content, calls = None, [ToolCall(self.function, rest)]
             else:
                 content, calls = rest, []
+            if reasoning is not None:  # nothing after the reasoning: no content (vLLM's parsers)
+                content = content or None
             return Answer(reasoning, content, calls)
         if mode == "required":  # JSON calls, shown as they are written
             return Answer(reasoning, "", required_partial(rest))

@@ -69,7 +69,7 @@ def wait_idle(url: str, timeout: float = 20.0) -> dict:
 # --- the basics: both endpoints, streaming and not ---------------------------------------------
 
 
-def test_health_and_models(server, client):
+def test_health_and_models(llm, server, client):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     from specdec import __version__
 
@@ -78,6 +78,9 @@ def test_health_and_models(server, client):
     assert [m.id for m in models.data] == [MODEL]
     one = client.models.retrieve(MODEL)  # OpenAI's GET /v1/models/{model}
     assert (one.id, one.object, one.owned_by) == (MODEL, "model", "specdec") and one == models.data[0]
+    card = httpx.get(server.url + "/v1/models/" + MODEL).json()  # vLLM's fields too
+    assert card["root"] == llm.target.name and card["parent"] is None and card["max_model_len"] > 0
+    assert card["permission"][0]["object"] == "model_permission" and card["permission"][0]["allow_sampling"]
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4")
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"

@@ -388,7 +388,9 @@ def test_answer_parts():
     assert (a.reasoning, a.content, [c.name for c in a.calls]) == ("\nThe user wants weather.\n", "Sure.\n", ["get_weather"])
     a = AnswerParser("deepseek_r1").view(ANSWERS[3], final=True)
     assert (a.reasoning, a.content) == ("I reason here", "then answer")
-    assert AnswerParser("deepseek_r1").view("still thinking", final=True).reasoning == "still thinking"
+    a = AnswerParser("deepseek_r1").view("still thinking", final=True)
+    assert (a.reasoning, a.content) == ("still thinking", None)  # no end tag: all reasoning, content null (vLLM)
+    assert AnswerParser("qwen3").view("<think>x</think>\n", final=True).content is None
     assert AnswerParser("qwen3").view(ANSWERS[3], final=True).content == ANSWERS[3]  # qwen3 needs <think> first
     opened = AnswerParser("qwen3", opened=True)  # ... unless the prompt opened it (Qwen3 thinking-only templates)
     assert (opened.view(ANSWERS[3], final=True).reasoning, opened.view(ANSWERS[3], final=True).content) == \

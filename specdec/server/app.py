@@ -183,9 +183,15 @@ class _API:
         self._token_text: dict[int, str] = {}
 
     def model_card(self) -> dict:
-        """The served model as OpenAI's model object (with vLLM's ``max_model_len``)."""
+        """The served model as OpenAI's model object, with vLLM's ``root`` (the model as loaded),
+        ``parent``, ``max_model_len`` and ``permission``."""
+        permission = {"id": f"modelperm-{self.name}", "object": "model_permission", "created": self.created,
+                      "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                      "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                      "organization": "*", "group": None, "is_blocking": False}
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "specdec",
-                "max_model_len": self.llm.context_window}
+                "root": self.llm.target.name, "parent": None, "max_model_len": self.llm.context_window,
+                "permission": [permission]}
 
     # --- request intake ---------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
