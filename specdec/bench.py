@@ -937,8 +937,9 @@ def _tables(methods, summary, results, prompts, baselines) -> str:
     per = ["| prompt | tokens | " + " | ".join(methods) + " |",
            "|---|---:|" + "---:|" * len(methods)]
     for i, p in enumerate(prompts):
-        per.append(f"| {p['id']} | {_count(results[methods[0]][i]['generated_tokens'])} | "
-                   + " | ".join(_fmt(results[m][i]["tokens_per_s"]) for m in methods) + " |")
+        ns = sorted({round(float(n), 1) for m in methods if (n := results[m][i]["generated_tokens"]) is not None})
+        tokens = "-" if not ns else "-".join(_count(n) for n in dict.fromkeys((ns[0], ns[-1])))  # sampled: a range
+        per.append(f"| {p['id']} | {tokens} | " + " | ".join(_fmt(results[m][i]["tokens_per_s"]) for m in methods) + " |")
     text = "\n".join(rows) + "\n\nper prompt, tokens/s:\n\n" + "\n".join(per)
     if baselines:  # per prompt and per group, speed relative to the main baseline
         b = baselines[-1]  # llamacpp-plain when present (the llama.cpp bench), else hf-plain

@@ -114,6 +114,7 @@ def test_bench_sampled(tiny_dirs, tmp_path, capsys):
     seed + r; specdec's draws are those of ``LLM.generate`` with that seed, outputs are not
     compared token by token, and the report says so."""
     from specdec import LLM, SamplingParams
+    from specdec.bench import _count
     from specdec.cli import main
 
     prompts = tmp_path / "p.jsonl"
@@ -140,6 +141,9 @@ def test_bench_sampled(tiny_dirs, tmp_path, capsys):
     assert not report["per_prompt"]["hf-plain"][0]["repeats_identical"]  # three seeds, three draws
     md = (out / "bench.md").read_text()
     assert "sampled (temperature 1.5, top_p 0.95, top_k 50; seeds 3..5" in md and "- (sampled)" in md
+    counts = sorted({_count(r[0]["generated_tokens"]) for r in report["per_prompt"].values()}, key=float)
+    row = md.split("per prompt, tokens/s:")[1].split("| comp-a | ")[1]  # the methods' token counts, as a range
+    assert len(counts) > 1 and row.startswith(f"{counts[0]}-{counts[-1]} |"), (counts, row)
     assert "sampled: outputs are draws" in capsys.readouterr().out
     assert main(["bench", "--model", str(tiny_dirs["llama"]), "--temperature", "0.5", "--top-p", "0",
                  "--prompts-file", str(prompts), "--methods", "specdec-plain", "--out", str(out)]) == 2
