@@ -331,8 +331,12 @@ class LLM:
         for s in seqs:
             self.engine.add(s)
         with tqdm(total=len(seqs), desc="Generated", unit="seq", disable=None if use_tqdm else True) as bar:
-            while self.engine.has_work:
-                bar.update(len(self.engine.step()))
+            try:
+                while self.engine.has_work:
+                    bar.update(len(self.engine.step()))
+            except BaseException:  # an error or Ctrl-C: the engine drops these requests and stays usable
+                self.engine.fail(seqs)
+                raise
         self.last_run_metrics = run_metrics([s.metrics for s in seqs], time.perf_counter() - start)
         return [self._output(group, text) for group, (text, _) in zip(groups, rendered)]
 

@@ -106,6 +106,16 @@ class Engine:
         if seq.slot < 0:
             self.waiting = deque(s for s in self.waiting if s is not seq)
 
+    def fail(self, seqs: list[Sequence]) -> None:
+        """After a step raised: finish ``seqs`` with reason ``"error"`` and free their slots,
+        keeping none of their KV or drafter state (a step cut short may have left it half
+        written), so that the engine serves the next requests."""
+        ids = {id(s) for s in seqs}
+        self.waiting = deque(s for s in self.waiting if id(s) not in ids)
+        for s in seqs:
+            s.finish_reason = "error"
+        self._retire()
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -398,7 +408,7 @@ class Engine:
         now = time.perf_counter()
         for s in done:
             kept = 0
-            if self.reuses_prefixes:  # the prompt's KV in whole chunks stays for the next request
+            if self.reuses_prefixes and s.finish_reason != "error":  # the prompt's KV in whole chunks stays
                 size = self.chunked_prefill_size
                 kept = min(self.cache.lengths[s.slot], s.prompt_len) // size * size
                 if kept:

@@ -17,6 +17,7 @@ def tiny_dirs(tmp_path_factory):
         "qwen2": make_tiny(root / "qwen2", "qwen2", seed=1),
         "qwen3": make_tiny(root / "qwen3", "qwen3", seed=2),
         "mistral": make_tiny(root / "mistral", "mistral", seed=3),
+        "windowed": make_tiny(root / "windowed", "mistral", seed=4, sliding_window=6),  # outputs span many windows
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

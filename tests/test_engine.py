@@ -318,6 +318,53 @@ def test_hf_fallback_backend_equal(loaded):
         assert [o.token_ids for o in outs] == [b.token_ids for b in base], method
 
 
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_sliding_window_equal_to_transformers(loaded, tiny_dirs, backend):
+    """A sliding-window model (Mistral's, 6 tokens) decodes as transformers' model does, far
+    past the window, plain and under speculation (chains; trees on the torch runtime),
+    with prompt chunks kept for the next request (rewinds past the window: transformers'
+    own ``crop`` of a window layer keeps only the window)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["windowed"]).eval()
+    want = []
+    for p in PROMPTS:  # greedy by whole forwards (generate's min_new_tokens would hide the eos)
+        ids = LLM(loaded("windowed")).encode(p)
+        with torch.no_grad():
+            for _ in range(40):
+                ids.append(hf(torch.tensor([ids])).logits[0, -1].argmax().item())
+        want.append(ids[-40:])
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    methods = [("none", 1), ("self", 1), ("ngram", 1)] + [("self", 2)] * (backend == "torch")
+    for method, topk in methods:
+        llm = LLM(loaded("windowed", backend=backend), chunked_prefill_size=4, max_batch_size=3,
+                  speculative=SpecConfig(method=method, num_draft_tokens=3, tree_topk=topk))
+        for _ in range(2):  # the second time from the prompt chunks the first left
+            outs = llm.generate(PROMPTS, sp)
+            assert [o.token_ids for o in outs] == want, (method, topk)
+        assert max(o.metrics["cached_prompt_tokens"] for o in outs) > 0
+
+
+def test_engine_usable_after_a_step_raised(loaded, monkeypatch):
+    """An exception (or Ctrl-C) inside ``generate`` drops that call's requests; the next call
+    runs from clean slots and drafter state, with the same output as a fresh engine."""
+    llm = spec(loaded, "llama", "self", k=3, chunked_prefill_size=4, max_batch_size=2)
+    want = [o.token_ids for o in plain(loaded, "llama")]
+    forward, calls = llm.engine.runtime.forward, [0]
+
+    def failing(*a, **kw):
+        calls[0] += 1
+        if calls[0] == 9:
+            raise KeyboardInterrupt
+        return forward(*a, **kw)
+
+    monkeypatch.setattr(llm.engine.runtime, "forward", failing)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY)
+    assert not llm.engine.has_work and sorted(llm.engine.free_slots) == [0, 1] and not llm.engine.retained
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+
+
 def test_run_metrics(loaded):
     llm = spec(loaded, "llama", "self", k=4)
     outs = llm.generate(PROMPTS, GREEDY)

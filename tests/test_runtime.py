@@ -31,6 +31,70 @@ def test_logits_match_transformers(tiny_dirs, arch, linear):
     assert cache.lengths == [0, 20]
 
 
+VARIANTS = {  # config fields the torch runtime reads, each against transformers' own model
+    "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "llama-rope-llama3": ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 16})),
+    "llama-rope-yarn": ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                       "original_max_position_embeddings": 16})),
+    "mistral-window": ("mistral", dict(sliding_window=7)),
+    "qwen2-window-layer-1": ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=1)),
+    "qwen2-window-unused": ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=2)),
+    "qwen3-window": ("qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=0)),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_config_variants_match_transformers(tmp_path, variant):
+    """Biases on every projection, scaled rotary embeddings, and sliding windows (Mistral's on
+    every layer, Qwen's on some) over a sequence several windows long, fed as a prompt, a
+    chunk and single tokens through the cache, each row against transformers' logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny
+
+    arch, config = VARIANTS[variant]
+    path = make_tiny(tmp_path / variant, arch, seed=5, **config)
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]  # [40, vocab]
+    cache = rt.new_cache(1)
+    ours = [rt.forward(cache, [0], [ids[0, a:b].tolist()])[0] for a, b in [(0, 11), (11, 30)] + [(i, i + 1) for i in range(30, 40)]]
+    assert (torch.cat(ours) - ref).abs().max().item() < ATOL * ref.abs().max().item(), variant
+    assert rt.max_context == 512  # a window does not bound the context
+
+
+def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
+    """Rotary scalings that depend on the whole sequence's length (longrope, dynamic) are not
+    the torch runtime's: ``auto`` loads them on transformers' own model, ``torch`` refuses."""
+    from transformers import AutoConfig
+
+    from specdec import LLM, SamplingParams
+    from specdec.runtime import load_model
+    from specdec.runtime.hf import HFRuntime
+    from specdec.runtime.torch_llama import unsupported
+
+    from tiny import make_tiny
+
+    rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
+                short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
+    path = make_tiny(tmp_path / "longrope", "llama", rope_parameters=rope)
+    assert "longrope" in unsupported(AutoConfig.from_pretrained(path))
+    assert "gpt2" in unsupported(AutoConfig.for_model("gpt2"))
+    assert "gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="gelu"))
+    model = load_model(str(path), device="cpu")
+    assert isinstance(model.runtime, HFRuntime)
+    with pytest.raises(ValueError, match="rope types"):
+        load_model(str(path), device="cpu", backend="torch")
+    out = LLM(model).generate("abc abc", SamplingParams(max_tokens=30, ignore_eos=True))[0]  # past the 16 positions
+    assert len(out.token_ids) == 30
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_one_row_products_through_either_copy(tiny_dirs, monkeypatch, tmp_path, packed):
     """With the verify-packed copy, one-token forwards (plain decoding) go through whichever
@@ -266,7 +330,7 @@ def test_graphed_forward_equals_eager(tiny_dirs):
     trees, in batches and one by one."""
     from specdec.runtime.torch_llama import GRAPH_TOKEN_SIZES
 
-    from specdec import LLM, SamplingParams, SpecConfig
+    from specdec import LLM, SamplingParams
     from specdec.runtime import load_model
 
     prompts = ["Hello world, this is a test", "abc", "The quick brown fox. The quick brown"]

@@ -60,10 +60,11 @@ def char_tokenizer(chars, **kw):
 
 
 def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, std: float = 0.2,
-              swap_tokens: bool = False, vocab: int = VOCAB) -> Path:
+              swap_tokens: bool = False, vocab: int = VOCAB, **config) -> Path:
     """Write a tiny random ``arch`` checkpoint to ``path``. A large init std gives peaked
     logits, so greedy decoding has no near-ties that fp rounding could flip. ``vocab``: the
-    embedding's rows (fewer than ``VOCAB``: a draft narrower than the targets)."""
+    embedding's rows (fewer than ``VOCAB``: a draft narrower than the targets); ``config``:
+    more config fields (``mlp_bias``, ``sliding_window``, ``rope_parameters``...)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = byte_tokenizer(swap=swap_tokens)
@@ -73,7 +74,7 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
                   initializer_range=std, tie_word_embeddings=False)
     if arch == "qwen3":
         common["head_dim"] = 16
-    config = AutoConfig.for_model(arch, **common)
+    config = AutoConfig.for_model(arch, **{**common, **config})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norms and biases are zeros/ones at init: randomize them too

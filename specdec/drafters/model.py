@@ -308,7 +308,8 @@ class ModelDrafter:
         """Forget ``seq``'s drafts and output; its prompt's KV stays for the slot's next
         request where the runtime keeps rows over a rewind (``Runtime.reuses_prefixes``)."""
         cached = self.cached_ids[seq.slot]
-        keep = min(len(cached), seq.prompt_len) if getattr(self.runtime, "reuses_prefixes", False) else 0
+        keep = min(len(cached), seq.prompt_len) if getattr(self.runtime, "reuses_prefixes", False) \
+            and seq.finish_reason != "error" else 0
         del cached[keep:]
         self.tail.pop(seq.slot, None)
         self.cache.rewind(seq.slot, keep)

@@ -14,19 +14,38 @@ import torch
 
 
 class HFCache:
-    def __init__(self, num_slots: int, config):
-        from transformers import DynamicCache
+    """A ``DynamicCache`` per slot. Sliding-window layers (Mistral, Gemma 2/3...) keep their
+    whole past (``activate_past_recording``; they attend over the window's rows alone), so
+    that any rewind finds the rows before it: transformers' own ``crop`` of such a layer
+    keeps only the window, after which an earlier length cannot be restored."""
 
-        self._make = lambda: DynamicCache(config=config)
+    def __init__(self, num_slots: int, config):
+        self.config = config
         self.caches = [self._make() for _ in range(num_slots)]
         self.lengths = [0] * num_slots
 
+    def _make(self):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        cache.activate_past_recording()
+        return cache
+
     def rewind(self, slot: int, length: int, idle: bool = False) -> None:
+        from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
+        n = self.lengths[slot] - length
         if length == 0:
             self.caches[slot] = self._make()
-        elif length < self.lengths[slot]:
-            self.caches[slot].crop(length - self.lengths[slot])  # transformers 5: negative = drop n
+        elif n:
+            for layer in self.caches[slot].layers:
+                if isinstance(layer, DynamicSlidingWindowLayer) and not isinstance(layer, LinearAttentionCacheLayerMixin):
+                    if layer.is_initialized:  # drop n rows, keep the rest
+                        layer.keys, layer.values = layer.keys[..., :-n, :], layer.values[..., :-n, :]
+                        layer.cumulative_length -= n
+                else:
+                    layer.crop(-n)  # transformers 5: negative = drop n
         self.lengths[slot] = length
 
     def copy(self, src: int, dst: int, length: int) -> None:

@@ -268,7 +268,7 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     from transformers import AutoConfig, AutoTokenizer
 
     from .hf import HFRuntime
-    from .torch_llama import ARCHS, TorchLlama, pick_linear
+    from .torch_llama import TorchLlama, pick_linear, unsupported
 
     EngineConfig(backend=backend, load_format=load_format)  # validates the pair
     if backend == "llamacpp":
@@ -279,7 +279,8 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos_ids = eos_ids_of(path, config, tokenizer)
-    torch_runtime = backend == "torch" or (backend == "auto" and config.model_type in ARCHS)
+    # auto: specdec's own runtime where it runs the config as transformers does, else transformers'
+    torch_runtime = backend == "torch" or (backend == "auto" and unsupported(config) is None)
     if quantize == "auto":
         quantize = "int8" if torch_runtime and dev.type == "cpu" and dt == torch.float32 else "none"
     if torch_runtime:

@@ -219,6 +219,7 @@ class _Batch:
     write: torch.Tensor  # [B, T] cache index of each new token
     slots: torch.Tensor  # [B] cache slot of each row
     mask: torch.Tensor  # [B, 1, T, S] bool: new token i sees key j
+    sliding: torch.Tensor | None = None  # [B, 1, T, S] the mask within the sliding window (its layers')
 
 
 @dataclass
@@ -263,7 +264,8 @@ class CudaGraphs:
                 graphs[key] = g
             return logits[:, :tokens]
         for f in fields(_Batch):
-            getattr(g.inputs, f.name).copy_(getattr(x, f.name), non_blocking=True)
+            if getattr(x, f.name) is not None:
+                getattr(g.inputs, f.name).copy_(getattr(x, f.name), non_blocking=True)
         g.graph.replay()
         return g.logits[:, :tokens].to(torch.float32, copy=True)  # the buffer is the next replay's
 
@@ -287,6 +289,42 @@ class CudaGraphs:
         return logits, _Graph(graph, x, out)
 
 
+POSITIONAL_ROPE = ("default", "linear", "yarn", "llama3")  # tables that depend on the position alone
+
+
+def unsupported(config) -> str | None:
+    """Why the torch runtime cannot run ``config`` as transformers does (None: it can)."""
+    if config.model_type not in ARCHS:
+        return f"the torch runtime supports {', '.join(ARCHS)}, not {config.model_type!r}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"the torch runtime supports the silu activation, not {config.hidden_act!r}"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in POSITIONAL_ROPE:  # dynamic, longrope: rescaled by the whole sequence's length
+        return (f"the torch runtime supports rope types {', '.join(POSITIONAL_ROPE)}, not {rope!r} "
+                "(backend 'hf' runs transformers' own model)")
+    return None
+
+
+def sliding_layers(config) -> tuple[int | None, list[bool]]:
+    """``(window, which layers attend through it)``, as transformers reads the config: a query
+    at position p sees keys past p - window. Mistral: every layer when ``sliding_window`` is
+    set; Qwen2 / Qwen3: the layers ``layer_types`` names ``sliding_attention`` (none unless
+    ``use_sliding_window``); Llama: none."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "llama" or not window or getattr(config, "use_sliding_window", True) is False:
+        return None, [False] * n
+    types = getattr(config, "layer_types", None)
+    sliding = [t == "sliding_attention" for t in types] if types else [True] * n
+    return (window if any(sliding) else None), sliding
+
+
+def cat_or_none(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The biases of linears fused into one, or None where they have none (the checkpoint
+    has all or none of them: ``attention_bias``, ``mlp_bias``)."""
+    return torch.cat(biases) if all(b is not None for b in biases) else None
+
+
 class TorchLlama:
     """Runtime for Llama-family checkpoints (see ``ARCHS``). ``cuda_graphs`` (default: on a
     CUDA device) replays small forwards as CUDA graphs (``CudaGraphs``)."""
@@ -298,22 +336,17 @@ class TorchLlama:
     def __init__(self, config, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, linear: str | None = None, multi_row: bool | None = None,
                  cuda_graphs: bool | None = None):
-        mt = config.model_type
-        if mt not in ARCHS:
-            raise ValueError(f"the torch runtime supports {', '.join(ARCHS)}, not {mt!r}")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported activation {config.hidden_act!r}")
+        reason = unsupported(config)
+        if reason:
+            raise ValueError(reason)
         self.device, self.dtype = device, dtype
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
-        window = getattr(config, "sliding_window", None)
-        if getattr(config, "use_sliding_window", True) is False:
-            window = None
-        # full attention equals sliding-window attention as long as the context fits the window
-        self.max_context = min(config.max_position_embeddings, window or config.max_position_embeddings)
+        self.max_context = config.max_position_embeddings
+        self.window, sliding = sliding_layers(config)
         linear = linear or pick_linear(device, dtype)
         assert linear in LINEAR_KINDS, linear
         if multi_row is None:  # the verify-packed copy, when twice the weights fit in memory
@@ -334,18 +367,18 @@ class TorchLlama:
             pre = f"model.layers.{i}."
             a = pre + "self_attn."
             qkv_w = torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"])
-            biases = [opt(a + f"{n}_proj.bias") for n in "qkv"]
-            qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
+            m = pre + "mlp."
             self.layers.append({
                 "attn_norm": w(pre + "input_layernorm.weight"),
-                "qkv": Linear(qkv_w, qkv_b, linear, multi_row),
+                "qkv": Linear(qkv_w, cat_or_none([opt(a + f"{n}_proj.bias") for n in "qkv"]), linear, multi_row),
                 "o": Linear(w(a + "o_proj.weight"), opt(a + "o_proj.bias"), linear, multi_row),
                 "q_norm": opt(a + "q_norm.weight"),
                 "k_norm": opt(a + "k_norm.weight"),
                 "mlp_norm": w(pre + "post_attention_layernorm.weight"),
-                "gate_up": Linear(torch.cat([w(pre + "mlp.gate_proj.weight"), w(pre + "mlp.up_proj.weight")]),
-                                  None, linear, multi_row),
-                "down": Linear(w(pre + "mlp.down_proj.weight"), None, linear, multi_row),
+                "gate_up": Linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")]),
+                                  cat_or_none([opt(m + "gate_proj.bias"), opt(m + "up_proj.bias")]), linear, multi_row),
+                "down": Linear(w(m + "down_proj.weight"), opt(m + "down_proj.bias"), linear, multi_row),
+                "sliding": sliding[i],
             })
         self.norm = w("model.norm.weight")
         head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed  # tied
@@ -460,9 +493,13 @@ class TorchLlama:
                 pos[b, : len(positions[b])] = torch.tensor(positions[b])
         where = torch.device("cpu") if keys is not None else self.device
         mask = self._mask(starts, keys or max(starts) + T, T, chunk_masks, where)  # [B, 1, T, S]
+        sliding = None
+        if self.window is not None:  # key j (its position, or past it for a tree's) is past p - window
+            key = torch.arange(mask.shape[-1], device=where)  # [S]
+            sliding = (mask & (key > pos.to(where)[:, None, :, None] - self.window)).to(self.device)
         packed = torch.cat([ids.flatten(), pos.flatten(), write.flatten(), torch.tensor(list(slots))]).to(self.device)
         ids, pos, write, slots_ = packed.split([B * T, B * T, B * T, B])
-        return _Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device))
+        return _Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device), sliding)
 
     def _layers(self, cache: KVCache, x: "_Batch", last: torch.Tensor | None = None,
                 to_float: bool = True) -> torch.Tensor:
@@ -497,7 +534,8 @@ class TorchLlama:
             kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
             vc[x.slots[:, None], :, x.write] = v
             keys, values = kc[x.slots, :, :S], vc[x.slots, :, :S]  # [B, KV, S, D]
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=x.mask, enable_gqa=KV != H)
+            mask = x.sliding if L["sliding"] else x.mask
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=KV != H)
             h = h + L["o"](o.transpose(1, 2).reshape(B, T, H * D))
             a = rms_norm(h, L["mlp_norm"], self.eps)
             gate, up = L["gate_up"](a).chunk(2, dim=-1)

@@ -134,11 +134,9 @@ class Scheduler:
 
     def _fail_all(self, message: str) -> None:
         for req in self.active:
-            self.engine.abort(req.seq)
-            req.seq.finish_reason = "error"
             req.push(Update([], finish_reason="error", error=message))
         try:
-            self.engine.step()  # nothing runs; frees every slot and drafter state
+            self.engine.fail([req.seq for req in self.active])  # frees every slot and drafter state
         except Exception:
             log.exception("the engine could not recover; the server stops accepting requests")
             self.error = message
