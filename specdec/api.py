@@ -207,7 +207,7 @@ class LLM:
         drafters = self._drafters(max_batch_size, chunked_prefill_size)
         planner = self._planner(drafters) if speculative.cost_model else None
         self.engine = Engine(self.target, drafters, speculative, max_batch_size, planner,
-                             chunked_prefill_size=chunked_prefill_size)
+                             chunked_prefill_size=chunked_prefill_size, max_rows=self.context_window)
         self.tokenizer = self.target.tokenizer
         self.sampling_defaults = self._generation_defaults(generation_config)
         self.grammars = Grammars(self.tokenizer, self.target.runtime.vocab_size, self.target.eos_ids)
@@ -246,7 +246,7 @@ class LLM:
         if spec.method in ("draft", "self", "hybrid"):
             out["self" if spec.method == "self" else "draft"] = ModelDrafter(
                 (self.draft or self.target).runtime, max_batch_size, self.target.runtime.vocab_size,
-                spec.tree_topk, spec.node_budget, max_catch_up)
+                spec.tree_topk, spec.node_budget, max_catch_up, max_rows=self.context_window)
         return out
 
     def _planner(self, drafters: dict) -> Planner:

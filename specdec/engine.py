@@ -72,7 +72,8 @@ class Engine:
     ``chunked_prefill_size``: prompt tokens prefilled per step (0 = each prompt whole)."""
 
     def __init__(self, target, drafters: Drafter | dict[str, Drafter] | None, spec: SpecConfig,
-                 max_batch_size: int, planner: Planner | None = None, chunked_prefill_size: int = 0):
+                 max_batch_size: int, planner: Planner | None = None, chunked_prefill_size: int = 0,
+                 max_rows: int | None = None):
         self.target = target  # LoadedModel
         self.runtime = target.runtime
         if drafters is not None and not isinstance(drafters, dict):
@@ -81,7 +82,7 @@ class Engine:
         self.planner = planner
         self.k = spec.depth if self.drafters else 0
         self.chunked_prefill_size = chunked_prefill_size  # prompt tokens per step; 0 = whole prompts
-        self.cache = self.runtime.new_cache(max_batch_size)
+        self.cache = self.runtime.new_cache(max_batch_size, max_rows)  # max_rows: the context window
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
         # prefix reuse: a free slot keeps the KV of its last request's prompt, in whole prefill
         # chunks (slot -> those tokens, oldest first), for a new prompt that starts the same

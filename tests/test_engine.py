@@ -365,6 +365,15 @@ def test_engine_usable_after_a_step_raised(loaded, monkeypatch):
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
 
 
+def test_kv_cache_stops_growing_at_the_context_window(loaded):
+    """A verify forward at the window's end needs a few rows past it (its drafts, a shorter
+    chunk's padding): the cache grows by those, not to twice the window."""
+    llm = spec(loaded, "llama", "self", k=8, max_batch_size=2, max_model_len=300)
+    outs = llm.generate([{"prompt_token_ids": [40 + i % 200 for i in range(260)]}, "abc"], SamplingParams(max_tokens=None, ignore_eos=True))
+    assert [len(o.prompt_token_ids) + len(o.token_ids) for o in outs] == [300, 300]
+    assert 300 <= llm.engine.cache.capacity <= 300 + 32 and llm.engine.drafters["self"].cache.capacity <= 300 + 32
+
+
 def test_run_metrics(loaded):
     llm = spec(loaded, "llama", "self", k=4)
     outs = llm.generate(PROMPTS, GREEDY)

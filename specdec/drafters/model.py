@@ -75,12 +75,12 @@ class _Growth:
 
 class ModelDrafter:
     def __init__(self, runtime, num_slots: int, target_vocab: int, topk: int = 1,
-                 max_nodes: int | None = None, max_catch_up: int = 0):
+                 max_nodes: int | None = None, max_catch_up: int = 0, max_rows: int | None = None):
         if topk > 1 and not runtime.supports_masks:
             raise ValueError("draft-model trees need the torch runtime (tree attention masks); "
                              "the transformers fallback drafts chains only")
         self.runtime = runtime
-        self.cache = runtime.new_cache(num_slots)
+        self.cache = runtime.new_cache(num_slots, max_rows)
         self.can_copy = callable(getattr(self.cache, "copy", None))  # rows between slots (not llama.cpp)
         self.cached_ids: list[list[int]] = [[] for _ in range(num_slots)]  # ids behind each slot's KV
         self.target_vocab = target_vocab

@@ -44,7 +44,10 @@ class Runtime(Protocol):
         times (part of the key of the measured cost curves, ``cost.cost_key``)."""
         ...
 
-    def new_cache(self, num_slots: int) -> Cache: ...
+    def new_cache(self, num_slots: int, max_rows: int | None = None) -> Cache:
+        """A cache of ``num_slots`` sequences; ``max_rows``: the longest a sequence gets (the
+        context window), a hint for how far the cache grows beyond what a forward needs."""
+        ...
 
     def forward(
         self,

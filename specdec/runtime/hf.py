@@ -77,7 +77,7 @@ class HFRuntime:
     def speed_key(self) -> str:
         return f"{self.dtype},{self.device}"
 
-    def new_cache(self, num_slots: int) -> HFCache:
+    def new_cache(self, num_slots: int, max_rows: int | None = None) -> HFCache:
         return HFCache(num_slots, self.model.config)
 
     @torch.inference_mode()

@@ -423,7 +423,7 @@ class LlamaCppRuntime:
         if model:
             self.lib.llama_model_free(model)
 
-    def new_cache(self, num_slots: int) -> LlamaCppCache:
+    def new_cache(self, num_slots: int, max_rows: int | None = None) -> LlamaCppCache:
         return LlamaCppCache(self, num_slots)
 
     def forward(self, cache: LlamaCppCache, slots, tokens, *, positions=None, chunk_masks=None,

@@ -149,10 +149,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Per-layer K/V ``[slots, kv_heads, capacity, head_dim]``; grows on demand."""
+    """Per-layer K/V ``[slots, kv_heads, capacity, head_dim]``; grows on demand, doubling,
+    but past ``max_rows`` (the context window) plus a forward's padding only as far as a
+    forward needs (a verify forward at the window's end: its drafts, a tree's nodes)."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype, capacity: int = 256):
+                 device: torch.device, dtype: torch.dtype, capacity: int = 256, max_rows: int | None = None):
+        self.limit = None if max_rows is None else max_rows + GRAPH_MAX_TOKENS
+        capacity = min(capacity, self.limit or capacity)
         self.shape = (num_layers, num_slots, kv_heads, capacity, head_dim)
         self.k = torch.zeros(self.shape, device=device, dtype=dtype)
         self.v = torch.zeros(self.shape, device=device, dtype=dtype)
@@ -165,7 +169,7 @@ class KVCache:
     def ensure(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return
-        new_cap = max(capacity, 2 * self.capacity)
+        new_cap = max(capacity, min(2 * self.capacity, self.limit or 2 * self.capacity))
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_zeros(*old.shape[:3], new_cap, old.shape[4])
@@ -452,8 +456,9 @@ class TorchLlama:
             + (["packed-one-row"] if self.one_row_packed else []) + (["cuda-graphs"] if self.graphs else [])
         return ",".join(kinds + [str(self.dtype), str(self.device)])
 
-    def new_cache(self, num_slots: int) -> KVCache:
-        return KVCache(self.num_layers, num_slots, self.kv_heads, self.head_dim, self.device, self.dtype)
+    def new_cache(self, num_slots: int, max_rows: int | None = None) -> KVCache:
+        return KVCache(self.num_layers, num_slots, self.kv_heads, self.head_dim, self.device, self.dtype,
+                       max_rows=max_rows)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots, tokens, *, positions=None, chunk_masks=None,
