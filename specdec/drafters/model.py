@@ -87,6 +87,11 @@ class ModelDrafter:
         self.draft_vocab = runtime.vocab_size  # a narrower draft may lack the target's last ids
         self.topk, self.max_nodes = topk, max_nodes
         self.max_catch_up = max_catch_up  # tokens fed per sequence and round before drafting; 0 = all
+        # per slot, the ids a draft cache without reused rows would hold now: drafting starts
+        # when it would have them all, so that rows kept from earlier requests (prefix reuse)
+        # save work but change neither the rounds nor a seeded request's draws
+        self.fresh = [0] * num_slots
+        self.drafted: set[int] = set()  # slots that drafted this round
         # per slot, the fed tree nodes after the committed ids: (parent fed index, token) -> index
         self.tail: dict[int, dict[tuple[int, int], int]] = {}
         self.owner: dict[int, int] = {}  # slot -> the request its cached ids belong to
@@ -98,6 +103,7 @@ class ModelDrafter:
         cached = self.cached_ids[seq.slot]
         if self.owner.get(seq.slot) != seq.request_id:
             self.owner[seq.slot] = seq.request_id
+            self.fresh[seq.slot] = 0
             n = common_prefix(cached, seq.ids[:-1])
             del cached[n:]
             self.cache.rewind(seq.slot, n)
@@ -105,14 +111,16 @@ class ModelDrafter:
 
     def behind(self, seq: Sequence) -> int:
         """Tokens the next ``propose`` for ``seq`` feeds before its first depth (at least the
-        last committed one): the cost model prices that catch-up."""
-        return max(len(seq.ids) - len(self._cached(seq)), 1)
+        last committed one) without reused rows: the cost model prices that catch-up."""
+        self._cached(seq)
+        return len(seq.ids) - min(self.fresh[seq.slot], len(seq.ids) - 1)
 
     def propose(self, seqs, ks) -> list[Draft]:
         active = [i for i, k in enumerate(ks) if k > 0]
         logits = self._catch_up([seqs[i] for i in active])  # [B, vocab_d]
         caught = [b for b, i in enumerate(active)  # the rest draft nothing this round
-                  if len(self.cached_ids[seqs[i].slot]) == len(seqs[i].ids)]
+                  if self.fresh[seqs[i].slot] == len(seqs[i].ids)]
+        self.drafted |= {seqs[active[b]].slot for b in caught}
         if len(caught) < len(active):
             active, logits = [active[b] for b in caught], logits[caught]
         if self.topk == 1:
@@ -157,6 +165,8 @@ class ModelDrafter:
                 logits[i] = out[b]
         for s, toks in zip(seqs, feed):
             self.cached_ids[s.slot].extend(toks)
+            fresh = min(self.fresh[s.slot], len(s.ids) - 1)  # what a draft without reused rows would feed
+            self.fresh[s.slot] = fresh + min(self.max_catch_up or len(s.ids), len(s.ids) - fresh)
         return torch.stack(logits)  # [B, vocab_d]
 
     def _known(self, ids: list[int]) -> list[int]:
@@ -303,6 +313,9 @@ class ModelDrafter:
             keep += 1
         del cached[keep:]
         self.cache.rewind(seq.slot, keep)
+        # a slot that drafted held all ids, as a fresh one would: both keep the same
+        self.fresh[seq.slot] = keep if seq.slot in self.drafted else min(self.fresh[seq.slot], keep)
+        self.drafted.discard(seq.slot)
 
     def release(self, seq: Sequence) -> None:
         """Forget ``seq``'s drafts and output; its prompt's KV stays for the slot's next
