@@ -382,7 +382,8 @@ class LLM:
                                  sampling=replace(sp, seed=seed) if i else sp,
                                  generator=make_generator(draw, self.target.runtime.device),
                                  eos_ids=eos_ids, num_draft_tokens=num_draft_tokens,
-                                 grammar=grammar and (grammar.copy() if i else grammar), bad_words_ids=bad_words))
+                                 grammar=grammar and (grammar.copy() if i else grammar), bad_words_ids=bad_words,
+                                 min_tokens_ban=self.target.eos_ids | frozenset(sp.stop_token_ids)))
         return seqs
 
     def _output(self, seqs: list[Sequence], prompt: str | None) -> RequestOutput:

@@ -133,7 +133,8 @@ def sequence_logits(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[int
         allowed = seq.grammar.allowed(prefixes) if allowed is None else allowed
         rows = unless_empty(constrain(rows, allowed[:, :rows.shape[-1]]), rows)
     return process_logits(rows, seq.sampling, seq.ids[:seq.prompt_len], seq.output_ids, prefixes,
-                          stop_ids=seq.eos_ids, bad_words=seq.bad_words_ids)
+                          stop_ids=seq.eos_ids if seq.min_tokens_ban is None else seq.min_tokens_ban,
+                          bad_words=seq.bad_words_ids)
 
 
 def unless_empty(logits: torch.Tensor, given: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,9 @@ class Sequence:
     grammar: Matcher | None = None
     # ``sampling.bad_words`` as token sequences (``bad_words_ids``)
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    # what ``sampling.min_tokens`` bans before then: the model's EOS ids, even with
+    # ignore_eos, and stop_token_ids (vLLM's all_stop_token_ids); None: ``eos_ids``
+    min_tokens_ban: frozenset[int] | None = None
 
     @property
     def logprobs(self) -> int | None:

@@ -540,7 +540,8 @@ def test_n_completions_and_logprobs(loaded):
 def test_stop_token_ids_min_tokens_and_min_p(loaded):
     """``stop_token_ids`` end the output like an EOS (ignore_eos too; the token is kept in
     token_ids, its text left out); ``min_tokens`` keeps EOS, stop tokens and stop strings from
-    ending it earlier (greedy: the same as banning the stop token for those steps);
+    ending it earlier (greedy: the same as banning the stop token for those steps), and with
+    ignore_eos an EOS is not drawn before it either;
     ``min_p`` under speculation: the self-draft accepts every draft. All equal to plain
     decoding under self-drafting and n-gram speculation."""
     base = plain(loaded, "llama", PROMPTS[:1])[0]
@@ -573,6 +574,9 @@ def test_stop_token_ids_min_tokens_and_min_p(loaded):
         o = llm.generate(PROMPTS[0], second)[0]  # the stop string's first occurrence after min_tokens
         assert o.finish_reason == "stop" and o.text == text[:text.find(again[0], len(head))], method
         assert o.token_ids == out[:len(o.token_ids)] and len(o.token_ids) > m
+        eos = tok.eos_token_id  # ignore_eos lets an EOS through, but not before min_tokens (vLLM)
+        o = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, min_tokens=4, ignore_eos=True, logit_bias={eos: 100}))[0]
+        assert eos not in o.token_ids[:4] and o.token_ids[4:] == [eos, eos], method
     sp = SamplingParams(max_tokens=30, temperature=1.0, min_p=0.3, seed=3, ignore_eos=True)
     s1 = spec(loaded, "llama", "self", k=4).generate(PROMPTS, sp)
     assert all(o.metrics["acceptance_rate"] == 1.0 for o in s1)
