@@ -84,6 +84,20 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+def check_tree_rows(spec: SpecConfig, num_slots: int, target: LoadedModel, draft: LoadedModel | None) -> None:
+    """Refuse at load a tree that a runtime with a bound on tree rows per slot (llama.cpp's
+    sequence ids) could not hold with ``num_slots`` requests running."""
+    needs = [(target, spec.node_budget + 1, "a verify forward's root and tree nodes")]
+    if spec.method in ("draft", "self", "hybrid"):  # a draft tree feeds its frontiers up to the last depth
+        needs.append((draft or target, (spec.depth - 1) * spec.tree_topk, "the draft tree's fed nodes"))
+    for model, rows, what in needs:
+        bound = getattr(model.runtime, "tree_rows", None)
+        if bound and rows > bound(num_slots):
+            raise ValueError(f"llama.cpp holds {bound(num_slots)} tree rows per slot at max_batch_size {num_slots}, "
+                             f"and {what} need {rows}: choose a smaller tree (tree_nodes, tree_depth, "
+                             "tree_topk) or max_batch_size")
+
+
 def encode_prompt(tok, prompt: Prompt, chat: dict | None = None) -> list[int]:
     """Token ids for a text prompt, a chat (list of messages), ``{"prompt": text}`` or
     ``{"prompt_token_ids": ...}`` (vLLM's TextPrompt and TokensPrompt).
@@ -202,6 +216,8 @@ class LLM:
         if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:
             raise ValueError("token trees need the torch runtime (tree attention masks); "
                              "the transformers fallback runs chains only")
+        if speculative.tree_topk > 1:
+            check_tree_rows(speculative, max_batch_size, self.target, self.draft)
         if chunked_prefill_size is None:
             chunked_prefill_size = CHUNKED_PREFILL_SIZE.get(self.target.runtime.device.type, 2048)
         drafters = self._drafters(max_batch_size, chunked_prefill_size)

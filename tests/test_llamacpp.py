@@ -154,6 +154,20 @@ def test_tree_fed_by_depth_and_keep(lc, prompts):
     close(rt.forward(cache, [0], [[b]])[0, 0], fresh(lc, ids + [b]), "tree rows rewound")
 
 
+def test_tree_too_big_for_the_batch_refused_at_load(lc):
+    """llama.cpp's sequence ids bound the tree rows per slot (32 alone, 30 each with 8 slots):
+    a tree that only fits a smaller batch is refused when the LLM is made, not when the batch
+    fills (the verify forward needs its root and nodes; a draft tree its fed frontiers)."""
+    for depth, nodes, batch, fits in ((4, 29, 8, True), (4, 30, 8, False), (4, 31, 1, True), (4, 32, 1, False),
+                                      (12, 8, 1, False)):  # 11 fed depths of 4 nodes
+        spec = SpecConfig(method="self", num_draft_tokens=depth, tree_topk=4, tree_nodes=nodes)
+        if fits:
+            LLM(lc, max_batch_size=batch, speculative=spec)
+        else:
+            with pytest.raises(ValueError, match="tree rows per slot"):
+                LLM(lc, max_batch_size=batch, speculative=spec)
+
+
 def decode_sizes(rt, monkeypatch) -> list[int]:
     """Record the row count of each ``llama_decode`` the runtime makes (in this test)."""
     sizes, decode = [], rt._decode

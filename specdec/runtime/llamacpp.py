@@ -66,6 +66,18 @@ ROW_CHECKS = (2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32)  # forward sizes compared 
 ROW_CONTEXTS = (32, 300)  # ... after these many cached tokens (300: over 512 cells once padded to 256)
 
 GGML_LOG_ERROR, GGML_LOG_CONT = 4, 5  # ggml_log_level
+
+
+def seq_ids(num_slots: int) -> int:
+    """llama.cpp sequence ids of a cache of ``num_slots``: a committed and a parking one per
+    slot, the rest for tree rows."""
+    return min(MAX_SEQ, num_slots * (2 + TREE_SEQS_PER_SLOT))
+
+
+def tree_rows(num_slots: int) -> int:
+    """The tree rows (a verify forward's root and nodes, a draft tree's fed nodes) each slot
+    can hold at once when every slot holds a tree."""
+    return (seq_ids(num_slots) - 2 * num_slots) // num_slots
 _log_callback = None  # the ctypes callback must stay alive
 
 
@@ -126,7 +138,7 @@ class LlamaCppCache:
     def __init__(self, runtime: "LlamaCppRuntime", num_slots: int):
         lib = self.lib = runtime.lib
         self.runtime = runtime  # the model must outlive the context
-        n_seq = min(MAX_SEQ, num_slots * (2 + TREE_SEQS_PER_SLOT))
+        n_seq = seq_ids(num_slots)
         if 2 * num_slots >= n_seq:
             raise ValueError(f"the llama.cpp backend supports at most {MAX_SEQ // 2 - 1} slots, not {num_slots}")
         p = lib.llama_context_default_params()
@@ -422,6 +434,10 @@ class LlamaCppRuntime:
         model, self.model = getattr(self, "model", None), None
         if model:
             self.lib.llama_model_free(model)
+
+    def tree_rows(self, num_slots: int) -> int:
+        """Tree rows each of ``num_slots`` slots can hold at once (``tree_rows``)."""
+        return tree_rows(num_slots)
 
     def new_cache(self, num_slots: int, max_rows: int | None = None) -> LlamaCppCache:
         return LlamaCppCache(self, num_slots)
