@@ -366,10 +366,15 @@ class LLM:
         ``num_draft_tokens``: cap k for this request. ``reasoning``: a thinking model's
         answer, whose structured output starts after its reasoning (``grammar_gate``)."""
         ids = self.encode(prompt)
+        limit = self.context_window
+        if sp.truncate_prompt_tokens is not None:  # the prompt's last tokens
+            keep = limit if sp.truncate_prompt_tokens == -1 else sp.truncate_prompt_tokens
+            if keep > limit:
+                raise ValueError(f"truncate_prompt_tokens {keep} exceeds the context window of {limit} tokens")
+            ids = ids[-keep:]
         vocab = self.target.runtime.vocab_size
         if not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        limit = self.context_window
         if len(ids) >= limit:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context window of {limit} tokens")
         if sp.max_tokens is None or (cap_max_tokens and len(ids) + sp.max_tokens > limit):

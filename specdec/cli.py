@@ -114,6 +114,8 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bad-words", action="append", default=[], metavar="WORD",
                    help="a word the output may not contain (repeatable; vLLM's: its last token is banned "
                         "where the output would complete it)")
+    g.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
+                   help="keep only each prompt's last N tokens (-1: as many as the context window holds; vLLM's)")
     g.add_argument("-n", "--n", type=int, default=SamplingParams.n,
                    help="completions per prompt (with --seed S, completion i draws from S + i; default 1)")
     g.add_argument("--logprobs", type=int, metavar="N",
@@ -161,7 +163,7 @@ def sampling_from_args(a, defaults: dict | None = None) -> SamplingParams:
                           frequency_penalty=a.frequency_penalty, logit_bias=parse_logit_bias(a.logit_bias),
                           n=a.n, logprobs=a.logprobs, prompt_logprobs=a.prompt_logprobs,
                           structured_outputs=structured_from_args(a), allowed_token_ids=a.allowed_token_ids,
-                          bad_words=tuple(a.bad_words))
+                          bad_words=tuple(a.bad_words), truncate_prompt_tokens=a.truncate_prompt_tokens)
 
 
 def structured_from_args(a) -> StructuredOutputs | None:

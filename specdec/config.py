@@ -177,6 +177,8 @@ class SamplingParams:
     # vLLM's: words whose last token is banned where the output's last tokens would complete
     # them (each word as written and with a leading space)
     bad_words: tuple[str, ...] = ()
+    # vLLM's: keep only the prompt's last this many tokens (-1: the context window's worth)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -219,6 +221,8 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
                "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
         _check(self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1,
+               f"truncate_prompt_tokens must be -1 or an integer >= 1 (or None = off), got {self.truncate_prompt_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _check(value is None or value >= 0, f"{name} must be an integer >= 0 (or None = off), got {value!r}")

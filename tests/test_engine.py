@@ -704,6 +704,11 @@ def test_request_output_as_vllm(loaded):
     assert [o.token_ids for o in by_tuple] == [o.token_ids for o in llm.generate(PROMPTS[:2], list(params))]
     assert [o.token_ids for o in llm.chat([[{"role": "user", "content": p}] for p in PROMPTS[:2]], params)] == \
         [o.token_ids for o in llm.chat([[{"role": "user", "content": p}] for p in PROMPTS[:2]], list(params))]
+    cut = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True, truncate_prompt_tokens=6))[0]
+    assert cut.prompt_token_ids == llm.encode(PROMPTS[0])[-6:]  # vLLM's: the prompt's last tokens
+    assert cut.token_ids == llm.generate({"prompt_token_ids": cut.prompt_token_ids}, params[1:2] * 1)[0].token_ids[:4]
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be"):
+        SamplingParams(truncate_prompt_tokens=0)
     for bad in ("max_tokens", [params[0], {"max_tokens": 3}]):
         with pytest.raises(ValueError, match="sampling_params must be"):
             llm.generate(PROMPTS[:2], bad)

@@ -766,6 +766,22 @@ def test_echo_scores_the_prompt(llm, client):
     assert batch.choices[0].logprobs.token_logprobs[1:] == pytest.approx(ref, abs=1e-4)
 
 
+def test_truncate_prompt_tokens(llm, client):
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last N tokens are the prompt (usage,
+    output, echo); -1 keeps what the context window holds; more than the window is a 400."""
+    prompt = "The quick brown fox jumps over the lazy dog"
+    ids = llm.encode(prompt)
+    kw = dict(model=MODEL, max_tokens=4, temperature=0)
+    cut = client.completions.create(prompt=prompt, extra_body={"truncate_prompt_tokens": 5}, echo=True, **kw)
+    tail = client.completions.create(prompt=ids[-5:], **kw)
+    assert cut.usage.prompt_tokens == 5 and cut.choices[0].text == llm.tokenizer.decode(ids[-5:]) + tail.choices[0].text
+    whole = client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **kw,
+                                           extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == len(llm.encode([{"role": "user", "content": prompt}], chat={}))
+    r = httpx.post(str(client.base_url) + "completions", json={**kw, "prompt": prompt, "truncate_prompt_tokens": 10 ** 6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
 def _pieces(text: str, offsets: list[int]) -> list[str]:
     """Each token's part of ``text``, by its ``text_offset``."""
     return [text[a:b] for a, b in zip(offsets, offsets[1:] + [len(text)])]

@@ -267,6 +267,8 @@ class _API:
             except ValueError as e:
                 raise bad_request(str(e), req.field_of(str(e))) from None
             if not chat and req.echo:
+                kept = seqs[-1].ids[:seqs[-1].prompt_len]  # truncate_prompt_tokens: its last tokens
+                prompt, ids = (prompt, ids) if len(kept) == len(ids) else ({"prompt_token_ids": kept}, kept)
                 echoes += [self.echo(prompt, ids, sp, req.logprobs is not None)] * req.n
         return req, seqs, echoes
 

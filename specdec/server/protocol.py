@@ -84,6 +84,7 @@ class _Request(_Strict):
     skip_special_tokens: bool = True  # extension (vLLM)
     allowed_token_ids: list[int] | None = None  # extension (vLLM)
     bad_words: list[str] | None = None  # extension (vLLM)
+    truncate_prompt_tokens: int | None = None  # extension (vLLM): the prompt's last this many tokens (-1: all that fit)
     num_draft_tokens: int | None = None  # extension: cap this request's k (0 = no speculation)
     # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", ...}}
     response_format: dict | None = None
@@ -122,7 +123,8 @@ class _Request(_Strict):
                                   logit_bias=self._logit_bias(), n=self.n, logprobs=self.requested_logprobs,
                                   prompt_logprobs=self.requested_prompt_logprobs,
                                   structured_outputs=self._structured_outputs(),
-                                  allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()))
+                                  allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()),
+                                  truncate_prompt_tokens=self.truncate_prompt_tokens)
         except ValueError as e:
             raise bad_request(str(e), self.field_of(str(e))) from None
 
