@@ -57,4 +57,5 @@ def test_model_drafter_catch_up_rewind_and_q(loaded):
     d.release(s)  # the prompt's KV stays for the slot's next request (the torch runtime reuses prefixes)
     assert d.cache.lengths[1] == 4 and d.cached_ids[1] == [5, 6, 7, 8]
     other = Sequence(2, [5, 6, 9, 9, 9], 5, SamplingParams(), make_generator(0, "cpu"), frozenset(), slot=1)
-    assert d.behind(other) == 3 and d.cache.lengths[1] == 2  # a new request in the slot keeps what it shares
+    assert d.cache.lengths[1] == 4 and d.behind(other) == 5  # the catch-up as from scratch (the rounds
+    assert d.cache.lengths[1] == 2  # do not depend on reused rows), though the slot keeps what the request shares
