@@ -330,7 +330,7 @@ def test_graphed_forward_equals_eager(tiny_dirs):
     trees, in batches and one by one."""
     from specdec.runtime.torch_llama import GRAPH_TOKEN_SIZES
 
-    from specdec import LLM, SamplingParams
+    from specdec import LLM, SamplingParams, SpecConfig
     from specdec.runtime import load_model
 
     prompts = ["Hello world, this is a test", "abc", "The quick brown fox. The quick brown"]
