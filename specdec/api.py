@@ -326,8 +326,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], dict) and "role" in prompts[0]):
             prompts = [prompts]
-        defaults = sampling_params is None  # the model's max_new_tokens is capped to the context, not an error
-        if defaults:
+        if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
@@ -340,8 +339,8 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         rendered = [render_prompt(self.tokenizer, p) for p in prompts]  # (text, ids) per prompt
-        groups = [self.make_sequences({"prompt_token_ids": ids}, sp, cap_max_tokens=defaults)
-                  for (_, ids), sp in zip(rendered, params)]  # n per prompt
+        groups = [self.make_sequences({"prompt_token_ids": ids}, sp, cap_max_tokens=True)  # vLLM's offline: the
+                  for (_, ids), sp in zip(rendered, params)]  # window caps max_tokens; n sequences per prompt
         seqs = [s for group in groups for s in group]
         start = time.perf_counter()
         for s in seqs:
@@ -378,7 +377,8 @@ class LLM:
         if len(ids) >= limit:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room in the context window of {limit} tokens")
         if sp.max_tokens is None or (cap_max_tokens and len(ids) + sp.max_tokens > limit):
-            sp = replace(sp, max_tokens=limit - len(ids))  # what the context window leaves (vLLM's None)
+            room = limit - len(ids)  # what the context window leaves (vLLM's None)
+            sp = replace(sp, max_tokens=room, min_tokens=min(sp.min_tokens, room))
         if len(ids) + sp.max_tokens > limit:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {sp.max_tokens} "
                              f"exceeds the context window of {limit} tokens")
