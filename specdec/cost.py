@@ -72,7 +72,8 @@ def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> F
     vocab = min(runtime.vocab_size, 1000)
     prefix = torch.randint(0, vocab, (context,), generator=g).tolist()
     runtime.forward(cache, [0], [prefix], last_only=True)
-    sync = torch.cuda.synchronize if getattr(runtime, "device", torch.device("cpu")).type == "cuda" else None
+    device = getattr(runtime, "device", torch.device("cpu"))
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     sizes = list(range(1, max_tokens + 1)) + ([LONG_TOKENS] if LONG_TOKENS > max_tokens else [])
     chunks = {n: torch.randint(0, vocab, (n,), generator=g).tolist() for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
@@ -94,7 +95,9 @@ def cost_key(model) -> str:
     """The measured cost curve's cache key: the model, its runtime's ``speed_key``, the
     threads (llama.cpp's own, else torch's), the machine and the torch version."""
     rt = model.runtime
-    return "|".join([str(model.path), type(rt).__name__, rt.speed_key,
+    device = getattr(rt, "device", torch.device("cpu"))
+    gpu = [torch.cuda.get_device_name(device)] if device.type == "cuda" else []
+    return "|".join([str(model.path), type(rt).__name__, rt.speed_key, *gpu,
                      f"threads={getattr(rt, 'threads', None) or torch.get_num_threads()}",
                      disk_cache.machine(), f"torch={torch.__version__}"])
 

@@ -285,6 +285,8 @@ class Engine:
         every_row = any(s.sampling.prompt_logprobs is not None for s in batch)
         logits = self.runtime.forward(self.cache, [s.slot for s in batch], chunks, last_only=not every_row,
                                       prefill=True)  # [B, vocab], or [B, longest chunk, vocab]
+        if logits.device.type == "cuda":  # the prefill's time, not its launch's
+            torch.cuda.synchronize(logits.device)
         for s, out, chunk in zip(batch, logits, chunks):
             s.metrics.prefill_s += time.perf_counter() - t0
             s.metrics.target_forwards += 1

@@ -235,7 +235,9 @@ class ModelDrafter:
     def _pick(self, logits: torch.Tensor, seq: Sequence, drafted: list[int]):
         """Draft token from one logits row ``[vocab_d]`` after the drafts ``drafted``; q over
         the target's vocab when sampling."""
-        logits = sequence_logits(logits[None, : self.target_vocab], seq, [drafted])[0]  # no id the target cannot emit
+        # on the target's device (the request's generator's): a draft may run elsewhere (llama.cpp on the CPU)
+        logits = logits[None, : self.target_vocab].to(seq.generator.device)
+        logits = sequence_logits(logits, seq, [drafted])[0]  # no id the target cannot emit
         if seq.sampling.greedy:
             return int(logits.argmax()), None
         q = probs_from_logits(logits[None], seq.sampling)[0]  # [vocab_d]

@@ -250,16 +250,20 @@ class CudaGraphs:
 
     def __init__(self, runtime: "TorchLlama"):
         self.runtime = runtime
-        # cache -> (its K buffer's address, its memory pool, its graphs by (batch, tokens))
-        self.by_cache: "weakref.WeakKeyDictionary[KVCache, tuple[int, tuple, dict]]" = weakref.WeakKeyDictionary()
+        # cache -> (its K buffer's address and capacity, its memory pool, its graphs by (batch, tokens))
+        self.by_cache: "weakref.WeakKeyDictionary[KVCache, tuple[tuple, tuple, dict]]" = weakref.WeakKeyDictionary()
 
     def run(self, cache: KVCache, x: _Batch, tokens: int) -> torch.Tensor:
         """Logits ``[B, tokens, vocab]`` (float32) of ``x``'s first ``tokens`` rows (the
-        others are padding)."""
-        ptr, pool, graphs = self.by_cache.get(cache, (None, None, None))
-        if ptr != cache.k.data_ptr():  # new, or grown since: its old graphs point at freed memory
-            ptr, pool, graphs = cache.k.data_ptr(), torch.cuda.graph_pool_handle(), {}
-            self.by_cache[cache] = (ptr, pool, graphs)
+        others are padding). On the runtime's GPU (``cuda:N``), whichever is current."""
+        with torch.cuda.device(self.runtime.device):
+            return self._run(cache, x, tokens)
+
+    def _run(self, cache: KVCache, x: _Batch, tokens: int) -> torch.Tensor:
+        buffer, pool, graphs = self.by_cache.get(cache, (None, None, None))
+        if buffer != (cache.k.data_ptr(), cache.capacity):  # new, or grown since: old graphs read freed memory
+            buffer, pool, graphs = (cache.k.data_ptr(), cache.capacity), torch.cuda.graph_pool_handle(), {}
+            self.by_cache[cache] = (buffer, pool, graphs)
         key = tuple(x.ids.shape)
         g = graphs.get(key)
         if g is None:
@@ -284,7 +288,7 @@ class CudaGraphs:
         torch.cuda.current_stream(rt.device).wait_stream(side)
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
                 out = rt._layers(cache, x, to_float=False)  # in the model's dtype: half the buffer in bf16
         except Exception as e:  # an op that cannot be captured: eager from now on
             log.warning("CUDA graph capture failed (%s: %s); running eagerly", type(e).__name__, e)
