@@ -154,6 +154,18 @@ def test_tree_fed_by_depth_and_keep(lc, prompts):
     close(rt.forward(cache, [0], [[b]])[0, 0], fresh(lc, ids + [b]), "tree rows rewound")
 
 
+def test_gguf_end_of_generation_tokens(lc, tt):
+    """A GGUF's generation ends where llama.cpp's does, on either runtime: its eos and the
+    end-of-text, end-of-turn and fill-in-the-middle markers (SmolLM2: <|endoftext|>,
+    <|im_end|>, <reponame>), not only the one eos id its own generation config names."""
+    vocab = lc.runtime.lib.llama_model_get_vocab(lc.runtime.model)
+    eog = {i for i in range(lc.runtime.vocab_size) if lc.runtime.lib.llama_vocab_is_eog(vocab, i)}
+    assert lc.eos_ids == tt.eos_ids == eog == {0, 2, 4}
+    for model in (lc, tt):  # <|endoftext|> ends a completion
+        o = LLM(model).generate("def add(a, b):", SamplingParams(max_tokens=8, logit_bias={0: 100}))[0]
+        assert o.token_ids == [0] and o.finish_reason == "stop"
+
+
 def test_tree_too_big_for_the_batch_refused_at_load(lc):
     """llama.cpp's sequence ids bound the tree rows per slot (32 alone, 30 each with 8 slots):
     a tree that only fits a smaller batch is refused when the LLM is made, not when the batch

@@ -435,6 +435,11 @@ class LlamaCppRuntime:
         if model:
             self.lib.llama_model_free(model)
 
+    def eog_ids(self) -> frozenset[int]:
+        """The tokens llama.cpp ends generation at (``llama_vocab_is_eog``)."""
+        vocab = self.lib.llama_model_get_vocab(self.model)
+        return frozenset(i for i in range(self.vocab_size) if self.lib.llama_vocab_is_eog(vocab, i))
+
     def tree_rows(self, num_slots: int) -> int:
         """Tree rows each of ``num_slots`` slots can hold at once (``tree_rows``)."""
         return tree_rows(num_slots)

@@ -225,13 +225,32 @@ class LoadedModel:
         return self.runtime.max_context
 
 
+# llama.cpp's end-of-generation tokens besides a GGUF's eos id, by their text (llama-vocab.cpp):
+# ends of turns and texts, and the fill-in-the-middle pad, repository and file separators
+GGUF_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+                  "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+                  "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>",
+                  "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>")
+
+
+def from_gguf(path: Path) -> bool:
+    """Whether ``path`` is a GGUF's config and tokenizer (``gguf_to_hf_dir``'s)."""
+    return path.resolve().parent == (cache_root() / "gguf").resolve()
+
+
 def eos_ids_of(path: Path, config, tokenizer) -> frozenset[int]:
-    """Every eos id the model declares: config, tokenizer and generation config."""
+    """Every eos id the model declares: config, tokenizer and generation config; for a GGUF,
+    also the tokens llama.cpp ends generation at (``GGUF_EOG_TEXTS``: a GGUF's own
+    generation config names one eos id, so Qwen2.5's <|endoftext|> would not end a
+    completion, as it does in llama.cpp and in the model's original generation config)."""
     from transformers import GenerationConfig
 
     eos = [config.eos_token_id, tokenizer.eos_token_id]
     if (path / "generation_config.json").is_file():
         eos.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    if from_gguf(path):
+        vocab = tokenizer.get_vocab()
+        eos.append([vocab[t] for t in GGUF_EOG_TEXTS if t in vocab])
     return frozenset(i for e in eos if e is not None for i in (e if isinstance(e, (list, tuple)) else [e]))
 
 
@@ -315,8 +334,9 @@ def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quan
     tokenizer = AutoTokenizer.from_pretrained(path)
     runtime = LlamaCppRuntime(gguf, threads=torch.get_num_threads(), repack=repack,
                               context=max_model_len or DEFAULT_CONTEXT)
+    # llama.cpp's own end-of-generation tokens: as llama.cpp itself stops
     return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer,
-                       eos_ids_of(path, config, tokenizer), config)
+                       eos_ids_of(path, config, tokenizer) | runtime.eog_ids(), config)
 
 
 def load_tokenizer(model: str | None):
