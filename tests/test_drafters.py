@@ -42,7 +42,7 @@ def test_ngram_drafter_budget_and_eos():
 
 def test_model_drafter_catch_up_rewind_and_q(loaded):
     rt = loaded("llama").runtime
-    d = ModelDrafter(rt, num_slots=2, target_vocab=rt.vocab_size + 3)
+    d = ModelDrafter(rt, num_slots=2, target_vocab=rt.vocab_size + 3, max_catch_up=4)
     s = seq([5, 6, 7, 8], slot=1, sp=SamplingParams(temperature=1.0, seed=1))
     draft = d.propose([s], [3])[0]
     assert len(draft.tokens) == 3 and draft.forwards == 3
@@ -56,6 +56,42 @@ def test_model_drafter_catch_up_rewind_and_q(loaded):
     s.prompt_len = 4
     d.release(s)  # the prompt's KV stays for the slot's next request (the torch runtime reuses prefixes)
     assert d.cache.lengths[1] == 4 and d.cached_ids[1] == [5, 6, 7, 8]
-    other = Sequence(2, [5, 6, 9, 9, 9], 5, SamplingParams(), make_generator(0, "cpu"), frozenset(), slot=1)
-    assert d.cache.lengths[1] == 4 and d.behind(other) == 5  # the catch-up as from scratch (the rounds
-    assert d.cache.lengths[1] == 2  # do not depend on reused rows), though the slot keeps what the request shares
+    other = Sequence(2, [5, 6, 7, 8, 9, 9], 6, SamplingParams(), make_generator(0, "cpu"), frozenset(), slot=1)
+    assert d.cache.lengths[1] == 4 and d.behind(other) == 6  # the catch-up as from scratch (the rounds
+    assert d.cache.lengths[1] == 4  # do not depend on reused rows), though the slot keeps the shared chunk
+    third = Sequence(3, [5, 6, 7, 9, 9], 5, SamplingParams(), make_generator(0, "cpu"), frozenset(), slot=1)
+    assert d.behind(third) == 5 and d.cache.lengths[1] == 0  # less than a whole chunk (4) is not kept
+
+
+def test_rows_kept_for_a_later_request_cut_its_feeds_as_a_fresh_draft(loaded, monkeypatch):
+    """A draft decodes each catch-up chunk whole, and some runtimes round a row by its chunk
+    (llama.cpp's repacked quantized products): rows kept from an earlier request are kept in
+    whole catch-up chunks, and the next request feeds the rest in the chunks, and rounds, a
+    fresh draft would, so its q is the fresh q exactly."""
+    rt = loaded("llama").runtime
+    ids = [40 + i % 90 for i in range(170)]
+    sp = SamplingParams(temperature=1.0)
+
+    def first_q(drafter, request_id, prompt):
+        feeds, forward = [], rt.forward
+        monkeypatch.setattr(rt, "forward", lambda cache, slots, tokens, **kw:
+                            feeds.append(tokens[0]) or forward(cache, slots, tokens, **kw))
+        seq = seq_of(request_id, prompt, sp)
+        rounds = 1
+        while not (draft := drafter.propose([seq], [2])[0]).tokens:  # catch-up rounds draft nothing
+            rounds += 1
+        monkeypatch.setattr(rt, "forward", forward)
+        drafter.observe(seq, 0)
+        drafter.release(seq)
+        return draft.q, feeds, rounds
+
+    kept = ModelDrafter(rt, 1, rt.vocab_size, max_catch_up=80)
+    first_q(kept, 1, ids[:-3])  # leaves its prompt's rows; the next prompt starts the same
+    q, feeds, rounds = first_q(kept, 2, ids)
+    fresh_q, fresh_feeds, fresh_rounds = first_q(ModelDrafter(rt, 1, rt.vocab_size, max_catch_up=80), 3, ids)
+    assert [len(f) for f in fresh_feeds[:3]] == [80, 80, 10] and feeds[0] == fresh_feeds[2] == ids[160:]
+    assert rounds == fresh_rounds == 3 and torch.equal(q, fresh_q)
+
+
+def seq_of(request_id, ids, sp):
+    return Sequence(request_id, list(ids), len(ids), sp, make_generator(0, "cpu"), frozenset(), slot=0)

@@ -98,13 +98,15 @@ class ModelDrafter:
 
     def _cached(self, seq: Sequence) -> list[int]:
         """The ids behind ``seq``'s slot's KV. A request new to the slot keeps the part its
-        predecessor left that its own ids start with (prefix reuse: ``release`` leaves the
-        prompt, where the runtime allows); the last id is always fed again."""
+        predecessor left that its own ids start with, in whole catch-up chunks (prefix reuse:
+        ``release`` leaves the prompt, where the runtime allows), so that its later feeds cut
+        the ids where a fresh draft's would; the last id is always fed again."""
         cached = self.cached_ids[seq.slot]
         if self.owner.get(seq.slot) != seq.request_id:
             self.owner[seq.slot] = seq.request_id
             self.fresh[seq.slot] = 0
             n = common_prefix(cached, seq.ids[:-1])
+            n = n // self.max_catch_up * self.max_catch_up if self.max_catch_up else 0
             del cached[n:]
             self.cache.rewind(seq.slot, n)
         return cached
@@ -116,18 +118,27 @@ class ModelDrafter:
         return len(seq.ids) - min(self.fresh[seq.slot], len(seq.ids) - 1)
 
     def propose(self, seqs, ks) -> list[Draft]:
-        active = [i for i, k in enumerate(ks) if k > 0]
+        active = [i for i, k in enumerate(ks) if k > 0 and self._due(seqs[i])]
         logits = self._catch_up([seqs[i] for i in active])  # [B, vocab_d]
         caught = [b for b, i in enumerate(active)  # the rest draft nothing this round
                   if self.fresh[seqs[i].slot] == len(seqs[i].ids)]
         self.drafted |= {seqs[active[b]].slot for b in caught}
         if len(caught) < len(active):
-            active, logits = [active[b] for b in caught], logits[caught]
+            active, logits = [active[b] for b in caught], logits[caught] if caught else None
         if self.topk == 1:
             drafts = self._chains(seqs, ks, active, logits)
         else:
             drafts = self._trees(seqs, ks, active, logits)
         return drafts
+
+    def _due(self, seq: Sequence) -> bool:
+        """Advance ``seq``'s fresh count by what a draft without reused rows would feed this
+        round; whether the slot lacks some of it (else it holds those rows already, and
+        feeds nothing before the round a fresh draft would feed past them)."""
+        have = min(len(self._cached(seq)), len(seq.ids) - 1)  # the last id is always fed again
+        fresh = min(self.fresh[seq.slot], len(seq.ids) - 1)
+        self.fresh[seq.slot] = fresh + min(self.max_catch_up or len(seq.ids), len(seq.ids) - fresh)
+        return self.fresh[seq.slot] > have
 
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """Feed each sequence's committed ids the cache lacks (at most ``max_catch_up``);
@@ -165,8 +176,6 @@ class ModelDrafter:
                 logits[i] = out[b]
         for s, toks in zip(seqs, feed):
             self.cached_ids[s.slot].extend(toks)
-            fresh = min(self.fresh[s.slot], len(s.ids) - 1)  # what a draft without reused rows would feed
-            self.fresh[s.slot] = fresh + min(self.max_catch_up or len(s.ids), len(s.ids) - fresh)
         return torch.stack(logits)  # [B, vocab_d]
 
     def _known(self, ids: list[int]) -> list[int]:
