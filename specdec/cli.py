@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .answer import REASONING_PARSERS
 from .config import (BACKENDS, GENERATION_FIELDS, LOAD_FORMATS, METHODS, EngineConfig, SamplingParams, SpecConfig,
@@ -221,6 +222,8 @@ def read_prompts_file(path: str) -> list[tuple[str, object]]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{n}: need a JSON object, not {type(obj).__name__}")
         kind = obj.get("kind", "completion")
         if kind == "chat" and isinstance(obj.get("messages"), list):
             prompt = obj["messages"]
@@ -325,13 +328,19 @@ def cmd_serve(a) -> int:
         raise ValueError(f"--port must be in 0..65535, got {a.port}")
     if a.enable_auto_tool_choice and not a.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    template = a.chat_template
+    if template is not None and Path(template).expanduser().is_file():
+        template = Path(template).expanduser().read_text(encoding="utf-8")
+    elif template is not None and "{{" not in template and "{%" not in template:
+        raise ValueError(f"--chat-template {a.chat_template!r} is neither a file nor a Jinja template")
     from .server import create_app, serve
 
     llm = make_llm(a)
     app = create_app(llm, served_model_name=a.served_model_name, max_queue=a.max_queue,
                      api_key=a.api_key, max_request_bytes=a.max_request_bytes,
                      enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
-                     reasoning_parser=a.reasoning_parser)
+                     reasoning_parser=a.reasoning_parser, chat_template=template,
+                     trust_request_chat_template=a.trust_request_chat_template)
     print(f"specdec: serving {app.state.served_model_name!r} (method {llm.spec.method}) on "
           f"http://{a.host}:{a.port}/v1", file=sys.stderr)
     serve(app, a.host, a.port, a.log_level)
@@ -406,6 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="return a thinking model's <think>...</think> as reasoning_content (qwen3: the answer "
                         "opens <think>; deepseek_r1: the prompt does)")
+    h.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) for chat requests instead of "
+                        "the tokenizer's (vLLM's)")
+    h.add_argument("--trust-request-chat-template", action="store_true",
+                   help="take a chat request's own chat_template field (vLLM's; refused otherwise)")
     h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
 

@@ -140,6 +140,8 @@ def test_vllm_speculative_config(loaded, tiny_dirs):
     first, second = (json.loads(r.stdout) for r in runs)
     assert first["token_ids"] == second["token_ids"]
     assert first["metrics"]["target_forwards"] == second["metrics"]["target_forwards"]
+    r = run_cli("serve", str(tiny_dirs["llama"]), "--chat-template", "no/such/template.jinja")
+    assert r.returncode == 2 and "neither a file nor a Jinja template" in r.stderr
     r = run_cli("serve", str(tiny_dirs["llama"]), "--model", str(tiny_dirs["draft"]))
     assert r.returncode == 2 and "two targets" in r.stderr
 
@@ -190,9 +192,10 @@ def test_cli_generate_json_prompts_file(tmp_path, tiny_dirs):
                                        "acceptance_rate", "mean_accepted_length", "accepted_per_position",
                                        "tokens_per_s", "wall_s"}
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": 1, "kind": "chat"}\n')
-    r = run_cli("generate", "--model", str(tiny_dirs["llama"]), "--prompts-file", str(bad))
-    assert r.returncode == 2 and "bad.jsonl:1" in r.stderr
+    for line in ('{"id": 1, "kind": "chat"}', "[1, 2]", '"just a string"'):
+        bad.write_text(line + "\n")
+        r = run_cli("generate", "--model", str(tiny_dirs["llama"]), "--prompts-file", str(bad))
+        assert r.returncode == 2 and "bad.jsonl:1" in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = run_cli("generate", "--model", str(tiny_dirs["llama"]), "--prompts-file", str(f), "--chat")
     assert r.returncode == 2 and "--chat applies to --prompt" in r.stderr
 

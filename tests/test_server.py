@@ -782,6 +782,63 @@ def test_truncate_prompt_tokens(llm, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
 
+def test_vllm_prompt_logprobs_and_token_ids(llm, client):
+    """vLLM's ``prompt_logprobs``: per prompt token after the first, ``{id: {logprob, rank,
+    decoded_token}}`` (the token itself first), per choice for completions and once for a
+    chat; not streamed. ``return_tokens_as_token_ids`` names logprobs' tokens "token_id:<id>".
+    Beam search and a chat's ``echo`` are refused."""
+    prompt = "The quick brown fox"
+    ids = llm.encode(prompt)
+    kw = dict(model=MODEL, max_tokens=2, temperature=0)
+    r = httpx.post(str(client.base_url) + "completions", json={**kw, "prompt": prompt, "prompt_logprobs": 2}).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    echo = client.completions.create(prompt=prompt, echo=True, logprobs=2, **{**kw, "max_tokens": 0}).choices[0]
+    assert plp[0] is None and len(plp) == len(ids)
+    for t, entry, lp in zip(ids[1:], plp[1:], echo.logprobs.token_logprobs[1:]):
+        first = next(iter(entry))
+        assert first == str(t) and entry[first]["logprob"] == pytest.approx(lp, abs=1e-5)
+        assert entry[first]["decoded_token"] == llm.tokenizer.decode([t]) and len(entry) in (2, 3)
+        assert sorted(e["rank"] for k, e in entry.items() if k != first)[:2] == [1, 2]
+    chat = httpx.post(str(client.base_url) + "chat/completions",
+                      json={**kw, "messages": [{"role": "user", "content": prompt}], "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    named = httpx.post(str(client.base_url) + "completions", json={**kw, "prompt": prompt, "logprobs": 1,
+                                                                  "return_tokens_as_token_ids": True}).json()
+    lps = named["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in lps["tokens"]) and all(
+        k.startswith("token_id:") for top in lps["top_logprobs"] for k in top)
+    for body, param in (({"prompt": prompt, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+                        ({"prompt": prompt, "use_beam_search": True}, "use_beam_search"),
+                        ({"prompt": prompt, "echo": True, "logprobs": 1, "prompt_logprobs": 3}, "prompt_logprobs")):
+        bad = httpx.post(str(client.base_url) + "completions", json={**kw, **body})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    bad = httpx.post(str(client.base_url) + "chat/completions",
+                     json={**kw, "messages": [{"role": "user", "content": "hi"}], "echo": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
+
+
+def test_chat_templates(loaded):
+    """vLLM's ``--chat-template`` replaces the tokenizer's for every chat; a request's own
+    ``chat_template`` needs ``--trust-request-chat-template`` (else 400), and then wins."""
+    mine = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    theirs = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    messages = [{"role": "user", "content": "hi"}]
+    llm = LLM(loaded("llama"))
+    count = lambda text: len(llm.tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    with BackgroundServer(create_app(llm, served_model_name=MODEL, chat_template=mine)) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens"] == count("[hi]")
+        r = httpx.post(srv.url + "/tokenize", json={"messages": messages})
+        assert r.json()["count"] == count("[hi]")
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, "chat_template": theirs})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+    with BackgroundServer(create_app(llm, served_model_name=MODEL, chat_template=mine,
+                                     trust_request_chat_template=True)) as srv:
+        r = httpx.post(srv.url + "/v1/chat/completions",
+                       json={"messages": messages, "max_tokens": 1, "chat_template": theirs})
+        assert r.json()["usage"]["prompt_tokens"] == count("<<hi>>")
+
+
 def _pieces(text: str, offsets: list[int]) -> list[str]:
     """Each token's part of ``text``, by its ``text_offset``."""
     return [text[a:b] for a, b in zip(offsets, offsets[1:] + [len(text)])]

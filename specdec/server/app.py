@@ -47,14 +47,17 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf
 def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int = 64,
                api_key: str | None = None, max_request_bytes: int = 2_000_000,
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-               reasoning_parser: str | None = None) -> FastAPI:
+               reasoning_parser: str | None = None, chat_template: str | None = None,
+               trust_request_chat_template: bool = False) -> FastAPI:
     """An app serving ``llm``: at most ``llm``'s max_batch_size requests run at once and
     ``max_queue`` more wait; beyond that a request gets 429. ``enable_auto_tool_choice``
     with a ``tool_call_parser`` (``tools.TOOL_PARSERS``: hermes, llama3_json, mistral,
     pythonic, qwen3_coder) lets chat requests with tools have the model
     decide whether to call them (vLLM's flags); required and named tool choices need neither.
     ``reasoning_parser`` (``qwen3``, ``deepseek_r1``) returns a thinking model's reasoning as
-    ``reasoning_content``, apart from the content (``answer.py``)."""
+    ``reasoning_content``, apart from the content (``answer.py``). ``chat_template``: a Jinja
+    template for chats instead of the tokenizer's (vLLM's ``--chat-template``); a request's own
+    ``chat_template`` is taken only with ``trust_request_chat_template``, as vLLM."""
     if enable_auto_tool_choice and tool_call_parser not in PARSERS:
         raise ValueError(f"enable_auto_tool_choice needs a tool_call_parser: {', '.join(PARSERS)}")
     if reasoning_parser not in (None, *REASONING_PARSERS):
@@ -69,6 +72,7 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
     scheduler = Scheduler(llm.engine, metrics, slots, max_queue)
     api = _API(llm, name, scheduler, metrics, api_key, max_request_bytes,
                tool_call_parser if enable_auto_tool_choice else None, reasoning_parser)
+    api.chat_template, api.trust_request_chat_template = chat_template, trust_request_chat_template
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -180,6 +184,8 @@ class _API:
         # the handlers' own tokenizer: the scheduler thread decodes with the engine's
         self.tok = copy.deepcopy(llm.tokenizer)
         self.created = int(time.time())
+        self.chat_template: str | None = None  # chats' template instead of the tokenizer's
+        self.trust_request_chat_template = False
         self._token_text: dict[int, str] = {}
 
     def model_card(self) -> dict:
@@ -232,6 +238,11 @@ class _API:
         req = parse(model, body)
         if req.model is not None and req.model != self.name:
             raise model_not_found(req.model, self.name)
+        if getattr(req, "chat_template", None) is not None and not self.trust_request_chat_template:
+            raise bad_request("this server takes no chat template from requests (vLLM's "
+                              "--trust-request-chat-template allows them)", "chat_template")
+        if hasattr(req, "chat_template") and req.chat_template is None:
+            req.chat_template = self.chat_template
         return req
 
     def prepare(self, body: object, chat: bool):
@@ -392,6 +403,9 @@ class _Output:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.want_logprobs = sreqs[0].seq.logprobs is not None
+        self.want_prompt_logprobs = req.prompt_logprobs is not None  # vLLM's extension (non-streamed)
+        # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>"
+        self.token_text = (lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids else api.token_text
         # completions' logprobs: each choice's output tokens' text_offset, after its echoed prompt
         self.offsets = [TokenOffsets(api.tok, sreq.seq.sampling, len(echoes[i].text) if echoes else 0)
                         for i, sreq in enumerate(sreqs)]
@@ -416,8 +430,22 @@ class _Output:
 
     async def collect(self) -> dict:
         choices = [await self._collect(i, sreq) for i, sreq in enumerate(self.sreqs)]
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.api.name, "choices": choices, "usage": self.usage()}
+        out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+               "created": self.created, "model": self.api.name, "choices": choices, "usage": self.usage()}
+        if self.want_prompt_logprobs and self.chat:  # vLLM's: the response's, for chats
+            out["prompt_logprobs"] = self.vllm_prompt_logprobs(self.sreqs[0])
+        return out
+
+    def vllm_prompt_logprobs(self, sreq: ServerRequest) -> list:
+        """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token
+        ``{id: {"logprob", "rank", "decoded_token"}}``, the token itself first."""
+        ids, entries = self.prompt_logprobs(sreq)
+        out = [None]
+        for t, e in zip(ids[1:], entries[1:]):
+            entry = {t: (e.logprob, e.rank)} | {a: (alp, rank) for rank, (a, alp) in enumerate(e.top, 1) if a != t}
+            out.append({str(a): {"logprob": max(lp, MIN_LOGPROB), "rank": rank, "decoded_token": self.token_text(a)}
+                        for a, (lp, rank) in entry.items()})
+        return out
 
     async def _collect(self, i: int, sreq: ServerRequest) -> dict:
         ids, lps = [], []
@@ -452,8 +480,11 @@ class _Output:
                     message["tool_calls"] = [c.to_openai() for c in answer.calls]
             return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
                     "stop_reason": self.stop_reason(i)}
-        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                "stop_reason": self.stop_reason(i)}
+        choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": self.stop_reason(i)}
+        if self.want_prompt_logprobs:  # vLLM's: each choice's, for completions
+            choice["prompt_logprobs"] = self.vllm_prompt_logprobs(sreq)
+        return choice
 
     def prompt_logprobs(self, sreq: ServerRequest) -> tuple[list[int], list]:
         """A completion's prompt ids and their logprob entries (None for the first token),
@@ -562,7 +593,7 @@ class _Output:
     def logprobs(self, ids: list[int], entries: list, offsets) -> dict:
         """The logprobs of ``ids`` in the endpoint's format; ``offsets``: completions' text_offset
         of each (where its text starts in the choice's text)."""
-        text = self.api.token_text
+        text = self.token_text
         if self.chat:
             def item(t, lp):
                 return {"token": text(t), "logprob": max(lp, MIN_LOGPROB),

@@ -85,6 +85,10 @@ class _Request(_Strict):
     allowed_token_ids: list[int] | None = None  # extension (vLLM)
     bad_words: list[str] | None = None  # extension (vLLM)
     truncate_prompt_tokens: int | None = None  # extension (vLLM): the prompt's last this many tokens (-1: all that fit)
+    # extension (vLLM): each prompt token's logprob and this many alternatives, in prompt_logprobs
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs name tokens "token_id:<id>"
+    use_beam_search: bool = False  # extension (vLLM); refused
     num_draft_tokens: int | None = None  # extension: cap this request's k (0 = no speculation)
     # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", ...}}
     response_format: dict | None = None
@@ -101,6 +105,10 @@ class _Request(_Strict):
             raise bad_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        if self.use_beam_search:
+            raise bad_request("beam search is not supported", "use_beam_search")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs is returned in whole responses only (stream=false)", "prompt_logprobs")
 
     def sampling(self, max_tokens: int | None, defaults: dict | None = None) -> SamplingParams:
         """The request as ``SamplingParams``; a sampling field it leaves out takes ``defaults``
@@ -167,8 +175,8 @@ class _Request(_Strict):
 
     @property
     def requested_prompt_logprobs(self) -> int | None:
-        """The same for the prompt's tokens (completions' echo)."""
-        return None
+        """The same for the prompt's tokens (``prompt_logprobs``, completions' echo)."""
+        return self.prompt_logprobs
 
     @property
     def prompt_only(self) -> bool:
@@ -248,7 +256,7 @@ class CompletionRequest(_Request):
 
     @property
     def requested_prompt_logprobs(self) -> int | None:
-        return self.logprobs if self.echo else None
+        return self.logprobs if self.echo and self.logprobs is not None else self.prompt_logprobs
 
     @property
     def prompt_only(self) -> bool:
@@ -264,6 +272,9 @@ class CompletionRequest(_Request):
             raise bad_request("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise bad_request("only best_of=1 is supported", "best_of")
+        if self.echo and self.logprobs is not None and self.prompt_logprobs not in (None, self.logprobs):
+            raise bad_request("with echo, prompt_logprobs must equal logprobs (the echoed prompt's logprobs "
+                              "are those)", "prompt_logprobs")
 
     def prompt_inputs(self) -> list[str | dict]:
         """The prompts, each text or ``{"prompt_token_ids": [...]}`` (a list of several is a
@@ -354,11 +365,14 @@ class _ChatTemplate(_Strict):
     chat_template_kwargs: dict[str, object] | None = None  # extension (vLLM), e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True  # extension (vLLM)
     continue_final_message: bool = False  # extension (vLLM): continue the last assistant message
+    # extension (vLLM): a Jinja chat template for this request (the server must trust them)
+    chat_template: str | None = None
 
     def template_options(self, tools: bool) -> dict:
         """``apply_chat_template`` options (``tools``: show them to the template)."""
         shown = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if tools and self.tools else {}
-        return {**(self.chat_template_kwargs or {}), **shown, "add_generation_prompt": self.add_generation_prompt,
+        own = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+        return {**(self.chat_template_kwargs or {}), **shown, **own, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 
     def conversation(self) -> list[dict]:
@@ -371,6 +385,7 @@ class ChatCompletionRequest(_Request, _ChatTemplate):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
+    echo: bool = False  # extension (vLLM); refused
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -385,6 +400,8 @@ class ChatCompletionRequest(_Request, _ChatTemplate):
                               "response_format / structured_outputs", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.echo:
+            raise bad_request("echo is not supported on chat completions", "echo")
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             raise bad_request(f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}",
                               "max_completion_tokens")
