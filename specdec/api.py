@@ -84,6 +84,18 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+def vllm_logprobs(tokens: list[int], entries: list[TokenLogprobs], decode) -> list[dict[int, Logprob]]:
+    """Per token ``{id: Logprob}`` (vLLM's form): the token itself first, then the most
+    likely ones; ``decode``: a token id's ``decoded_token``."""
+    out = []
+    for t, e in zip(tokens, entries):
+        entry = {t: Logprob(e.logprob, e.rank, decode(t))}
+        for rank, (a, alp) in enumerate(e.top, 1):
+            entry.setdefault(a, Logprob(alp, rank, decode(a)))
+        out.append(entry)
+    return out
+
+
 def check_tree_rows(spec: SpecConfig, num_slots: int, target: LoadedModel, draft: LoadedModel | None) -> None:
     """Refuse at load a tree that a runtime with a bound on tree rows per slot (llama.cpp's
     sequence ids) could not hold with ``num_slots`` requests running."""
@@ -427,11 +439,4 @@ class LLM:
                                 sum(e.logprob for e in s.token_logprobs), s.stop_reason)
 
     def _logprobs(self, tokens: list[int], entries: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
-        """Per token ``{id: Logprob}``: the token itself first, then the most likely ones."""
-        decode, out = self.tokenizer.decode, []
-        for t, e in zip(tokens, entries):
-            entry = {t: Logprob(e.logprob, e.rank, decode([t]))}
-            for rank, (a, alp) in enumerate(e.top, 1):
-                entry.setdefault(a, Logprob(alp, rank, decode([a])))
-            out.append(entry)
-        return out
+        return vllm_logprobs(tokens, entries, lambda t: self.tokenizer.decode([t]))

@@ -111,9 +111,8 @@ class Engine:
         """After a step raised: finish ``seqs`` with reason ``"error"`` and free their slots,
         keeping none of their KV or drafter state (a step cut short may have left it half
         written), so that the engine serves the next requests."""
-        ids = {id(s) for s in seqs}
-        self.waiting = deque(s for s in self.waiting if id(s) not in ids)
         for s in seqs:
+            self.abort(s)  # a waiting one leaves the queue
             s.finish_reason = "error"
         self._retire()
 

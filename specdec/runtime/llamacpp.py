@@ -78,6 +78,8 @@ def tree_rows(num_slots: int) -> int:
     """The tree rows (a verify forward's root and nodes, a draft tree's fed nodes) each slot
     can hold at once when every slot holds a tree."""
     return (seq_ids(num_slots) - 2 * num_slots) // num_slots
+
+
 _log_callback = None  # the ctypes callback must stay alive
 
 

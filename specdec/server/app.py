@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..answer import REASONING_PARSERS, AnswerParser, opens_reasoning
-from ..api import LLM, encode_prompt
+from ..api import LLM, encode_prompt, vllm_logprobs
 from ..config import SamplingParams
 from ..sequence import output_text
 from ..tools import PARSERS, TOOL_PARSERS
@@ -71,8 +71,8 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
     metrics = ServerMetrics(name, slots)
     scheduler = Scheduler(llm.engine, metrics, slots, max_queue)
     api = _API(llm, name, scheduler, metrics, api_key, max_request_bytes,
-               tool_call_parser if enable_auto_tool_choice else None, reasoning_parser)
-    api.chat_template, api.trust_request_chat_template = chat_template, trust_request_chat_template
+               tool_call_parser if enable_auto_tool_choice else None, reasoning_parser,
+               chat_template=chat_template, trust_request_chat_template=trust_request_chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -175,7 +175,8 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
 class _API:
     def __init__(self, llm: LLM, name: str, scheduler: Scheduler, metrics: ServerMetrics,
                  api_key: str | None, max_request_bytes: int, tool_call_parser: str | None,
-                 reasoning_parser: str | None):
+                 reasoning_parser: str | None, *, chat_template: str | None = None,
+                 trust_request_chat_template: bool = False):
         self.llm, self.name, self.scheduler, self.metrics = llm, name, scheduler, metrics
         self.tool_call_parser = tool_call_parser  # None: no "auto" tool choice
         self.reasoning_parser = reasoning_parser
@@ -184,8 +185,8 @@ class _API:
         # the handlers' own tokenizer: the scheduler thread decodes with the engine's
         self.tok = copy.deepcopy(llm.tokenizer)
         self.created = int(time.time())
-        self.chat_template: str | None = None  # chats' template instead of the tokenizer's
-        self.trust_request_chat_template = False
+        self.chat_template = chat_template  # chats' template instead of the tokenizer's
+        self.trust_request_chat_template = trust_request_chat_template
         self._token_text: dict[int, str] = {}
 
     def model_card(self) -> dict:
@@ -440,12 +441,9 @@ class _Output:
         """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token
         ``{id: {"logprob", "rank", "decoded_token"}}``, the token itself first."""
         ids, entries = self.prompt_logprobs(sreq)
-        out = [None]
-        for t, e in zip(ids[1:], entries[1:]):
-            entry = {t: (e.logprob, e.rank)} | {a: (alp, rank) for rank, (a, alp) in enumerate(e.top, 1) if a != t}
-            out.append({str(a): {"logprob": max(lp, MIN_LOGPROB), "rank": rank, "decoded_token": self.token_text(a)}
-                        for a, (lp, rank) in entry.items()})
-        return out
+        return [None] + [{str(a): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank,
+                                   "decoded_token": lp.decoded_token} for a, lp in entry.items()}
+                         for entry in vllm_logprobs(ids[1:], entries[1:], self.token_text)]
 
     async def _collect(self, i: int, sreq: ServerRequest) -> dict:
         ids, lps = [], []
