@@ -165,7 +165,8 @@ class LLM:
     ``chunked_prefill_size``: prompt tokens prefilled per engine step, over all requests
     (0 = each prompt whole in one forward; default 256 on the CPU, 2048 on a GPU).
     ``max_model_len``: tokens (prompt + output) a request may span (``context_window``);
-    default the models' own context (llama.cpp: 4096 tokens per slot). ``enforce_eager``: no
+    default the target's own context (llama.cpp: 4096 tokens per slot; a draft model with a
+    shorter context drafts while a round fits in it, then the target goes on alone). ``enforce_eager``: no
     CUDA graphs (the torch runtime on CUDA otherwise replays small forwards as graphs).
     ``speculative_config``: vLLM's dict instead of ``speculative`` and ``draft``, e.g.
     ``{"method": "draft_model", "model": "Qwen/Qwen3-0.6B", "num_speculative_tokens": 5}``
@@ -221,10 +222,11 @@ class LLM:
                                    enforce_eager=enforce_eager)
             self.draft = draft
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
-        models = min(m.max_context for m in (self.target, self.draft) if m is not None)
-        if max_model_len is not None and max_model_len > models:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the models' context of {models} tokens")
-        self.context_window = max_model_len or models  # tokens (prompt + output) a request may span
+        # the target's context: a draft model with a shorter one drafts while a round fits in it
+        if max_model_len is not None and max_model_len > self.target.max_context:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of "
+                             f"{self.target.max_context} tokens")
+        self.context_window = max_model_len or self.target.max_context  # tokens (prompt + output) a request may span
         if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:
             raise ValueError("token trees need the torch runtime (tree attention masks); "
                              "the transformers fallback runs chains only")

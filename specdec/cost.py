@@ -63,18 +63,20 @@ class ForwardCosts:
 
 
 def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> ForwardCosts:
-    """Time forwards of 1..max_tokens tokens, and of ``LONG_TOKENS``, after a
-    ``context``-token prefix: medians of ``repeats`` rounds over all sizes in turn (so that a
-    slow spell touches every size alike), after one warm-up round."""
-    context = min(context, runtime.max_context - LONG_TOKENS)
+    """Time forwards of 1..max_tokens tokens, and of ``LONG_TOKENS`` (at most half the
+    model's context), after a ``context``-token prefix: medians of ``repeats`` rounds over
+    all sizes in turn (so that a slow spell touches every size alike), after one warm-up
+    round."""
+    long_n = min(LONG_TOKENS, runtime.max_context // 2)  # a short context (a small draft's) fits it
+    context = max(0, min(context, runtime.max_context - max(long_n, max_tokens)))
     cache = runtime.new_cache(1)
     g = torch.Generator().manual_seed(0)
     vocab = min(runtime.vocab_size, 1000)
-    prefix = torch.randint(0, vocab, (context,), generator=g).tolist()
-    runtime.forward(cache, [0], [prefix], last_only=True)
+    if context:
+        runtime.forward(cache, [0], [torch.randint(0, vocab, (context,), generator=g).tolist()], last_only=True)
     device = getattr(runtime, "device", torch.device("cpu"))
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-    sizes = list(range(1, max_tokens + 1)) + ([LONG_TOKENS] if LONG_TOKENS > max_tokens else [])
+    sizes = list(range(1, max_tokens + 1)) + ([long_n] if long_n > max_tokens else [])
     chunks = {n: torch.randint(0, vocab, (n,), generator=g).tolist() for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(repeats + 1):
@@ -87,7 +89,7 @@ def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> F
                 times[n].append(time.perf_counter() - t0)
             cache.rewind(0, context)
     seconds = tuple(statistics.median(times[n]) for n in range(1, max_tokens + 1))
-    long = (LONG_TOKENS, statistics.median(times[LONG_TOKENS])) if LONG_TOKENS > max_tokens else None
+    long = (long_n, statistics.median(times[long_n])) if long_n > max_tokens else None
     return ForwardCosts(seconds, long)
 
 

@@ -54,10 +54,14 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], num_top: int) -> list[
     return list(map(TokenLogprobs, chosen.tolist(), ranks.tolist(), alts))
 
 
-def draft_context(drafter: Drafter, seq: Sequence) -> tuple[bool, int | None]:
-    """(whether ``drafter`` can draft for ``seq`` now, its context for the cost model).
-    A drafter with a ``context(seq)`` method can draft when it returns one (n-gram: its match
-    length, when there is a match); one without (a draft model) always can, context None."""
+def draft_context(drafter: Drafter, seq: Sequence, k: int) -> tuple[bool, int | None]:
+    """(whether ``drafter`` can draft ``k`` tokens for ``seq`` now, its context for the cost
+    model). A drafter with a ``room(seq)`` method (a draft model) can while ``k`` fits its own
+    context; one with a ``context(seq)`` method when that returns one (n-gram: its match
+    length, when there is a match); a draft model's context is None."""
+    room = getattr(drafter, "room", None)
+    if room is not None and room(seq) < k:
+        return False, None
     get = getattr(drafter, "context", None)
     if get is None:
         return True, None
@@ -173,11 +177,11 @@ class Engine:
             return self.planner.choose_batch([self._ask(s, n) for s, n in zip(seqs, limits)])
         return [self._first_ready(s, n) for s, n in zip(seqs, limits)]
 
-    def _ready(self, s: Sequence) -> dict[str, int | None]:
-        """The drafters that can draft for ``s`` now, with their contexts."""
+    def _ready(self, s: Sequence, limit: int) -> dict[str, int | None]:
+        """The drafters that can draft ``limit`` tokens for ``s`` now, with their contexts."""
         ready = {}
         for name, drafter in self.drafters.items():
-            ok, ctx = draft_context(drafter, s)
+            ok, ctx = draft_context(drafter, s, limit)
             if ok:
                 ready[name] = ctx
         return ready
@@ -186,14 +190,16 @@ class Engine:
         if limit <= 0:
             return Ask(s.request_id, 0)
         behind = {n: d.behind(s) for n, d in self.drafters.items() if hasattr(d, "behind")}
-        return Ask(s.request_id, limit, self._ready(s), behind, s.remaining)
+        return Ask(s.request_id, limit, self._ready(s, limit), behind, s.remaining)
 
     def _first_ready(self, s: Sequence, limit: int) -> Choice:
-        """Without a planner: the first drafter that can draft, k = ``limit``."""
-        ready = self._ready(s) if limit > 0 and len(self.drafters) > 1 else self.drafters
-        if limit <= 0 or not ready:
-            return Choice(None, 0, 0.0)
-        return Choice(next(iter(ready)), limit, 0.0)
+        """Without a planner: the first drafter that can draft, k = ``limit`` (a lone n-gram
+        drafter is not asked for a match first: its ``propose`` looks anyway)."""
+        if limit > 0:
+            for name, drafter in self.drafters.items():
+                if len(self.drafters) == 1 and not hasattr(drafter, "room") or draft_context(drafter, s, limit)[0]:
+                    return Choice(name, limit, 0.0)
+        return Choice(None, 0, 0.0)
 
     def _propose(self, seqs: list[Sequence], plan: list[Choice]) -> list[Draft]:
         drafts = [Draft([]) for _ in seqs]

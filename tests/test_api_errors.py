@@ -87,7 +87,7 @@ def test_model_errors(tmp_path, tiny_dirs, loaded):
     assert len(out.prompt_token_ids) + len(out.token_ids) == 40 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="leaves no room"):
         short.generate("x" * 40, SamplingParams(max_tokens=None))
-    with pytest.raises(ValueError, match="exceeds the models' context of 512"):
+    with pytest.raises(ValueError, match="exceeds the model's context of 512"):
         LLM(loaded("llama"), max_model_len=513)
 
 

@@ -365,6 +365,31 @@ def test_engine_usable_after_a_step_raised(loaded, monkeypatch):
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
 
 
+@pytest.mark.parametrize("how", ["chain", "tree", "hybrid+cost"])
+def test_draft_with_a_shorter_context_drafts_while_a_round_fits(loaded, tmp_path, how):
+    """A draft model whose context (48) is shorter than the target's (512) leaves the target's
+    window alone: it drafts while a round's rows fit in its own context, then the target goes
+    on alone. The draft here is the target's weights, so every draft is accepted."""
+    from tiny import make_tiny
+
+    from specdec.runtime import load_model
+
+    short = load_model(str(make_tiny(tmp_path / "short", "llama", seed=0, max_position_embeddings=48)), device="cpu")
+    spec = SpecConfig(method="hybrid" if how == "hybrid+cost" else "draft", num_draft_tokens=4,
+                      tree_topk=2 if how == "tree" else 1, cost_model=how == "hybrid+cost")
+    llm = LLM(loaded("llama"), draft=short, speculative=spec)
+    assert llm.context_window == 512 and llm.engine.drafters["draft"].max_context == 48
+    prompt = {"prompt_token_ids": [40 + i for i in range(20)]}
+    want = LLM(loaded("llama")).generate(prompt, GREEDY)[0].token_ids
+    out = llm.generate(prompt, GREEDY)[0]
+    assert out.token_ids == want and len(out.token_ids) == N  # 84 tokens in all, past the draft's 48
+    assert llm.engine.drafters["draft"].cache.capacity <= 48 + 32
+    if how == "chain":  # rounds at 21, 26, ..., 41 ids; at 46 a round of 4 no longer fits
+        assert out.metrics["drafted_tokens"] == out.metrics["accepted_tokens"] == 5 * 4
+    sampled = llm.generate(prompt, SamplingParams(max_tokens=N, ignore_eos=True, temperature=1.0, seed=3))[0]
+    assert len(sampled.token_ids) == N
+
+
 def test_kv_cache_stops_growing_at_the_context_window(loaded):
     """A verify forward at the window's end needs a few rows past it (its drafts, a shorter
     chunk's padding): the cache grows by those, not to twice the window."""

@@ -309,7 +309,7 @@ def test_max_model_len_sets_the_slot_size():
     assert llm.engine.cache.size >= 2 * 6000
     prompt = {"prompt_token_ids": [1] * 4100}  # longer than the default slot
     assert len(llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
-    with pytest.raises(ValueError, match="exceeds the models' context of 8192"):
+    with pytest.raises(ValueError, match="exceeds the model's context of 8192"):
         LLM(None, backend="llamacpp", max_model_len=9000)
 
 

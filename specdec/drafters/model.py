@@ -80,7 +80,10 @@ class ModelDrafter:
             raise ValueError("draft-model trees need the torch runtime (tree attention masks); "
                              "the transformers fallback drafts chains only")
         self.runtime = runtime
-        self.cache = runtime.new_cache(num_slots, max_rows)
+        # positions the draft may feed: its own context (a draft model's may be shorter than
+        # the target's; the engine drafts with it only while a round fits, ``room``)
+        self.max_context = min(runtime.max_context, max_rows or runtime.max_context)
+        self.cache = runtime.new_cache(num_slots, self.max_context)
         self.can_copy = callable(getattr(self.cache, "copy", None))  # rows between slots (not llama.cpp)
         self.cached_ids: list[list[int]] = [[] for _ in range(num_slots)]  # ids behind each slot's KV
         self.target_vocab = target_vocab
@@ -110,6 +113,12 @@ class ModelDrafter:
             del cached[n:]
             self.cache.rewind(seq.slot, n)
         return cached
+
+    def room(self, seq: Sequence) -> int:
+        """Drafts the draft's context leaves ``seq`` a round: as the target's, the draft's
+        rows of a round of k stay below position ``len(seq.ids) + k``. Past its context the
+        target decodes alone (vLLM's Top1Proposer skips such sequences too)."""
+        return self.max_context - len(seq.ids)
 
     def behind(self, seq: Sequence) -> int:
         """Tokens the next ``propose`` for ``seq`` feeds before its first depth (at least the
