@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Union
 
+import torch
 from tqdm.auto import tqdm
 
 from .answer import grammar_gate
@@ -18,7 +19,7 @@ from .engine import Engine
 from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
 from .sampling import make_generator
-from .sequence import Sequence, TokenLogprobs, bad_words_ids, output_text
+from .sequence import Sequence, TokenLogprobs, bad_words_ids, settled_text
 from .structured import Grammars
 
 # prompt tokens per step by default, by device type (others: cuda's). Measured on Qwen2.5-Coder-1.5B
@@ -119,6 +120,20 @@ def encode_prompt(tok, prompt: Prompt, chat: dict | None = None) -> list[int]:
     return render_prompt(tok, prompt, chat)[1]
 
 
+def text_messages(messages: list[dict]) -> list[dict]:
+    """Chat messages with OpenAI's content parts (``[{"type": "text", "text": ...}, ...]``)
+    as text, a part per line (vLLM's); other parts (images...) are refused."""
+    out = []
+    for m in messages:
+        parts = m["content"]
+        if isinstance(parts, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+                raise ValueError("a message's content parts must be text: {'type': 'text', 'text': ...}")
+            m = {**m, "content": "\n".join(p["text"] for p in parts)}
+        out.append(m)
+    return out
+
+
 def render_prompt(tok, prompt: Prompt, chat: dict | None = None) -> tuple[str | None, list[int]]:
     """``(text, token ids)`` of a prompt (see ``encode_prompt``): the text as given, a chat's
     as its template renders it, None for ``{"prompt_token_ids": ...}``."""
@@ -137,7 +152,7 @@ def render_prompt(tok, prompt: Prompt, chat: dict | None = None) -> tuple[str | 
         options = {"add_generation_prompt": True, **(chat or {})}
         if options.get("continue_final_message"):  # the last (assistant) message is continued
             options["add_generation_prompt"] = False
-        text = tok.apply_chat_template(prompt, tokenize=False, **options)
+        text = tok.apply_chat_template(text_messages(prompt), tokenize=False, **options)
         ids = tok(text, add_special_tokens=False)["input_ids"]
     elif isinstance(prompt, str):
         if not prompt:
@@ -177,6 +192,8 @@ class LLM:
     ``seed``: vLLM's global seed; requests without a seed of their own draw their random
     generators' seeds from it in order, so an LLM made with the same seed and given the same
     requests samples the same (None: each unseeded request draws a fresh seed).
+    ``threads``: CPU threads (``torch.set_num_threads``, process-wide; llama.cpp runs as
+    many); None: torch's default. ``max_num_seqs``: vLLM's name for ``max_batch_size``.
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
@@ -185,7 +202,12 @@ class LLM:
                  draft_backend: str | None = None, repack: bool = True, load_format: str = "auto",
                  chunked_prefill_size: int | None = None, max_model_len: int | None = None,
                  enforce_eager: bool = False, speculative_config: dict | None = None,
-                 generation_config: str = "auto", seed: int | None = None):
+                 generation_config: str = "auto", seed: int | None = None, threads: int | None = None,
+                 max_num_seqs: int | None = None):
+        if max_num_seqs is not None:  # vLLM's name
+            if max_batch_size not in (8, max_num_seqs):
+                raise ValueError("give max_batch_size or max_num_seqs (vLLM's name), not both")
+            max_batch_size = max_num_seqs
         if speculative_config is not None:
             if speculative is not None or draft is not None:
                 raise ValueError("give speculative_config (vLLM's form) or speculative / draft, not both")
@@ -197,7 +219,9 @@ class LLM:
                                           backend=backend, draft_backend=draft_backend, repack=repack,
                                           load_format=load_format, chunked_prefill_size=chunked_prefill_size,
                                           max_model_len=max_model_len, enforce_eager=enforce_eager,
-                                          generation_config=generation_config, seed=seed)
+                                          generation_config=generation_config, seed=seed, threads=threads)
+        if threads is not None:  # process-wide, before loading: llama.cpp takes torch's count too
+            torch.set_num_threads(threads)
         device = self.engine_config.device
         if generation_config not in ("auto", "vllm") and not (Path(generation_config) / "generation_config.json").is_file():
             raise ValueError(f"generation_config {generation_config!r} is not 'auto', 'vllm' or a directory "
@@ -434,7 +458,7 @@ class LLM:
                              prompt_logprobs=prompt_logprobs)
 
     def _completion(self, index: int, s: Sequence) -> CompletionOutput:
-        text = s.text if s.text is not None else output_text(self.tokenizer, s.output_ids, s.sampling)
+        text = s.text if s.text is not None else settled_text(self.tokenizer, s.output_ids, s.sampling)
         if s.logprobs is None:
             return CompletionOutput(index, text, s.output_ids, s.finish_reason, stop_reason=s.stop_reason)
         return CompletionOutput(index, text, s.output_ids, s.finish_reason, self._logprobs(s.output_ids, s.token_logprobs),

@@ -105,7 +105,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs per prompt and method; medians are reported (default %(default)s)")
     p.add_argument("--methods", default=",".join(METHODS),
-                   help="comma list, a subset of: " + ",".join(METHODS) + " (default all)")
+                   help="comma list, a subset of: " + ",".join(METHODS) + " (default all); a speculative "
+                        "specdec method with +cost (e.g. specdec-ngram+cost) runs it with the cost model")
     p.add_argument("--backend", choices=["torch", "llamacpp"], default="torch",
                    help="runtime of the specdec methods: torch (float32 on cpu) or llamacpp "
                         "(the .gguf files as they are; needs llama-cpp-python) (default %(default)s)")

@@ -51,7 +51,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "llamacpp = llama.cpp on a .gguf (pip install 'specdec[llamacpp]'); "
                         "auto picks torch when the architecture allows")
     g.add_argument("--draft-backend", choices=BACKENDS, help="for the draft model (default: --backend)")
-    g.add_argument("--max-batch-size", type=int, default=8)
+    g.add_argument("--max-batch-size", "--max-num-seqs", type=int, default=EngineConfig.max_batch_size,
+                   help="requests decoded together (--max-num-seqs: vLLM's name; default %(default)s)")
+    g.add_argument("--threads", type=int, help="CPU threads: torch.set_num_threads, also llama.cpp's "
+                                               "(default: torch's)")
     g.add_argument("--chunked-prefill-size", type=int,
                    help="prompt tokens prefilled per engine step over all requests: a long prompt "
                         "goes in chunks while running requests keep decoding (0 = each prompt whole; "
@@ -177,7 +180,8 @@ def structured_from_args(a) -> StructuredOutputs | None:
         except OSError as e:
             raise ValueError(f"cannot read {text[1:]!r}: {e.strerror}") from None
 
-    fields = dict(json=value(a.structured_json), regex=value(a.structured_regex), choice=a.structured_choice,
+    choice = [value(c) for c in a.structured_choice] if a.structured_choice else None
+    fields = dict(json=value(a.structured_json), regex=value(a.structured_regex), choice=choice,
                   grammar=value(a.structured_grammar), json_object=a.structured_json_object)
     if not any(fields.values()):
         return None
@@ -205,7 +209,7 @@ def make_llm(a):
                draft_backend=a.draft_backend, repack=a.repack, load_format=a.load_format,
                chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len,
                enforce_eager=a.enforce_eager, generation_config=a.generation_config,
-               seed=getattr(a, "llm_seed", None))  # serve's --seed (generate's seeds its SamplingParams)
+               seed=getattr(a, "llm_seed", None), threads=a.threads)  # serve's --seed (generate's seeds its SamplingParams)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:
@@ -353,8 +357,15 @@ def cmd_loadtest(a) -> int:
     return run_loadtest(a)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are one line, as specdec's other user errors."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for HF causal LMs.")
+    p = Parser(prog="specdec", description="Lossless speculative decoding for HF causal LMs.")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt or a JSONL file of prompts")
@@ -398,7 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a batch slot; beyond that 429 (default %(default)s)")
     h.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: $SPECDEC_API_KEY, else none)")
-    h.add_argument("--served-model-name", help="model id in requests and /v1/models (default: --model)")
+    h.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="model ids requests may name, listed in /v1/models; responses carry the first "
+                        "(default: --model)")
     h.add_argument("--seed", type=int, dest="llm_seed",
                    help="vLLM's global seed: requests without a seed draw theirs from it, in order "
                         "(default: a fresh seed each)")
@@ -420,7 +433,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the tokenizer's (vLLM's)")
     h.add_argument("--trust-request-chat-template", action="store_true",
                    help="take a chat request's own chat_template field (vLLM's; refused otherwise)")
-    h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    h.add_argument("--log-level", "--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("loadtest", help="N concurrent streaming clients for T seconds against a server; "

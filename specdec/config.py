@@ -287,8 +287,9 @@ class SpecConfig:
         model or None)``, over the ``SpecConfig`` fields ``base`` gives: ``method``
         (``ngram``, ``draft_model``, or one of specdec's ``METHODS``; default ``draft`` when a
         ``model`` is given, as vLLM infers), ``model`` (the draft), ``num_speculative_tokens``
-        (k), ``prompt_lookup_max`` / ``prompt_lookup_min`` (the n-gram sizes), and any other
-        ``SpecConfig`` field by name."""
+        (k), ``prompt_lookup_max`` / ``prompt_lookup_min`` (the n-gram sizes; one alone sets
+        both, as vLLM's; neither keeps specdec's, 1 to 3, where vLLM's are 5 and 5), and any
+        other ``SpecConfig`` field by name."""
         _check(isinstance(config, dict), f"speculative_config must be a JSON object, got {type(config).__name__}")
         own = {f.name for f in fields(SpecConfig)}
         out, draft = {}, config.get("model")
@@ -307,10 +308,10 @@ class SpecConfig:
             _check(draft is not None, "speculative_config needs a method (ngram, draft_model) or a draft model")
             out["method"] = "draft"
         given, out = out, {**base, **out}
-        if "ngram_max" in given and "ngram_min" not in given:  # one n-gram size given: the other makes room
-            out["ngram_min"] = min(out.get("ngram_min", SpecConfig.ngram_min), given["ngram_max"])
+        if "ngram_max" in given and "ngram_min" not in given:  # one n-gram size given: the other is the same, as vLLM's
+            out["ngram_min"] = given["ngram_max"]
         if "ngram_min" in given and "ngram_max" not in given:
-            out["ngram_max"] = max(out.get("ngram_max", SpecConfig.ngram_max), given["ngram_min"])
+            out["ngram_max"] = given["ngram_min"]
         return SpecConfig(**out), draft
 
     @property
@@ -335,7 +336,7 @@ class EngineConfig:
     dtype: str | None = None  # None (or "auto") = float32 on cpu, bfloat16 on cuda; "half", "float": vLLM's aliases
     max_batch_size: int = 8
     backend: str = "auto"  # auto | torch | hf | llamacpp  (hf = transformers' own model and cache)
-    threads: int | None = None  # torch intra-op threads on cpu; None = torch's default
+    threads: int | None = None  # CPU threads (torch.set_num_threads; llama.cpp's too); None = torch's default
     draft_backend: str | None = None  # None = backend; e.g. a llamacpp target with a torch draft
     repack: bool = True  # llama.cpp: its repacked CPU weights (see LlamaCppRuntime)
     load_format: str = "auto"  # auto | dummy: random weights of the checkpoint's shapes, to measure speed

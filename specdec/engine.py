@@ -17,7 +17,7 @@ from .config import SpecConfig
 from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
 from .sampling import probs_from_logits, sample, sequence_logits
-from .sequence import Sequence, TokenLogprobs, common_prefix, cut_after_eos, output_text
+from .sequence import Sequence, TokenLogprobs, common_prefix, cut_after_eos, settled_text
 from .structured import chain_masks
 from .tree import verify_tree
 from .verify import Verdict, verify
@@ -367,7 +367,7 @@ class Engine:
             if last in sp.stop_token_ids and (sp.ignore_eos or last not in self.target.eos_ids):
                 s.stop_reason = last  # vLLM's: a stop token, not the model's EOS
             if not sp.include_stop_str_in_output:  # the token is not in the text (vLLM's rule)
-                s.text = output_text(self.target.tokenizer, s.output_ids[:-1], sp)
+                s.text = settled_text(self.target.tokenizer, s.output_ids[:-1], sp)
         elif s.remaining == 0:
             s.finish_reason = "length"
         if s.grammar is not None:
@@ -380,26 +380,28 @@ class Engine:
         ``after``: the fewest output tokens whose text holds one (a step within the first
         ``min_tokens`` tokens does not count, nor does their text), as ``(output tokens kept,
         text, stop string)``; the text ends before the stop string (after it with
-        ``include_stop_str_in_output``), and of several in that text, the one that starts first.
+        ``include_stop_str_in_output``), and of several in that text, the first in ``stop``'s
+        order (vLLM's).
 
-        Each step's text is the decode of the output so far. Decoding is prefix-stable but for
-        a character still incomplete at the end (U+FFFD until its last byte comes) and a
-        tokenizer's space clean-up, so where no stop string holds U+FFFD and the tokenizer
-        cleans up nothing, the last step's text tells whether any step holds one."""
+        Each step's text is the output so far as an incremental detokenizer has it
+        (``settled_text``: a character still incomplete at the end waits). Decoding is
+        prefix-stable but for a tokenizer's space clean-up, so where no stop string holds
+        U+FFFD and the tokenizer cleans up nothing, the last step's text tells whether any step
+        holds one."""
         sp, tokenizer = s.sampling, self.target.tokenizer
         first = max(before, sp.min_tokens) + 1
         if not sp.stop or first > after:
             return None
         out = s.output_ids
-        start = len(output_text(tokenizer, out[:sp.min_tokens], sp)) if sp.min_tokens else 0
+        start = len(settled_text(tokenizer, out[:sp.min_tokens], sp)) if sp.min_tokens else 0
 
         def hit(m: int) -> tuple[int, str, str] | None:
-            text = output_text(tokenizer, out[:m], sp)
+            text = settled_text(tokenizer, out[:m], sp)
             found = [(i, stop) for i, stop in ((text.find(stop, max(0, start - len(stop) + 1)), stop)
                                                for stop in sp.stop) if i >= 0]
             if not found:
                 return None
-            at, stop = min(found)
+            at, stop = found[0]  # vLLM's: the first of the list the step's text holds
             return m, text[:at + len(stop) if sp.include_stop_str_in_output else at], stop
 
         stable = not getattr(tokenizer, "clean_up_tokenization_spaces", False) and \

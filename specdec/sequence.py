@@ -49,6 +49,18 @@ def cut_after_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
     return tokens
 
 
+def settled_text(tokenizer, ids: list[int], sp: SamplingParams) -> str:
+    """The text of output ``ids`` (``output_text``) as an incremental detokenizer has it
+    (vLLM's): the last tokens, while their text ends in an incomplete character (U+FFFD until
+    its last byte comes), wait for the rest, and are left out if it never comes."""
+    m = len(ids)
+    text = output_text(tokenizer, ids, sp)
+    while text.endswith("\ufffd") and m:
+        m -= 1
+        text = output_text(tokenizer, ids[:m], sp)
+    return text
+
+
 def held_back(text: str, markers) -> int:
     """Characters at the end of ``text`` that are a proper prefix of one of ``markers`` (a
     stream waits for more before sending them)."""

@@ -55,13 +55,26 @@ class ToolCall:
         return out if index is None else {"index": index, **out}
 
 
+DEFINITIONS = ("$defs", "definitions")  # where a schema keeps the parts its "$ref"s name (from its root)
+
+
 def required_schema(functions: list[dict], parallel: bool) -> dict:
     """The JSON schema of ``tool_choice: "required"``: a list of at least one call (one only
-    without ``parallel``), each ``{"name": one of the functions, "parameters": its arguments}``."""
-    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-              "properties": {"name": {"type": "string", "enum": [f["name"]]},
-                             "parameters": f.get("parameters") or {"type": "object"}}} for f in functions]
-    return compact({"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}})
+    without ``parallel``), each ``{"name": one of the functions, "parameters": its arguments}``.
+    The functions' definitions (``$defs``, as pydantic writes nested models) move to the
+    root, where their references point (vLLM's too); a name two functions define differently
+    is a ``ValueError``."""
+    calls, defs = [], {}
+    for f in functions:
+        params = dict(f.get("parameters") or {"type": "object"})
+        for key in DEFINITIONS:
+            for name, part in (params.pop(key, None) or {}).items():
+                if defs.setdefault(key, {}).setdefault(name, part) != part:
+                    raise ValueError(f"tools define {key} {name!r} differently; give them different names")
+        calls.append({"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
+                      "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": params}})
+    return compact({"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}),
+                    "items": {"anyOf": calls}, **defs})
 
 
 def compact(schema: dict) -> dict:

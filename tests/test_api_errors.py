@@ -105,12 +105,31 @@ def run_cli(*args):
     (["--prompt", "hi", "--method", "ngram", "--speculative-config", '{"method": "ngram"}'], "drop --method"),
     (["--prompt", "hi", "--device", "bogus"], "unknown device 'bogus'"),
     (["--prompt", "hi", "--top-k", "-2"], "top_k"),
+    (["--prompt", "hi", "--method", "foo"], "invalid choice: 'foo'"),  # argparse's own errors: one line too
+    (["--prompt", "hi", "-k", "abc"], "invalid int value"),
+    (["--max-tokens", "3"], "one of the arguments --prompt --prompts-file is required"),
+    (["--prompt", "hi", "--threads", "0"], "threads must be >= 1"),
 ])
 def test_cli_errors_exit_2_one_line(args, match):
     r = run_cli("generate", *args)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0] and "Traceback" not in r.stderr
+
+
+def test_vllm_engine_names_and_threads(loaded):
+    """``max_num_seqs`` (vLLM's name for ``max_batch_size``) and ``threads`` (CPU threads, as
+    ``torch.set_num_threads``)."""
+    import torch
+
+    assert LLM(loaded("llama"), max_num_seqs=3).engine_config.max_batch_size == 3
+    with pytest.raises(ValueError, match="not both"):
+        LLM(loaded("llama"), max_batch_size=2, max_num_seqs=3)
+    before = torch.get_num_threads()
+    try:
+        assert LLM(loaded("llama"), threads=1).engine_config.threads == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_vllm_speculative_config(loaded, tiny_dirs):
@@ -120,7 +139,7 @@ def test_vllm_speculative_config(loaded, tiny_dirs):
     spec, draft = SpecConfig.from_vllm({"method": "draft_model", "model": "D", "num_speculative_tokens": 5})
     assert (spec.method, spec.num_draft_tokens, draft) == ("draft", 5, "D")
     spec, draft = SpecConfig.from_vllm({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5})
-    assert (spec.method, spec.num_draft_tokens, spec.ngram_max, spec.ngram_min, draft) == ("ngram", 3, 5, 1, None)
+    assert (spec.method, spec.num_draft_tokens, spec.ngram_max, spec.ngram_min, draft) == ("ngram", 3, 5, 5, None)
     assert SpecConfig.from_vllm({"model": "D", "prompt_lookup_min": 4, "tree_topk": 2})[0] == SpecConfig(
         method="draft", ngram_min=4, ngram_max=4, tree_topk=2)  # draft inferred from the model, as vLLM
     assert SpecConfig.from_vllm({"method": "self"}, cost_model=True, num_draft_tokens=6)[0] == SpecConfig(
@@ -247,6 +266,9 @@ def test_cli_structured_outputs(tmp_path, tiny_dirs):
     assert re.fullmatch("[ab]{3}-[0-9]{2}", row["text"]) and row["finish_reason"] == "stop"
     row = json.loads(run_cli(*common, "--structured-choice", "yes", "--structured-choice", "no").stdout)
     assert row["text"] in ("yes", "no")
+    (tmp_path / "yes.txt").write_text("yes")
+    row = json.loads(run_cli(*common, "--structured-choice", f"@{tmp_path / 'yes.txt'}").stdout)
+    assert row["text"] == "yes"  # the file's text, not its path
     (tmp_path / "g.lark").write_text('start: "(" /[0-9]{1,2}/ ")"')
     row = json.loads(run_cli(*common, "--structured-grammar", f"@{tmp_path / 'g.lark'}").stdout)
     assert re.fullmatch(r"\([0-9]{1,2}\)", row["text"])

@@ -8,7 +8,7 @@ from specdec import LLM, SamplingParams, SpecConfig
 from specdec.drafters import Draft, ModelDrafter
 from specdec.engine import Engine, truncate
 from specdec.sampling import make_generator
-from specdec.sequence import Sequence
+from specdec.sequence import Sequence, settled_text
 
 PROMPTS = ["Hello world, this is a test of speculative decoding", "abc",
            "The quick brown fox jumps over the lazy dog. The quick brown"]
@@ -236,6 +236,41 @@ def test_stop_strings_met_as_plain_decoding_meets_them(loaded):
     assert first.stop_reason == chars[i + 1] and first.text == out.text[: out.text.find(chars[i + 1])]
 
 
+@pytest.mark.parametrize("method", ["none", "self"])
+def test_text_as_an_incremental_detokenizer_has_it(loaded, method):
+    """A regex makes the byte-level tiny model write known bytes; as vLLM's incremental
+    detokenizer: an output cut inside a character leaves that character out (no U+FFFD); of
+    two stop strings met at one token, the first listed wins; ``min_tokens`` ending inside a
+    character counts only the complete ones as seen (self-drafting commits 4 tokens a step)."""
+    from specdec import StructuredOutputs
+
+    llm = spec(loaded, "llama", method, k=3)
+    emoji = StructuredOutputs(regex="😀{5}")  # 4 byte tokens each
+
+    def run(**kw):
+        o = llm.generate("x", SamplingParams(**{"max_tokens": N, "ignore_eos": True, **kw}))[0].outputs[0]
+        return o.text, len(o.token_ids), o.stop_reason
+
+    assert run(structured_outputs=emoji, max_tokens=7) == ("😀", 7, None)  # was "😀\ufffd"
+    abc = StructuredOutputs(regex="abcdef")
+    assert run(structured_outputs=abc, stop=["bc", "c"]) == ("a", 3, "bc")
+    assert run(structured_outputs=abc, stop=["c", "bc"]) == ("ab", 3, "c")
+    # 6 tokens: one emoji and half of the next; the next completes at token 8
+    assert run(structured_outputs=emoji, stop=["😀"], min_tokens=6) == ("😀", 8, "😀")
+    assert run(structured_outputs=emoji, stop_token_ids=[llm.tokenizer.convert_tokens_to_ids("ð")],
+               include_stop_str_in_output=True) == ("", 1, llm.tokenizer.convert_tokens_to_ids("ð"))
+
+
+def test_chat_content_parts(loaded):
+    """``LLM.chat`` takes OpenAI's text content parts, a part per line (vLLM's); other
+    parts are a ValueError."""
+    llm = LLM(loaded("llama"))
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    assert llm.encode(parts) == llm.encode([{"role": "user", "content": "hi\nthere"}])
+    with pytest.raises(ValueError, match="content parts must be text"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
 def test_draft_narrower_than_the_target(loaded, tmp_path):
     """A draft whose embedding lacks the target's last ids (added tokens, padded rows) drafts
     past them in the prompt and the output (fed as id 0) instead of failing."""
@@ -269,7 +304,7 @@ def test_special_tokens_in_text(loaded):
         sp = SamplingParams(max_tokens=N, ignore_eos=True, stop_token_ids=[t], include_stop_str_in_output=include)
         o = spec(loaded, "llama", "self").generate(PROMPTS[0], sp)[0]
         tok = loaded("llama").tokenizer
-        assert o.token_ids == base.token_ids[:j + 1] and o.text == tok.decode(base.token_ids[:j + include])
+        assert o.token_ids == base.token_ids[:j + 1] and o.text == settled_text(tok, base.token_ids[:j + include], sp)
         assert o.outputs[0].stop_reason == t
     assert base.outputs[0].stop_reason is None and base.finish_reason == "length"
 
@@ -590,7 +625,7 @@ def test_stop_token_ids_min_tokens_and_min_p(loaded):
         llm = spec(loaded, "llama", method, k=3)
         o = llm.generate(PROMPTS[0], stop_tok)[0]
         assert o.token_ids == out[:j + 1] and o.finish_reason == "stop", method
-        assert o.text == tok.decode(out[:j], skip_special_tokens=True)
+        assert o.text == settled_text(tok, out[:j], SamplingParams())  # a last incomplete character waits
         o = llm.generate(PROMPTS[0], late)[0]
         assert o.token_ids[:later] == banned.token_ids, method  # no stop before min_tokens
         assert o.finish_reason == "length" or o.token_ids[-1] in late.stop_token_ids

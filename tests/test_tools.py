@@ -495,3 +495,24 @@ def test_partial_calls_need_a_complete_known_name():
     assert calls("pythonic", "[search(q='x'), get_weather(") == []
     assert calls("hermes", '{"name": "other", "arguments": {"q"') == [] and calls("hermes", "``") == []
     assert calls("hermes", "```json\n[{\"name\": \"search\", \"arguments\": {\"q\"") == [("search", "{\"q\"")]
+
+
+def test_required_tool_choice_with_nested_definitions(client):
+    """Tools whose parameters name parts of ``$defs`` (pydantic's nested models, as
+    ``openai.pydantic_function_tool`` writes them): "required" moves the definitions to the
+    root, where the references point (a 400 before); two tools defining one name differently
+    are a 400 naming ``tools``."""
+    pet = {"type": "object", "properties": {"name": {"type": "string", "enum": ["Tom"]}}, "required": ["name"]}
+    params = {"type": "object", "properties": {"pet": {"$ref": "#/$defs/Pet"}}, "required": ["pet"],
+              "additionalProperties": False, "$defs": {"Pet": pet}}
+    tools = [{"type": "function", "function": {"name": "record", "parameters": params}}]
+    schema = required_schema([tools[0]["function"]], parallel=False)
+    assert schema["$defs"] == {"Pet": pet} and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required",
+                                       temperature=0, max_tokens=80).choices[0]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.message.tool_calls] == \
+        [("record", {"pet": {"name": "Tom"}})]
+    other = {"type": "function", "function": {"name": "other", "parameters": {**params, "$defs": {"Pet": {"type": "string"}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=[*tools, other], tool_choice="required")
+    assert e.value.body["param"] == "tools" and "Pet" in e.value.body["message"]

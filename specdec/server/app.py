@@ -12,6 +12,7 @@ import asyncio
 import copy
 import functools
 import hmac
+import itertools
 import json
 import logging
 import re
@@ -31,7 +32,7 @@ from starlette.requests import ClientDisconnect
 from ..answer import REASONING_PARSERS, AnswerParser, opens_reasoning
 from ..api import LLM, encode_prompt, vllm_logprobs
 from ..config import SamplingParams
-from ..sequence import output_text
+from ..sequence import output_text, settled_text
 from ..tools import PARSERS, TOOL_PARSERS
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
@@ -44,7 +45,7 @@ log = logging.getLogger("specdec.server")
 MIN_LOGPROB = -9999.0  # JSON has no -inf
 
 
-def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int = 64,
+def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, max_queue: int = 64,
                api_key: str | None = None, max_request_bytes: int = 2_000_000,
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None, chat_template: str | None = None,
@@ -66,11 +67,16 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-    name = served_model_name or llm.target.name
+    # vLLM's served names: requests may name any; responses carry the first
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    names = names or [llm.target.name]
+    if not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"served_model_name must be non-empty names, got {served_model_name!r}")
+    name = names[0]
     slots = llm.engine_config.max_batch_size
     metrics = ServerMetrics(name, slots)
     scheduler = Scheduler(llm.engine, metrics, slots, max_queue)
-    api = _API(llm, name, scheduler, metrics, api_key, max_request_bytes,
+    api = _API(llm, names, scheduler, metrics, api_key, max_request_bytes,
                tool_call_parser if enable_auto_tool_choice else None, reasoning_parser,
                chat_template=chat_template, trust_request_chat_template=trust_request_chat_template)
 
@@ -129,14 +135,14 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
     @app.get("/v1/models")
     async def models(request: Request):
         api.check_auth(request)
-        return {"object": "list", "data": [api.model_card()]}
+        return {"object": "list", "data": [api.model_card(n) for n in names]}
 
     @app.get("/v1/models/{model_id:path}")  # a served name may hold '/' ("org/name", a file path)
     async def model(model_id: str, request: Request):
         api.check_auth(request)
-        if model_id != name:
-            raise model_not_found(model_id, name)
-        return api.model_card()
+        if model_id not in names:
+            raise model_not_found(model_id, names)
+        return api.model_card(model_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -149,7 +155,8 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
             ids = req.token_ids(api.tok)
         except Exception as e:  # e.g. a chat template that rejects these roles
             raise bad_request(f"cannot encode the prompt: {type(e).__name__}: {e}", "prompt") from None
-        return {"count": len(ids), "max_model_len": llm.context_window, "tokens": ids, "token_strs": None}
+        strs = api.tok.convert_ids_to_tokens(ids) if req.return_token_strs else None  # vLLM's
+        return {"count": len(ids), "max_model_len": llm.context_window, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
@@ -173,11 +180,12 @@ def create_app(llm: LLM, *, served_model_name: str | None = None, max_queue: int
 
 
 class _API:
-    def __init__(self, llm: LLM, name: str, scheduler: Scheduler, metrics: ServerMetrics,
+    def __init__(self, llm: LLM, names: list[str], scheduler: Scheduler, metrics: ServerMetrics,
                  api_key: str | None, max_request_bytes: int, tool_call_parser: str | None,
                  reasoning_parser: str | None, *, chat_template: str | None = None,
                  trust_request_chat_template: bool = False):
-        self.llm, self.name, self.scheduler, self.metrics = llm, name, scheduler, metrics
+        self.llm, self.scheduler, self.metrics = llm, scheduler, metrics
+        self.names, self.name = names, names[0]  # the served names; responses carry the first
         self.tool_call_parser = tool_call_parser  # None: no "auto" tool choice
         self.reasoning_parser = reasoning_parser
         self.api_key = api_key
@@ -189,14 +197,14 @@ class _API:
         self.trust_request_chat_template = trust_request_chat_template
         self._token_text: dict[int, str] = {}
 
-    def model_card(self) -> dict:
-        """The served model as OpenAI's model object, with vLLM's ``root`` (the model as loaded),
-        ``parent``, ``max_model_len`` and ``permission``."""
-        permission = {"id": f"modelperm-{self.name}", "object": "model_permission", "created": self.created,
+    def model_card(self, name: str) -> dict:
+        """The served model under ``name`` as OpenAI's model object, with vLLM's ``root`` (the
+        model as loaded), ``parent``, ``max_model_len`` and ``permission``."""
+        permission = {"id": f"modelperm-{name}", "object": "model_permission", "created": self.created,
                       "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
                       "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                       "organization": "*", "group": None, "is_blocking": False}
-        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "specdec",
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "specdec",
                 "root": self.llm.target.name, "parent": None, "max_model_len": self.llm.context_window,
                 "permission": [permission]}
 
@@ -237,8 +245,8 @@ class _API:
     def parse_named(self, model, body: object):
         """``parse`` a body for this server's model (another ``model`` name is a 404)."""
         req = parse(model, body)
-        if req.model is not None and req.model != self.name:
-            raise model_not_found(req.model, self.name)
+        if req.model is not None and req.model not in self.names:
+            raise model_not_found(req.model, self.names)
         if getattr(req, "chat_template", None) is not None and not self.trust_request_chat_template:
             raise bad_request("this server takes no chat template from requests (vLLM's "
                               "--trust-request-chat-template allows them)", "chat_template")
@@ -410,6 +418,8 @@ class _Output:
         # completions' logprobs: each choice's output tokens' text_offset, after its echoed prompt
         self.offsets = [TokenOffsets(api.tok, sreq.seq.sampling, len(echoes[i].text) if echoes else 0)
                         for i, sreq in enumerate(sreqs)]
+        self.pending: list[list] = [[] for _ in sreqs]  # streamed completions' (id, logprobs, offset) not sent yet
+        self.streamed = [0] * len(sreqs)  # tokens each choice's stream has received
         # a chat answer with reasoning or tool calls to read: split into parts (answer.py)
         tool_mode = req.tool_mode if chat else None
         self.parser = None
@@ -421,7 +431,12 @@ class _Output:
             self.parser = AnswerParser(api.reasoning_parser, tool_mode, tools, named.name if named else None,
                                        api.tool_call_parser or "hermes", req.parallel_tool_calls, opened)
 
-    def usage(self) -> dict:
+    def usage(self, choice: int | None = None) -> dict:
+        """The response's usage; with ``choice``, that choice's so far (vLLM's continuous usage
+        stats: its prompt and the tokens streamed)."""
+        if choice is not None:
+            prompt, output = self.sreqs[choice].seq.prompt_len, self.streamed[choice]
+            return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
         firsts = self.sreqs[::self.req.n]  # each prompt once
         prompt = sum(r.seq.prompt_len for r in firsts)
         output = 0 if self.req.prompt_only else sum(r.seq.num_output for r in self.sreqs)
@@ -455,7 +470,7 @@ class _Output:
             lps += u.logprobs
             if u.finish_reason:
                 break
-        text = u.text if u.text is not None else output_text(self.api.tok, ids, sreq.seq.sampling)
+        text = u.text if u.text is not None else settled_text(self.api.tok, ids, sreq.seq.sampling)
         finish_reason = u.finish_reason
         if self.req.prompt_only:  # echo with max_tokens 0: no output
             text, ids, lps, finish_reason = "", [], [], "length"
@@ -529,11 +544,13 @@ class _Output:
                         yield self.chunk(i, "", None, "length")
                     continue
                 stream = streams[i]
+                self.streamed[i] += len(u.token_ids)
                 delta = stream.finish(u.token_ids, u.text) if u.finish_reason else stream.add(u.token_ids)
                 logprobs = None
-                if self.want_logprobs and u.token_ids:
-                    offsets = [] if self.chat else self.offsets[i].add(u.token_ids)
-                    logprobs = self.logprobs(u.token_ids, u.logprobs, offsets)
+                if self.want_logprobs and self.chat and u.token_ids:
+                    logprobs = self.logprobs(u.token_ids, u.logprobs, [])
+                elif self.want_logprobs:
+                    logprobs = self._sent_logprobs(i, u, stream)
                 if self.parser:
                     for chunk in self._parsed_chunks(i, stream, logprobs, u.finish_reason, shown[i]):
                         yield chunk
@@ -545,6 +562,20 @@ class _Output:
                 task.cancel()
         if self.req.include_usage:
             yield {**self.chunk(0, None, None, None), "choices": [], "usage": self.usage()}
+
+    def _sent_logprobs(self, i: int, u: Update, stream: TextStream) -> dict | None:
+        """A completion's logprobs of the tokens whose text starts in the text sent so far (a
+        token in text held back for a stop string waits; those past the stop that ended the
+        request sit at the text's end, as in a whole response)."""
+        pending = self.pending[i]
+        pending += zip(u.token_ids, u.logprobs, self.offsets[i].add(u.token_ids))
+        start = len(self.echoes[i].text) if self.echoes else 0
+        if u.finish_reason:
+            ready = [(t, e, min(o, start + len(stream.text))) for t, e, o in pending]
+        else:
+            ready = list(itertools.takewhile(lambda p: p[2] < start + stream.sent, pending))
+        del pending[:len(ready)]
+        return self.logprobs(*map(list, zip(*ready))) if ready else None
 
     def _parsed_chunks(self, i: int, stream: TextStream, logprobs, finish_reason: str | None, shown: list[int]):
         """Choice i's chunks when its answer is parsed: the reasoning, content and tool calls
@@ -585,8 +616,11 @@ class _Output:
             choice = {"index": i, "text": delta or "", "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["stop_reason"] = self.stop_reason(i)
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.api.name, "choices": [choice]}
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.api.name, "choices": [choice]}
+        if self.req.include_usage:  # OpenAI's: null in every chunk but the last (vLLM's continuous stats: not)
+            out["usage"] = self.usage(i) if self.req.continuous_usage else None
+        return out
 
     def logprobs(self, ids: list[int], entries: list, offsets) -> dict:
         """The logprobs of ``ids`` in the endpoint's format; ``offsets``: completions' text_offset

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..api import encode_prompt
 from ..config import SamplingParams, StructuredOutputs
@@ -37,16 +37,24 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-def model_not_found(model: str, served: str) -> APIError:
+def model_not_found(model: str, served: list[str]) -> APIError:
     """OpenAI's 404 for a model name this server does not serve (vLLM's status too)."""
-    return APIError(404, f"the model {model!r} does not exist here; this server serves {served!r}",
+    return APIError(404, f"the model {model!r} does not exist here; this server serves "
+                         f"{', '.join(map(repr, served))}",
                     "invalid_request_error", "model", "model_not_found")
 
 
 class _Strict(BaseModel):
-    """A request part: strict types, unknown fields ignored (OpenAI clients send some)."""
+    """A request part: strict types, unknown fields ignored (OpenAI clients send some), and a
+    field sent as null takes its default (OpenAI's optional fields are nullable: clients
+    generated from its spec send ``"n": null``)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     def refuse_unsupported(self) -> None:
         """A body's checks beyond its fields' types (``parse`` calls it); none by default."""
@@ -54,6 +62,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # extension (vLLM): usage in every chunk too
 
 
 class _Request(_Strict):
@@ -235,6 +244,11 @@ class _Request(_Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats`` (with ``include_usage``): usage in every chunk."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -314,7 +328,7 @@ class ChatMessage(_Strict):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
+            return "\n".join(p.text for p in self.content)  # vLLM's: parts on their own lines
         return self.content or ""
 
     def for_template(self) -> dict:
@@ -469,6 +483,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     add_special_tokens: bool = True  # a prompt's
+    return_token_strs: bool = False  # vLLM's: the tokens' strings too
 
     def refuse_unsupported(self) -> None:
         if self.prompt is None:
@@ -480,6 +495,7 @@ class TokenizeRequest(_Strict):
 
 class TokenizeChatRequest(_ChatTemplate):
     model: str | None = None
+    return_token_strs: bool = False
 
     def token_ids(self, tok) -> list[int]:
         return encode_prompt(tok, self.conversation(), self.template_options(tools=True))

@@ -3,7 +3,7 @@ and where each token's text lies in a completion's text (logprobs' ``text_offset
 from __future__ import annotations
 
 from ..config import SamplingParams
-from ..sequence import held_back, output_text
+from ..sequence import held_back, output_text, settled_text
 
 
 class TextStream:
@@ -48,7 +48,7 @@ class TextStream:
         text. ``final_text`` is the engine's (cut before a stop string), or None to decode
         every id. (Not ``add``: the last tokens may complete a stop string.)"""
         self.ids.extend(ids)
-        final = final_text if final_text is not None else self._decode(self.ids)
+        final = final_text if final_text is not None else settled_text(self.tok, self.ids, self.sp)
         sent = self.text[:self.sent]
         if not final.startswith(sent):  # cannot happen with a prefix-stable tokenizer
             return ""
