@@ -142,6 +142,11 @@ def test_ragged_batch_matches_single(loaded):
     last = rt.forward(rt.new_cache(3), [0, 1, 2], seqs, last_only=True)  # [3, vocab]
     for b, s in enumerate(seqs):
         torch.testing.assert_close(last[b], batched[b, len(s) - 1], atol=1e-5, rtol=0)
+    # consecutive slots not from 0 (attended through a view of the cache) continue their own rows
+    more = rt.forward(batch_cache, [1, 2], [[20, 21], [22]])  # slot 1 holds seqs[2], slot 2 seqs[0]
+    for row, (s, new) in enumerate([(seqs[2], [20, 21]), (seqs[0], [22])]):
+        one = rt.forward(rt.new_cache(1), [0], [s + new])[0, len(s):]
+        torch.testing.assert_close(more[row, : len(new)], one, atol=1e-5, rtol=0)
 
 
 def test_rewind_then_continue_equals_fresh(loaded):

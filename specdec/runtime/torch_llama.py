@@ -224,6 +224,9 @@ class _Batch:
     slots: torch.Tensor  # [B] cache slot of each row
     mask: torch.Tensor  # [B, 1, T, S] bool: new token i sees key j
     sliding: torch.Tensor | None = None  # [B, 1, T, S] the mask within the sliding window (its layers')
+    # the slots as a range when they are consecutive (an eager forward's; a graph's vary between
+    # replays): each layer then attends over a view of the cache, not a gathered copy of it
+    span: tuple[int, int] | None = None
 
 
 @dataclass
@@ -506,9 +509,11 @@ class TorchLlama:
         if self.window is not None:  # key j (its position, or past it for a tree's) is past p - window
             key = torch.arange(mask.shape[-1], device=where)  # [S]
             sliding = (mask & (key > pos.to(where)[:, None, :, None] - self.window)).to(self.device)
-        packed = torch.cat([ids.flatten(), pos.flatten(), write.flatten(), torch.tensor(list(slots))]).to(self.device)
+        slots = list(slots)
+        packed = torch.cat([ids.flatten(), pos.flatten(), write.flatten(), torch.tensor(slots)]).to(self.device)
         ids, pos, write, slots_ = packed.split([B * T, B * T, B * T, B])
-        return _Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device), sliding)
+        span = (slots[0], slots[0] + B) if keys is None and slots == list(range(slots[0], slots[0] + B)) else None
+        return _Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device), sliding, span)
 
     def _layers(self, cache: KVCache, x: "_Batch", last: torch.Tensor | None = None,
                 to_float: bool = True) -> torch.Tensor:
@@ -542,7 +547,10 @@ class TorchLlama:
             kc, vc = cache.k[li], cache.v[li]  # [slots, KV, cap, D]
             kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
             vc[x.slots[:, None], :, x.write] = v
-            keys, values = kc[x.slots, :, :S], vc[x.slots, :, :S]  # [B, KV, S, D]
+            if x.span is not None:  # [B, KV, S, D]
+                keys, values = kc[x.span[0]:x.span[1], :, :S], vc[x.span[0]:x.span[1], :, :S]
+            else:
+                keys, values = kc[x.slots, :, :S], vc[x.slots, :, :S]
             mask = x.sliding if L["sliding"] else x.mask
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=KV != H)
             h = h + L["o"](o.transpose(1, 2).reshape(B, T, H * D))
