@@ -17,7 +17,7 @@ from .config import SpecConfig
 from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
 from .sampling import probs_from_logits, sample, sequence_logits
-from .sequence import Sequence, TokenLogprobs, common_prefix, cut_after_eos, settled_text
+from .sequence import IncrementalText, Sequence, TokenLogprobs, common_prefix, cut_after_eos, settled_text
 from .structured import chain_masks
 from .tree import verify_tree
 from .verify import Verdict, verify
@@ -355,7 +355,7 @@ class Engine:
         before = s.num_output
         kept, hit_eos = truncate(tokens, s.remaining, s.eos_ids)
         s.ids.extend(kept)
-        stop = self._stop_string(s, before, before + len(kept) - hit_eos)  # an EOS ends its step first
+        stop = self._stop_string(s, before + len(kept) - hit_eos)  # an EOS ends its step first
         if stop is not None:
             end, s.text, s.stop_reason = stop
             del s.ids[s.prompt_len + end:]
@@ -375,41 +375,30 @@ class Engine:
         del s.token_logprobs[s.num_output:]  # captured for tokens cut at EOS / budget / stop
         return len(kept)
 
-    def _stop_string(self, s: Sequence, before: int, after: int) -> tuple[int, str, str] | None:
-        """The stop string plain decoding would meet between output lengths ``before`` and
-        ``after``: the fewest output tokens whose text holds one (a step within the first
-        ``min_tokens`` tokens does not count, nor does their text), as ``(output tokens kept,
-        text, stop string)``; the text ends before the stop string (after it with
-        ``include_stop_str_in_output``), and of several in that text, the first in ``stop``'s
-        order (vLLM's).
-
-        Each step's text is the output so far as an incremental detokenizer has it
-        (``settled_text``: a character still incomplete at the end waits). Decoding is
-        prefix-stable but for a tokenizer's space clean-up, so where no stop string holds
-        U+FFFD and the tokenizer cleans up nothing, the last step's text tells whether any step
-        holds one."""
-        sp, tokenizer = s.sampling, self.target.tokenizer
-        first = max(before, sp.min_tokens) + 1
-        if not sp.stop or first > after:
+    def _stop_string(self, s: Sequence, after: int) -> tuple[int, str, str] | None:
+        """The stop string plain decoding would meet in the tokens committed since the last
+        call (the output up to length ``after``), sought as vLLM seeks it: after each token
+        past the first ``min_tokens``, the first of ``stop`` whose occurrence ends in the text
+        that token added, the text grown as vLLM's incremental detokenizer grows it
+        (``s.stop_text``: a character still incomplete waits; the cost per token does not
+        grow with the output). As ``(output tokens kept, text, stop string)``; the text ends
+        before the stop string (after it with ``include_stop_str_in_output``)."""
+        sp = s.sampling
+        if not sp.stop:
             return None
-        out = s.output_ids
-        start = len(settled_text(tokenizer, out[:sp.min_tokens], sp)) if sp.min_tokens else 0
-
-        def hit(m: int) -> tuple[int, str, str] | None:
-            text = settled_text(tokenizer, out[:m], sp)
-            found = [(i, stop) for i, stop in ((text.find(stop, max(0, start - len(stop) + 1)), stop)
-                                               for stop in sp.stop) if i >= 0]
-            if not found:
-                return None
-            at, stop = found[0]  # vLLM's: the first of the list the step's text holds
-            return m, text[:at + len(stop) if sp.include_stop_str_in_output else at], stop
-
-        stable = not getattr(tokenizer, "clean_up_tokenization_spaces", False) and \
-            not any("\ufffd" in stop for stop in sp.stop)
-        last = hit(after)
-        if stable and last is None:  # one decode: no step of the round holds one
-            return None
-        return next((h for h in map(hit, range(first, after)) if h is not None), last)
+        if s.stop_text is None:
+            s.stop_text = IncrementalText(self.target.tokenizer, sp)
+        text, out = s.stop_text, s.output_ids
+        for m in range(len(text.ids) + 1, after + 1):  # it holds the output before this round's
+            seen = len(text.text)
+            text.add([out[m - 1]])
+            if m <= sp.min_tokens:
+                continue
+            for stop in sp.stop:
+                at = text.text.find(stop, max(0, seen - len(stop) + 1))
+                if at >= 0:
+                    return m, text.text[:at + len(stop) if sp.include_stop_str_in_output else at], stop
+        return None
 
     def _retire(self) -> list[Sequence]:
         done = [s for s in self.running if s.finished]

@@ -61,6 +61,31 @@ def settled_text(tokenizer, ids: list[int], sp: SamplingParams) -> str:
     return text
 
 
+class IncrementalText:
+    """Output text grown as tokens come, as vLLM's incremental detokenizer grows it: what new
+    tokens add to the decoding of the few before them (a window from the previous emission
+    point, so the cost per token does not grow with the output); while that window's text
+    ends in an incomplete character (U+FFFD), the tokens wait for the rest."""
+
+    def __init__(self, tokenizer, sp: SamplingParams):
+        self.tok, self.sp = tokenizer, sp
+        self.ids: list[int] = []
+        self.prefix = 0  # window start (token index)
+        self.read = 0  # tokens whose text is in self.text
+        self.text = ""  # decoded so far (complete characters)
+
+    def add(self, ids: list[int]) -> str:
+        """Feed the next ``ids``; the text they add to ``text`` (none while a character waits)."""
+        self.ids.extend(ids)
+        before = output_text(self.tok, self.ids[self.prefix:self.read], self.sp)
+        window = output_text(self.tok, self.ids[self.prefix:], self.sp)
+        if len(window) <= len(before) or window.endswith("\ufffd"):
+            return ""
+        self.text += window[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        return window[len(before):]
+
+
 def held_back(text: str, markers) -> int:
     """Characters at the end of ``text`` that are a proper prefix of one of ``markers`` (a
     stream waits for more before sending them)."""
@@ -127,6 +152,8 @@ class Sequence:
     # what ``sampling.min_tokens`` bans before then: the model's EOS ids, even with
     # ignore_eos, and stop_token_ids (vLLM's all_stop_token_ids); None: ``eos_ids``
     min_tokens_ban: frozenset[int] | None = None
+    # with ``sampling.stop``: the output's text as it grows, where stop strings are sought
+    stop_text: IncrementalText | None = None
 
     @property
     def logprobs(self) -> int | None:

@@ -261,6 +261,19 @@ def test_text_as_an_incremental_detokenizer_has_it(loaded, method):
                include_stop_str_in_output=True) == ("", 1, llm.tokenizer.convert_tokens_to_ids("ð"))
 
 
+def test_stop_strings_sought_in_the_new_text_only(loaded, monkeypatch):
+    """The stop check decodes each token's window once, not the whole output each step
+    (vLLM's incremental detokenization): the tokens decoded stay linear in the output."""
+    import specdec.sequence
+
+    decoded = []
+    real = specdec.sequence.output_text
+    monkeypatch.setattr(specdec.sequence, "output_text", lambda tok, ids, sp: decoded.append(len(ids)) or real(tok, ids, sp))
+    n = 200
+    o = spec(loaded, "llama", "self", k=4).generate("abc", SamplingParams(max_tokens=n, ignore_eos=True, stop=["@@@"]))[0]
+    assert len(o.token_ids) == n and sum(decoded) < 10 * n  # the whole output each step: 37 n
+
+
 def test_chat_content_parts(loaded):
     """``LLM.chat`` takes OpenAI's text content parts, a part per line (vLLM's); other
     parts are a ValueError."""
