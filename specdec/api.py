@@ -215,16 +215,15 @@ class LLM:
         if speculative is None:
             speculative = SpecConfig(method="draft" if draft else "none")
         self.spec = speculative
-        self.engine_config = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size,
-                                          backend=backend, draft_backend=draft_backend, repack=repack,
-                                          load_format=load_format, chunked_prefill_size=chunked_prefill_size,
-                                          max_model_len=max_model_len, enforce_eager=enforce_eager,
-                                          generation_config=generation_config, seed=seed, threads=threads)
-        if threads is not None:  # process-wide, before loading: llama.cpp takes torch's count too
-            torch.set_num_threads(threads)
-        device = self.engine_config.device
-        if generation_config not in ("auto", "vllm") and not (Path(generation_config) / "generation_config.json").is_file():
-            raise ValueError(f"generation_config {generation_config!r} is not 'auto', 'vllm' or a directory "
+        c = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, backend=backend,
+                         draft_backend=draft_backend, repack=repack, load_format=load_format,
+                         chunked_prefill_size=chunked_prefill_size, max_model_len=max_model_len,
+                         enforce_eager=enforce_eager, generation_config=generation_config, seed=seed, threads=threads)
+        if c.threads is not None:  # process-wide, before loading: llama.cpp takes torch's count too
+            torch.set_num_threads(c.threads)
+        if c.generation_config not in ("auto", "vllm") and \
+                not (Path(c.generation_config) / "generation_config.json").is_file():
+            raise ValueError(f"generation_config {c.generation_config!r} is not 'auto', 'vllm' or a directory "
                              "with a generation_config.json")
         uses_draft = speculative.method in ("draft", "hybrid")
         if uses_draft and not draft:
@@ -232,42 +231,42 @@ class LLM:
         if draft and not uses_draft:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
                              "use method 'draft' or 'hybrid'")
+        loading = dict(repack=c.repack, load_format=c.load_format, max_model_len=c.max_model_len,
+                       enforce_eager=c.enforce_eager)
         self.target: LoadedModel = model if isinstance(model, LoadedModel) \
-            else load_model(model, device, self.engine_config.dtype, backend, repack=repack, load_format=load_format,
-                            max_model_len=max_model_len, enforce_eager=enforce_eager)
+            else load_model(model, c.device, c.dtype, c.backend, **loading)
         self.draft: LoadedModel | None = None
         if uses_draft:
             from .vocab import require_compatible
 
             if not isinstance(draft, LoadedModel):
-                draft = load_model(draft, device, self.engine_config.dtype, draft_backend or backend,
-                                   quantize=speculative.draft_quantization, repack=repack,
-                                   load_format=load_format, max_model_len=max_model_len,
-                                   enforce_eager=enforce_eager)
+                draft = load_model(draft, c.device, c.dtype, c.draft_backend or c.backend,
+                                   quantize=speculative.draft_quantization, **loading)
             self.draft = draft
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
         # the target's context: a draft model with a shorter one drafts while a round fits in it
-        if max_model_len is not None and max_model_len > self.target.max_context:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of "
+        if c.max_model_len is not None and c.max_model_len > self.target.max_context:
+            raise ValueError(f"max_model_len {c.max_model_len} exceeds the model's context of "
                              f"{self.target.max_context} tokens")
-        self.context_window = max_model_len or self.target.max_context  # tokens (prompt + output) a request may span
+        self.context_window = c.max_model_len or self.target.max_context  # tokens (prompt + output) a request may span
         if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:
             raise ValueError("token trees need the torch runtime (tree attention masks); "
                              "the transformers fallback runs chains only")
         if speculative.tree_topk > 1:
-            check_tree_rows(speculative, max_batch_size, self.target, self.draft)
-        if chunked_prefill_size is None:
-            chunked_prefill_size = CHUNKED_PREFILL_SIZE.get(self.target.runtime.device.type, 2048)
-        drafters = self._drafters(max_batch_size, chunked_prefill_size)
+            check_tree_rows(speculative, c.max_batch_size, self.target, self.draft)
+        if c.chunked_prefill_size is None:  # the device's default, resolved
+            c = replace(c, chunked_prefill_size=CHUNKED_PREFILL_SIZE.get(self.target.runtime.device.type, 2048))
+        self.engine_config = c
+        drafters = self._drafters(c.max_batch_size, c.chunked_prefill_size)
         planner = self._planner(drafters) if speculative.cost_model else None
-        self.engine = Engine(self.target, drafters, speculative, max_batch_size, planner,
-                             chunked_prefill_size=chunked_prefill_size, max_rows=self.context_window)
+        self.engine = Engine(self.target, drafters, speculative, c.max_batch_size, planner,
+                             chunked_prefill_size=c.chunked_prefill_size, max_rows=self.context_window)
         self.tokenizer = self.target.tokenizer
-        self.sampling_defaults = self._generation_defaults(generation_config)
+        self.sampling_defaults = self._generation_defaults(c.generation_config)
         self.grammars = Grammars(self.tokenizer, self.target.runtime.vocab_size, self.target.eos_ids)
         self.last_run_metrics: Metrics | None = None
         self._next_id = 0
-        self._seeds = None if seed is None else random.Random(seed)  # unseeded requests' seeds
+        self._seeds = None if c.seed is None else random.Random(c.seed)  # unseeded requests' seeds
 
     def _generation_defaults(self, source: str) -> dict:
         """``SamplingParams`` fields from ``generation_config`` (see ``EngineConfig``),
@@ -299,8 +298,9 @@ class LLM:
             out["ngram"] = NgramDrafter(spec.ngram_max, spec.ngram_min, spec.tree_topk, spec.node_budget)
         if spec.method in ("draft", "self", "hybrid"):
             out["self" if spec.method == "self" else "draft"] = ModelDrafter(
-                (self.draft or self.target).runtime, max_batch_size, self.target.runtime.vocab_size,
-                spec.tree_topk, spec.node_budget, max_catch_up, max_rows=self.context_window)
+                (self.draft or self.target).runtime, num_slots=max_batch_size,
+                target_vocab=self.target.runtime.vocab_size, topk=spec.tree_topk, max_nodes=spec.node_budget,
+                max_catch_up=max_catch_up, max_rows=self.context_window)
         return out
 
     def _planner(self, drafters: dict) -> Planner:

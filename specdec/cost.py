@@ -466,13 +466,15 @@ class Planner:
                 seconds += dearest * (cost.catch_up(len(mine)) / cost.catch_up(1) if cost.catch_up else 1.0)
         return sum(tokens) / seconds
 
-    def record(self, request_id: int, choice: Choice, num_drafts: int, num_accepted: int) -> None:
+    def record(self, request_id: int, choice: Choice, depth: int, num_accepted: int) -> None:
+        """A verify step of ``choice`` whose draft reached ``depth`` (a chain's length, a
+        tree's deepest path) and had ``num_accepted`` of those accepted."""
         self.chosen_k[choice.k] = self.chosen_k.get(choice.k, 0) + 1
         for name, track in self._tracks(request_id).items():
-            if name != choice.drafter or num_drafts == 0:
+            if name != choice.drafter or depth == 0:
                 track.idle += 1
                 continue
-            self.acceptance(name, choice.context, request_id).record(num_drafts, num_accepted)
+            self.acceptance(name, choice.context, request_id).record(depth, num_accepted)
             track.idle = 0
             # a probe re-tests a drafter that did not pay; it is tried again on merit (its
             # acceptance estimate now includes the probe) or after twice the wait

@@ -16,7 +16,7 @@ import torch
 from .config import SpecConfig
 from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
-from .sampling import probs_from_logits, sample, sequence_logits
+from .sampling import sequence_logits
 from .sequence import IncrementalText, Sequence, TokenLogprobs, common_prefix, cut_after_eos, settled_text
 from .structured import chain_masks
 from .tree import verify_tree
@@ -158,14 +158,14 @@ class Engine:
                 path = list(v.rows) if d.tree is not None else list(range(len(v.tokens)))
                 s.token_logprobs += token_logprobs(rows[path], v.tokens, s.logprobs)
             committed = self._commit(s, v.tokens)  # 3. commit, stop checks
-            s.metrics.record_verify(len(d.tokens), max(d.tree.depths) if d.tree else len(d.tokens),
-                                    v.num_accepted, committed)
+            depth = max(d.tree.depths) if d.tree else len(d.tokens)  # drafts on the longest path
+            s.metrics.record_verify(len(d.tokens), depth, v.num_accepted, committed)
             s.metrics.target_forwards += 1
-            s.metrics.record_choice(c.drafter, c.k, d.forwards)
+            s.metrics.record_choice(c.drafter if d.tokens else None, c.k if d.tokens else 0, d.forwards)
             for drafter in self.drafters.values():
                 drafter.observe(s, v.num_accepted)  # 4. observe
             if self.planner:
-                self.planner.record(s.request_id, c, len(d.tokens), v.num_accepted)
+                self.planner.record(s.request_id, c, depth, v.num_accepted)
         t3 = time.perf_counter()
         for s in seqs:
             s.metrics.record_times(draft=t1 - t0, verify=t2 - t1, bookkeeping=t3 - t2)
@@ -307,10 +307,7 @@ class Engine:
             if self.cache.lengths[s.slot] < s.prompt_len:
                 continue
             scored = sequence_logits(row[None], s, [[]])  # [1, vocab]
-            if s.sampling.greedy:
-                token = int(scored.argmax())
-            else:
-                token = int(sample(probs_from_logits(scored, s.sampling), s.generator))
+            token = verify([], None, scored, s.sampling, s.generator).tokens[0]  # no drafts: the bonus token
             if s.logprobs is not None:
                 s.token_logprobs += token_logprobs(row[None], [token], s.logprobs)
             self._commit(s, [token])

@@ -130,11 +130,11 @@ class Sequence:
     generator: torch.Generator
     eos_ids: frozenset[int]  # the model's EOS ids (none with sampling.ignore_eos) and sampling.stop_token_ids
     slot: int = -1  # KV slot in the target cache (and the drafter's), -1 = not admitted
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     # what stopped it, as vLLM reports: the stop string, or the stop_token_ids token (None: an
     # EOS of the model's, the length, or not finished)
     stop_reason: int | str | None = None
-    text: str | None = None  # final text when a stop string cut it
+    text: str | None = None  # final text when a stop string, stop token or EOS ended it (None: decode all)
     metrics: Metrics = field(default_factory=Metrics)
     started_at: float = 0.0
     num_draft_tokens: int | None = None  # this request's cap on k (None = the engine's k)

@@ -46,7 +46,7 @@ def test_untried_depths_lean_on_the_depths_before():
     for _ in range(4):
         c = p.choose(1, limit=4)
         ks.append(c.k)
-        p.record(1, c, num_drafts=c.k, num_accepted=c.k)
+        p.record(1, c, depth=c.k, num_accepted=c.k)
     assert ks[0] < 4 and ks[-1] == 4, ks
 
 
@@ -105,7 +105,7 @@ def test_planner_decodes_plainly_when_speculation_cannot_pay():
     p = Planner(costly, {"ngram": 0.0}, k_max=4, prior=0.3)
     assert p.choose(1, limit=4) == Choice(None, 0, pytest.approx(1.0))
     for _ in range(12):  # an n-gram that keeps being right pushes k up again
-        p.record(1, Choice("ngram", 4, 0), num_drafts=4, num_accepted=4)
+        p.record(1, Choice("ngram", 4, 0), depth=4, num_accepted=4)
     assert p.choose(1, limit=4).drafter == "ngram"
 
 
@@ -120,7 +120,7 @@ def test_planner_probes_with_backoff_and_respects_availability():
     p.record(5, c, 0, 0)
     probe = p.choose(5, limit=2, available={"draft": None})
     assert probe == Choice("draft", 1, pytest.approx(probe.tokens_per_s), probe=True)
-    p.record(5, probe, num_drafts=1, num_accepted=1)  # a probe doubles the back-off, even
+    p.record(5, probe, depth=1, num_accepted=1)  # a probe doubles the back-off, even
     assert p.tracks[5]["draft"].backoff == 16 and p.tracks[5]["draft"].idle == 0  # if accepted
     assert p.choose(5, limit=2, available={"draft": None}).drafter is None  # still not worth it
     assert p.chosen_k == {0: 8, 1: 1}
@@ -137,7 +137,7 @@ def test_planner_learns_acceptance_per_context_across_requests():
         for ctx, accepted in ((8, 4), (1, 0)):
             c = p.choose(request, limit=4, available={"ngram": ctx})
             if c.drafter:
-                p.record(request, c, num_drafts=c.k, num_accepted=min(accepted, c.k))
+                p.record(request, c, depth=c.k, num_accepted=min(accepted, c.k))
         p.release(request)
     assert p.choose(99, limit=4, available={"ngram": 8}) == Choice("ngram", 4, pytest.approx(5 / 2.4, rel=0.1), 8)
     assert p.choose(99, limit=4, available={"ngram": 1}).drafter is None
@@ -214,7 +214,7 @@ def test_a_passing_slowdown_does_not_keep_the_planner_off_deep_drafts():
         c = p.choose(1, limit=4)
         ks.append(c.k)
         p.observe_verify(c.k + 1, load * curve(c.k + 1) + c.k * 0.1)
-        p.record(1, c, num_drafts=c.k, num_accepted=c.k)
+        p.record(1, c, depth=c.k, num_accepted=c.k)
     assert ks[-10:] == [4] * 10, ks
 
 
@@ -222,13 +222,13 @@ def test_match_acceptance_is_shared_across_requests_and_corrected_per_request():
     p = Planner(ForwardCosts((1.0, 1.2, 1.4, 1.6, 1.8)), {"ngram": 0.0}, k_max=4, prior=0.6)
     for request in range(1, 11):  # long matches copy well
         c = p.choose(request, limit=4, available={"ngram": 9})
-        p.record(request, c, num_drafts=c.k, num_accepted=c.k)
+        p.record(request, c, depth=c.k, num_accepted=c.k)
         p.release(request)
     assert p.choose(11, limit=4, available={"ngram": 9}).k == 4
     for _ in range(6):  # ... but not in request 11
         c = p.choose(11, limit=4, available={"ngram": 9})
         if c.drafter:
-            p.record(11, c, num_drafts=c.k, num_accepted=0)
+            p.record(11, c, depth=c.k, num_accepted=0)
     assert p.choose(11, limit=4, available={"ngram": 9}).drafter is None
     assert p.choose(12, limit=4, available={"ngram": 9}).k >= 2  # another request still trusts them
     p.release(11)
@@ -353,3 +353,19 @@ def test_cost_model_needs_a_drafter():
         SpecConfig(cost_model=True)
     with pytest.raises(ValueError, match="needs a draft model"):
         LLM(None, speculative=SpecConfig(method="hybrid"))
+
+
+def test_tree_rounds_recorded_by_depth(loaded, monkeypatch):
+    """A tree's verify step tells the planner the depth its drafts reached, not its node
+    count: a whole accepted path is not a rejection one depth below what was drafted."""
+    from specdec.cost import Planner
+
+    seen = []
+    record = Planner.record
+    monkeypatch.setattr(Planner, "record", lambda self, rid, c, depth, n: seen.append((c.k, depth, n)) or
+                        record(self, rid, c, depth, n))
+    llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram", num_draft_tokens=3, tree_topk=3,
+                                                      cost_model=True))
+    llm.generate("abcabcabcabcabcabcabc abcabcabc", SamplingParams(max_tokens=30, ignore_eos=True))
+    drafted = [(k, depth, n) for k, depth, n in seen if k]
+    assert drafted and all(n <= depth <= k for k, depth, n in drafted), drafted

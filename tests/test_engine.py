@@ -63,6 +63,8 @@ def test_ngram_equal(loaded, arch, batch):
     outs = llm.generate(PROMPTS, GREEDY) if batch == 3 else [llm.generate(p, GREEDY)[0] for p in PROMPTS]
     assert [o.token_ids for o in outs] == [b.token_ids for b in base]
     assert all(o.metrics["draft_forwards"] == 0 for o in outs)
+    for m in (o.metrics for o in outs):  # a step whose lookup found no match drafted with k = 0
+        assert sum(m["chosen_k"][1:]) == sum(m["drafter_steps"].values()) == m["drafted_per_position"][0]
 
 
 def test_ragged_batch_different_budgets(loaded):

@@ -1,8 +1,9 @@
 """The runtime interface: what the engine and drafters may ask of a loaded model.
 
 A runtime owns weights; a cache owns per-sequence KV state in *slots*. ``forward`` appends
-a chunk of new tokens to each listed slot and returns logits; ``cache.rewind`` is the only
-way to drop tokens (O(1) for the torch runtime: it resets a length counter).
+a chunk of new tokens to each listed slot and returns logits; ``cache.rewind`` drops the
+tokens past a length (O(1) for the torch runtime: it resets a length counter), and
+``cache.keep`` the rows of a tree off its accepted path.
 """
 from __future__ import annotations
 

@@ -428,8 +428,10 @@ class _Output:
             tools = {t.function.name: t.function.parameters or {} for t in req.tools or []}  # name -> schema
             seq = sreqs[0].seq
             opened = api.reasoning_parser is not None and opens_reasoning(api.tok, seq.ids[:seq.prompt_len])
-            self.parser = AnswerParser(api.reasoning_parser, tool_mode, tools, named.name if named else None,
-                                       api.tool_call_parser or "hermes", req.parallel_tool_calls, opened)
+            self.parser = AnswerParser(api.reasoning_parser, tool_mode, tool_names=tools,
+                                       function=named.name if named else None,
+                                       tool_parser=api.tool_call_parser or "hermes",
+                                       parallel=req.parallel_tool_calls, opened=opened)
 
     def usage(self, choice: int | None = None) -> dict:
         """The response's usage; with ``choice``, that choice's so far (vLLM's continuous usage

@@ -326,15 +326,12 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "\n".join(p.text for p in self.content)  # vLLM's: parts on their own lines
-        return self.content or ""
-
     def for_template(self) -> dict:
-        """The message as chat templates take it: arguments as objects (templates write
-        them with ``tojson``), optional fields only when given."""
-        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        """The message as chat templates take it (text parts joined by ``api.text_messages``):
+        arguments as objects (templates write them with ``tojson``), optional fields only
+        when given."""
+        content = [p.model_dump() for p in self.content] if isinstance(self.content, list) else self.content or ""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function",
                                   "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}

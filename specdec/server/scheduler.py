@@ -25,9 +25,9 @@ class Update:
     """What one engine step produced for one request."""
 
     token_ids: list[int]  # newly committed output tokens
-    logprobs: list = field(default_factory=list)  # their (logprob, top) entries, when asked for
+    logprobs: list = field(default_factory=list)  # their TokenLogprobs (logprob, rank, top), when asked for
     finish_reason: str | None = None  # set on the request's last update
-    text: str | None = None  # final text when a stop string cut it (else decode the ids)
+    text: str | None = None  # final text when a stop string, stop token or EOS ended it (else decode the ids)
     error: str | None = None  # the engine failed: the request ends without output
 
 
