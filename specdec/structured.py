@@ -34,32 +34,41 @@ log = logging.getLogger("specdec.structured")
 _BITS = torch.arange(32, dtype=torch.int32)  # a bitmask word's bit positions (token j * 32 + b)
 
 # llguidance's grammar formats by StructuredOutputs kind (json_object: any JSON object)
-_FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "choice": "choice",
+_FORMATS = {"json": "json_schema", "json_object": "json_schema", "regex": "regex", "choice": "grammar",
             "grammar": "grammar"}  # grammar: Lark, or llama.cpp's GBNF (converted to Lark)
 
 
 def grammar_text(so: StructuredOutputs) -> str:
     """``so``'s constraint as the text of its llguidance format. A JSON schema's objects that
-    list their ``properties`` take no others unless they say so (``closed_objects``)."""
+    list their ``properties`` take no others unless they say so (``closed_objects``). A
+    choice is one lexer token of a Lark grammar (llguidance's own ``choice`` format makes a
+    parser item per string, and fails past 2000 of them)."""
     if so.json_object:
         return '{"type": "object"}'
     if so.choice is not None:
-        return json.dumps(list(so.choice))
+        return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice)
     if so.json is not None:
         return json.dumps(closed_objects(json.loads(so.json)))
     return getattr(so, so.kind)
 
 
-def closed_objects(schema):
+COMBINATORS = ("allOf", "anyOf", "oneOf")
+
+
+def closed_objects(schema, close: bool = True):
     """``schema`` with ``"additionalProperties": false`` on every object schema that lists
     ``properties`` and sets neither ``additionalProperties`` nor ``patternProperties``: as
     vLLM's default grammar backend (xgrammar) and OpenAI's strict mode read a schema, so that
     a tool's arguments or an answer hold only the fields it declares (llguidance, like JSON
-    Schema, allows others by default). An object without ``properties`` stays free-form."""
+    Schema, allows others by default). An object without ``properties`` stays free-form, and
+    so do the parts whose properties add up with others' (``close`` false): an object beside
+    ``allOf``/``anyOf``/``oneOf`` branches and the branches of its combinators, and every
+    ``allOf`` branch (closed apart, each would refuse the others' properties)."""
     if isinstance(schema, list):
         return [closed_objects(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
+    extended = isinstance(schema.get("properties"), dict)  # combinator branches add to these
     out = {}
     for key, value in schema.items():
         if key in ("enum", "const", "default", "examples"):  # values, not schemas
@@ -67,9 +76,12 @@ def closed_objects(schema):
         elif key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") \
                 and isinstance(value, dict):  # name -> schema
             out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in COMBINATORS and isinstance(value, list):
+            out[key] = [closed_objects(x, close=key != "allOf" and not extended) for x in value]
         else:
             out[key] = closed_objects(value)
-    if isinstance(out.get("properties"), dict) and not {"additionalProperties", "patternProperties"} & out.keys():
+    if close and isinstance(out.get("properties"), dict) and \
+            not {"additionalProperties", "patternProperties", *COMBINATORS} & out.keys():
         out["additionalProperties"] = False
     return out
 
@@ -172,7 +184,10 @@ class Matcher:
             more = path[keep:]
             n = self._m.try_consume_tokens(more) if more else 0
             consumed += more[:n]
-            if n < len(more):  # a forbidden draft on this path
+            # a forbidden draft on this path: the row is never reached; but EOS after the
+            # grammar's end is allowed (the matcher consumes none), as plain decoding with
+            # ignore_eos meets it, and its row allows EOS only, as plain decoding's
+            if n < len(more) and not (self._m.is_stopped() and set(more[n:]) <= self.eos_ids):
                 continue
             row = words[i]
             self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
@@ -186,10 +201,20 @@ class Matcher:
         mask = ((words[:, :, None] >> _BITS) & 1).bool().view(len(words), -1)[:, :self.vocab_size]
         empty = ~mask.any(-1)  # [rows]
         if empty.any():
-            ends = torch.zeros(self.vocab_size, dtype=torch.bool)
-            ends[sorted(self.eos_ids)] = True
-            mask[empty] = ends if self.eos_ids else True
+            if self._m.is_error():
+                log.warning("structured output: the grammar matcher failed (%s); the output ends here",
+                            self._m.get_error())
+            mask[empty] = self.ends()
         return mask  # [rows, vocab]
+
+    def ends(self) -> torch.Tensor:
+        """``[vocab]`` bool: EOS only (everything for a model without one), what a row past
+        the grammar's end allows."""
+        if not self.eos_ids:
+            return torch.ones(self.vocab_size, dtype=torch.bool)
+        ends = torch.zeros(self.vocab_size, dtype=torch.bool)
+        ends[sorted(self.eos_ids)] = True
+        return ends
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens`` the grammar allows in a row after the committed output."""
@@ -232,7 +257,15 @@ def chain_masks(chains: list[tuple[Matcher, list[int]]]) -> list[torch.Tensor]:
         executor.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, size, rows)
     if bare:  # no drafts after the gate (k = 0): one row
         executor.unsafe_compute_mask_ptr(bare, ptr, size, rows)
-    return [m._unpack(words[start:start + len(d) + 1]) for (m, d), start in zip(chains, starts)]
+    out = []
+    for (m, d), start in zip(chains, starts):
+        mask = m._unpack(words[start:start + len(d) + 1])  # [k+1, vocab]
+        j = m.opens_after(d)  # llguidance leaves the rows after a drafted EOS free: plain
+        end = next((i for i in range(len(d)) if j is not None and i >= j and d[i] in m.eos_ids), None)
+        if end is not None:  # decoding past the grammar's end (ignore_eos) meets EOS only
+            mask[end + 1:] = m.ends()
+        out.append(mask)
+    return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -398,21 +398,25 @@ def test_sliding_window_equal_to_transformers(loaded, tiny_dirs, backend):
 def test_engine_usable_after_a_step_raised(loaded, monkeypatch):
     """An exception (or Ctrl-C) inside ``generate`` drops that call's requests; the next call
     runs from clean slots and drafter state, with the same output as a fresh engine."""
-    llm = spec(loaded, "llama", "self", k=3, chunked_prefill_size=4, max_batch_size=2)
     want = [o.token_ids for o in plain(loaded, "llama")]
-    forward, calls = llm.engine.runtime.forward, [0]
+    for fail_at in (9, 18, 21):  # in a prefill, a drafting and a verify forward
+        llm = spec(loaded, "llama", "self", k=3, chunked_prefill_size=4, max_batch_size=2)
+        forward, calls = llm.engine.runtime.forward, [0]
 
-    def failing(*a, **kw):
-        calls[0] += 1
-        if calls[0] == 9:
-            raise KeyboardInterrupt
-        return forward(*a, **kw)
+        def failing(*a, **kw):
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise KeyboardInterrupt
+            return forward(*a, **kw)
 
-    monkeypatch.setattr(llm.engine.runtime, "forward", failing)
-    with pytest.raises(KeyboardInterrupt):
-        llm.generate(PROMPTS, GREEDY)
-    assert not llm.engine.has_work and sorted(llm.engine.free_slots) == [0, 1] and not llm.engine.retained
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+        monkeypatch.setattr(llm.engine.runtime, "forward", failing)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, GREEDY)
+        assert not llm.engine.has_work and sorted(llm.engine.free_slots) == [0, 1] and not llm.engine.retained
+        drafter = llm.engine.drafters["self"]
+        assert not drafter.drafted and not drafter.tail, fail_at  # nothing of the failed round stays
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("how", ["chain", "tree", "hybrid+cost"])

@@ -708,6 +708,54 @@ def test_full_queue_429_and_openai_errors(strict_server):
     assert metrics(strict_server.url)[rejected] - before == 1
 
 
+def slowed(llm, monkeypatch, seconds: float = 0.02):
+    """``llm``'s engine steps made slow, so that a request stays running."""
+    step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: time.sleep(seconds) or step())
+
+
+def test_refused_completions_hold_no_room(loaded, monkeypatch):
+    """A request whose ``n`` completions do not all fit is refused (429) whole: none of them
+    is queued, nor counted as aborted, and a request that fits is taken right after."""
+    llm = LLM(loaded("llama"), max_batch_size=1)
+    slowed(llm, monkeypatch)
+    with BackgroundServer(create_app(llm, served_model_name=MODEL, max_queue=1)) as srv:  # room for 2
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        busy = c.completions.create(model=MODEL, prompt="busy", max_tokens=300, stream=True, extra_body={"ignore_eos": True})
+        next(iter(busy))
+        with pytest.raises(openai.RateLimitError):
+            c.completions.create(model=MODEL, prompt="two", max_tokens=2, n=2)
+        one = c.completions.create(model=MODEL, prompt="one", max_tokens=2, stream=True)  # queued (was a 429)
+        busy.close()
+        assert [x.choices[0].finish_reason for x in one][-1] == "length"
+        aborted = ("specdec_request_success_total", (("finished_reason", "abort"),))
+        wait_idle(srv.url)
+        assert metrics(srv.url).get(aborted, 0) == 1  # the stream closed above, only
+
+
+def test_shutdown_ends_running_requests(loaded, monkeypatch):
+    """On its exit signal the server refuses new requests (503) and ends running ones at
+    once with finish reason ``abort``: a stream gets its last chunk and ``[DONE]`` instead of
+    being cut when the grace period ends (vLLM's)."""
+    llm = LLM(loaded("llama"), max_batch_size=2)
+    slowed(llm, monkeypatch)
+    srv = BackgroundServer(create_app(llm, served_model_name=MODEL)).start()
+    lines = []
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "long", "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
+        it = r.iter_lines()
+        lines.append(next(it))
+        srv.app.state.scheduler.close()
+        refused = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        lines += list(it)
+    srv.stop()
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "abort" and [x for x in lines if x][-1] == "data: [DONE]"
+    assert sum(len(c["choices"][0]["text"]) > 0 for c in chunks) < 200  # cut short, not run to the end
+    assert not srv.thread.is_alive()
+
+
 # --- the text streamer -------------------------------------------------------------------------------
 
 

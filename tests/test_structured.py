@@ -75,6 +75,18 @@ def test_schema_objects_take_only_their_properties(loaded):
     assert "additionalProperties" not in closed["properties"]["properties"]  # no properties: free-form
     assert closed["properties"]["b"]["properties"]["c"] == {"enum": [{"x": 1}]}  # values left alone
     assert closed["$defs"]["d"]["additionalProperties"] is True and "additionalProperties" not in closed["properties"]
+    # properties that add up with others' stay open: allOf branches, an object beside its
+    # combinators and their branches; alternatives alone are closed each
+    parts = {"allOf": [{"type": "object", "properties": {"a": {}}}, {"type": "object", "properties": {"b": {}}}]}
+    assert "additionalProperties" not in json.dumps(closed_objects(parts))
+    beside = {"type": "object", "properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]}
+    assert "additionalProperties" not in json.dumps(closed_objects(beside))
+    alone = closed_objects({"anyOf": [{"type": "object", "properties": {"a": {}}}]})
+    assert alone["anyOf"][0]["additionalProperties"] is False
+    person = {"allOf": [{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+                        {"type": "object", "properties": {"m": {"type": "integer"}}, "required": ["m"]}]}
+    out = LLM(loaded("llama")).generate("abc", SamplingParams(max_tokens=40, structured_outputs={"json": person}))[0]
+    assert out.finish_reason == "length" or {"n", "m"} <= set(json.loads(out.text))  # was "unsatisfiable"
     so = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
     sp = SamplingParams(max_tokens=60, temperature=1.5, n=8, seed=3, structured_outputs=so)
     texts = [c.text for c in LLM(loaded("llama")).generate("abc", sp)[0].outputs]
@@ -99,6 +111,34 @@ def test_greedy_constrained_output_equal_under_speculation(loaded, kind):
         assert [o.token_ids for o in outs] == [b.token_ids for b in base], (method, topk)
         if method == "self" and topk == 1:
             assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs if o.metrics["drafted_tokens"])
+
+
+def test_long_choice_lists_and_odd_strings(loaded):
+    """A choice of thousands of strings (llguidance's own choice format fails past 2000: its
+    matcher errs, which ended the output with EOS and "stop"), and strings that need escaping."""
+    odd = ['say "hi"', "back\\slash", "line\nbreak", "été ✓"]
+    choices = [f"item{i:05d}" for i in range(3000)] + odd
+    llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram"))
+    for extra in ({}, {"logit_bias": {ord('"') if ord('"') < 256 else 0: 5.0}}):
+        out = llm.generate("abc", SamplingParams(max_tokens=30, structured_outputs={"choice": choices}, **extra))[0]
+        assert out.text in choices and out.finish_reason == "stop", out.text
+    texts = {o.text for o in llm.generate(["abc", "xyz", "q"], SamplingParams(
+        max_tokens=20, temperature=1.0, seed=1, n=8, structured_outputs={"choice": odd}))[0].outputs}
+    assert texts <= set(odd) and texts
+
+
+def test_grammar_end_with_ignore_eos_under_trees(loaded):
+    """With ``ignore_eos`` the output goes on past the grammar's end, with EOS only (the text
+    stays the grammar's); a tree that drafts past the end gives plain decoding's tokens (its
+    rows after a drafted EOS were left free)."""
+    sp = SamplingParams(max_tokens=24, ignore_eos=True, structured_outputs=StructuredOutputs(choice=["ab", "c"]))
+    base = LLM(loaded("llama")).generate(PROMPTS, sp)
+    for o in base:
+        assert o.text in ("ab", "c") and set(o.token_ids[len(o.text):]) == {257}, o.token_ids
+    for method, draft, topk in [("self", None, 2), ("draft", "draft", 2), ("self", None, 1), ("ngram", None, 2)]:
+        llm = LLM(loaded("llama"), draft=loaded(draft) if draft else None,
+                  speculative=SpecConfig(method=method, num_draft_tokens=4, tree_topk=topk))
+        assert [o.token_ids for o in llm.generate(PROMPTS, sp)] == [o.token_ids for o in base], (method, topk)
 
 
 def test_matcher_masks_each_row_after_its_drafts(loaded):

@@ -345,4 +345,5 @@ class ModelDrafter:
             and seq.finish_reason != "error" else 0
         del cached[keep:]
         self.tail.pop(seq.slot, None)
+        self.drafted.discard(seq.slot)  # a request that failed between propose and observe
         self.cache.rewind(seq.slot, keep)

@@ -7,24 +7,41 @@ import threading
 import time
 
 
-def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+def _server(app, **config):
+    """A uvicorn server for ``app`` that, on its exit signal (SIGINT, SIGTERM, ``should_exit``
+    from ``BackgroundServer.stop``), first closes the app's scheduler: new requests get 503 and
+    running ones end at once with finish reason ``abort``, so that the grace period finds no
+    handler to cancel."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            close(app)
+            super().handle_exit(sig, frame)
+
+    return Server(uvicorn.Config(app, timeout_graceful_shutdown=5, **config))
+
+
+def close(app) -> None:
+    scheduler = getattr(getattr(app, "state", None), "scheduler", None)
+    if scheduler is not None:
+        scheduler.close()
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    _server(app, host=host, port=port, log_level=log_level).run()
 
 
 class BackgroundServer:
     """``with BackgroundServer(app) as srv: ... srv.url ...`` serves ``app`` until the block ends."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        import uvicorn
-
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on",
-                                                    timeout_graceful_shutdown=5))
+        self.app = app
+        self.server = _server(app, log_level=log_level, lifespan="on")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="specdec-uvicorn", daemon=True)
 
@@ -42,6 +59,7 @@ class BackgroundServer:
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
+        close(self.app)
         self.server.should_exit = True
         self.thread.join(timeout)
         self.sock.close()

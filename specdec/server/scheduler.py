@@ -70,6 +70,7 @@ class Scheduler:
         self.outstanding = 0  # accepted, not yet finished
         self.active: list[ServerRequest] = []  # scheduler thread only
         self.error: str | None = None  # set when the engine failed beyond recovery
+        self.closing = False  # shutting down: no new requests
         self._stop = False
         self.thread = threading.Thread(target=self._loop, name="specdec-scheduler", daemon=True)
 
@@ -87,13 +88,24 @@ class Scheduler:
     def alive(self) -> bool:
         return self.thread.is_alive() and self.error is None
 
-    def submit(self, req: ServerRequest) -> None:
+    def submit(self, reqs: list[ServerRequest]) -> None:
+        """Queue all of ``reqs`` (one HTTP request's completions) or, at capacity, none
+        (``QueueFull``: nothing of them is held or counted)."""
         with self.lock:
-            if self.outstanding >= self.capacity:
+            if self.outstanding + len(reqs) > self.capacity:
                 raise QueueFull(f"the server is at capacity ({self.num_slots} running + "
                                 f"{self.capacity - self.num_slots} queued requests); retry later")
-            self.outstanding += 1
-        self.inbox.put(("add", req))
+            self.outstanding += len(reqs)
+        for req in reqs:
+            self.inbox.put(("add", req))
+        self.wake.set()
+
+    def close(self) -> None:
+        """The server is shutting down: refuse new requests (``closing``) and abort every
+        one accepted, so that each ends now with finish reason ``abort`` (streams with their
+        last chunk) rather than being cut when the server's grace period ends (vLLM's)."""
+        self.closing = True
+        self.inbox.put(("abort_all", None))
         self.wake.set()
 
     def abort(self, req: ServerRequest) -> None:
@@ -129,6 +141,10 @@ class Scheduler:
             if kind == "add":
                 self.active.append(req)
                 self.engine.add(req.seq)
+            elif kind == "abort_all":
+                for r in self.active:
+                    if not r.finished:
+                        self.engine.abort(r.seq)
             elif not req.finished:
                 self.engine.abort(req.seq)
 
