@@ -652,3 +652,23 @@ def test_structured_outputs_on_llamacpp(lc):
         assert out.token_ids == ref.token_ids, name
         if name == "self":
             assert out.metrics["acceptance_rate"] > 0.9
+
+
+def test_prefix_reuse_after_interleaved_prefills_is_exact(lc):
+    """A request decoding while another's prompt prefills in chunks beside it writes cells
+    between that prompt's; when it ends alone, its rows sit below the idle slot's kept
+    prompt, so they are parked, not freed (freed, a later prompt reusing the kept rows would
+    fill those holes below them and attend out of order): the reusing request's logprobs
+    equal a fresh engine's bit for bit."""
+    system = "You are a helpful assistant. " + "Write a long story about a dragon who learns to code. " * 8
+    first, second = system + "\nQuestion: Name three planets.\nAnswer:", system + "\nQuestion: What is a map?\nAnswer:"
+    code = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' * 2
+    kw = dict(max_batch_size=2, chunked_prefill_size=32)
+    sp = SamplingParams(max_tokens=16, logprobs=0, ignore_eos=True)
+    llm = LLM(lc, **kw)
+    llm.generate([code, first], [SamplingParams(max_tokens=60, ignore_eos=True), SamplingParams(max_tokens=1)])
+    got = llm.generate(second, sp)[0]
+    want = LLM(lc, **kw).generate(second, sp)[0]
+    assert got.metrics["cached_prompt_tokens"] > 0 and got.token_ids == want.token_ids
+    assert [e[t].logprob for t, e in zip(got.token_ids, got.outputs[0].logprobs)] == \
+        [e[t].logprob for t, e in zip(want.token_ids, want.outputs[0].logprobs)]

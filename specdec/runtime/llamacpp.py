@@ -162,6 +162,11 @@ class LlamaCppCache:
         self.size = lib.llama_n_ctx(self.ctx)  # KV cells
         self.lengths = [0] * num_slots
         self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # the committed rows' tokens
+        # per slot, the forward (``clock``) that wrote each committed row: rows written later
+        # took cells above those written before (llama.cpp fills the lowest free cells, and
+        # freed cells are refilled in order, see ``make_room``)
+        self.written: list[list[int]] = [[] for _ in range(num_slots)]
+        self.clock = 0  # forwards into this cache
         # per slot, the ends of the whole decodes (a prompt, or its chunks) its rows begin with
         self.prefill_ends: list[list[int]] = [[] for _ in range(num_slots)]
         self.recomputes = 0  # times ``fit`` recomputed the running sequences
@@ -185,8 +190,7 @@ class LlamaCppCache:
         dropped rows from being freed."""
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         tail, cut = self.tail[slot], max(length - self.committed(slot), 0)
-        # an idle slot's rows are old (a new request cutting them parks them)
-        newest = length and not tail and slot not in self.idle and self.alone(slot, busy_only=True)
+        newest = length and not tail and slot not in self.idle and self.newest(slot, length)
         self._park_rows(slot, tail[cut:])
         del tail[cut:]
         if length < self.committed(slot):
@@ -214,9 +218,18 @@ class LlamaCppCache:
         """The slot's committed rows (in its sequence, at positions 0..committed-1)."""
         return len(self.tokens[slot])
 
-    def alone(self, slot: int, busy_only: bool = False) -> bool:
-        """No other slot holds rows (``busy_only``: rows that may grow, idle slots aside)."""
-        return not any(n for x, n in enumerate(self.lengths) if x != slot and not (busy_only and x in self.idle))
+    def alone(self, slot: int) -> bool:
+        """No other slot holds rows."""
+        return not any(n for x, n in enumerate(self.lengths) if x != slot)
+
+    def newest(self, slot: int, length: int) -> bool:
+        """Whether the slot's committed rows from ``length`` on lie above every other slot's
+        cells: no other slot runs, and an idle one (a kept prompt, adding no rows until a
+        prompt that starts the same comes) wrote all its rows before them. (Its prompt
+        chunks may have been written between this slot's rows, while it prefilled beside it.)"""
+        first = self.written[slot][length] if length < len(self.written[slot]) else self.clock + 1
+        return all(not n or (x in self.idle and (not self.written[x] or self.written[x][-1] < first))
+                   for x, n in enumerate(self.lengths) if x != slot)
 
     def make_room(self, slot: int, n: int) -> None:
         """Before a prompt of ``n`` tokens in ``slot``: free at most ``n`` parked cells (the
@@ -288,6 +301,7 @@ class LlamaCppCache:
         self._release(moved)
         tail.clear()
         self.tokens[slot] += [row.token for row in moved]
+        self.written[slot] += [self.clock] * len(moved)  # the verify forward just before
         self.lengths[slot] = start + len(rows)
 
     def open_tree(self, slot: int, tokens: list[int], pos: list[int],
@@ -338,6 +352,7 @@ class LlamaCppCache:
     def _cut(self, slot: int, length: int) -> None:
         """Forget the slot's committed tokens from ``length`` on."""
         del self.tokens[slot][length:]
+        del self.written[slot][length:]
         ends = self.prefill_ends[slot]
         del ends[bisect.bisect_right(ends, length):]
 
@@ -479,6 +494,7 @@ class LlamaCppRuntime:
             if cache.lengths[slot] == 0:
                 cache.make_room(slot, len(toks))
         cache.fit(sum(map(len, tokens)))
+        cache.clock += 1
         try:
             for b, (slot, toks) in enumerate(zip(slots, tokens)):
                 p = positions[b] if positions is not None else None
@@ -515,6 +531,7 @@ class LlamaCppRuntime:
                 if self.exact and limit is None and (ends[-1] if ends else 0) == cache.committed(slot):
                     ends.append(cache.committed(slot) + len(toks))  # a whole decode, for recompute
                 cache.tokens[slot] += map(int, toks)
+                cache.written[slot] += [cache.clock] * len(toks)
             cache.lengths[slot] += len(toks)
         rows = out[0] if len(out) == 1 else torch.cat(out)  # [sum(outputs), vocab]
         return self._logits(rows, [len(t) for t in tokens], last_only)
@@ -524,6 +541,8 @@ class LlamaCppRuntime:
         decoding made it: the prefill's whole decodes (``cache.prefill_ends``), then pieces
         of at most ``max_rows`` rows (whose logits are one-row decoding's)."""
         ids, ends = cache.tokens[slot], cache.prefill_ends[slot]
+        cache.clock += 1
+        cache.written[slot] = [cache.clock] * len(ids)
         p = ends[-1] if ends else 0
         bounds = [0] + ends + [p + b for b in piece_bounds(len(ids) - p, self.max_rows)[1:]]
         for a, b in zip(bounds, bounds[1:]):
