@@ -469,7 +469,8 @@ class Planner:
     def record(self, request_id: int, choice: Choice, depth: int, num_accepted: int) -> None:
         """A verify step of ``choice`` whose draft reached ``depth`` (a chain's length, a
         tree's deepest path) and had ``num_accepted`` of those accepted."""
-        self.chosen_k[choice.k] = self.chosen_k.get(choice.k, 0) + 1
+        k = choice.k if depth else 0  # nothing drafted (a draft model still catching up): k = 0
+        self.chosen_k[k] = self.chosen_k.get(k, 0) + 1
         for name, track in self._tracks(request_id).items():
             if name != choice.drafter or depth == 0:
                 track.idle += 1

@@ -134,7 +134,7 @@ class Sequence:
     # what stopped it, as vLLM reports: the stop string, or the stop_token_ids token (None: an
     # EOS of the model's, the length, or not finished)
     stop_reason: int | str | None = None
-    text: str | None = None  # final text when a stop string, stop token or EOS ended it (None: decode all)
+    text: str | None = None  # final text where the engine cut it (a stop string; a stop token or EOS left out); None: decode all
     metrics: Metrics = field(default_factory=Metrics)
     started_at: float = 0.0
     num_draft_tokens: int | None = None  # this request's cap on k (None = the engine's k)

@@ -46,16 +46,39 @@ def grammar_text(so: StructuredOutputs) -> str:
     if so.json_object:
         return '{"type": "object"}'
     if so.choice is not None:
-        return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice)
+        return "start: CHOICE\nCHOICE: " + " | ".join(map(json.dumps, so.choice))  # escaped: Lark takes no raw DEL
     if so.json is not None:
-        return json.dumps(closed_objects(json.loads(so.json)))
+        schema = json.loads(so.json)
+        return json.dumps(closed_objects(schema, opened=extended_refs(schema)))
     return getattr(so, so.kind)
 
 
 COMBINATORS = ("allOf", "anyOf", "oneOf")
 
 
-def closed_objects(schema, close: bool = True):
+def extended_refs(schema) -> set[str]:
+    """The ``$ref``s that stand where properties add up with others' (an ``allOf`` branch, or
+    a combinator branch beside ``properties``): the definitions they name stay open too."""
+    out: set[str] = set()
+
+    def walk(node) -> None:
+        if isinstance(node, list):
+            for x in node:
+                walk(x)
+        elif isinstance(node, dict):
+            extended = isinstance(node.get("properties"), dict)
+            for key in COMBINATORS:
+                if isinstance(node.get(key), list) and (key == "allOf" or extended):
+                    out.update(b["$ref"] for b in node[key] if isinstance(b, dict) and isinstance(b.get("$ref"), str))
+            for key, value in node.items():
+                if key not in ("enum", "const", "default", "examples"):
+                    walk(value)
+
+    walk(schema)
+    return out
+
+
+def closed_objects(schema, close: bool = True, opened: set[str] = frozenset(), where: str = "#"):
     """``schema`` with ``"additionalProperties": false`` on every object schema that lists
     ``properties`` and sets neither ``additionalProperties`` nor ``patternProperties``: as
     vLLM's default grammar backend (xgrammar) and OpenAI's strict mode read a schema, so that
@@ -63,9 +86,11 @@ def closed_objects(schema, close: bool = True):
     Schema, allows others by default). An object without ``properties`` stays free-form, and
     so do the parts whose properties add up with others' (``close`` false): an object beside
     ``allOf``/``anyOf``/``oneOf`` branches and the branches of its combinators, and every
-    ``allOf`` branch (closed apart, each would refuse the others' properties)."""
+    ``allOf`` branch (closed apart, each would refuse the others' properties), written in
+    place or as definitions their ``$ref`` names (``opened``, by the reference's path;
+    ``where``: this part's path)."""
     if isinstance(schema, list):
-        return [closed_objects(x) for x in schema]
+        return [closed_objects(x, opened=opened) for x in schema]
     if not isinstance(schema, dict):
         return schema
     extended = isinstance(schema.get("properties"), dict)  # combinator branches add to these
@@ -73,13 +98,15 @@ def closed_objects(schema, close: bool = True):
     for key, value in schema.items():
         if key in ("enum", "const", "default", "examples"):  # values, not schemas
             out[key] = value
-        elif key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas") \
-                and isinstance(value, dict):  # name -> schema
-            out[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in ("$defs", "definitions") and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub, close=f"{where}/{key}/{name}" not in opened, opened=opened,
+                                             where=f"{where}/{key}/{name}") for name, sub in value.items()}
+        elif key in ("properties", "patternProperties", "dependentSchemas") and isinstance(value, dict):
+            out[key] = {name: closed_objects(sub, opened=opened) for name, sub in value.items()}  # name -> schema
         elif key in COMBINATORS and isinstance(value, list):
-            out[key] = [closed_objects(x, close=key != "allOf" and not extended) for x in value]
+            out[key] = [closed_objects(x, close=key != "allOf" and not extended, opened=opened) for x in value]
         else:
-            out[key] = closed_objects(value)
+            out[key] = closed_objects(value, opened=opened)
     if close and isinstance(out.get("properties"), dict) and \
             not {"additionalProperties", "patternProperties", *COMBINATORS} & out.keys():
         out["additionalProperties"] = False
@@ -126,8 +153,9 @@ class Grammars:
         except ValueError as e:  # llguidance takes fast (tokenizers) tokenizers only
             raise ValueError(f"structured outputs need this model's tokenizer in llguidance: {e}") from None
 
-        def invalid(error) -> ValueError:  # llguidance's message on one line
-            return ValueError(f"structured_outputs.{so.kind}: {' '.join(str(error).split())}")
+        def invalid(error) -> ValueError:  # llguidance's message on one line (it may quote the whole grammar)
+            message = " ".join(str(error).split())
+            return ValueError(f"structured_outputs.{so.kind}: {message[:500]}{'...' if len(message) > 500 else ''}")
 
         try:
             grammar = llguidance.grammar_from(_FORMATS[so.kind], grammar_text(so))

@@ -127,6 +127,9 @@ def test_null_fields_take_their_defaults(server):
     want = httpx.post(server.url + "/v1/chat/completions", json=chat).json()["choices"]
     got = httpx.post(server.url + "/v1/chat/completions", json={**chat, **nulls})
     assert got.status_code == 200 and got.json()["choices"] == want, got.text
+    rest = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": None,
+                                                             "ignore_eos": True}).json()["usage"]
+    assert rest["total_tokens"] == 512  # max_tokens null: the rest of the window (vLLM's), not the default 16
     completion = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0}
     got = httpx.post(server.url + "/v1/completions", json={**completion, "echo": None, "logprobs": None, "n": None})
     assert got.status_code == 200 and got.json()["choices"][0]["text"] == \

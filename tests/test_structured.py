@@ -85,8 +85,10 @@ def test_schema_objects_take_only_their_properties(loaded):
     assert alone["anyOf"][0]["additionalProperties"] is False
     person = {"allOf": [{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
                         {"type": "object", "properties": {"m": {"type": "integer"}}, "required": ["m"]}]}
-    out = LLM(loaded("llama")).generate("abc", SamplingParams(max_tokens=40, structured_outputs={"json": person}))[0]
-    assert out.finish_reason == "length" or {"n", "m"} <= set(json.loads(out.text))  # was "unsatisfiable"
+    based = {"$defs": {"Base": person["allOf"][0]}, "allOf": [{"$ref": "#/$defs/Base"}, person["allOf"][1]]}
+    for schema in (person, based):  # the extended part in place, or a definition
+        out = LLM(loaded("llama")).generate("abc", SamplingParams(max_tokens=40, structured_outputs={"json": schema}))[0]
+        assert out.finish_reason == "length" or {"n", "m"} <= set(json.loads(out.text))  # was "unsatisfiable"
     so = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
     sp = SamplingParams(max_tokens=60, temperature=1.5, n=8, seed=3, structured_outputs=so)
     texts = [c.text for c in LLM(loaded("llama")).generate("abc", sp)[0].outputs]
@@ -116,7 +118,7 @@ def test_greedy_constrained_output_equal_under_speculation(loaded, kind):
 def test_long_choice_lists_and_odd_strings(loaded):
     """A choice of thousands of strings (llguidance's own choice format fails past 2000: its
     matcher errs, which ended the output with EOS and "stop"), and strings that need escaping."""
-    odd = ['say "hi"', "back\\slash", "line\nbreak", "été ✓"]
+    odd = ['say "hi"', "back\\slash", "line\nbreak", "été ✓", "del\x7f"]
     choices = [f"item{i:05d}" for i in range(3000)] + odd
     llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram"))
     for extra in ({}, {"logit_bias": {ord('"') if ord('"') < 256 else 0: 5.0}}):

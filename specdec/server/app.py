@@ -37,7 +37,7 @@ from ..tools import PARSERS, TOOL_PARSERS
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                        TokenizeRequest, bad_request, model_not_found, parse)
-from .scheduler import QueueFull, Scheduler, ServerRequest, Update
+from .scheduler import Closing, QueueFull, Scheduler, ServerRequest, Update
 from .text import TextStream, TokenOffsets, prompt_offsets
 
 log = logging.getLogger("specdec.server")
@@ -316,6 +316,8 @@ class _API:
             self.scheduler.submit(sreqs)
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
+        except Closing as e:  # closed since the check above
+            raise APIError(503, str(e), "server_error") from None
         watcher = asyncio.create_task(self._abort_on_disconnect(request, sreqs))
         out = _Output(self, req, sreqs, chat, echoes)
         if req.stream:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -54,7 +54,11 @@ class _Strict(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _nulls_are_defaults(cls, data):
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k in cls.null_means_none}
+
+    null_means_none: ClassVar[frozenset[str]] = frozenset()  # fields whose null is not their default
 
     def refuse_unsupported(self) -> None:
         """A body's checks beyond its fields' types (``parse`` calls it); none by default."""
@@ -252,7 +256,8 @@ class _Request(_Strict):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions
+    max_tokens: int | None = 16  # OpenAI's default for completions; null: the rest of the window (vLLM's)
+    null_means_none: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None

@@ -27,12 +27,16 @@ class Update:
     token_ids: list[int]  # newly committed output tokens
     logprobs: list = field(default_factory=list)  # their TokenLogprobs (logprob, rank, top), when asked for
     finish_reason: str | None = None  # set on the request's last update
-    text: str | None = None  # final text when a stop string, stop token or EOS ended it (else decode the ids)
+    text: str | None = None  # final text where the engine cut it (a stop string; a stop token or EOS left out; else decode the ids)
     error: str | None = None  # the engine failed: the request ends without output
 
 
 class QueueFull(Exception):
     pass
+
+
+class Closing(Exception):
+    """The server is shutting down (``Scheduler.close``): no new requests."""
 
 
 class ServerRequest:
@@ -92,6 +96,8 @@ class Scheduler:
         """Queue all of ``reqs`` (one HTTP request's completions) or, at capacity, none
         (``QueueFull``: nothing of them is held or counted)."""
         with self.lock:
+            if self.closing:
+                raise Closing("the server is shutting down")
             if self.outstanding + len(reqs) > self.capacity:
                 raise QueueFull(f"the server is at capacity ({self.num_slots} running + "
                                 f"{self.capacity - self.num_slots} queued requests); retry later")
@@ -104,7 +110,8 @@ class Scheduler:
         """The server is shutting down: refuse new requests (``closing``) and abort every
         one accepted, so that each ends now with finish reason ``abort`` (streams with their
         last chunk) rather than being cut when the server's grace period ends (vLLM's)."""
-        self.closing = True
+        with self.lock:
+            self.closing = True
         self.inbox.put(("abort_all", None))
         self.wake.set()
 
