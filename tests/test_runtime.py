@@ -149,6 +149,26 @@ def test_ragged_batch_matches_single(loaded):
         torch.testing.assert_close(more[row, : len(new)], one, atol=1e-5, rtol=0)
 
 
+def test_slot_runs_attend_as_the_gather_does(loaded, monkeypatch):
+    """Rows in runs of consecutive slots attend over views of the cache, run by run (from
+    ``RUNS_FROM_KEYS`` keys; forced here), with the same logits as a gathered copy."""
+    import specdec.runtime.torch_llama as tl
+
+    rt = loaded("qwen2").runtime
+    seqs = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14], [15]]
+    slots = [3, 0, 1, 5]  # runs: [3], [0, 1], [5]
+    assert tl.slot_runs(slots, 300) == ((0, 1, 3), (1, 3, 0), (3, 4, 5)) and tl.slot_runs(slots, 10) is None
+    gathered = rt.forward(rt.new_cache(6), slots, seqs)
+    monkeypatch.setattr(tl, "RUNS_FROM_KEYS", 0)
+    cache = rt.new_cache(6)
+    runs = rt.forward(cache, slots, seqs)
+    torch.testing.assert_close(runs, gathered, atol=0, rtol=0)
+    more = rt.forward(cache, [0, 1, 3], [[20], [21, 22], [23]])  # continuing, in other runs
+    for row, (s, new) in enumerate([(seqs[1], [20]), (seqs[2], [21, 22]), (seqs[0], [23])]):
+        one = rt.forward(rt.new_cache(1), [0], [s + new])[0, len(s):]
+        torch.testing.assert_close(more[row, : len(new)], one, atol=1e-5, rtol=0)
+
+
 def test_rewind_then_continue_equals_fresh(loaded):
     rt = loaded("llama").runtime
     cache = rt.new_cache(1)

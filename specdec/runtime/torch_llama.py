@@ -224,9 +224,25 @@ class _Batch:
     slots: torch.Tensor  # [B] cache slot of each row
     mask: torch.Tensor  # [B, 1, T, S] bool: new token i sees key j
     sliding: torch.Tensor | None = None  # [B, 1, T, S] the mask within the sliding window (its layers')
-    # the slots as a range when they are consecutive (an eager forward's; a graph's vary between
-    # replays): each layer then attends over a view of the cache, not a gathered copy of it
-    span: tuple[int, int] | None = None
+    # an eager forward's rows as runs of consecutive slots, ``(first row, end row, first slot)``
+    # (a graph's slots vary between replays): each layer then attends over views of the
+    # cache, one per run, not over a gathered copy of it
+    runs: tuple[tuple[int, int, int], ...] | None = None
+
+
+RUNS_FROM_KEYS = 256  # a batch in several runs of slots attends run by run from this many keys
+
+
+def slot_runs(slots: list[int], keys: int) -> tuple[tuple[int, int, int], ...] | None:
+    """``slots`` as runs of consecutive slots ``(first row, end row, first slot)``, for
+    attending over views of the cache: one run, or several once the keys are many enough
+    that copying them costs more than an attention call per run; else None (a gather)."""
+    runs, b0 = [], 0
+    for b in range(1, len(slots) + 1):
+        if b == len(slots) or slots[b] != slots[b - 1] + 1:
+            runs.append((b0, b, slots[b0]))
+            b0 = b
+    return tuple(runs) if len(runs) == 1 or keys >= RUNS_FROM_KEYS else None
 
 
 @dataclass
@@ -512,8 +528,8 @@ class TorchLlama:
         slots = list(slots)
         packed = torch.cat([ids.flatten(), pos.flatten(), write.flatten(), torch.tensor(slots)]).to(self.device)
         ids, pos, write, slots_ = packed.split([B * T, B * T, B * T, B])
-        span = (slots[0], slots[0] + B) if keys is None and slots == list(range(slots[0], slots[0] + B)) else None
-        return _Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device), sliding, span)
+        return _Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device), sliding,
+                      None if keys is not None else slot_runs(slots, mask.shape[-1]))
 
     def _layers(self, cache: KVCache, x: "_Batch", last: torch.Tensor | None = None,
                 to_float: bool = True) -> torch.Tensor:
@@ -547,12 +563,15 @@ class TorchLlama:
             kc, vc = cache.k[li], cache.v[li]  # [slots, KV, cap, D]
             kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
             vc[x.slots[:, None], :, x.write] = v
-            if x.span is not None:  # [B, KV, S, D]
-                keys, values = kc[x.span[0]:x.span[1], :, :S], vc[x.span[0]:x.span[1], :, :S]
-            else:
-                keys, values = kc[x.slots, :, :S], vc[x.slots, :, :S]
             mask = x.sliding if L["sliding"] else x.mask
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=KV != H)
+            if x.runs is not None:  # views of each run's cache rows [b1 - b0, KV, S, D]
+                parts = [F.scaled_dot_product_attention(q[b0:b1], kc[s0:s0 + b1 - b0, :, :S],
+                                                        vc[s0:s0 + b1 - b0, :, :S], attn_mask=mask[b0:b1],
+                                                        enable_gqa=KV != H) for b0, b1, s0 in x.runs]
+                o = parts[0] if len(parts) == 1 else torch.cat(parts)
+            else:  # a gathered copy [B, KV, S, D]
+                o = F.scaled_dot_product_attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], attn_mask=mask,
+                                                   enable_gqa=KV != H)
             h = h + L["o"](o.transpose(1, 2).reshape(B, T, H * D))
             a = rms_norm(h, L["mlp_norm"], self.eps)
             gate, up = L["gate_up"](a).chunk(2, dim=-1)
