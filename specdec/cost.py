@@ -399,15 +399,14 @@ class Planner:
         self.level += LEVEL_RATE * (ratio / shape - self.level)
         self.shape[n] = (shape + SHAPE_RATE * (ratio / self.level - shape), self.verify_steps)
 
-    def choose(self, request_id: int, limit: int, available: dict[str, int | None] | None = None,
-               behind: dict[str, int] | None = None, left: int | None = None) -> Choice:
-        """Best (drafter, k <= min(k_max, limit)) for this request's next step (``left``: tokens
-        it may still generate)."""
+    def choose(self, ask: Ask) -> Choice:
+        """Best (drafter, k <= min(k_max, ask.limit)) for this request's next step."""
+        request_id, limit, left = ask.request_id, ask.limit, ask.left
         best = Choice(None, 0, 1.0 / self.verify_seconds(1))
         if limit <= 0:
             return best
-        available = {n: None for n in self.draft_cost} if available is None else available
-        behind = behind or {}
+        available = {n: None for n in self.draft_cost} if ask.available is None else ask.available
+        behind = ask.behind or {}
         probe = None
         for name, track in self._tracks(request_id).items():
             if name not in available:
@@ -433,7 +432,7 @@ class Planner:
         drafting scaled by the cost of one forward over all its requests' rows against one
         row (a batch drafts in the same forwards). One request alone, or a ``serial`` layout
         (its forwards add up per request), keeps its own choices."""
-        own = [self.choose(a.request_id, a.limit, a.available, a.behind, a.left) for a in asks]
+        own = [self.choose(a) for a in asks]
         if len(asks) == 1 or self.layout == "serial":
             return own
         best, best_rate = 0, 0.0

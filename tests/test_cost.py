@@ -44,7 +44,7 @@ def test_untried_depths_lean_on_the_depths_before():
     p = Planner(curve, {"draft": 0.1}, k_max=4)
     ks = []
     for _ in range(4):
-        c = p.choose(1, limit=4)
+        c = p.choose(Ask(1, limit=4))
         ks.append(c.k)
         p.record(1, c, depth=c.k, num_accepted=c.k)
     assert ks[0] < 4 and ks[-1] == 4, ks
@@ -61,7 +61,7 @@ def test_a_batch_shares_its_verify_forward():
     curve = ForwardCosts(tuple(1.0 if n <= 8 else 1.0 + 0.25 * (n - 8) for n in range(1, 25)))
     for layout in ("padded", "packed"):
         p = Planner(curve, {"ngram": 0.0}, k_max=4, prior=0.6, layout=layout)
-        assert p.choose_batch([Ask(1, 4)]) == [p.choose(1, 4)] and p.choose(1, 4).k == 4
+        assert p.choose_batch([Ask(1, 4)]) == [p.choose(Ask(1, 4))] and p.choose(Ask(1, 4)).k == 4
         batch = p.choose_batch([Ask(i, 4) for i in range(4)])
         assert [(c.drafter, c.k) for c in batch] == [("ngram", 1)] * 4, layout
     p = Planner(curve, {"ngram": 0.0}, k_max=4, prior=0.6)
@@ -95,34 +95,34 @@ def test_forward_costs_extrapolate():
 def test_planner_speculates_when_verify_is_cheap_and_drafts_are_good():
     cheap = ForwardCosts((1.0, 1.05, 1.1, 1.15, 1.2))
     p = Planner(cheap, {"draft": 0.05}, k_max=4, prior=0.9)
-    c = p.choose(1, limit=4)
+    c = p.choose(Ask(1, limit=4))
     assert c.drafter == "draft" and c.k == 4
-    assert p.choose(1, limit=2).k == 2  # the remaining budget caps k
+    assert p.choose(Ask(1, limit=2)).k == 2  # the remaining budget caps k
 
 
 def test_planner_decodes_plainly_when_speculation_cannot_pay():
     costly = ForwardCosts((1.0, 1.9, 2.5, 3.0, 3.4))  # this CPU without oneDNN
     p = Planner(costly, {"ngram": 0.0}, k_max=4, prior=0.3)
-    assert p.choose(1, limit=4) == Choice(None, 0, pytest.approx(1.0))
+    assert p.choose(Ask(1, limit=4)) == Choice(None, 0, pytest.approx(1.0))
     for _ in range(12):  # an n-gram that keeps being right pushes k up again
         p.record(1, Choice("ngram", 4, 0), depth=4, num_accepted=4)
-    assert p.choose(1, limit=4).drafter == "ngram"
+    assert p.choose(Ask(1, limit=4)).drafter == "ngram"
 
 
 def test_planner_probes_with_backoff_and_respects_availability():
     costly = ForwardCosts((1.0, 1.9, 2.5))
     p = Planner(costly, {"ngram": 0.0, "draft": 0.1}, k_max=2, prior=0.2)
     for _ in range(7):
-        c = p.choose(5, limit=2)
+        c = p.choose(Ask(5, limit=2))
         assert c.drafter is None
         p.record(5, c, 0, 0)
-    c = p.choose(5, limit=2)  # idle 7 -> not yet; after the 8th plain step a probe
+    c = p.choose(Ask(5, limit=2))  # idle 7 -> not yet; after the 8th plain step a probe
     p.record(5, c, 0, 0)
-    probe = p.choose(5, limit=2, available={"draft": None})
+    probe = p.choose(Ask(5, limit=2, available={"draft": None}))
     assert probe == Choice("draft", 1, pytest.approx(probe.tokens_per_s), probe=True)
     p.record(5, probe, depth=1, num_accepted=1)  # a probe doubles the back-off, even
     assert p.tracks[5]["draft"].backoff == 16 and p.tracks[5]["draft"].idle == 0  # if accepted
-    assert p.choose(5, limit=2, available={"draft": None}).drafter is None  # still not worth it
+    assert p.choose(Ask(5, limit=2, available={"draft": None})).drafter is None  # still not worth it
     assert p.chosen_k == {0: 8, 1: 1}
     p.release(5)
     assert 5 not in p.tracks and StatsKey("draft", 5) not in p.stats
@@ -135,13 +135,13 @@ def test_planner_learns_acceptance_per_context_across_requests():
     p = Planner(verify, {"ngram": 0.0}, k_max=4, prior=0.6)
     for request in range(1, 30):
         for ctx, accepted in ((8, 4), (1, 0)):
-            c = p.choose(request, limit=4, available={"ngram": ctx})
+            c = p.choose(Ask(request, limit=4, available={"ngram": ctx}))
             if c.drafter:
                 p.record(request, c, depth=c.k, num_accepted=min(accepted, c.k))
         p.release(request)
-    assert p.choose(99, limit=4, available={"ngram": 8}) == Choice("ngram", 4, pytest.approx(5 / 2.4, rel=0.1), 8)
-    assert p.choose(99, limit=4, available={"ngram": 1}).drafter is None
-    assert p.choose(99, limit=4, available={}).drafter is None  # no match, no n-gram draft
+    assert p.choose(Ask(99, limit=4, available={"ngram": 8})) == Choice("ngram", 4, pytest.approx(5 / 2.4, rel=0.1), 8)
+    assert p.choose(Ask(99, limit=4, available={"ngram": 1})).drafter is None
+    assert p.choose(Ask(99, limit=4, available={})).drafter is None  # no match, no n-gram draft
 
 
 def test_planner_prices_a_draft_models_catch_up():
@@ -153,12 +153,12 @@ def test_planner_prices_a_draft_models_catch_up():
     draft = DraftCost(per_depth=0.2, catch_up=ForwardCosts((0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.4)))
     assert draft(0) == 0 and draft(2, behind=1) == pytest.approx(0.4) and draft(2, behind=9) == pytest.approx(1.6)
     p = Planner(verify, {"draft": draft}, k_max=2, prior=0.8)
-    assert p.choose(1, limit=2, behind={"draft": 1}).k == 2  # (1 + .8 + .64) / (1.4 + .4) > 1
-    assert p.choose(1, limit=2, behind={"draft": 9}).drafter is None  # 2.44 / (1.4 + 1.6) < 1
+    assert p.choose(Ask(1, limit=2, behind={"draft": 1})).k == 2  # (1 + .8 + .64) / (1.4 + .4) > 1
+    assert p.choose(Ask(1, limit=2, behind={"draft": 9})).drafter is None  # 2.44 / (1.4 + 1.6) < 1
     p.tracks[1]["draft"].idle = 100  # due for a probe, but even perfect drafts would not pay
     assert p.could_pay("draft", 2, behind=1) and not p.could_pay("draft", 2, behind=9)
-    assert p.choose(1, limit=2, behind={"draft": 9}).drafter is None
-    assert p.choose(1, limit=2, behind={"draft": 1}).drafter == "draft"
+    assert p.choose(Ask(1, limit=2, behind={"draft": 9})).drafter is None
+    assert p.choose(Ask(1, limit=2, behind={"draft": 1})).drafter == "draft"
 
 
 def test_planner_spreads_a_long_catch_up_over_the_tokens_left():
@@ -172,9 +172,9 @@ def test_planner_spreads_a_long_catch_up_over_the_tokens_left():
     assert draft(2, behind=9, share=0.5) == pytest.approx(0.3 + 0.5 * 1.1 + 0.2)
     assert draft(2, behind=2, share=0.0) == draft(2, behind=2) == pytest.approx(0.5)  # steady: all of it
     p = Planner(verify, {"draft": draft}, k_max=2, prior=0.8)
-    assert p.choose(1, limit=2, behind={"draft": 9}, left=100).drafter == "draft"  # 2.44 / (1.4 + 0.53)
-    assert p.choose(1, limit=2, behind={"draft": 9}, left=3).drafter is None  # 2.44 / (1.4 + 1.39)
-    assert p.choose(1, limit=2, behind={"draft": 9}, left=10**6).tokens_per_s == pytest.approx(
+    assert p.choose(Ask(1, limit=2, behind={"draft": 9}, left=100)).drafter == "draft"  # 2.44 / (1.4 + 0.53)
+    assert p.choose(Ask(1, limit=2, behind={"draft": 9}, left=3)).drafter is None  # 2.44 / (1.4 + 1.39)
+    assert p.choose(Ask(1, limit=2, behind={"draft": 9}, left=10**6)).tokens_per_s == pytest.approx(
         2.44 / (1.4 + 0.5 + 1.1 * 2.44 / 256))  # spread over at most CATCH_UP_HORIZON tokens
     assert p.could_pay("draft", 2, behind=9, left=100) and not p.could_pay("draft", 2, behind=9, left=3)
 
@@ -190,17 +190,17 @@ def test_planner_corrects_verify_costs_from_observed_steps():
     make speculation look (rightly) worse; a slowdown of every size alike changes nothing."""
     verify = ForwardCosts((1.0, 1.5))
     p = Planner(verify, {"ngram": 0.0}, k_max=1, prior=0.7)
-    assert p.choose(1, limit=1, available={"ngram": None}).k == 1  # 1.7 / 1.5 > 1
+    assert p.choose(Ask(1, limit=1, available={"ngram": None})).k == 1  # 1.7 / 1.5 > 1
     for _ in range(40):  # everything 1.5x slower than measured (another process, say)
         p.observe_verify(1, 1.5 * 1.0)
         p.observe_verify(2, 1.5 * 1.5)
     assert p.verify_seconds(2) / p.verify_seconds(1) == pytest.approx(1.5, rel=0.02)
-    assert p.choose(1, limit=1, available={"ngram": None}).k == 1
+    assert p.choose(Ask(1, limit=1, available={"ngram": None})).k == 1
     for _ in range(40):  # 2-token forwards really cost 1.3x the measurement
         p.observe_verify(1, 1.0)
         p.observe_verify(2, 1.5 * 1.3)
     assert p.verify_seconds(2) / p.verify_seconds(1) == pytest.approx(1.95, rel=0.05)
-    assert p.choose(1, limit=1, available={"ngram": None}).drafter is None  # 1.7 / 1.95 < 1
+    assert p.choose(Ask(1, limit=1, available={"ngram": None})).drafter is None  # 1.7 / 1.95 < 1
 
 
 def test_a_passing_slowdown_does_not_keep_the_planner_off_deep_drafts():
@@ -211,7 +211,7 @@ def test_a_passing_slowdown_does_not_keep_the_planner_off_deep_drafts():
     p = Planner(curve, {"draft": 0.1}, k_max=4, prior=0.9)
     ks = []
     for load in [3.0] * 3 + [1.0] * 57:
-        c = p.choose(1, limit=4)
+        c = p.choose(Ask(1, limit=4))
         ks.append(c.k)
         p.observe_verify(c.k + 1, load * curve(c.k + 1) + c.k * 0.1)
         p.record(1, c, depth=c.k, num_accepted=c.k)
@@ -221,16 +221,16 @@ def test_a_passing_slowdown_does_not_keep_the_planner_off_deep_drafts():
 def test_match_acceptance_is_shared_across_requests_and_corrected_per_request():
     p = Planner(ForwardCosts((1.0, 1.2, 1.4, 1.6, 1.8)), {"ngram": 0.0}, k_max=4, prior=0.6)
     for request in range(1, 11):  # long matches copy well
-        c = p.choose(request, limit=4, available={"ngram": 9})
+        c = p.choose(Ask(request, limit=4, available={"ngram": 9}))
         p.record(request, c, depth=c.k, num_accepted=c.k)
         p.release(request)
-    assert p.choose(11, limit=4, available={"ngram": 9}).k == 4
+    assert p.choose(Ask(11, limit=4, available={"ngram": 9})).k == 4
     for _ in range(6):  # ... but not in request 11
-        c = p.choose(11, limit=4, available={"ngram": 9})
+        c = p.choose(Ask(11, limit=4, available={"ngram": 9}))
         if c.drafter:
             p.record(11, c, depth=c.k, num_accepted=0)
-    assert p.choose(11, limit=4, available={"ngram": 9}).drafter is None
-    assert p.choose(12, limit=4, available={"ngram": 9}).k >= 2  # another request still trusts them
+    assert p.choose(Ask(11, limit=4, available={"ngram": 9})).drafter is None
+    assert p.choose(Ask(12, limit=4, available={"ngram": 9})).k >= 2  # another request still trusts them
     p.release(11)
     assert not [k for k in p.stats if k.request_id == 11]
 
