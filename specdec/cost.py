@@ -288,7 +288,7 @@ class Planner:
     tree drafters (a verify step over depth k checks ``1 + min(budget, k * width)`` tokens;
     chains check ``k + 1``).
 
-    ``choose(..., available={name: context})`` lists the drafters that can draft this step
+    ``choose(Ask(..., available={name: context}))`` lists the drafters that can draft this step
     (n-gram only with a match) and each one's *context*. The n-gram drafter's is the length
     of the longest earlier match of the text's end (a long match is a copy in progress), whose
     acceptance is learned across requests (``MatchAcceptance``); ``None`` (a draft model)
