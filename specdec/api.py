@@ -1,7 +1,9 @@
 """The Python API: ``LLM(...).generate(prompts, SamplingParams(...))``, in the spirit of vLLM."""
 from __future__ import annotations
 
+import json
 import random
+import threading
 import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
@@ -29,6 +31,7 @@ from .structured import Grammars
 CHUNKED_PREFILL_SIZE = {"cpu": 256, "cuda": 2048}
 CATCH_UP_TOKENS = 16  # draft forward costs measured up to this many tokens (then extrapolated)
 Prompt = Union[str, list[dict], dict]  # text | chat messages | {"prompt_token_ids": [...]} | {"prompt": text}
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})  # vLLM's TextPrompt / TokensPrompt (text only)
 
 
 @dataclass(frozen=True)
@@ -121,29 +124,48 @@ def encode_prompt(tok, prompt: Prompt, chat: dict | None = None) -> list[int]:
 
 
 def text_messages(messages: list[dict]) -> list[dict]:
-    """Chat messages with OpenAI's content parts (``[{"type": "text", "text": ...}, ...]``)
-    as text, a part per line (vLLM's); other parts (images...) are refused."""
+    """Chat messages as templates take them (vLLM's): OpenAI's content parts (``[{"type":
+    "text", "text": ...}, ...]``) as text, a part per line (other parts, images..., are
+    refused); an assistant's ``tool_calls`` with their JSON ``arguments`` as objects (templates
+    write them with ``tojson``), and its ``content`` "" where it has none."""
     out = []
     for m in messages:
-        parts = m["content"]
+        parts = m.get("content")
         if isinstance(parts, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
                 raise ValueError("a message's content parts must be text: {'type': 'text', 'text': ...}")
             m = {**m, "content": "\n".join(p["text"] for p in parts)}
+        if m.get("tool_calls"):
+            m = {**m, "content": m.get("content") or "", "tool_calls": [
+                {**c, "function": {**c["function"], "arguments": json_or_text(c["function"].get("arguments"))}}
+                if isinstance(c, dict) and isinstance(c.get("function"), dict) else c for c in m["tool_calls"]]}
         out.append(m)
     return out
+
+
+def json_or_text(value):
+    """A tool call's ``arguments``: JSON text as its object, anything else as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
 
 def render_prompt(tok, prompt: Prompt, chat: dict | None = None) -> tuple[str | None, list[int]]:
     """``(text, token ids)`` of a prompt (see ``encode_prompt``): the text as given, a chat's
     as its template renders it, None for ``{"prompt_token_ids": ...}``."""
     text = None
+    if isinstance(prompt, dict) and set(prompt) - PROMPT_KEYS:
+        raise ValueError(f"a prompt dict takes {', '.join(sorted(PROMPT_KEYS))}; {', '.join(sorted(set(prompt) - PROMPT_KEYS))} "
+                         "is not supported (text-only models)")
     if isinstance(prompt, dict) and "prompt" in prompt and "prompt_token_ids" not in prompt:
         prompt = prompt["prompt"]  # vLLM's TextPrompt
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         ids = list(prompt["prompt_token_ids"])
     elif isinstance(prompt, list):
-        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+        if not all(isinstance(m, dict) and "role" in m and ("content" in m or m.get("tool_calls")) for m in prompt):
             raise ValueError("a chat prompt must be a list of {'role': ..., 'content': ...} messages")
         if not prompt:
             raise ValueError("the chat prompt has no messages")
@@ -267,6 +289,7 @@ class LLM:
         self.last_run_metrics: Metrics | None = None
         self._next_id = 0
         self._seeds = None if c.seed is None else random.Random(c.seed)  # unseeded requests' seeds
+        self._lock = threading.Lock()  # generate: one call at a time
 
     def _generation_defaults(self, source: str) -> dict:
         """``SamplingParams`` fields from ``generation_config`` (see ``EngineConfig``),
@@ -345,6 +368,10 @@ class LLM:
         if chat_template is not None and not (isinstance(chat_template, str) and chat_template):
             raise ValueError(f"chat_template must be a Jinja template (a non-empty string), got {chat_template!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if isinstance(messages, str) or not all(isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c)
+                                                for c in conversations):
+            raise ValueError("chat takes a conversation (a list of {'role': ..., 'content': ...} messages) or a "
+                             "list of them; for text prompts use generate")
         options = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {}),
                    **({"chat_template": chat_template} if chat_template else {}),
                    "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
@@ -376,22 +403,29 @@ class LLM:
                              f"got {type(sampling_params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        rendered = [render_prompt(self.tokenizer, p) for p in prompts]  # (text, ids) per prompt
-        groups = [self.make_sequences({"prompt_token_ids": ids}, sp, cap_max_tokens=True)  # vLLM's offline: the
-                  for (_, ids), sp in zip(rendered, params)]  # window caps max_tokens; n sequences per prompt
-        seqs = [s for group in groups for s in group]
-        start = time.perf_counter()
-        for s in seqs:
-            self.engine.add(s)
-        with tqdm(total=len(seqs), desc="Generated", unit="seq", disable=None if use_tqdm else True) as bar:
-            try:
-                while self.engine.has_work:
-                    bar.update(len(self.engine.step()))
-            except BaseException:  # an error or Ctrl-C: the engine drops these requests and stays usable
-                self.engine.fail(seqs)
+        with self._lock:  # one call at a time: calls from other threads wait (they share the engine)
+            rendered = [render_prompt(self.tokenizer, p) for p in prompts]  # (text, ids) per prompt
+            seeds = self._seeds and self._seeds.getstate()
+            try:  # vLLM's offline: the window caps max_tokens; n sequences per prompt
+                groups = [self.make_sequences({"prompt_token_ids": ids}, sp, cap_max_tokens=True)
+                          for (_, ids), sp in zip(rendered, params)]
+            except ValueError:  # a refused call draws no seeds (the next call samples as it would have)
+                if seeds:
+                    self._seeds.setstate(seeds)
                 raise
-        self.last_run_metrics = run_metrics([s.metrics for s in seqs], time.perf_counter() - start)
-        return [self._output(group, text) for group, (text, _) in zip(groups, rendered)]
+            seqs = [s for group in groups for s in group]
+            start = time.perf_counter()
+            for s in seqs:
+                self.engine.add(s)
+            with tqdm(total=len(seqs), desc="Generated", unit="seq", disable=None if use_tqdm else True) as bar:
+                try:
+                    while self.engine.has_work:
+                        bar.update(len(self.engine.step()))
+                except BaseException:  # an error or Ctrl-C: the engine drops these requests and stays usable
+                    self.engine.fail(seqs)
+                    raise
+            self.last_run_metrics = run_metrics([s.metrics for s in seqs], time.perf_counter() - start)
+            return [self._output(group, text) for group, (text, _) in zip(groups, rendered)]
 
     def make_sequences(self, prompt: Prompt, sp: SamplingParams, *,
                        num_draft_tokens: int | None = None, reasoning: bool = False,

@@ -263,6 +263,42 @@ def test_text_as_an_incremental_detokenizer_has_it(loaded, method):
                include_stop_str_in_output=True) == ("", 1, llm.tokenizer.convert_tokens_to_ids("ð"))
 
 
+def test_generate_from_threads_and_chat_input(loaded):
+    """``generate`` from several threads runs the calls one at a time, each as it would alone
+    (they share the engine); ``chat`` takes conversations only, OpenAI's assistant tool-call
+    history included (no content, arguments as JSON text, as objects in the template); a
+    prompt dict's unknown keys (``multi_modal_data``) are refused; a refused call draws no
+    seeds from ``LLM(seed=)``."""
+    import threading
+
+    llm = LLM(loaded("llama"), max_batch_size=2)
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = {p: llm.generate(p, sp)[0].token_ids for p in PROMPTS}
+    got = {}
+    threads = [threading.Thread(target=lambda p=p: got.update({p: llm.generate(p, sp)[0].token_ids})) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+    for bad in ("hello", ["hello"]):
+        with pytest.raises(ValueError, match="chat takes a conversation"):
+            llm.chat(bad)
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+               {"role": "tool", "tool_call_id": "c", "content": "42"}]
+    template = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}{{ m.content }}|{% endfor %}"
+    assert llm.chat(history, SamplingParams(max_tokens=1), chat_template=template)[0].prompt == 'x|{"a": 1}|42|'
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": "x.png"}})
+    sampled = SamplingParams(max_tokens=6, temperature=1.0)
+    fresh = [o.token_ids for o in LLM(loaded("llama"), seed=0).generate(["x", "y"], sampled)]
+    seeded = LLM(loaded("llama"), seed=0)
+    with pytest.raises(ValueError, match="leaves no room"):
+        seeded.generate(["x", {"prompt_token_ids": [5] * 600}], sampled)
+    assert [o.token_ids for o in seeded.generate(["x", "y"], sampled)] == fresh
+
+
 def test_stop_strings_sought_in_the_new_text_only(loaded, monkeypatch):
     """The stop check decodes each token's window once, not the whole output each step
     (vLLM's incremental detokenization): the tokens decoded stay linear in the output."""

@@ -1,7 +1,6 @@
 """OpenAI request bodies (pydantic, strict types) and the errors the API returns."""
 from __future__ import annotations
 
-import json
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -332,24 +331,17 @@ class ChatMessage(_Strict):
     name: str | None = None
 
     def for_template(self) -> dict:
-        """The message as chat templates take it (text parts joined by ``api.text_messages``):
-        arguments as objects (templates write them with ``tojson``), optional fields only
-        when given."""
+        """The message as ``api.render_prompt`` takes it (which joins text parts and reads
+        tool calls' arguments as objects, ``api.text_messages``), optional fields only when
+        given."""
         content = [p.model_dump() for p in self.content] if isinstance(self.content, list) else self.content or ""
         out = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments}}
                                  for c in self.tool_calls]
         out.update({k: v for k, v in (("tool_call_id", self.tool_call_id), ("name", self.name)) if v is not None})
         return out
-
-
-def _json_or_text(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 class FunctionSpec(_Strict):
