@@ -227,7 +227,7 @@ class LLM:
                  generation_config: str = "auto", seed: int | None = None, threads: int | None = None,
                  max_num_seqs: int | None = None):
         if max_num_seqs is not None:  # vLLM's name
-            if max_batch_size not in (8, max_num_seqs):
+            if max_batch_size not in (EngineConfig.max_batch_size, max_num_seqs):
                 raise ValueError("give max_batch_size or max_num_seqs (vLLM's name), not both")
             max_batch_size = max_num_seqs
         if speculative_config is not None:

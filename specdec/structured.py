@@ -56,6 +56,12 @@ def grammar_text(so: StructuredOutputs) -> str:
 COMBINATORS = ("allOf", "anyOf", "oneOf")
 
 
+def adds_up(node: dict, key: str) -> bool:
+    """Whether the branches under combinator ``key`` of ``node`` add their properties to
+    others' (every ``allOf`` branch; any combinator's beside the node's own ``properties``)."""
+    return key == "allOf" or isinstance(node.get("properties"), dict)
+
+
 def extended_refs(schema) -> set[str]:
     """The ``$ref``s that stand where properties add up with others' (an ``allOf`` branch, or
     a combinator branch beside ``properties``): the definitions they name stay open too."""
@@ -66,9 +72,8 @@ def extended_refs(schema) -> set[str]:
             for x in node:
                 walk(x)
         elif isinstance(node, dict):
-            extended = isinstance(node.get("properties"), dict)
             for key in COMBINATORS:
-                if isinstance(node.get(key), list) and (key == "allOf" or extended):
+                if isinstance(node.get(key), list) and adds_up(node, key):
                     out.update(b["$ref"] for b in node[key] if isinstance(b, dict) and isinstance(b.get("$ref"), str))
             for key, value in node.items():
                 if key not in ("enum", "const", "default", "examples"):
@@ -93,7 +98,6 @@ def closed_objects(schema, close: bool = True, opened: set[str] = frozenset(), w
         return [closed_objects(x, opened=opened) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    extended = isinstance(schema.get("properties"), dict)  # combinator branches add to these
     out = {}
     for key, value in schema.items():
         if key in ("enum", "const", "default", "examples"):  # values, not schemas
@@ -104,7 +108,7 @@ def closed_objects(schema, close: bool = True, opened: set[str] = frozenset(), w
         elif key in ("properties", "patternProperties", "dependentSchemas") and isinstance(value, dict):
             out[key] = {name: closed_objects(sub, opened=opened) for name, sub in value.items()}  # name -> schema
         elif key in COMBINATORS and isinstance(value, list):
-            out[key] = [closed_objects(x, close=key != "allOf" and not extended, opened=opened) for x in value]
+            out[key] = [closed_objects(x, close=not adds_up(schema, key), opened=opened) for x in value]
         else:
             out[key] = closed_objects(value, opened=opened)
     if close and isinstance(out.get("properties"), dict) and \

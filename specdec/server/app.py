@@ -308,15 +308,14 @@ class _API:
         if len(seqs) > self.scheduler.capacity:
             raise bad_request(f"{len(seqs)} completions (prompts x n) exceed what this server holds at "
                               f"once ({self.scheduler.capacity}: running + queued requests)", "n")
-        if not self.scheduler.alive or self.scheduler.closing:
-            raise APIError(503, "the server is shutting down" if self.scheduler.closing else
-                           "the engine is not running", "server_error")
+        if not self.scheduler.alive:
+            raise APIError(503, "the engine is not running", "server_error")
         sreqs = [ServerRequest(seq, asyncio.get_running_loop()) for seq in seqs]
         try:
             self.scheduler.submit(sreqs)
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error", code="queue_full") from None
-        except Closing as e:  # closed since the check above
+        except Closing as e:  # shutting down
             raise APIError(503, str(e), "server_error") from None
         watcher = asyncio.create_task(self._abort_on_disconnect(request, sreqs))
         out = _Output(self, req, sreqs, chat, echoes)
