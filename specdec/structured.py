@@ -83,6 +83,11 @@ def extended_refs(schema) -> set[str]:
     return out
 
 
+def pointer(name: str) -> str:
+    """``name`` as one segment of a JSON pointer (``~`` and ``/`` escaped)."""
+    return name.replace("~", "~0").replace("/", "~1")
+
+
 def closed_objects(schema, close: bool = True, opened: set[str] = frozenset(), where: str = "#"):
     """``schema`` with ``"additionalProperties": false`` on every object schema that lists
     ``properties`` and sets neither ``additionalProperties`` nor ``patternProperties``: as
@@ -95,22 +100,23 @@ def closed_objects(schema, close: bool = True, opened: set[str] = frozenset(), w
     place or as definitions their ``$ref`` names (``opened``, by the reference's path;
     ``where``: this part's path)."""
     if isinstance(schema, list):
-        return [closed_objects(x, opened=opened) for x in schema]
+        return [closed_objects(x, opened=opened, where=f"{where}/{i}") for i, x in enumerate(schema)]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for key, value in schema.items():
+        at = f"{where}/{pointer(key)}"
         if key in ("enum", "const", "default", "examples"):  # values, not schemas
             out[key] = value
-        elif key in ("$defs", "definitions") and isinstance(value, dict):
-            out[key] = {name: closed_objects(sub, close=f"{where}/{key}/{name}" not in opened, opened=opened,
-                                             where=f"{where}/{key}/{name}") for name, sub in value.items()}
-        elif key in ("properties", "patternProperties", "dependentSchemas") and isinstance(value, dict):
-            out[key] = {name: closed_objects(sub, opened=opened) for name, sub in value.items()}  # name -> schema
+        elif key in ("$defs", "definitions", "properties", "patternProperties", "dependentSchemas") and \
+                isinstance(value, dict):  # name -> schema
+            out[key] = {name: closed_objects(sub, close=f"{at}/{pointer(name)}" not in opened, opened=opened,
+                                             where=f"{at}/{pointer(name)}") for name, sub in value.items()}
         elif key in COMBINATORS and isinstance(value, list):
-            out[key] = [closed_objects(x, close=not adds_up(schema, key), opened=opened) for x in value]
+            out[key] = [closed_objects(x, close=not adds_up(schema, key), opened=opened, where=f"{at}/{i}")
+                        for i, x in enumerate(value)]
         else:
-            out[key] = closed_objects(value, opened=opened)
+            out[key] = closed_objects(value, opened=opened, where=at)
     if close and isinstance(out.get("properties"), dict) and \
             not {"additionalProperties", "patternProperties", *COMBINATORS} & out.keys():
         out["additionalProperties"] = False

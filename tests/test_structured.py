@@ -86,6 +86,11 @@ def test_schema_objects_take_only_their_properties(loaded):
     person = {"allOf": [{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
                         {"type": "object", "properties": {"m": {"type": "integer"}}, "required": ["m"]}]}
     based = {"$defs": {"Base": person["allOf"][0]}, "allOf": [{"$ref": "#/$defs/Base"}, person["allOf"][1]]}
+    nested = {"type": "object", "properties": {"x": {"$defs": {"Base": person["allOf"][0]},  # definitions below the root
+                                                   "allOf": [{"$ref": "#/properties/x/$defs/Base"}, person["allOf"][1]]}}}
+    from specdec.structured import extended_refs
+    x = closed_objects(nested, opened=extended_refs(nested))["properties"]["x"]
+    assert "additionalProperties" not in json.dumps(x)
     for schema in (person, based):  # the extended part in place, or a definition
         out = LLM(loaded("llama")).generate("abc", SamplingParams(max_tokens=40, structured_outputs={"json": schema}))[0]
         assert out.finish_reason == "length" or {"n", "m"} <= set(json.loads(out.text))  # was "unsatisfiable"
