@@ -216,6 +216,8 @@ class LLM:
     requests samples the same (None: each unseeded request draws a fresh seed).
     ``threads``: CPU threads (``torch.set_num_threads``, process-wide; llama.cpp runs as
     many); None: torch's default. ``max_num_seqs``: vLLM's name for ``max_batch_size``.
+    ``max_logprobs``: the most alternatives a request's ``logprobs`` or ``prompt_logprobs`` may
+    ask for (vLLM's, 20; -1 = the vocabulary; more is a ``ValueError``).
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
@@ -225,7 +227,7 @@ class LLM:
                  chunked_prefill_size: int | None = None, max_model_len: int | None = None,
                  enforce_eager: bool = False, speculative_config: dict | None = None,
                  generation_config: str = "auto", seed: int | None = None, threads: int | None = None,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, max_logprobs: int = EngineConfig.max_logprobs):
         if max_num_seqs is not None:  # vLLM's name
             if max_batch_size not in (EngineConfig.max_batch_size, max_num_seqs):
                 raise ValueError("give max_batch_size or max_num_seqs (vLLM's name), not both")
@@ -240,7 +242,8 @@ class LLM:
         c = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, backend=backend,
                          draft_backend=draft_backend, repack=repack, load_format=load_format,
                          chunked_prefill_size=chunked_prefill_size, max_model_len=max_model_len,
-                         enforce_eager=enforce_eager, generation_config=generation_config, seed=seed, threads=threads)
+                         enforce_eager=enforce_eager, generation_config=generation_config, seed=seed, threads=threads,
+                         max_logprobs=max_logprobs)
         if c.threads is not None:  # process-wide, before loading: llama.cpp takes torch's count too
             torch.set_num_threads(c.threads)
         if c.generation_config not in ("auto", "vllm") and \
@@ -460,6 +463,13 @@ class LLM:
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         if any(t >= vocab for t in sp.allowed_token_ids or ()):
             raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
+        cap = vocab if self.engine_config.max_logprobs == -1 else self.engine_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = vocab if getattr(sp, name) == -1 else getattr(sp, name)
+            if asked is not None and asked > cap:
+                raise ValueError(f"{name} of {asked} is more than max_logprobs ({cap}; LLM(max_logprobs=), "
+                                 "--max-logprobs)")
+            sp = replace(sp, **{name: asked})
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
         eos_ids = (frozenset() if sp.ignore_eos else self.target.eos_ids) | frozenset(sp.stop_token_ids)

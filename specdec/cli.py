@@ -73,6 +73,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="default sampling: auto = the model's generation_config.json (temperature, "
                         "top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM; vllm = "
                         "specdec's own defaults (greedy); or a directory with a generation_config.json")
+    g.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
+                   help="the most alternatives a request's logprobs / prompt_logprobs may ask for "
+                        "(-1 = the vocabulary; default %(default)s, vLLM's)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="torch runtime on cuda: no CUDA graphs (by default decoding, verification and "
                         "drafting forwards of up to 32 tokens per row replay captured graphs)")
@@ -209,7 +212,7 @@ def make_llm(a):
                draft_backend=a.draft_backend, repack=a.repack, load_format=a.load_format,
                chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len,
                enforce_eager=a.enforce_eager, generation_config=a.generation_config,
-               seed=getattr(a, "llm_seed", None), threads=a.threads)  # serve's --seed (generate's seeds its SamplingParams)
+               seed=getattr(a, "llm_seed", None), threads=a.threads, max_logprobs=a.max_logprobs)  # serve's --seed (generate's seeds its SamplingParams)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:

@@ -165,7 +165,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     n: int = 1  # completions of the prompt (with a seed, completion i draws from seed + i)
     # the target's log-probability of each output token, with this many most likely
-    # alternatives (0 = the chosen token's only; None = off); from the raw logits, as vLLM's
+    # alternatives (0 = the chosen token's only; -1 = the whole vocabulary; None = off; at most
+    # the LLM's max_logprobs, 20 by default); from the raw logits, as vLLM's
     logprobs: int | None = None
     # the same for each prompt token (the first has none), with this many alternatives
     prompt_logprobs: int | None = None
@@ -225,7 +226,8 @@ class SamplingParams:
                f"truncate_prompt_tokens must be -1 or an integer >= 1 (or None = off), got {self.truncate_prompt_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or value >= 0, f"{name} must be an integer >= 0 (or None = off), got {value!r}")
+            _check(value is None or value >= -1,
+                   f"{name} must be an integer >= 0, -1 (the vocabulary) or None (off), got {value!r}")
 
     @property
     def greedy(self) -> bool:
@@ -358,6 +360,8 @@ class EngineConfig:
     # vLLM's global seed: requests without a seed of their own draw their generators' seeds
     # from it, in order (the same in every LLM made with it); None = a fresh seed each
     seed: int | None = None
+    # alternatives a request's logprobs / prompt_logprobs may ask for (vLLM's; -1 = the vocabulary)
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -379,6 +383,8 @@ class EngineConfig:
         _check(self.dtype in (None, "float32", "bfloat16", "float16"),
                f"unknown dtype {self.dtype!r}; choose auto, float32, bfloat16 or float16")
         _check(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
+        _check(self.max_logprobs >= -1, f"max_logprobs must be an integer >= -1 (-1 = the vocabulary), "
+                                        f"got {self.max_logprobs}")
         _check(self.load_format in LOAD_FORMATS,
                f"unknown load_format {self.load_format!r}; choose {', '.join(LOAD_FORMATS)}")
         _check(self.load_format == "auto" or "llamacpp" not in (self.backend, self.draft_backend),

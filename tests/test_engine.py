@@ -652,6 +652,24 @@ def test_n_completions_and_logprobs(loaded):
     assert any(e[t].rank > 1 for t, e in zip(sampled.token_ids, sampled.logprobs))  # hot sampling leaves the top
 
 
+def test_max_logprobs_caps_the_alternatives(loaded):
+    """vLLM's ``max_logprobs`` (20): ``logprobs`` or ``prompt_logprobs`` asking for more is a
+    ValueError; -1 asks for the whole vocabulary, which ``max_logprobs=-1`` allows."""
+    llm = LLM(loaded("llama"))
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{field} of 21 is more than max_logprobs \\(20"):
+            llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, **{field: 21}))
+        with pytest.raises(ValueError, match="max_logprobs"):
+            llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, **{field: -1}))
+    vocab = llm.target.runtime.vocab_size
+    wide = LLM(loaded("llama"), max_logprobs=-1).generate(PROMPTS[0], SamplingParams(max_tokens=2, logprobs=-1,
+                                                                                   prompt_logprobs=-1))[0]
+    assert [len(e) for e in wide.outputs[0].logprobs] == [vocab] * 2
+    assert [len(e) for e in wide.prompt_logprobs[1:]] == [vocab] * (len(wide.prompt_token_ids) - 1)
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= -1"):
+        LLM(loaded("llama"), max_logprobs=-2)
+
+
 def test_stop_token_ids_min_tokens_and_min_p(loaded):
     """``stop_token_ids`` end the output like an EOS (ignore_eos too; the token is kept in
     token_ids, its text left out); ``min_tokens`` keeps EOS, stop tokens and stop strings from

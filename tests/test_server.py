@@ -581,6 +581,8 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     (C, {**OK_C, "stream": "yes"}, AUTH, 400),
     (C, {**OK_C, "seed": 2 ** 70}, AUTH, 400),
     (C, {**OK_C, "logprobs": 21}, AUTH, 400),
+    (C, {**OK_C, "logprobs": -2}, AUTH, 400),
+    (CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 21}, AUTH, 400),  # vLLM's max_logprobs (20)
     (C, {**OK_C, "n": 0}, AUTH, 400),
     (C, {**OK_C, "n": 17}, AUTH, 400),
     (CHAT, {**OK_CHAT, "n": 2}, AUTH, 400),  # more than its 1 slot + 0 queued

@@ -9,7 +9,6 @@ from ..api import encode_prompt
 from ..config import SamplingParams, StructuredOutputs
 from ..tools import compact, required_schema
 
-MAX_TOP_LOGPROBS = 20
 MAX_STOPS = 16
 MAX_N = 16  # completions per prompt
 MAX_PROMPTS = 64  # prompts per completions request (a batch)
@@ -98,7 +97,7 @@ class _Request(_Strict):
     bad_words: list[str] | None = None  # extension (vLLM)
     truncate_prompt_tokens: int | None = None  # extension (vLLM): the prompt's last this many tokens (-1: all that fit)
     # extension (vLLM): each prompt token's logprob and this many alternatives, in prompt_logprobs
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=-1)  # at most --max-logprobs (-1: the vocabulary)
     return_tokens_as_token_ids: bool = False  # extension (vLLM): logprobs name tokens "token_id:<id>"
     use_beam_search: bool = False  # extension (vLLM); refused
     num_draft_tokens: int | None = None  # extension: cap this request's k (0 = no speculation)
@@ -257,7 +256,7 @@ class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions; null: the rest of the window (vLLM's)
     null_means_none: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=-1)  # at most --max-logprobs (-1: the vocabulary)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -390,7 +389,7 @@ class _ChatTemplate(_Strict):
 class ChatCompletionRequest(_Request, _ChatTemplate):
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=-1)  # at most --max-logprobs (-1: the vocabulary)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
     echo: bool = False  # extension (vLLM); refused
