@@ -279,8 +279,13 @@ class LLM:
                              "the transformers fallback runs chains only")
         if speculative.tree_topk > 1:
             check_tree_rows(speculative, c.max_batch_size, self.target, self.draft)
+        whole = getattr(self.target.runtime, "whole_prompts", False)
+        if whole and c.chunked_prefill_size:
+            raise ValueError("this model's rope (longrope, on transformers) takes its frequencies from a "
+                             "forward's length: prompts go whole (chunked_prefill_size 0)")
         if c.chunked_prefill_size is None:  # the device's default, resolved
-            c = replace(c, chunked_prefill_size=CHUNKED_PREFILL_SIZE.get(self.target.runtime.device.type, 2048))
+            default = 0 if whole else CHUNKED_PREFILL_SIZE.get(self.target.runtime.device.type, 2048)
+            c = replace(c, chunked_prefill_size=default)
         self.engine_config = c
         drafters = self._drafters(c.max_batch_size, c.chunked_prefill_size)
         planner = self._planner(drafters) if speculative.cost_model else None

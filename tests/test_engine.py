@@ -404,6 +404,39 @@ def test_hf_fallback_backend_equal(loaded):
         assert [o.token_ids for o in outs] == [b.token_ids for b in base], method
 
 
+def test_longrope_equal_to_transformers(tmp_path):
+    """transformers' longrope (Phi-3.5's) takes its short or long factors for a whole forward,
+    by its last position: a verify forward crossing the switch is cut there, and prompts go
+    whole, so every drafter decodes as transformers' own one-token steps do, on both sides
+    of the switch (16)."""
+    from tiny import make_tiny
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
+                short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
+    target = make_tiny(tmp_path / "target", "llama", seed=3, rope_parameters=rope)
+    draft = make_tiny(tmp_path / "draft", "llama", seed=7, layers=1)
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    prompts = [list(range(70, 82)), list(range(70, 90))]  # 12 and 20 tokens: before and past the switch
+    want = []
+    for ids in prompts:  # transformers' greedy decoding: the prompt in one forward, then a token each
+        cache, ids, out = DynamicCache(config=hf.config), torch.tensor([ids]), []
+        with torch.no_grad():
+            for _ in range(30):
+                out.append(hf(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].argmax().item())
+                ids = torch.tensor([[out[-1]]])
+        want.append(out)
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    for method, k in [("none", 1), ("self", 4), ("ngram", 4), ("draft", 4)]:
+        llm = LLM(str(target), draft=str(draft) if method == "draft" else None,
+                  speculative=SpecConfig(method=method, num_draft_tokens=k))
+        assert llm.target.runtime.whole_prompts and llm.engine_config.chunked_prefill_size == 0
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        assert [o.token_ids for o in outs] == want, method
+    with pytest.raises(ValueError, match="prompts go whole"):
+        LLM(str(target), chunked_prefill_size=8)
+
+
 @pytest.mark.parametrize("backend", ["torch", "hf"])
 def test_sliding_window_equal_to_transformers(loaded, tiny_dirs, backend):
     """A sliding-window model (Mistral's, 6 tokens) decodes as transformers' model does, far

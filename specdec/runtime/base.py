@@ -38,6 +38,9 @@ class Runtime(Protocol):
     # a rewound slot keeps its rows before the cut valid, so the engine may leave a finished
     # prompt's KV in its slot for a new prompt that starts the same (prefix reuse)
     reuses_prefixes: bool
+    # a prompt must go in one forward (no chunked prefill) for the logits to be the model's
+    # (transformers' longrope picks its frequencies from a forward's last position)
+    whole_prompts: bool
 
     @property
     def speed_key(self) -> str:

@@ -55,10 +55,20 @@ class HFCache:
         self.rewind(dst, length)
 
 
+def longrope_switch(config) -> int | None:
+    """Where transformers' longrope (Phi-3.5, Phi-4-mini) switches from its short factors to its
+    long ones: it picks them for a whole forward, long when the forward reaches
+    ``original_max_position_embeddings`` (per layer type too); None without longrope."""
+    params = getattr(config, "rope_parameters", None) or {}
+    parts = [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]
+    at = [p["original_max_position_embeddings"] for p in parts
+          if p.get("rope_type") == "longrope" and p.get("original_max_position_embeddings")]
+    return min(at) if at else None
+
+
 class HFRuntime:
     supports_masks = False
     batch_layout = "serial"
-    reuses_prefixes = True  # a cropped DynamicCache keeps the rows before the cut
 
     def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, load_format: str = "auto"):
         from .loading import load_hf_model
@@ -68,6 +78,13 @@ class HFRuntime:
         cfg = self.model.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.max_context = getattr(cfg, "max_position_embeddings", None) or 1 << 20
+        # longrope: plain decoding takes the short factors for a token before the switch and
+        # the long ones after it, and a whole prompt's forward takes one set for all of it; so
+        # a decoding forward is cut at the switch, a prompt goes whole, and no prompt's rows
+        # are reused for another (whose forward would have taken the other set)
+        self.switch = longrope_switch(cfg)
+        self.whole_prompts = self.switch is not None and self.switch < self.max_context
+        self.reuses_prefixes = not self.whole_prompts  # a cropped DynamicCache keeps the rows before the cut
         # transformers computes the output layer for the last row only when asked (a prompt's
         # other rows would cost a [prompt, vocab] product for nothing)
         self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters \
@@ -88,10 +105,15 @@ class HFRuntime:
         T = max(len(t) for t in tokens)
         out = torch.zeros(len(slots), 1 if last_only else T, self.vocab_size, device=self.device)
         for b, (slot, toks) in enumerate(zip(slots, tokens)):
-            ids = torch.tensor([toks], device=self.device)  # [1, n]
             keep = self.keep_last if last_only else {}
-            logits = self.model(input_ids=ids, cache=cache.caches[slot], use_cache=True, **keep).logits[0]
-            cache.lengths[slot] += len(toks)
+            cut = self.switch - cache.lengths[slot] if self.whole_prompts and not prefill else 0
+            pieces = [toks[:cut], toks[cut:]] if 0 < cut < len(toks) else [toks]
+            rows = []
+            for piece in pieces:
+                ids = torch.tensor([piece], device=self.device)  # [1, n]
+                rows.append(self.model(input_ids=ids, cache=cache.caches[slot], use_cache=True, **keep).logits[0])
+                cache.lengths[slot] += len(piece)
+            logits = torch.cat(rows)  # [n, vocab], or the last pieces' last rows
             if last_only:
                 out[b, 0] = logits[-1]
             else:

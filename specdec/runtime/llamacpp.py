@@ -396,6 +396,7 @@ class LlamaCppRuntime:
     # a new prompt's rows go to cells above them); no copies between slots (LlamaCppCache has
     # no ``copy``: shared cells could lie above the destination's next ones)
     reuses_prefixes = True
+    whole_prompts = False
 
     def __init__(self, gguf: str | Path, threads: int | None = None, context: int = DEFAULT_CONTEXT,
                  repack: bool = True, exact: bool = True):
