@@ -269,6 +269,10 @@ class LLM:
                                    quantize=speculative.draft_quantization, **loading)
             self.draft = draft
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
+        for side, m in (("target", self.target), ("draft", self.draft)):
+            if m is not None and speculative.method != "none" and not getattr(m.runtime, "rewinds", True):
+                raise ValueError(f"the {side} model keeps a recurrent state ({m.config.model_type}), which cannot go "
+                                 "back to drop rejected drafts: it decodes without speculation only (method 'none')")
         # the target's context: a draft model with a shorter one drafts while a round fits in it
         if c.max_model_len is not None and c.max_model_len > self.target.max_context:
             raise ValueError(f"max_model_len {c.max_model_len} exceeds the model's context of "
@@ -281,8 +285,8 @@ class LLM:
             check_tree_rows(speculative, c.max_batch_size, self.target, self.draft)
         whole = getattr(self.target.runtime, "whole_prompts", False)
         if whole and c.chunked_prefill_size:
-            raise ValueError("this model's rope (longrope, on transformers) takes its frequencies from a "
-                             "forward's length: prompts go whole (chunked_prefill_size 0)")
+            raise ValueError("this model (longrope or a recurrent state, on transformers) takes a prompt in one "
+                             "forward only: prompts go whole (chunked_prefill_size 0)")
         if c.chunked_prefill_size is None:  # the device's default, resolved
             default = 0 if whole else CHUNKED_PREFILL_SIZE.get(self.target.runtime.device.type, 2048)
             c = replace(c, chunked_prefill_size=default)

@@ -95,6 +95,39 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     assert len(out.token_ids) == 30
 
 
+def test_recurrent_states_decode_without_drafts(tmp_path):
+    """A recurrent state (Mamba's) cannot go back to drop rejected drafts: plain decoding runs,
+    with prompts whole (transformers' Mamba reads a later many-token forward as a new prompt)
+    and no finished prompt reused (its state holds the whole output); drafting is refused
+    (as transformers refuses assisted generation), and so is a model whose state lies
+    outside transformers' cache."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec import LLM, SamplingParams, SpecConfig
+
+    from tiny import make_tiny
+
+    path = make_tiny(tmp_path / "mamba", "mamba", state_size=8, conv_kernel=4, expand=2)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    llm = LLM(str(path))
+    assert llm.engine_config.chunked_prefill_size == 0
+    with pytest.raises(ValueError, match="prompts go whole"):
+        LLM(str(path), chunked_prefill_size=8)
+    first = "The quick brown fox jumps over the lazy dog. "
+    for prompt in (first, first + "And then it ran away."):  # the second starts with the first's chunks
+        out = llm.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True))[0]
+        ids = llm.encode(prompt)
+        with torch.no_grad():
+            for _ in range(20):  # greedy by whole forwards
+                ids.append(hf(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1].argmax().item())
+        assert out.token_ids == ids[-20:] and out.metrics["cached_prompt_tokens"] == 0
+    for kw in (dict(speculative=SpecConfig(method="ngram")), dict(draft=str(path))):
+        with pytest.raises(ValueError, match="recurrent state .mamba."):
+            LLM(str(path), **kw)
+    with pytest.raises(ValueError, match="'openai-gpt' keeps its state outside"):
+        LLM(str(make_tiny(tmp_path / "gpt1", "openai-gpt", n_positions=512)))
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_one_row_products_through_either_copy(tiny_dirs, monkeypatch, tmp_path, packed):
     """With the verify-packed copy, one-token forwards (plain decoding) go through whichever

@@ -41,6 +41,8 @@ class Runtime(Protocol):
     # a prompt must go in one forward (no chunked prefill) for the logits to be the model's
     # (transformers' longrope picks its frequencies from a forward's last position)
     whole_prompts: bool
+    # the cache goes back to any earlier length (not a recurrent state's): drafts can be rejected
+    rewinds: bool
 
     @property
     def speed_key(self) -> str:

@@ -44,6 +44,9 @@ class HFCache:
                     if layer.is_initialized:  # drop n rows, keep the rest
                         layer.keys, layer.values = layer.keys[..., :-n, :], layer.values[..., :-n, :]
                         layer.cumulative_length -= n
+                elif any(getattr(layer, "is_recurrent_states_initialized", {}).values()):
+                    # a recurrent state holds the dropped tokens (HFRuntime.rewinds)
+                    raise RuntimeError(f"cannot rewind a {type(layer).__name__} by {n} tokens")
                 else:
                     layer.crop(-n)  # transformers 5: negative = drop n
         self.lengths[slot] = length
@@ -66,6 +69,11 @@ def longrope_switch(config) -> int | None:
     return min(at) if at else None
 
 
+# models that keep their state in their own modules, shared by all sequences (transformers'
+# cache holds none of it)
+OWN_STATE = ("recurrent_gemma",)
+
+
 class HFRuntime:
     supports_masks = False
     batch_layout = "serial"
@@ -76,14 +84,24 @@ class HFRuntime:
         self.model = load_hf_model(path, device, dtype, load_format)
         self.device, self.dtype = device, dtype
         cfg = self.model.config
+        if "cache" not in inspect.signature(self.model.forward).parameters or cfg.model_type in OWN_STATE:
+            raise ValueError(f"{cfg.model_type!r} keeps its state outside transformers' cache, where specdec "
+                             "holds each sequence's; it cannot run here")
+        # a recurrent state (Mamba, Qwen3-Next...) cannot go back to an earlier length:
+        # nothing drafts against it, and no finished prompt is reused (transformers refuses
+        # assisted generation for such models too)
+        self.rewinds = not getattr(self.model, "_is_stateful", False)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.max_context = getattr(cfg, "max_position_embeddings", None) or 1 << 20
         # longrope: plain decoding takes the short factors for a token before the switch and
         # the long ones after it, and a whole prompt's forward takes one set for all of it; so
         # a decoding forward is cut at the switch, a prompt goes whole, and no prompt's rows
-        # are reused for another (whose forward would have taken the other set)
+        # are reused for another (whose forward would have taken the other set). A recurrent
+        # state takes a prompt whole too: transformers' Mamba reads a many-token forward after
+        # the first as a new prompt
         self.switch = longrope_switch(cfg)
-        self.whole_prompts = self.switch is not None and self.switch < self.max_context
+        longrope = self.switch is not None and self.switch < self.max_context
+        self.whole_prompts = longrope or not self.rewinds
         self.reuses_prefixes = not self.whole_prompts  # a cropped DynamicCache keeps the rows before the cut
         # transformers computes the output layer for the last row only when asked (a prompt's
         # other rows would cost a [prompt, vocab] product for nothing)
@@ -106,7 +124,7 @@ class HFRuntime:
         out = torch.zeros(len(slots), 1 if last_only else T, self.vocab_size, device=self.device)
         for b, (slot, toks) in enumerate(zip(slots, tokens)):
             keep = self.keep_last if last_only else {}
-            cut = self.switch - cache.lengths[slot] if self.whole_prompts and not prefill else 0
+            cut = self.switch - cache.lengths[slot] if self.switch and not prefill else 0
             pieces = [toks[:cut], toks[cut:]] if 0 < cut < len(toks) else [toks]
             rows = []
             for piece in pieces:

@@ -397,6 +397,7 @@ class LlamaCppRuntime:
     # no ``copy``: shared cells could lie above the destination's next ones)
     reuses_prefixes = True
     whole_prompts = False
+    rewinds = True
 
     def __init__(self, gguf: str | Path, threads: int | None = None, context: int = DEFAULT_CONTEXT,
                  repack: bool = True, exact: bool = True):

@@ -360,6 +360,7 @@ class TorchLlama:
     batch_layout = "padded"
     reuses_prefixes = True  # a slot's KV rows stay valid after a rewind (Engine's prefix reuse)
     whole_prompts = False
+    rewinds = True
 
     def __init__(self, config, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, linear: str | None = None, multi_row: bool | None = None,
