@@ -96,3 +96,100 @@ def test_structured_json_schema_greedy_equal(smol):
     for method in ("ngram", "self"):
         outs = LLM(smol, speculative=SpecConfig(method=method, num_draft_tokens=4)).chat(CHATS, sp)
         assert [o.token_ids for o in outs] == [b.token_ids for b in base], method
+
+
+@__import__("functools").cache
+def embedded_fields() -> list:
+    """The embedded GGUF's metadata fields: (name, value, type, array item type)."""
+    import gguf
+
+    from specdec.runtime.loading import default_model_path
+
+    fields = gguf.GGUFReader(default_model_path()).fields.values()
+    return [(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+            for f in fields if f.name != gguf.Keys.General.ARCHITECTURE and not f.name.startswith("GGUF.")]
+
+
+def rewritten_gguf(path, kv=(), tensors=()):
+    """The embedded GGUF's metadata (no weights: a config and tokenizer read only) with the
+    ``kv`` fields and the f32 ``tensors`` (name, array) added."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    for name, value, kind, item in embedded_fields():
+        w.add_key_value(name, value, kind, sub_type=item)
+    for key, value, kind in kv:
+        w.add_key_value(key, value, kind)
+    for name, data in tensors:
+        w.add_tensor_info(name, data.shape, data.dtype, data.nbytes, gguf.GGMLQuantizationType.F32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, data in tensors:
+        w.write_tensor_data(data)
+    w.close()
+    return path
+
+
+def test_gguf_rope_scaling_reaches_the_config(tmp_path):
+    """transformers' GGUF reader drops a GGUF's rope scaling: Llama 3.1-3.3's per-frequency
+    factors (``rope_freqs``, llama.cpp's converter's) come back as their ``llama3``
+    parameters, ``rope.scaling`` linear and yarn as theirs; one that cannot be said is
+    refused for the torch runtime (llama.cpp reads the GGUF itself)."""
+    import math
+
+    import gguf
+    import numpy as np
+
+    from specdec.runtime.loading import gguf_rope, gguf_to_hf_dir, llama3_rope
+
+    reader = gguf.GGUFReader(str(rewritten_gguf(tmp_path / "plain.gguf")))
+    theta = float(reader.get_field("llama.rope.freq_base").contents())
+    dim = int(reader.get_field("llama.rope.dimension_count").contents())
+
+    def factors(factor, low, high, orig):  # llama.cpp's converter's rope_freqs for a llama3 config
+        out = []
+        for w in 2 * math.pi * theta ** (np.arange(0, dim, 2) / dim):
+            s = (orig / w - low) / (high - low)
+            out.append(1.0 if w < orig / high else factor if w > orig / low else 1 / ((1 - s) / factor + s))
+        return np.array(out, dtype=np.float32)
+
+    llama32 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    path = rewritten_gguf(tmp_path / "llama3.gguf", tensors=[("rope_freqs.weight", factors(32.0, 1.0, 4.0, 8192))])
+    assert gguf_rope(tmp_path / "plain.gguf") == {} and gguf_rope(path) == llama32
+    config = __import__("json").loads((gguf_to_hf_dir(path, weights=False) / "config.json").read_text())
+    assert {**config["rope_parameters"], "rope_theta": theta} == {**llama32, "rope_theta": theta}
+    fitted = llama3_rope(factors(16.0, 2.0, 6.0, 4096), theta, dim, 4096)  # not Llama 3's own numbers: fitted
+    assert fitted["factor"] == 16 and fitted["original_max_position_embeddings"] == 4096
+    assert (fitted["low_freq_factor"], fitted["high_freq_factor"]) == pytest.approx((2.0, 6.0), rel=1e-6)
+    S, F = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32
+    linear = rewritten_gguf(tmp_path / "linear.gguf", kv=[("llama.rope.scaling.type", "linear", S),
+                                                          ("llama.rope.scaling.factor", 4.0, F)])
+    assert gguf_rope(linear) == {"rope_type": "linear", "factor": 4.0}
+    yarn = [("llama.rope.scaling.type", "yarn", S), ("llama.rope.scaling.factor", 4.0, F),
+            ("llama.rope.scaling.original_context_length", 2048, gguf.GGUFValueType.UINT32)]
+    assert gguf_rope(rewritten_gguf(tmp_path / "yarn.gguf", kv=yarn)) == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    odd = rewritten_gguf(tmp_path / "odd.gguf", kv=yarn + [("llama.rope.scaling.yarn_log_multiplier", 0.1, F)])
+    with pytest.raises(ValueError, match="backend='llamacpp'"):
+        gguf_to_hf_dir(odd)
+    assert (gguf_to_hf_dir(odd, weights=False) / "config.json").is_file()  # llama.cpp's own
+    with pytest.raises(ValueError, match="rope factors .rope_factors_long.weight"):
+        gguf_rope(rewritten_gguf(tmp_path / "phi.gguf", tensors=[("rope_factors_long.weight", np.ones(32, np.float32))]))
+
+
+def test_gguf_tokenizer_is_its_own(tmp_path):
+    """A GGUF's tokenizer is the one inside it, though another model's tokenizer.json lies
+    beside it (transformers prefers that one)."""
+    from transformers import AutoTokenizer
+
+    from specdec.runtime.loading import gguf_to_hf_dir, load_tokenizer
+
+    from tiny import byte_tokenizer
+
+    byte_tokenizer().save_pretrained(tmp_path)
+    path = rewritten_gguf(tmp_path / "smol.gguf")
+    own = load_tokenizer(None)
+    for tok in (load_tokenizer(str(path)), AutoTokenizer.from_pretrained(gguf_to_hf_dir(path, weights=False))):
+        assert len(tok) == len(own) > 49000 and tok.encode("Hello, world") == own.encode("Hello, world")

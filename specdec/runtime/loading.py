@@ -77,12 +77,96 @@ def _from_hub(repo_id: str, weights: bool = True) -> Path:
                          f"from the Hugging Face hub ({first})") from None
 
 
+# bumped when gguf_to_hf_dir's output changes, so that directories made before are made again
+GGUF_CONVERSION = 2  # 2: rope scaling (gguf_rope)
+LLAMA3_ROPE = (1.0, 4.0, 8192)  # Llama 3.1-3.3's low / high frequency factors and original context
+
+
+def llama3_rope(factors, theta: float, dim: int, original: int | None) -> dict | None:
+    """The ``llama3`` rope parameters whose per-frequency factors (llama.cpp's ``rope_freqs``:
+    each frequency is divided by its factor) are ``factors``, or None if none give them.
+    Only the ratios of the original context to the low and high factors show in them, so
+    the original context is taken as given (else 8192) and the factors fitted to it, trying
+    Llama 3's own first."""
+    import math
+
+    import numpy as np
+
+    f = np.asarray(factors, dtype=np.float64)
+    factor = float(f.max())
+    wavelen = 2 * math.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    if factor <= 1 or len(f) != len(wavelen):
+        return None
+    orig = original or LLAMA3_ROPE[2]
+    tries = [LLAMA3_ROPE[:2]]
+    mid = (f > 1 + 1e-6) & (f < factor * (1 - 1e-6))  # the smoothed band: 1 / f = (1 - s) / factor + s
+    if mid.sum() >= 2:  # s = (orig / wavelen - low) / (high - low), a line in 1 / wavelen
+        s = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)
+        a, b = np.polyfit(1 / wavelen[mid], s, 1)
+        tries.append((-b * orig / a, (1 - b) * orig / a))
+    for low, high in tries:
+        if not 0 < low < high:
+            continue
+        smooth = np.clip((orig / wavelen - low) / (high - low), 0, 1)
+        want = np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor,
+                                                              1 / ((1 - smooth) / factor + smooth)))
+        if np.allclose(want, f, rtol=1e-5):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
+                    "high_freq_factor": float(high), "original_max_position_embeddings": int(orig)}
+    return None
+
+
+def gguf_rope(gguf: Path) -> dict:
+    """The rope scaling a GGUF holds that transformers' GGUF reader leaves out, as
+    ``rope_parameters`` entries ({} for none): the ``rope.scaling`` metadata (linear, yarn)
+    and the per-frequency factors llama.cpp's converter writes for Llama 3.1-3.3
+    (``rope_freqs``). One it cannot say is a ``ValueError``: the model would run, wrongly."""
+    import numpy as np
+    from gguf import GGUFReader, Keys
+
+    reader = GGUFReader(str(gguf))
+    arch = reader.fields[Keys.General.ARCHITECTURE].contents()
+
+    def field(key: str):
+        f = reader.fields.get(key.format(arch=arch))
+        return None if f is None else f.contents()
+
+    kind, factor = field(Keys.Rope.SCALING_TYPE) or "none", field(Keys.Rope.SCALING_FACTOR)
+    orig = field(Keys.Rope.SCALING_ORIG_CTX_LEN)
+    tensors = {t.name: t for t in reader.tensors if t.name.startswith(("rope_freqs", "rope_factors"))}
+    unread = [k for k in (Keys.Rope.SCALING_ATTN_FACTOR, Keys.Rope.SCALING_YARN_LOG_MUL, Keys.Rope.SCALING_YARN_EXT_FACTOR,
+                          Keys.Rope.SCALING_YARN_ATTN_FACTOR) if field(k) not in (None, 0.0, 1.0, -1.0)]
+    out = {}
+    if kind == "linear" and factor not in (None, 1.0):
+        out = {"rope_type": "linear", "factor": float(factor)}
+    elif kind == "yarn" and not unread:
+        out = {"rope_type": "yarn", "factor": float(factor)}
+        out.update({"original_max_position_embeddings": int(orig)} if orig else {})
+        for key, name in ((Keys.Rope.SCALING_YARN_BETA_FAST, "beta_fast"), (Keys.Rope.SCALING_YARN_BETA_SLOW, "beta_slow")):
+            out.update({name: float(field(key))} if field(key) is not None else {})
+    elif kind not in ("none", "linear"):
+        raise ValueError(f"{gguf.name}: rope scaling {kind!r} ({', '.join(k.format(arch=arch) for k in unread)}) "
+                         "is not one transformers can be told; run it with backend='llamacpp'")
+    if "rope_freqs.weight" in tensors:
+        theta = float(field(Keys.Rope.FREQ_BASE) or 10000.0)
+        dim = int(field(Keys.Rope.DIMENSION_COUNT) or 2 * len(tensors["rope_freqs.weight"].data))
+        found = llama3_rope(np.array(tensors["rope_freqs.weight"].data), theta, dim, orig and int(orig))
+        if found is None:
+            raise ValueError(f"{gguf.name}: its per-frequency rope factors (rope_freqs) are not Llama 3's form; "
+                             "run it with backend='llamacpp'")
+        out = found
+    elif tensors:
+        raise ValueError(f"{gguf.name}: its rope factors ({', '.join(sorted(tensors))}) are not read here; "
+                         "run it with backend='llamacpp'")
+    return out
+
+
 def gguf_to_hf_dir(gguf: Path, weights: bool = True) -> Path:
     """Dequantize ``gguf`` once into an HF directory in the cache; return that directory.
     ``weights=False`` (a runtime that reads the GGUF itself): config and tokenizer only,
     unless the full directory exists already."""
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}:{GGUF_CONVERSION}".encode()).hexdigest()[:16]
     out = cache_root() / "gguf" / f"{gguf.stem}-{key}"
     if (out / "model.safetensors").is_file():
         return out
@@ -97,12 +181,17 @@ def gguf_to_hf_dir(gguf: Path, weights: bool = True) -> Path:
     meta = load_gguf_checkpoint(str(gguf), return_tensors=False)
     cfg_dict = dict(meta["config"])
     config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    try:
+        config.rope_parameters = {**(config.rope_parameters or {}), **gguf_rope(gguf)}
+    except ValueError:
+        if weights:  # llama.cpp (config and tokenizer only) reads the rope from the GGUF itself
+            raise
     tensors = {}
     if weights:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
         tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = gguf_tokenizer(gguf)
     tmp = out.with_name(out.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(tmp)
@@ -113,6 +202,17 @@ def gguf_to_hf_dir(gguf: Path, weights: bool = True) -> Path:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
     tmp.rename(out) if not out.exists() else None
     return out
+
+
+def gguf_tokenizer(gguf: Path):
+    """The GGUF's own tokenizer. Read from a folder that holds nothing else: transformers
+    takes a ``tokenizer.json`` beside the file over the tokenizer inside it."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as alone:
+        return AutoTokenizer.from_pretrained(alone, gguf_file=str(gguf.resolve()))
 
 
 def gguf_file(model: str | None) -> Path:
@@ -350,5 +450,5 @@ def load_tokenizer(model: str | None):
         ggufs = sorted(path.glob("*.gguf"))
         path = ggufs[0] if len(ggufs) == 1 else path
     if path.is_file() and path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(resolve(str(path) if path.exists() else model))
