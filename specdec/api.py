@@ -302,6 +302,7 @@ class LLM:
         self._next_id = 0
         self._seeds = None if c.seed is None else random.Random(c.seed)  # unseeded requests' seeds
         self._lock = threading.Lock()  # generate: one call at a time
+        self.served = False  # a running server (create_app) steps the engine: generate refuses
 
     def _generation_defaults(self, source: str) -> dict:
         """``SamplingParams`` fields from ``generation_config`` (see ``EngineConfig``),
@@ -416,6 +417,9 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         with self._lock:  # one call at a time: calls from other threads wait (they share the engine)
+            if self.served:
+                raise ValueError("this LLM is being served (create_app): its engine runs the server's requests; "
+                                 "send yours to the server, or make another LLM")
             rendered = [render_prompt(self.tokenizer, p) for p in prompts]  # (text, ids) per prompt
             seeds = self._seeds and self._seeds.getstate()
             try:  # vLLM's offline: the window caps max_tokens; n sequences per prompt

@@ -118,6 +118,20 @@ def test_several_served_names(loaded):
         assert "'first', 'second'" in e.value.body["message"]
 
 
+def test_a_served_llm_refuses_generate(loaded):
+    """While a server steps an LLM's engine, that LLM's generate would step it too (the two
+    sides retired each other's requests: wrong tokens, AssertionErrors): it is refused, and
+    works again once the server stops."""
+    llm = LLM(loaded("llama"))
+    want = llm.generate("hi", SamplingParams(max_tokens=4))[0].token_ids
+    with BackgroundServer(create_app(llm, served_model_name=MODEL)) as srv:
+        with pytest.raises(ValueError, match="this LLM is being served"):
+            llm.generate("hi", SamplingParams(max_tokens=4))
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert c.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0).choices[0].text
+    assert llm.generate("hi", SamplingParams(max_tokens=4))[0].token_ids == want
+
+
 def test_null_fields_take_their_defaults(server):
     """OpenAI's optional fields are nullable: a client generated from its spec sends
     ``"n": null``; such a field takes its default (a 400 before)."""

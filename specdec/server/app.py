@@ -82,6 +82,11 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        def serve(on: bool) -> None:
+            with llm._lock:  # after a generate call running now
+                llm.served = on
+
+        await asyncio.to_thread(serve, True)
         scheduler.start()
         # structured outputs' tokenizer (about 1 s for a 150k vocabulary), off the event loop
         threading.Thread(target=llm.grammars.warm, name="specdec-grammars", daemon=True).start()
@@ -89,6 +94,7 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
             yield
         finally:
             await asyncio.to_thread(scheduler.stop)
+            serve(False)
 
     app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
