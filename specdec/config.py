@@ -16,6 +16,8 @@ Every invalid value raises ``ValueError`` with a one-line message naming the fie
 from __future__ import annotations
 
 import json
+import logging
+import math
 import re
 from dataclasses import dataclass, fields
 
@@ -31,6 +33,8 @@ LOAD_FORMATS = ("auto", "dummy")  # the checkpoint's weights, or random ones of 
 GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
+
+MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a temperature in (0, this) is raised to it (logits / t overflow)
 
 # device forms EngineConfig takes (torch's names; None = cuda if available, else cpu)
 DEVICE = re.compile(r"(cpu|cuda)(:[0-9]+)?")
@@ -200,7 +204,13 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         _check(self.max_tokens is None or self.max_tokens >= 1,
                f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(self.temperature >= 0 and math.isfinite(self.temperature),
+               f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # as vLLM: tiny ones overflow the logits into nan
+            logging.getLogger("specdec").warning("temperature %s is below %s (logits / temperature would "
+                                                 "overflow); raised to %s", self.temperature, MIN_TEMPERATURE,
+                                                 MIN_TEMPERATURE)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         _check(self.top_k >= -1, f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
         object.__setattr__(self, "top_k", max(self.top_k, 0))  # vLLM's -1: all tokens
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -215,7 +225,8 @@ class SamplingParams:
             isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
                "allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
         _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings")
-        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        _check(0 < self.repetition_penalty < math.inf,
+               f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2 <= value <= 2, f"{name} must be in [-2, 2] (0 = off), got {value}")

@@ -25,7 +25,8 @@ def probs_from_logits(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     logits = logits.float()
     if sp.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / sp.temperature
+    # huge logits (a tiny repetition penalty's) stay finite: the largest share the mass, no nan
+    logits = (logits / sp.temperature).nan_to_num(nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
     if sp.min_p > 0:  # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
         floor = logits.max(-1, keepdim=True).values + math.log(sp.min_p)  # [rows, 1]
         logits = logits.masked_fill(logits < floor, float("-inf"))

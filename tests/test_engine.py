@@ -703,6 +703,20 @@ def test_max_logprobs_caps_the_alternatives(loaded):
         LLM(loaded("llama"), max_logprobs=-2)
 
 
+def test_extreme_sampling_values_draw_real_tokens(loaded):
+    """A temperature in (0, 0.01) is raised to 0.01 (vLLM's): 1e-40 overflowed the logits into
+    nan, and the draw past the vocabulary crashed the next forward (on the server, every
+    request beside it). Logits a tiny repetition penalty blows up stay finite, so every
+    drafter draws real tokens from them."""
+    assert SamplingParams(temperature=1e-40).temperature == 0.01
+    vocab = LLM(loaded("llama")).target.runtime.vocab_size
+    for kw in (dict(temperature=1e-40), dict(temperature=1.0, repetition_penalty=1e-39)):
+        for method in ("none", "self", "ngram"):
+            out = spec(loaded, "llama", method, k=3).generate(PROMPTS[0], SamplingParams(
+                max_tokens=12, seed=0, ignore_eos=True, **kw))[0]
+            assert len(out.token_ids) == 12 and max(out.token_ids) < vocab, (kw, method)
+
+
 def test_stop_token_ids_min_tokens_and_min_p(loaded):
     """``stop_token_ids`` end the output like an EOS (ignore_eos too; the token is kept in
     token_ids, its text left out); ``min_tokens`` keeps EOS, stop tokens and stop strings from
