@@ -4,9 +4,12 @@ measurement depends on (model file, runtime, threads, machine)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 from pathlib import Path
+
+log = logging.getLogger("specdec")
 
 
 def directory() -> Path:
@@ -34,10 +37,14 @@ def read(path: Path) -> dict:
 
 
 def store(path: Path, key: str, value) -> None:
-    """Set ``table[key] = value`` (read again first, written atomically)."""
+    """Set ``table[key] = value`` (read again first, written atomically). A cache that cannot
+    be written is a warning: the value only spares the next run measuring it again."""
     table = read(path)
     table[key] = value
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("cannot write specdec's cache %s (%s); set SPECDEC_CACHE to a writable directory", path, e)

@@ -281,3 +281,30 @@ def test_cli_structured_outputs(tmp_path, tiny_dirs):
         r = run_cli(*common, *args)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and match in lines[0], r.stderr
+
+
+def test_unwritable_cache(tmp_path, tiny_dirs, monkeypatch, caplog):
+    """specdec's cache only spares measuring again: a model loads though it cannot be written
+    (a warning), a GGUF that must be dequantized into it is a ValueError naming
+    SPECDEC_CACHE, and an empty SPECDEC_CACHE is the default directory (it was the current one)."""
+    from pathlib import Path
+
+    from specdec.runtime.loading import cache_root, gguf_to_hf_dir
+
+    blocked = tmp_path / "a-file"
+    blocked.touch()
+    monkeypatch.setenv("SPECDEC_CACHE", str(blocked / "cache"))
+    with caplog.at_level("WARNING", logger="specdec"):
+        LLM(str(tiny_dirs["llama"]))
+    assert "SPECDEC_CACHE" in caplog.text
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr("transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint",
+                        lambda *a, **k: {"config": {"model_type": "llama"}})
+    monkeypatch.setattr("specdec.runtime.loading.gguf_rope", lambda path: {})
+    monkeypatch.setattr("specdec.runtime.loading.gguf_tokenizer",
+                        lambda path: __import__("tiny").byte_tokenizer())
+    with pytest.raises(ValueError, match="set SPECDEC_CACHE to a writable directory"):
+        gguf_to_hf_dir(gguf, weights=False)
+    monkeypatch.setenv("SPECDEC_CACHE", "")
+    assert cache_root() == Path.home() / ".cache" / "specdec"

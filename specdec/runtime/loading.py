@@ -26,7 +26,9 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+    from ..disk_cache import directory
+
+    return directory()
 
 
 def default_model_path() -> str:
@@ -193,14 +195,18 @@ def gguf_to_hf_dir(gguf: Path, weights: bool = True) -> Path:
         tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
     tokenizer = gguf_tokenizer(gguf)
     tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
     eos = sorted({i for i in (config.eos_token_id, tokenizer.eos_token_id) if i is not None})
-    GenerationConfig(eos_token_id=eos, bos_token_id=config.bos_token_id).save_pretrained(tmp)
-    if weights:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
-    tmp.rename(out) if not out.exists() else None
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        GenerationConfig(eos_token_id=eos, bos_token_id=config.bos_token_id).save_pretrained(tmp)
+        if weights:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        tmp.rename(out) if not out.exists() else None
+    except OSError as e:
+        raise ValueError(f"cannot write {gguf.name} dequantized to {out.parent} ({e}); set SPECDEC_CACHE to a "
+                         "writable directory") from None
     return out
 
 
