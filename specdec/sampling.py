@@ -55,7 +55,9 @@ def top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         if k == vocab or bool((mass_before[:, -1] >= top_p).all()):  # every row's nucleus ends inside
             break
         k = min(4 * k, vocab)
-    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top.indices, mass_before < top_p)
+    keep = mass_before < top_p
+    keep[:, 0] = True  # the top token, though top_p is below float32's least (it compares as 0)
+    return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top.indices, keep)
 
 
 def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], output: list[int],
@@ -151,6 +153,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     costs about a twentieth of ``torch.multinomial`` (which draws an exponential per token)."""
     cdf = probs.double().cumsum(-1)  # [rows, vocab]
     total = cdf[:, -1:]  # [rows, 1]
+    if not bool(((total > 0) & torch.isfinite(total)).all()):  # nan logits: no token to return
+        raise RuntimeError("a distribution to sample from has no probability mass (nan logits?)")
     u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device, generator=generator) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # < total: never past the end
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)  # first i with cdf[i] > u: p[i] > 0

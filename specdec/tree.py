@@ -143,9 +143,9 @@ def verify_tree(tree: DraftTree, target_logits: torch.Tensor, sp: SamplingParams
             for c in tree.children[r]:
                 x = tree.tokens[c]
                 q = tree.q[r].float() if tree.q is not None else None
-                q_x = q[x] if q is not None else 1.0
-                u = torch.rand((), device=p.device, generator=generator)
-                if u * q_x < residual[x]:
+                q_x = float(q[x]) if q is not None else 1.0
+                u = torch.rand((), device=p.device, dtype=torch.float64, generator=generator)  # as verify's
+                if u * q_x < float(residual[x]):
                     nxt = c
                     break
                 residual = normalized_residual(residual, q, x)

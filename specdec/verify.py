@@ -57,9 +57,11 @@ def verify(
         return Verdict(0, [int(sample(p, generator))], 0)
     ids = torch.tensor(draft_ids, device=p.device)  # [k]
     rows = torch.arange(k, device=p.device)
-    p_x = p[rows, ids]  # [k]
-    q_x = q[rows, ids].float() if q is not None else torch.ones_like(p_x)  # [k]
-    u = torch.rand(k, device=p.device, generator=generator)  # [k]
+    p_x = p[rows, ids].double()  # [k]
+    q_x = q[rows, ids].double() if q is not None else torch.ones_like(p_x)  # [k]
+    # float64, as vLLM's: a float32 uniform is exactly 0 once in 2^24 draws, and 0 accepts any
+    # token with p > 0 (one a -100 logit bias bans, say)
+    u = torch.rand(k, device=p.device, dtype=torch.float64, generator=generator)  # [k]
     accepted = (u * q_x < p_x).tolist()  # u < p/q, safe when q_x == 0
     n = accepted.index(False) if False in accepted else k
     if n == k:

@@ -717,6 +717,32 @@ def test_extreme_sampling_values_draw_real_tokens(loaded):
             assert len(out.token_ids) == 12 and max(out.token_ids) < vocab, (kw, method)
 
 
+def test_nan_draft_and_tiny_top_p_draw_real_tokens(loaded, tiny_dirs, tmp_path):
+    """A draft model whose logits are nan (an fp16 draft overflowing) drafts nothing, so a
+    sampled request decodes as without it (it drew an id past the vocabulary and crashed);
+    a top_p below float32's least keeps the top token, as greedy (it kept none)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan-draft"
+    shutil.copytree(tiny_dirs["draft"], broken)
+    weights = load_file(broken / "model.safetensors")
+    weights["model.norm.weight"][:] = float("nan")  # every logit nan
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    sp = SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)
+    want = LLM(loaded("llama")).generate(PROMPTS[0], sp)[0].token_ids
+    nan = LLM(loaded("llama"), draft=str(broken), speculative=SpecConfig(method="draft", num_draft_tokens=3,
+                                                                        draft_quantization="none"))
+    out = nan.generate(PROMPTS[0], sp)[0]
+    assert out.token_ids == want and out.metrics["acceptance_rate"] in (0.0, None)
+    greedy = plain(loaded, "llama", PROMPTS[:1])[0].token_ids
+    for method in ("none", "ngram"):
+        tiny = spec(loaded, "llama", method, k=3).generate(PROMPTS[0], SamplingParams(
+            max_tokens=N, temperature=1.0, top_p=1e-300, seed=0, ignore_eos=True))[0]
+        assert tiny.token_ids == greedy, method
+
+
 def test_stop_token_ids_min_tokens_and_min_p(loaded):
     """``stop_token_ids`` end the output like an EOS (ignore_eos too; the token is kept in
     token_ids, its text left out); ``min_tokens`` keeps EOS, stop tokens and stop strings from

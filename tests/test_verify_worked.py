@@ -152,3 +152,19 @@ def test_top_p_worked_example_and_wide_nuclei():
         keep = top_p_keep(probs, top_p)
         assert torch.equal(keep, want), top_p
     assert keep[:2].sum(-1).min() > 4 * TOP_P_CANDIDATES  # the flat rows needed more candidates
+
+
+def test_acceptance_uniform_is_float64():
+    """A float32 uniform is exactly 0 once in 2^24 draws, and u = 0 accepts any token with
+    p > 0: here a token a -100 logit bias bans (p = 5.6e-45), drafted by an n-gram, at the
+    generator state where the float32 draw is 0. vLLM draws these in float64 too."""
+    x = 5
+    sp = SamplingParams(temperature=1.0, logit_bias={x: -100})
+    logits = torch.zeros(2, 8)
+    logits[:, x] = -100.0  # the target's rows after the bias
+    g = torch.Generator().manual_seed(0)
+    assert torch.rand(41102972, generator=g)[-1].item() == 0.0  # the float32 draw there
+    g = torch.Generator().manual_seed(0)
+    torch.rand(41102971, generator=g)
+    verdict = verify([x], None, logits, sp, g)
+    assert verdict.num_accepted == 0 and verdict.tokens[0] != x

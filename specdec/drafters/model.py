@@ -234,6 +234,8 @@ class ModelDrafter:
                 seq, d = seqs[i], drafts[i]
                 d.forwards += 1
                 token, q = self._pick(row, seq, d.tokens)
+                if token is None:
+                    continue
                 d.tokens.append(token)
                 if q is not None:
                     d.q.append(q)
@@ -259,6 +261,8 @@ class ModelDrafter:
         if seq.sampling.greedy:
             return int(logits.argmax()), None
         q = probs_from_logits(logits[None], seq.sampling)[0]  # [vocab_d]
+        if not bool(torch.isfinite(q).all()):  # nan logits (an fp16 draft overflowing): no draft
+            return None, None
         token = int(sample(q[None], seq.generator))
         return token, F.pad(q, (0, self.target_vocab - q.shape[0]))
 
