@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -62,7 +61,8 @@ class CompletionOutput:
 class RequestOutput:
     """One prompt's result (as vLLM's): ``outputs`` holds its ``SamplingParams.n`` completions;
     ``text``, ``token_ids`` and ``finish_reason`` are the first one's. ``metrics`` add up
-    the completions' counters (``Metrics.to_dict``; wall time: the longest). ``prompt``: the
+    the completions' counters (``Metrics.to_dict``; times: the steps from the first's
+    admission to the last's end, each once). ``prompt``: the
     prompt's text (a chat's: as its template renders it; None for ``prompt_token_ids``)."""
 
     request_id: str
@@ -430,7 +430,7 @@ class LLM:
                     self._seeds.setstate(seeds)
                 raise
             seqs = [s for group in groups for s in group]
-            start = time.perf_counter()
+            start = self.engine.mark()
             for s in seqs:
                 self.engine.add(s)
             with tqdm(total=len(seqs), desc="Generated", unit="seq", disable=None if use_tqdm else True) as bar:
@@ -440,7 +440,7 @@ class LLM:
                 except BaseException:  # an error or Ctrl-C: the engine drops these requests and stays usable
                     self.engine.fail(seqs)
                     raise
-            self.last_run_metrics = run_metrics([s.metrics for s in seqs], time.perf_counter() - start)
+            self.last_run_metrics = run_metrics([s.metrics for s in seqs], [(start, self.engine.mark())])
             return [self._output(group, text) for group, (text, _) in zip(groups, rendered)]
 
     def make_sequences(self, prompt: Prompt, sp: SamplingParams, *,
@@ -506,7 +506,7 @@ class LLM:
         """The request's result from its completions' sequences."""
         first = seqs[0]
         prompt_ids = first.ids[:first.prompt_len]
-        metrics = run_metrics([s.metrics for s in seqs], max(s.metrics.wall_s for s in seqs))
+        metrics = run_metrics([s.metrics for s in seqs], [(s.admitted, s.retired) for s in seqs if s.retired])
         prompt_logprobs = None
         if first.sampling.prompt_logprobs is not None:
             prompt_logprobs = [None] + self._logprobs(prompt_ids[1:], first.prompt_token_logprobs)

@@ -16,6 +16,7 @@ import torch
 from .config import SpecConfig
 from .cost import Ask, Choice, Planner
 from .drafters import Draft, Drafter
+from .metrics import PHASES, Mark
 from .sampling import sequence_logits
 from .sequence import IncrementalText, Sequence, TokenLogprobs, common_prefix, cut_after_eos, settled_text
 from .structured import chain_masks
@@ -97,6 +98,12 @@ class Engine:
         self._masking: ThreadPoolExecutor | None = None  # grammar masks beside the verify forward
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.steps = 0  # steps begun
+        self.spent = [0.0] * len(PHASES)  # seconds all steps spent per phase
+
+    def mark(self) -> Mark:
+        """The clock now (between steps): what requests' and runs' time splits start and end at."""
+        return Mark(self.steps, tuple(self.spent), time.perf_counter())
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -129,6 +136,7 @@ class Engine:
         whose prompt is complete commits its first token), and run one round for the
         sequences that had their first token before this step; return the finished ones. A
         caller streaming after each step so sends a first token right after its prefill."""
+        self.steps += 1
         self._admit()
         live = [s for s in self.running if not s.finished]
         decoding = [s for s in live if s.num_output]  # prefilled in an earlier step
@@ -167,8 +175,8 @@ class Engine:
             if self.planner:
                 self.planner.record(s.request_id, c, depth, v.num_accepted)
         t3 = time.perf_counter()
-        for s in seqs:
-            s.metrics.record_times(draft=t1 - t0, verify=t2 - t1, bookkeeping=t3 - t2)
+        for i, t in enumerate((t1 - t0, t2 - t1, t3 - t2)):  # draft, verify, bookkeeping
+            self.spent[1 + i] += t
 
     def _plan(self, seqs: list[Sequence]) -> list[Choice]:
         limits = [min(self.k, s.remaining - 1, self.k if s.num_draft_tokens is None else s.num_draft_tokens)
@@ -249,7 +257,8 @@ class Engine:
             self.retained.pop(s.slot, None)
             self.cache.rewind(s.slot, reused)  # the prefill goes on from there
             s.metrics.cached_prompt_tokens = reused
-            s.started_at = time.perf_counter()
+            s.admitted = self.mark()
+            s.started_at = s.admitted.at
             self.running.append(s)
 
     def _pick_slot(self, s: Sequence) -> tuple[int, int]:
@@ -293,7 +302,6 @@ class Engine:
         if logits.device.type == "cuda":  # the prefill's time, not its launch's
             torch.cuda.synchronize(logits.device)
         for s, out, chunk in zip(batch, logits, chunks):
-            s.metrics.prefill_s += time.perf_counter() - t0
             s.metrics.target_forwards += 1
             row = out  # [vocab]: the logits after the chunk's last token
             if every_row:
@@ -311,6 +319,7 @@ class Engine:
             if s.logprobs is not None:
                 s.token_logprobs += token_logprobs(row[None], [token], s.logprobs)
             self._commit(s, [token])
+        self.spent[0] += time.perf_counter() - t0  # the prefill phase (PHASES[0])
 
     def _copy_shared(self, s: Sequence) -> None:
         """Give ``s`` the KV of the whole prompt chunks it shares with another request's
@@ -401,7 +410,7 @@ class Engine:
         done = [s for s in self.running if s.finished]
         if not done:
             return []
-        now = time.perf_counter()
+        now = self.mark()
         for s in done:
             kept = 0
             if self.reuses_prefixes and s.finish_reason != "error":  # the prompt's KV in whole chunks stays
@@ -415,7 +424,8 @@ class Engine:
             if self.planner:
                 self.planner.release(s.request_id)
             self.free_slots.append(s.slot)
-            s.metrics.wall_s = now - s.started_at
+            s.retired = now
+            s.metrics.record_span([(s.admitted, now)])
             s.metrics.generated_tokens = s.num_output
         self.running = [s for s in self.running if not s.finished]
         return done

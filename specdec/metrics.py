@@ -3,6 +3,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+PHASES = ("prefill", "draft", "verify", "bookkeeping")  # an engine step's parts, in time_split_s
+
+
+@dataclass(frozen=True)
+class Mark:
+    """The engine's clock between steps: the step begun last (``step``), what all steps so far
+    spent in each phase (``spent``, seconds by ``PHASES``), and the time (``at``)."""
+
+    step: int = 0
+    spent: tuple[float, ...] = (0.0,) * len(PHASES)
+    at: float = 0.0
+
+
+def spent_over(spans: list[tuple[Mark, Mark]]) -> tuple[list[float], float]:
+    """Seconds by phase of the engine steps inside any of ``spans`` (each step once, though
+    spans overlap: completions of one request side by side), and the wall time they cover."""
+    merged: list[list[Mark]] = []
+    for a, b in sorted(spans, key=lambda span: span[0].step):
+        if merged and a.step <= merged[-1][1].step:
+            merged[-1][1] = max(merged[-1][1], b, key=lambda m: m.step)
+        else:
+            merged.append([a, b])
+    phases = [sum(b.spent[i] - a.spent[i] for a, b in merged) for i in range(len(PHASES))]
+    return phases, sum(b.at - a.at for a, b in merged)
+
 
 @dataclass
 class Metrics:
@@ -18,9 +43,11 @@ class Metrics:
     cached_prompt_tokens: int = 0  # prompt tokens whose KV a finished request left (prefix reuse)
     chosen_k: list[int] = field(default_factory=list)  # [k+1]: verify steps that drafted with k = i
     drafter_steps: dict[str, int] = field(default_factory=dict)  # verify steps per drafter (hybrid)
-    # wall time of the steps this request took part in, by phase (a batch's step counts for each
-    # of its requests): prefill, drafting (incl. planning), target verify forward + verification,
-    # bookkeeping (commit, stop checks, drafter/planner updates)
+    # wall time of the engine steps from this request's admission to its end, by phase (each
+    # whole: a batch's step counts in full for each of its requests, as another's prompt chunk
+    # beside them does): prefill, drafting (incl. planning), target verify forward +
+    # verification, bookkeeping (commit, stop checks, drafter/planner updates); over a run or
+    # a request's completions, each step once
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -34,10 +61,9 @@ class Metrics:
         if drafter is not None and k > 0:
             self.drafter_steps[drafter] = self.drafter_steps.get(drafter, 0) + 1
 
-    def record_times(self, draft: float, verify: float, bookkeeping: float) -> None:
-        self.draft_s += draft
-        self.verify_s += verify
-        self.bookkeeping_s += bookkeeping
+    def record_span(self, spans: list[tuple[Mark, Mark]]) -> None:
+        """The time split and wall time of the steps inside ``spans`` (``spent_over``)."""
+        (self.prefill_s, self.draft_s, self.verify_s, self.bookkeeping_s), self.wall_s = spent_over(spans)
 
     def record_verify(self, num_drafts: int, depth: int, num_accepted: int, committed: int) -> None:
         """One verify step: ``num_drafts`` draft tokens (tree nodes) reaching ``depth``
@@ -51,10 +77,9 @@ class Metrics:
         self.accepted_per_position += [0] * (len(self.drafted_per_position) - len(self.accepted_per_position))
 
     def add(self, other: "Metrics") -> None:
-        """Accumulate ``other``'s counters (not wall time) into this one."""
+        """Accumulate ``other``'s counters (not times: see ``record_span``) into this one."""
         for name in ("target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens",
-                     "verify_steps", "verify_committed", "generated_tokens", "cached_prompt_tokens",
-                     "prefill_s", "draft_s", "verify_s", "bookkeeping_s"):
+                     "verify_steps", "verify_committed", "generated_tokens", "cached_prompt_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name, n in other.drafter_steps.items():
             self.drafter_steps[name] = self.drafter_steps.get(name, 0) + n
@@ -102,10 +127,11 @@ def _bump(counts: list[int], n: int) -> None:
         counts[i] += 1
 
 
-def run_metrics(per_request: list[Metrics], wall_s: float) -> Metrics:
-    """Totals over a run; ``wall_s`` is the run's own wall time (requests overlap in a batch)."""
+def run_metrics(per_request: list[Metrics], spans: list[tuple[Mark, Mark]]) -> Metrics:
+    """Totals over a run: counters summed, times those of the engine steps inside ``spans``
+    (the run's, or its completions'), each step once (requests overlap in a batch)."""
     total = Metrics()
     for m in per_request:
         total.add(m)
-    total.wall_s = wall_s
+    total.record_span(spans)
     return total

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from .config import SamplingParams
-from .metrics import Metrics
+from .metrics import Mark, Metrics
 
 if TYPE_CHECKING:
     from .structured import Matcher
@@ -136,7 +136,9 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str | None = None  # final text where the engine cut it (a stop string; a stop token or EOS left out); None: decode all
     metrics: Metrics = field(default_factory=Metrics)
-    started_at: float = 0.0
+    started_at: float = 0.0  # admitted at (perf_counter)
+    admitted: Mark | None = None  # the engine's clock at admission and at the end (metrics' time split)
+    retired: Mark | None = None
     num_draft_tokens: int | None = None  # this request's cap on k (None = the engine's k)
     # target log-probabilities of the committed tokens, captured only when
     # ``sampling.logprobs`` is set: one ``TokenLogprobs`` per output token, from the

@@ -1,5 +1,6 @@
 """Greedy equality, forward counts, stops, rollback and batching on tiny random models."""
 import math
+import time
 
 import pytest
 import torch
@@ -523,14 +524,44 @@ def test_kv_cache_stops_growing_at_the_context_window(loaded):
 
 
 def test_run_metrics(loaded):
+    """Counters add up over a run; times count each engine step once, whatever ran beside it
+    (a batch's step was counted once per request, so a run's split summed to several times its
+    wall time), and a request's n completions span from the first's admission to the last's
+    end (queued ones too: wall_s was the longest completion's own). draft_forwards counts the
+    draft model's catch-up forwards too (a forward feeding a long prompt, drafting nothing)."""
     llm = spec(loaded, "llama", "self", k=4)
+    start = time.perf_counter()
     outs = llm.generate(PROMPTS, GREEDY)
+    took = time.perf_counter() - start
     run = llm.last_run_metrics.to_dict()
     for key in ("target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens"):
         assert run[key] == sum(o.metrics[key] for o in outs)
     for key in ("acceptance_rate", "mean_accepted_length", "accepted_per_position", "tokens_per_s", "wall_s"):
         assert key in run and key in outs[0].metrics
     assert run["tokens_per_s"] > 0
+    assert sum(run["time_split_s"].values()) <= run["wall_s"] <= took
+    for o in outs:
+        assert sum(o.metrics["time_split_s"].values()) <= o.metrics["wall_s"] <= run["wall_s"]
+    queued = spec(loaded, "llama", "ngram", k=4, max_batch_size=1)
+    start = time.perf_counter()
+    four = queued.generate(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True, n=4))[0].metrics
+    took = time.perf_counter() - start
+    assert 0.7 * took <= four["wall_s"] <= took and sum(four["time_split_s"].values()) <= four["wall_s"]
+    catching = LLM(loaded("llama"), draft=loaded("draft"), chunked_prefill_size=8,
+                   speculative=SpecConfig(method="draft", num_draft_tokens=4))
+    drafter, forwards = catching.engine.drafters["draft"], [0]
+    forward = drafter.runtime.forward
+
+    def counted(cache, slots, *args, **kw):
+        forwards[0] += len(slots) if cache is drafter.cache else 0
+        return forward(cache, slots, *args, **kw)
+
+    drafter.runtime.forward = counted
+    try:
+        out = catching.generate("x" * 50 + "hello", SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    finally:
+        drafter.runtime.forward = forward
+    assert out.metrics["draft_forwards"] == forwards[0]
 
 
 def test_chunked_prefill_interleaves_with_decoding(loaded):

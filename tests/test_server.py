@@ -132,6 +132,36 @@ def test_a_served_llm_refuses_generate(loaded):
     assert llm.generate("hi", SamplingParams(max_tokens=4))[0].token_ids == want
 
 
+def test_engine_error_fails_its_requests_and_counts_once(loaded):
+    """A step that raises fails the requests in it (a 500, or an error chunk when streaming),
+    counted once, by finish reason "error" (not also as a request refused before
+    generation), and the server goes on serving."""
+    llm = LLM(loaded("llama"))
+    forward, fail = llm.engine.runtime.forward, [False]
+
+    def failing(*a, **kw):
+        if fail[0] and not kw.get("prefill"):
+            fail[0] = False
+            raise RuntimeError("injected")
+        return forward(*a, **kw)
+
+    llm.engine.runtime.forward = failing
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 10}
+    error = ("specdec_request_success_total", (("finished_reason", "error"),))
+    try:
+        with BackgroundServer(create_app(llm, served_model_name=MODEL)) as srv:
+            for stream in (False, True):
+                before, fail[0] = metrics(srv.url), True
+                r = httpx.post(srv.url + "/v1/completions", json={**body, "stream": stream}, timeout=60)
+                assert (r.status_code, "injected" in r.text) == (200 if stream else 500, True)
+                after = wait_idle(srv.url)
+                assert after[error] - before.get(error, 0) == 1
+                assert not any(k[0] == "specdec_http_requests_rejected_total" for k in after), after
+            assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        llm.engine.runtime.forward = forward
+
+
 def test_null_fields_take_their_defaults(server):
     """OpenAI's optional fields are nullable: a client generated from its spec sends
     ``"n": null``; such a field takes its default (a 400 before)."""

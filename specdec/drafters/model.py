@@ -127,17 +127,20 @@ class ModelDrafter:
         return len(seq.ids) - min(self.fresh[seq.slot], len(seq.ids) - 1)
 
     def propose(self, seqs, ks) -> list[Draft]:
-        active = [i for i, k in enumerate(ks) if k > 0 and self._due(seqs[i])]
-        logits = self._catch_up([seqs[i] for i in active])  # [B, vocab_d]
-        caught = [b for b, i in enumerate(active)  # the rest draft nothing this round
+        fed = [i for i, k in enumerate(ks) if k > 0 and self._due(seqs[i])]
+        logits, took = self._catch_up([seqs[i] for i in fed])  # [B, vocab_d]; forwards per sequence
+        caught = [b for b, i in enumerate(fed)  # the rest draft nothing this round
                   if self.fresh[seqs[i].slot] == len(seqs[i].ids)]
-        self.drafted |= {seqs[active[b]].slot for b in caught}
-        if len(caught) < len(active):
-            active, logits = [active[b] for b in caught], logits[caught] if caught else None
+        self.drafted |= {seqs[fed[b]].slot for b in caught}
+        active = fed
+        if len(caught) < len(fed):
+            active, logits = [fed[b] for b in caught], logits[caught] if caught else None
         if self.topk == 1:
             drafts = self._chains(seqs, ks, active, logits)
         else:
             drafts = self._trees(seqs, ks, active, logits)
+        for i, n in zip(fed, took):
+            drafts[i].forwards += n
         return drafts
 
     def _due(self, seq: Sequence) -> bool:
@@ -149,11 +152,11 @@ class ModelDrafter:
         self.fresh[seq.slot] = fresh + min(self.max_catch_up or len(seq.ids), len(seq.ids) - fresh)
         return self.fresh[seq.slot] > have
 
-    def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def _catch_up(self, seqs: list[Sequence]) -> tuple[torch.Tensor | None, list[int]]:
         """Feed each sequence's committed ids the cache lacks (at most ``max_catch_up``);
-        logits at the last one fed."""
+        logits at the last one fed, and the forwards each sequence took part in."""
         if not seqs:
-            return None
+            return None, []
         for s in seqs:  # the last committed id is always fed: its logits start the draft
             cached = self._cached(s)
             if len(cached) >= len(s.ids):
@@ -165,6 +168,7 @@ class ModelDrafter:
         feed = [s.ids[len(self.cached_ids[s.slot]):][: self.max_catch_up or None] for s in seqs]
         lead, shared = self._leaders(seqs, feed)
         first = [i for i, j in enumerate(lead) if j == i]
+        took = [int(j == i) for i, j in enumerate(lead)]
         logits: list = [None] * len(seqs)
         out = self.runtime.forward(self.cache, [seqs[i].slot for i in first], [self._known(feed[i]) for i in first],
                                    last_only=True)  # [len(first), vocab_d]
@@ -183,9 +187,10 @@ class ModelDrafter:
                                        [self._known(feed[i][shared[i]:]) for i in rest], last_only=True)
             for b, i in enumerate(rest):
                 logits[i] = out[b]
+                took[i] += 1
         for s, toks in zip(seqs, feed):
             self.cached_ids[s.slot].extend(toks)
-        return torch.stack(logits)  # [B, vocab_d]
+        return torch.stack(logits), took  # [B, vocab_d]
 
     def _known(self, ids: list[int]) -> list[int]:
         """Committed ``ids`` as the draft's input: an id past the draft's embedding (a
@@ -232,7 +237,6 @@ class ModelDrafter:
             still = []
             for row, i in zip(logits, active):
                 seq, d = seqs[i], drafts[i]
-                d.forwards += 1
                 token, q = self._pick(row, seq, d.tokens)
                 if token is None:
                     continue
@@ -246,8 +250,9 @@ class ModelDrafter:
                 slots = [seqs[i].slot for i in active]
                 feed = [[drafts[i].tokens[-1]] for i in active]
                 logits = self.runtime.forward(self.cache, slots, feed, last_only=True)
-                for slot, toks in zip(slots, feed):
+                for slot, toks, i in zip(slots, feed, active):
                     self.cached_ids[slot].extend(toks)
+                    drafts[i].forwards += 1
         for d in drafts:
             d.q = torch.stack(d.q) if d.q else None  # [k, target_vocab]
         return drafts
@@ -277,7 +282,6 @@ class ModelDrafter:
             nxt = []
             for i in active:
                 seq, g = seqs[i], grow[i]
-                drafts[i].forwards += 1
                 children = []
                 for node, row in zip(frontier[i], rows[i]):
                     logq = self._log_q(row, seq, g.path(node))  # [target_vocab]
@@ -297,6 +301,7 @@ class ModelDrafter:
                     positions=[[p + grow[i].depths[n] for n in frontier[i]] for i, p in zip(active, root_pos)],
                     chunk_masks=[grow[i].feed_mask(frontier[i]) for i in active])  # [B, topk, vocab_d]
                 for b, i in enumerate(active):
+                    drafts[i].forwards += 1
                     grow[i].fed += frontier[i]
                     rows[i] = list(out[b, : len(frontier[i])])
         for i, g in grow.items():

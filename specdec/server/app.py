@@ -102,7 +102,8 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        metrics.rejected(e.status).inc()
+        if e.refused:  # a failed admitted request is counted by its finish reason, "error"
+            metrics.rejected(e.status).inc()
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
@@ -472,7 +473,7 @@ class _Output:
         while True:
             u: Update = await sreq.queue.get()
             if u.error:
-                raise APIError(500, u.error, "server_error")
+                raise APIError(500, u.error, "server_error", refused=False)
             ids += u.token_ids
             lps += u.logprobs
             if u.finish_reason:

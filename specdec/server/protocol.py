@@ -18,9 +18,10 @@ class APIError(Exception):
     """An OpenAI-style error: ``{"error": {"message", "type", "param", "code"}}``."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, refused: bool = True):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.refused = refused  # before generation (the rejected-requests metric); else an admitted one failed
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
