@@ -482,7 +482,8 @@ class LLM:
             if asked is not None and asked > cap:
                 raise ValueError(f"{name} of {asked} is more than max_logprobs ({cap}; LLM(max_logprobs=), "
                                  "--max-logprobs)")
-            sp = replace(sp, **{name: asked})
+            if asked != getattr(sp, name):  # -1: the vocabulary's size
+                sp = replace(sp, **{name: asked})
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
         eos_ids = (frozenset() if sp.ignore_eos else self.target.eos_ids) | frozenset(sp.stop_token_ids)
