@@ -61,6 +61,15 @@ def _check_types(config) -> None:
                                                        f"got {value!r}")
 
 
+def _utf8(text: str) -> bool:
+    """Whether ``text`` encodes as UTF-8 (a lone surrogate, which JSON can carry, does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_device(device) -> None:
     """``device`` is None or one of the forms ``DEVICE`` takes."""
     _check(device is None or (isinstance(device, str) and DEVICE.fullmatch(device) is not None),
@@ -224,7 +233,8 @@ class SamplingParams:
         _check(self.allowed_token_ids is None or (len(self.allowed_token_ids) >= 1 and all(
             isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
                "allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
-        _check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings")
+        _check(all(isinstance(w, str) and w.strip() and _utf8(w) for w in self.bad_words),
+               "bad_words must be non-empty strings of Unicode characters (no lone surrogates)")
         _check(0 < self.repetition_penalty < math.inf,
                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -171,7 +171,7 @@ class Grammars:
             grammar = llguidance.grammar_from(_FORMATS[so.kind], grammar_text(so))
         except ValueError as e:
             raise invalid(e) from None
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = on_big_stack(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0))
         if matcher.is_error():
             raise invalid(matcher.get_error())
         return Matcher(matcher, self.vocab_size, self.eos_ids, gate)
@@ -304,6 +304,38 @@ def chain_masks(chains: list[tuple[Matcher, list[int]]]) -> list[torch.Tensor]:
             mask[end + 1:] = m.ends()
         out.append(mask)
     return out
+
+
+BIG_STACK = 1 << 30  # bytes: llguidance compiles a grammar recursively (a chain of 1000 $refs overflowed 8 MB)
+
+
+def on_big_stack(fn):
+    """``fn()`` on a thread of its own with a ``BIG_STACK``-byte stack (address space, not
+    memory, until used): a deep grammar overflowing the caller's stack killed the process."""
+    import threading
+
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller
+            out["error"] = e
+
+    with _STACK_SIZE:  # threading.stack_size is process-wide: set it only for this thread's start
+        old = threading.stack_size(BIG_STACK)
+        try:
+            thread = threading.Thread(target=run, name="specdec-grammar", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(old)
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+_STACK_SIZE = __import__("threading").Lock()
 
 
 @functools.lru_cache(maxsize=1)

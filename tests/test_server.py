@@ -162,6 +162,21 @@ def test_engine_error_fails_its_requests_and_counts_once(loaded):
         llm.engine.runtime.forward = forward
 
 
+def test_deep_grammars_and_odd_words_are_answered(server):
+    """A schema whose $refs chain 1000 deep overflowed the stack that compiled it and killed
+    the server (a segfault); it compiles on a big stack now. A bad word with a lone
+    surrogate (JSON carries one) is a 400, not a 500."""
+    n = 1000
+    defs = {f"d{i}": {"type": "object", "properties": {"n": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+    schema = {"$defs": {**defs, f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=120).status_code == 200
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "%s", "prompt": "hi", "max_tokens": 2, '
+                   b'"bad_words": ["\\ud800"]}' % MODEL.encode(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "bad_words" in r.json()["error"]["message"], r.text
+
+
 def test_null_fields_take_their_defaults(server):
     """OpenAI's optional fields are nullable: a client generated from its spec sends
     ``"n": null``; such a field takes its default (a 400 before)."""
@@ -987,6 +1002,9 @@ def test_chat_templates(loaded):
         assert r.json()["count"] == count("[hi]")
         r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, "chat_template": theirs})
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+        for path in ("/v1/chat/completions", "/tokenize"):  # nor one put in chat_template_kwargs (vLLM's)
+            r = httpx.post(srv.url + path, json={"messages": messages, "chat_template_kwargs": {"chat_template": theirs}})
+            assert r.status_code == 400 and "chat template" in r.json()["error"]["message"], path
     with BackgroundServer(create_app(llm, served_model_name=MODEL, chat_template=mine,
                                      trust_request_chat_template=True)) as srv:
         r = httpx.post(srv.url + "/v1/chat/completions",

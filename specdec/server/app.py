@@ -19,8 +19,9 @@ import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -94,6 +95,7 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
             yield
         finally:
             await asyncio.to_thread(scheduler.stop)
+            api._preparing.shutdown(wait=False)
             serve(False)
 
     app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan,
@@ -199,6 +201,10 @@ class _API:
         self.max_request_bytes = max_request_bytes
         # the handlers' own tokenizer: the scheduler thread decodes with the engine's
         self.tok = copy.deepcopy(llm.tokenizer)
+        # requests are prepared (templates, tokenizing, grammars) one at a time off the event
+        # loop, which a long one would stall for every stream, with a tokenizer of their own
+        self._preparing = ThreadPoolExecutor(1, thread_name_prefix="specdec-prepare")
+        self.prepare_tok = copy.deepcopy(llm.tokenizer)
         self.created = int(time.time())
         self.chat_template = chat_template  # chats' template instead of the tokenizer's
         self.trust_request_chat_template = trust_request_chat_template
@@ -254,7 +260,9 @@ class _API:
         req = parse(model, body)
         if req.model is not None and req.model not in self.names:
             raise model_not_found(req.model, self.names)
-        if getattr(req, "chat_template", None) is not None and not self.trust_request_chat_template:
+        smuggled = (getattr(req, "chat_template_kwargs", None) or {}).get("chat_template")  # vLLM refuses it too
+        if (getattr(req, "chat_template", None) is not None or smuggled is not None) and \
+                not self.trust_request_chat_template:
             raise bad_request("this server takes no chat template from requests (vLLM's "
                               "--trust-request-chat-template allows them)", "chat_template")
         if hasattr(req, "chat_template") and req.chat_template is None:
@@ -273,7 +281,7 @@ class _API:
         seqs, echoes = [], []
         for prompt in req.prompt_inputs():  # choice i * n + j: prompt i's completion j
             try:
-                ids = encode_prompt(self.tok, prompt, req.chat_options())
+                ids = encode_prompt(self.prepare_tok, prompt, req.chat_options())
             except ValueError as e:
                 raise bad_request(str(e), req.prompt_field) from None
             except Exception as e:  # e.g. a chat template that rejects these roles (jinja2 errors)
@@ -302,16 +310,17 @@ class _API:
     def echo(self, prompt: str | dict, ids: list[int], sp: SamplingParams, offsets: bool) -> "Echo":
         """A completion's echoed prompt: the prompt as given, or its ids' text decoded as the
         output's is (``sp``); with ``offsets``, where each of ``ids`` starts in it."""
+        tok = self.prepare_tok  # called by prepare
         if isinstance(prompt, str):
-            return Echo(prompt, tuple(prompt_offsets(self.tok, prompt, ids)) if offsets else ())
-        text = output_text(self.tok, ids, sp)
-        at = TokenOffsets(self.tok, sp).add(ids) if offsets else []
+            return Echo(prompt, tuple(prompt_offsets(tok, prompt, ids)) if offsets else ())
+        text = output_text(tok, ids, sp)
+        at = TokenOffsets(tok, sp).add(ids) if offsets else []
         return Echo(text, tuple(min(o, len(text)) for o in at))
 
     async def generate(self, request: Request, chat: bool):
         self.check_auth(request)
         body = await self.read_json(request)
-        req, seqs, echoes = self.prepare(body, chat)
+        req, seqs, echoes = await asyncio.get_running_loop().run_in_executor(self._preparing, self.prepare, body, chat)
         if len(seqs) > self.scheduler.capacity:
             raise bad_request(f"{len(seqs)} completions (prompts x n) exceed what this server holds at "
                               f"once ({self.scheduler.capacity}: running + queued requests)", "n")

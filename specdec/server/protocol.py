@@ -379,7 +379,7 @@ class _ChatTemplate(_Strict):
     def template_options(self, tools: bool) -> dict:
         """``apply_chat_template`` options (``tools``: show them to the template)."""
         shown = {"tools": [t.model_dump(exclude_none=True) for t in self.tools]} if tools and self.tools else {}
-        own = {"chat_template": self.chat_template} if self.chat_template is not None else {}
+        own = {"chat_template": self.chat_template} if self.chat_template is not None else {}  # over the kwargs'
         return {**(self.chat_template_kwargs or {}), **shown, **own, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message}
 
