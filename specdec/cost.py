@@ -19,8 +19,8 @@ decoding) that maximise expected committed tokens per second.
 """
 from __future__ import annotations
 
+import math
 import os
-import statistics
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -64,9 +64,9 @@ class ForwardCosts:
 
 def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> ForwardCosts:
     """Time forwards of 1..max_tokens tokens, and of ``LONG_TOKENS`` (at most half the
-    model's context), after a ``context``-token prefix: medians of ``repeats`` rounds over
-    all sizes in turn (so that a slow spell touches every size alike), after one warm-up
-    round."""
+    model's context), after a ``context``-token prefix: the least of ``repeats`` rounds over
+    all sizes in turn (load only adds time: a slow spell over two rounds of a size made its
+    median dear, and the cached curve kept it), after one warm-up round."""
     long_n = min(LONG_TOKENS, runtime.max_context // 2)  # a short context (a small draft's) fits it
     context = max(0, min(context, runtime.max_context - max(long_n, max_tokens)))
     cache = runtime.new_cache(1)
@@ -88,8 +88,8 @@ def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> F
             if r:  # round 0 warms up
                 times[n].append(time.perf_counter() - t0)
             cache.rewind(0, context)
-    seconds = tuple(statistics.median(times[n]) for n in range(1, max_tokens + 1))
-    long = (long_n, statistics.median(times[long_n])) if long_n > max_tokens else None
+    seconds = tuple(min(times[n]) for n in range(1, max_tokens + 1))
+    long = (long_n, min(times[long_n])) if long_n > max_tokens else None
     return ForwardCosts(seconds, long)
 
 
@@ -109,11 +109,34 @@ def cache_file() -> Path:
     return Path(os.environ.get("SPECDEC_COST_CACHE") or disk_cache.directory() / "forward_costs.json")
 
 
+STALE_RATIO = 1.5  # a cached one-token time this many times today's was measured under load
+
+
+def measured_under_load(runtime, cached: dict) -> bool:
+    """Whether a cached curve's one-token time is ``STALE_RATIO`` times what the least of a few
+    one-token forwards takes now: it was measured under load, and kept it for good (a 135M
+    model cached at 635 ms a token priced a random draft model into 0.63x plain decoding).
+    A curve cheaper than now is kept: now is what is loaded."""
+    if not isinstance(cached.get("seconds"), list) or not cached["seconds"]:
+        return True
+    cache = runtime.new_cache(1)
+    token = [min(runtime.vocab_size, 1000) - 1]
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        runtime.forward(cache, [0], [token], last_only=True)
+        if getattr(runtime, "device", torch.device("cpu")).type == "cuda":
+            torch.cuda.synchronize(runtime.device)
+        times.append(time.perf_counter() - t0)
+        cache.rewind(0, 0)
+    return cached["seconds"][0] > STALE_RATIO * min(times[1:])  # the first warms up
+
+
 def forward_costs(model, max_tokens: int) -> ForwardCosts:
     """Measured costs for ``model`` (a ``LoadedModel``), read from / written to the cache."""
     path, key = cache_file(), cost_key(model)
     have = disk_cache.read(path).get(key)  # {"seconds": [...], "long": [n, seconds] or null}
-    if not isinstance(have, dict) or len(have["seconds"]) < max_tokens:
+    if not isinstance(have, dict) or len(have["seconds"]) < max_tokens or measured_under_load(model.runtime, have):
         costs = measure(model.runtime, max_tokens)
         have = {"seconds": list(costs.seconds), "long": costs.long and list(costs.long)}
         disk_cache.store(path, key, have)
@@ -215,6 +238,7 @@ SHAPE_RATE = 0.1  # ... in its size's cost relative to that level (the verify-co
 SHAPE_GRACE, SHAPE_HALF_LIFE = 16, 50  # a size not timed for 16 verify steps: its correction
 # fades towards 1, halving every 50 steps
 PROBE_MARGIN = 1.1  # probe a drafter only if perfect drafts would beat plain decoding by this much
+PROBE_BACKOFF = 8  # idle steps before a drafter's first probe (doubling after each that does not pay)
 
 
 @dataclass(frozen=True)
@@ -315,10 +339,13 @@ class Planner:
         # verify tokens -> (its observed / measured over the level, ``verify_steps`` when last timed)
         self.shape: dict[int, tuple[float, int]] = {}
         self.verify_steps = 0
+        # each drafter's probe back-off, carried to the next request (every request probing a
+        # drafter that never pays from scratch cost ~5% a request)
+        self.backoff = {name: PROBE_BACKOFF for name in draft_cost}
 
     def _tracks(self, request_id: int) -> dict[str, _Track]:
         if request_id not in self.tracks:
-            self.tracks[request_id] = {n: _Track() for n in self.draft_cost}
+            self.tracks[request_id] = {n: _Track(backoff=self.backoff[n]) for n in self.draft_cost}
         return self.tracks[request_id]
 
     def acceptance(self, name: str, context: int | None, request_id: int) -> Acceptance:
@@ -398,6 +425,14 @@ class Planner:
         shape = self._shape(n)
         self.level += LEVEL_RATE * (ratio / shape - self.level)
         self.shape[n] = (shape + SHAPE_RATE * (ratio / self.level - shape), self.verify_steps)
+        # only sizes timed side by side tell their shapes apart: those timed lately keep a
+        # geometric mean of 1, the rest going into the level (else a load spike timed on one
+        # size left its correction there for good: always-rejected drafts at 0.9x plain)
+        recent = [m for m, (_, timed) in self.shape.items() if self.verify_steps - timed <= SHAPE_GRACE]
+        mean = math.exp(sum(math.log(self.shape[m][0]) for m in recent) / len(recent))
+        for m in recent:
+            self.shape[m] = (self.shape[m][0] / mean, self.shape[m][1])
+        self.level *= mean
 
     def choose(self, ask: Ask) -> Choice:
         """Best (drafter, k <= min(k_max, ask.limit)) for this request's next step."""
@@ -478,7 +513,8 @@ class Planner:
             track.idle = 0
             # a probe re-tests a drafter that did not pay; it is tried again on merit (its
             # acceptance estimate now includes the probe) or after twice the wait
-            track.backoff = track.backoff * 2 if choice.probe else 8
+            track.backoff = track.backoff * 2 if choice.probe else PROBE_BACKOFF
+            self.backoff[name] = track.backoff
 
     def release(self, request_id: int) -> None:
         """A request finished: fold its per-request acceptance into the prior for later requests."""

@@ -218,6 +218,50 @@ def test_a_passing_slowdown_does_not_keep_the_planner_off_deep_drafts():
     assert ks[-10:] == [4] * 10, ks
 
 
+def test_a_load_timed_on_one_size_leaves_no_lasting_correction():
+    """Timed alone, a size cannot tell its own cost from the level of all: a load spike timed
+    on k = 8 steps left shape[9] low for good, so later requests kept drafting 8 tokens that
+    were always rejected (0.93x plain). Now only sizes timed side by side hold shapes apart."""
+    curve = ForwardCosts(tuple(0.16 * x for x in (1.0, 1.05, 1.08, 1.01, 1.07, 1.08, 1.28, 1.25, 1.25)))
+    for load, spell in ((1.0, 0), (3.0, 30), (10.0, 1)):
+        p = Planner(curve, {"draft": DraftCost(per_depth=0.0)}, 8)
+
+        def step(request, accept, slow=1.0):
+            c = p.choose(Ask(request, 8))
+            p.record(request, c, c.k, c.k if accept else 0)
+            p.observe_verify(1 + c.k, curve(1 + c.k) * slow)
+            return (1 + c.k * accept) if accept else 1, curve(1 + c.k)
+
+        for _ in range(100):  # good drafts: k = 8
+            step(1, True)
+        for _ in range(spell):  # another process takes the CPU
+            step(1, True, load)
+        p.release(1)
+        tokens = seconds = 0.0
+        for request in range(2, 12):  # every draft rejected from now on
+            for _ in range(50):
+                n, s = step(request, False)
+                tokens, seconds = tokens + n, seconds + s
+            p.release(request)
+        assert tokens / seconds * curve(1) >= 0.97, (load, spell, tokens / seconds * curve(1))
+
+
+def test_probe_backoff_carries_over_to_the_next_request():
+    """A drafter that never pays is probed less and less often, across requests too (each
+    request probing it from scratch cost about 5% a request)."""
+    p = Planner(ForwardCosts((1.0, 1.6)), {"draft": 0.1}, k_max=1, prior=0.0)
+    probes = []
+    for request in range(1, 5):
+        for step in range(40):
+            c = p.choose(Ask(request, limit=1))
+            if c.probe:
+                probes.append((request, step))
+            p.record(request, c, c.k, 0)
+        p.release(request)
+    assert probes[:3] == [(1, 8), (1, 25), (2, 32)], probes  # back-offs 8, 16, then 32 carried on
+    assert len(probes) <= 4
+
+
 def test_match_acceptance_is_shared_across_requests_and_corrected_per_request():
     p = Planner(ForwardCosts((1.0, 1.2, 1.4, 1.6, 1.8)), {"ngram": 0.0}, k_max=4, prior=0.6)
     for request in range(1, 11):  # long matches copy well
@@ -291,6 +335,20 @@ def test_forward_costs_are_measured_once_and_cached(loaded, cost_cache, monkeypa
 
     monkeypatch.setattr("specdec.cost.measure", fail)
     assert forward_costs(model, 2).seconds == first.seconds[:2]
+
+
+def test_a_curve_cached_under_load_is_measured_again(loaded, cost_cache, monkeypatch):
+    """A cached one-token time well above what a forward takes now was measured under load:
+    the curve is measured again (least of the rounds, as load only adds time). One cheaper
+    than now is kept (now is what is loaded)."""
+    from specdec import disk_cache
+    from specdec.cost import cost_key
+
+    model = loaded("llama")
+    disk_cache.store(cost_cache, cost_key(model), {"seconds": [10.0, 11.0, 12.0], "long": None})
+    assert forward_costs(model, 3).seconds[0] < 1.0
+    disk_cache.store(cost_cache, cost_key(model), {"seconds": [1e-9, 2e-9, 3e-9], "long": None})
+    assert forward_costs(model, 3).seconds == (1e-9, 2e-9, 3e-9)
 
 
 def test_cost_key_tells_runtimes_and_dtypes_apart(tiny_dirs):
