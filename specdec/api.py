@@ -304,6 +304,14 @@ class LLM:
         self._lock = threading.Lock()  # generate: one call at a time
         self.served = False  # a running server (create_app) steps the engine: generate refuses
 
+    def serve(self, on: bool) -> None:
+        """A server (``create_app``) starts (``on``) or stops stepping this LLM's engine;
+        meanwhile ``generate`` refuses, and so does a second server."""
+        with self._lock:  # after a generate call running now
+            if on and self.served:
+                raise ValueError("this LLM is served already (create_app): one server steps its engine")
+            self.served = on
+
     def _generation_defaults(self, source: str) -> dict:
         """``SamplingParams`` fields from ``generation_config`` (see ``EngineConfig``),
         checked here so that a value ``SamplingParams`` refuses fails the load, not the
@@ -478,10 +486,12 @@ class LLM:
             raise ValueError(f"allowed_token_ids must be in [0, {vocab})")
         cap = vocab if self.engine_config.max_logprobs == -1 else self.engine_config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
-            asked = vocab if getattr(sp, name) == -1 else getattr(sp, name)
+            given = getattr(sp, name)
+            asked = vocab if given == -1 else given
             if asked is not None and asked > cap:
-                raise ValueError(f"{name} of {asked} is more than max_logprobs ({cap}; LLM(max_logprobs=), "
-                                 "--max-logprobs)")
+                whole = f" (the whole vocabulary, {vocab})" if given == -1 else ""
+                raise ValueError(f"{name} of {given}{whole} is more than the {cap} alternatives allowed "
+                                 "(max_logprobs; --max-logprobs)")
             if asked != getattr(sp, name):  # -1: the vocabulary's size
                 sp = replace(sp, **{name: asked})
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):

@@ -239,6 +239,8 @@ SHAPE_GRACE, SHAPE_HALF_LIFE = 16, 50  # a size not timed for 16 verify steps: i
 # fades towards 1, halving every 50 steps
 PROBE_MARGIN = 1.1  # probe a drafter only if perfect drafts would beat plain decoding by this much
 PROBE_BACKOFF = 8  # idle steps before a drafter's first probe (doubling after each that does not pay)
+PROBE_BACKOFF_CARRIED = 64  # the most of a back-off a new request takes over (else one bad stretch
+# of requests doubled it past any request's length, and the drafter was never tried again)
 
 
 @dataclass(frozen=True)
@@ -277,7 +279,7 @@ class _Track:
     """A request's state with one drafter: when it was last tried."""
 
     idle: int = 0  # steps since this drafter last drafted for the request
-    backoff: int = 8  # probe after this many idle steps; doubles after each probe that does not pay
+    backoff: int = PROBE_BACKOFF  # probe after this many idle steps; doubles after each probe that does not pay
 
 
 @dataclass(frozen=True)
@@ -345,7 +347,8 @@ class Planner:
 
     def _tracks(self, request_id: int) -> dict[str, _Track]:
         if request_id not in self.tracks:
-            self.tracks[request_id] = {n: _Track(backoff=self.backoff[n]) for n in self.draft_cost}
+            self.tracks[request_id] = {n: _Track(backoff=min(self.backoff[n], PROBE_BACKOFF_CARRIED))
+                                       for n in self.draft_cost}
         return self.tracks[request_id]
 
     def acceptance(self, name: str, context: int | None, request_id: int) -> Acceptance:

@@ -258,7 +258,6 @@ class Engine:
             self.cache.rewind(s.slot, reused)  # the prefill goes on from there
             s.metrics.cached_prompt_tokens = reused
             s.admitted = self.mark()
-            s.started_at = s.admitted.at
             self.running.append(s)
 
     def _pick_slot(self, s: Sequence) -> tuple[int, int]:

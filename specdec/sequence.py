@@ -136,7 +136,6 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str | None = None  # final text where the engine cut it (a stop string; a stop token or EOS left out); None: decode all
     metrics: Metrics = field(default_factory=Metrics)
-    started_at: float = 0.0  # admitted at (perf_counter)
     admitted: Mark | None = None  # the engine's clock at admission and at the end (metrics' time split)
     retired: Mark | None = None
     num_draft_tokens: int | None = None  # this request's cap on k (None = the engine's k)

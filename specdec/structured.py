@@ -307,13 +307,12 @@ def chain_masks(chains: list[tuple[Matcher, list[int]]]) -> list[torch.Tensor]:
 
 
 BIG_STACK = 1 << 30  # bytes: llguidance compiles a grammar recursively (a chain of 1000 $refs overflowed 8 MB)
+_STACK_SIZE = threading.Lock()  # threading.stack_size is process-wide: one thread's start at a time
 
 
 def on_big_stack(fn):
     """``fn()`` on a thread of its own with a ``BIG_STACK``-byte stack (address space, not
     memory, until used): a deep grammar overflowing the caller's stack killed the process."""
-    import threading
-
     out: dict = {}
 
     def run() -> None:
@@ -322,7 +321,7 @@ def on_big_stack(fn):
         except BaseException as e:  # noqa: BLE001 - raised again in the caller
             out["error"] = e
 
-    with _STACK_SIZE:  # threading.stack_size is process-wide: set it only for this thread's start
+    with _STACK_SIZE:
         old = threading.stack_size(BIG_STACK)
         try:
             thread = threading.Thread(target=run, name="specdec-grammar", daemon=True)
@@ -333,9 +332,6 @@ def on_big_stack(fn):
     if "error" in out:
         raise out["error"]
     return out["value"]
-
-
-_STACK_SIZE = __import__("threading").Lock()
 
 
 @functools.lru_cache(maxsize=1)

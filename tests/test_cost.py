@@ -260,6 +260,21 @@ def test_probe_backoff_carries_over_to_the_next_request():
         p.release(request)
     assert probes[:3] == [(1, 8), (1, 25), (2, 32)], probes  # back-offs 8, 16, then 32 carried on
     assert len(probes) <= 4
+    for request in range(5, 65):  # a long bad stretch: the back-off a request takes over stays bounded
+        for step in range(100):
+            c = p.choose(Ask(request, limit=1))
+            p.record(request, c, c.k, 0)
+        p.release(request)
+    back = []
+    for request in range(65, 75):  # drafts good again: the drafter comes back (it doubled past any request)
+        drafted = 0
+        for step in range(100):
+            c = p.choose(Ask(request, limit=1))
+            p.record(request, c, c.k, c.k)
+            drafted += c.k
+        p.release(request)
+        back.append(drafted)
+    assert back[-1] > 80, back
 
 
 def test_match_acceptance_is_shared_across_requests_and_corrected_per_request():

@@ -175,6 +175,16 @@ def test_gguf_rope_scaling_reaches_the_config(tmp_path):
     with pytest.raises(ValueError, match="backend='llamacpp'"):
         gguf_to_hf_dir(odd)
     assert (gguf_to_hf_dir(odd, weights=False) / "config.json").is_file()  # llama.cpp's own
+    from transformers import AutoConfig
+
+    from specdec.runtime.loading import scaled_rope
+
+    per_type = scaled_rope(AutoConfig.for_model("gemma3_text"), {"rope_type": "linear", "factor": 8.0}, "g.gguf")
+    assert per_type["full_attention"]["factor"] == 8.0 and per_type["sliding_attention"]["rope_type"] == "default"
+    other = AutoConfig.for_model("gemma3_text")
+    other.model_type = "other"  # another model with rope per layer type: refused, not left out
+    with pytest.raises(ValueError, match="per layer type"):
+        scaled_rope(other, {"rope_type": "linear", "factor": 8.0}, "o.gguf")
     with pytest.raises(ValueError, match="rope factors .rope_factors_long.weight"):
         gguf_rope(rewritten_gguf(tmp_path / "phi.gguf", tensors=[("rope_factors_long.weight", np.ones(32, np.float32))]))
 

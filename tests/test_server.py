@@ -127,6 +127,8 @@ def test_a_served_llm_refuses_generate(loaded):
     with BackgroundServer(create_app(llm, served_model_name=MODEL)) as srv:
         with pytest.raises(ValueError, match="this LLM is being served"):
             llm.generate("hi", SamplingParams(max_tokens=4))
+        with pytest.raises(ValueError, match="served already"):  # nor by a second server
+            llm.serve(True)
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         assert c.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=0).choices[0].text
     assert llm.generate("hi", SamplingParams(max_tokens=4))[0].token_ids == want
@@ -642,6 +644,7 @@ OK_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max
     (C, {**OK_C, "logprobs": 21}, AUTH, 400),
     (C, {**OK_C, "logprobs": -2}, AUTH, 400),
     (CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 21}, AUTH, 400),  # vLLM's max_logprobs (20)
+    (CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": -1}, AUTH, 400),  # the whole vocabulary
     (C, {**OK_C, "n": 0}, AUTH, 400),
     (C, {**OK_C, "n": 17}, AUTH, 400),
     (CHAT, {**OK_CHAT, "n": 2}, AUTH, 400),  # more than its 1 slot + 0 queued
@@ -713,6 +716,8 @@ def test_bad_input(strict_server, path, body, headers, status):
     (C, {**OK_C, "allowed_token_ids": [999999]}, "allowed_token_ids"),
     (C, {**OK_C, "structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
     (C, {**OK_C, "guided_regex": "(ab"}, "guided_regex"),
+    (C, {**OK_C, "logprobs": 21}, "logprobs"),
+    (CHAT, {**OK_CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT, {**OK_CHAT, "response_format": {"type": "json_schema",
                                            "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format"),
@@ -1009,6 +1014,9 @@ def test_chat_templates(loaded):
                                      trust_request_chat_template=True)) as srv:
         r = httpx.post(srv.url + "/v1/chat/completions",
                        json={"messages": messages, "max_tokens": 1, "chat_template": theirs})
+        assert r.json()["usage"]["prompt_tokens"] == count("<<hi>>")
+        r = httpx.post(srv.url + "/v1/chat/completions",  # in chat_template_kwargs (vLLM's): also the request's
+                       json={"messages": messages, "max_tokens": 1, "chat_template_kwargs": {"chat_template": theirs}})
         assert r.json()["usage"]["prompt_tokens"] == count("<<hi>>")
 
 

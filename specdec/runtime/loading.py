@@ -163,6 +163,21 @@ def gguf_rope(gguf: Path) -> dict:
     return out
 
 
+def scaled_rope(config, scaling: dict, name: str) -> dict:
+    """``config``'s ``rope_parameters`` with a GGUF's ``scaling`` (``gguf_rope``) in them. Per
+    layer type (Gemma 3's), llama.cpp scales the full-attention layers only; another
+    per-layer-type model's scaling is refused (ValueError) rather than left out."""
+    params = dict(config.rope_parameters or {})
+    if not scaling:
+        return params
+    if "rope_type" in params or not params:
+        return {**params, **scaling}
+    if config.model_type in ("gemma3", "gemma3_text") and "full_attention" in params:
+        return {**params, "full_attention": {**params["full_attention"], **scaling}}
+    raise ValueError(f"{name}: rope scaling for a model with rope per layer type ({config.model_type}) is not "
+                     "read here; run it with backend='llamacpp'")
+
+
 def gguf_to_hf_dir(gguf: Path, weights: bool = True) -> Path:
     """Dequantize ``gguf`` once into an HF directory in the cache; return that directory.
     ``weights=False`` (a runtime that reads the GGUF itself): config and tokenizer only,
@@ -184,7 +199,7 @@ def gguf_to_hf_dir(gguf: Path, weights: bool = True) -> Path:
     cfg_dict = dict(meta["config"])
     config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
     try:
-        config.rope_parameters = {**(config.rope_parameters or {}), **gguf_rope(gguf)}
+        config.rope_parameters = scaled_rope(config, gguf_rope(gguf), gguf.name)
     except ValueError:
         if weights:  # llama.cpp (config and tokenizer only) reads the rope from the GGUF itself
             raise

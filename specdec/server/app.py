@@ -83,11 +83,7 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        def serve(on: bool) -> None:
-            with llm._lock:  # after a generate call running now
-                llm.served = on
-
-        await asyncio.to_thread(serve, True)
+        await asyncio.to_thread(llm.serve, True)  # after a generate call running now
         scheduler.start()
         # structured outputs' tokenizer (about 1 s for a 150k vocabulary), off the event loop
         threading.Thread(target=llm.grammars.warm, name="specdec-grammars", daemon=True).start()
@@ -96,7 +92,7 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
         finally:
             await asyncio.to_thread(scheduler.stop)
             api._preparing.shutdown(wait=False)
-            serve(False)
+            llm.serve(False)
 
     app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
@@ -266,7 +262,7 @@ class _API:
             raise bad_request("this server takes no chat template from requests (vLLM's "
                               "--trust-request-chat-template allows them)", "chat_template")
         if hasattr(req, "chat_template") and req.chat_template is None:
-            req.chat_template = self.chat_template
+            req.chat_template = smuggled or self.chat_template  # the request's (trusted), else the server's
         return req
 
     def prepare(self, body: object, chat: bool):

@@ -156,6 +156,8 @@ class _Request(_Strict):
             return self.prompt_field
         if word == "max_tokens":
             return self.max_tokens_field
+        if word == "logprobs" and "top_logprobs" in type(self).model_fields:  # a chat's alternatives
+            return "top_logprobs"
         if word.split(".")[0] == "structured_outputs":
             return self.structure_field
         return word if word in type(self).model_fields else None

@@ -175,7 +175,7 @@ class Scheduler:
             if not req.admitted and s.slot >= 0:
                 req.admitted = True
                 m.prompt_tokens.inc(s.prompt_len)
-                m.queue_time.observe(max(0.0, s.started_at - req.arrival))
+                m.queue_time.observe(max(0.0, s.admitted.at - req.arrival))
             self._spec_counters(req)
             new = s.ids[s.prompt_len + req.sent:]
             if new:
