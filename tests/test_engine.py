@@ -521,6 +521,10 @@ def test_kv_cache_stops_growing_at_the_context_window(loaded):
     outs = llm.generate([{"prompt_token_ids": [40 + i % 200 for i in range(260)]}, "abc"], SamplingParams(max_tokens=None, ignore_eos=True))
     assert [len(o.prompt_token_ids) + len(o.token_ids) for o in outs] == [300, 300]
     assert 300 <= llm.engine.cache.capacity <= 300 + 32 and llm.engine.drafters["self"].cache.capacity <= 300 + 32
+    assert llm.engine.cache.k.shape[1] == 2  # the two slots used, not max_batch_size's 8
+    alone = LLM(loaded("llama"))
+    alone.generate({"prompt_token_ids": [40 + i % 200 for i in range(300)]}, SamplingParams(max_tokens=4))
+    assert alone.engine.cache.k.shape[1] == 1 and alone.engine.cache.capacity >= 300  # one long request: one slot
 
 
 def test_run_metrics(loaded):

@@ -149,31 +149,35 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """Per-layer K/V ``[slots, kv_heads, capacity, head_dim]``; grows on demand, doubling,
+    """Per-layer K/V ``[slots, kv_heads, capacity, head_dim]``, grown on demand: rows doubling,
     but past ``max_rows`` (the context window) plus a forward's padding only as far as a
-    forward needs (a verify forward at the window's end: its drafts, a tree's nodes)."""
+    forward needs (a verify forward at the window's end: its drafts, a tree's nodes); slots
+    only up to the highest one used (the engine hands out the lowest free one), so one long
+    request holds one slot's rows, not ``num_slots``' (8x the memory)."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype, capacity: int = 256, max_rows: int | None = None):
         self.limit = None if max_rows is None else max_rows + GRAPH_MAX_TOKENS
         capacity = min(capacity, self.limit or capacity)
-        self.shape = (num_layers, num_slots, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(self.shape, device=device, dtype=dtype)
-        self.v = torch.zeros(self.shape, device=device, dtype=dtype)
+        shape = (num_layers, 1, kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = [0] * num_slots
 
     @property
     def capacity(self) -> int:
         return self.k.shape[3]
 
-    def ensure(self, capacity: int) -> None:
-        if capacity <= self.capacity:
+    def ensure(self, capacity: int, slots: int = 1) -> None:
+        """Room for ``capacity`` rows in each of the first ``slots`` slots."""
+        have_slots, have = self.k.shape[1], self.capacity
+        if capacity <= have and slots <= have_slots:
             return
-        new_cap = max(capacity, min(2 * self.capacity, self.limit or 2 * self.capacity))
+        new_cap = have if capacity <= have else max(capacity, min(2 * have, self.limit or 2 * have))
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:3], new_cap, old.shape[4])
-            new[:, :, :, : old.shape[3]] = old
+            new = old.new_zeros(old.shape[0], max(slots, have_slots), old.shape[2], new_cap, old.shape[4])
+            new[:, :have_slots, :, :have] = old
             setattr(self, name, new)
 
     def rewind(self, slot: int, length: int, idle: bool = False) -> None:
@@ -185,6 +189,7 @@ class KVCache:
         """``dst`` holds ``src``'s first ``length`` rows (and nothing after them); the rows
         ``dst`` has are the same as ``src``'s, so only the ones after them are copied."""
         assert self.lengths[dst] <= length <= self.lengths[src], (self.lengths[dst], length, self.lengths[src])
+        self.ensure(length, dst + 1)
         start = self.lengths[dst]
         self.k[:, dst, :, start:length] = self.k[:, src, :, start:length]
         self.v[:, dst, :, start:length] = self.v[:, src, :, start:length]
@@ -492,7 +497,7 @@ class TorchLlama:
         starts = [cache.lengths[s] for s in slots]  # host ints: nothing here waits for the device
         graphed = self.graphs is not None and T <= GRAPH_MAX_TOKENS
         width = graph_tokens(T) if graphed else T  # a graph's rows: padding KV lands past the lengths
-        cache.ensure(max(starts) + width)
+        cache.ensure(max(starts) + width, max(slots) + 1)
         # a CUDA graph attends over the cache's whole capacity (its shapes are fixed), masked
         batch = self._batch(starts, slots, tokens, positions, chunk_masks, width,
                             cache.capacity if graphed else None)
