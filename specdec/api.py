@@ -492,7 +492,7 @@ class LLM:
                 whole = f" (the whole vocabulary, {vocab})" if given == -1 else ""
                 raise ValueError(f"{name} of {given}{whole} is more than the {cap} alternatives allowed "
                                  "(max_logprobs; --max-logprobs)")
-            if asked != getattr(sp, name):  # -1: the vocabulary's size
+            if asked != given:  # -1: the vocabulary's size
                 sp = replace(sp, **{name: asked})
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")

@@ -62,6 +62,16 @@ class ForwardCosts:
         return [s / self.seconds[0] for s in self.seconds]
 
 
+def forward_seconds(runtime, cache, tokens: list[int], last_only: bool) -> float:
+    """The time of one forward of ``tokens`` into slot 0 of ``cache`` (on CUDA, to its end)."""
+    device = getattr(runtime, "device", torch.device("cpu"))
+    t0 = time.perf_counter()
+    runtime.forward(cache, [0], [tokens], last_only=last_only)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> ForwardCosts:
     """Time forwards of 1..max_tokens tokens, and of ``LONG_TOKENS`` (at most half the
     model's context), after a ``context``-token prefix: the least of ``repeats`` rounds over
@@ -74,19 +84,14 @@ def measure(runtime, max_tokens: int, context: int = 128, repeats: int = 3) -> F
     vocab = min(runtime.vocab_size, 1000)
     if context:
         runtime.forward(cache, [0], [torch.randint(0, vocab, (context,), generator=g).tolist()], last_only=True)
-    device = getattr(runtime, "device", torch.device("cpu"))
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     sizes = list(range(1, max_tokens + 1)) + ([long_n] if long_n > max_tokens else [])
     chunks = {n: torch.randint(0, vocab, (n,), generator=g).tolist() for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for r in range(repeats + 1):
         for n in sizes:
-            t0 = time.perf_counter()
-            runtime.forward(cache, [0], [chunks[n]])
-            if sync:
-                sync()
+            seconds = forward_seconds(runtime, cache, chunks[n], last_only=False)
             if r:  # round 0 warms up
-                times[n].append(time.perf_counter() - t0)
+                times[n].append(seconds)
             cache.rewind(0, context)
     seconds = tuple(min(times[n]) for n in range(1, max_tokens + 1))
     long = (long_n, min(times[long_n])) if long_n > max_tokens else None
@@ -123,11 +128,7 @@ def measured_under_load(runtime, cached: dict) -> bool:
     token = [min(runtime.vocab_size, 1000) - 1]
     times = []
     for _ in range(4):
-        t0 = time.perf_counter()
-        runtime.forward(cache, [0], [token], last_only=True)
-        if getattr(runtime, "device", torch.device("cpu")).type == "cuda":
-            torch.cuda.synchronize(runtime.device)
-        times.append(time.perf_counter() - t0)
+        times.append(forward_seconds(runtime, cache, token, last_only=True))
         cache.rewind(0, 0)
     return cached["seconds"][0] > STALE_RATIO * min(times[1:])  # the first warms up
 

@@ -313,8 +313,8 @@ def test_ngram_context_is_the_match_length():
 
 def test_measure_times_every_size_in_turns(monkeypatch):
     """``measure``: a warm-up round, then ``repeats`` rounds over all sizes in turn (so that a
-    slow spell touches every size alike), medians per size; a fake clock that advances by
-    the chunk length, ten times as fast once (the slow spell the median drops)."""
+    slow spell touches every size alike), the least per size; a fake clock that advances by
+    the chunk length, ten times as fast once (the slow spell the least leaves out)."""
     from specdec import cost
 
     clock, calls = [0.0], []
