@@ -279,7 +279,7 @@ class LLM:
                              f"{self.target.max_context} tokens")
         self.context_window = c.max_model_len or self.target.max_context  # tokens (prompt + output) a request may span
         if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:
-            raise ValueError("token trees need the torch runtime (tree attention masks); "
+            raise ValueError("token trees need the torch or llama.cpp runtime (tree attention masks); "
                              "the transformers fallback runs chains only")
         if speculative.tree_topk > 1:
             check_tree_rows(speculative, c.max_batch_size, self.target, self.draft)

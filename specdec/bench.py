@@ -4,8 +4,8 @@ side, in one run (llama-cpp-python's and specdec's methods in turns, run by run)
 The methods, greedy (or sampled alike with ``--temperature``), batch size 1, on the prompts
 of a JSONL file:
 
-* ``specdec-plain`` / ``specdec-draft`` / ``specdec-ngram`` - ``specdec.LLM`` with
-  ``SpecConfig(method="none" | "draft" | "ngram")``;
+* ``specdec-plain`` / ``specdec-draft`` / ``specdec-ngram`` / ``specdec-hybrid`` -
+  ``specdec.LLM`` with ``SpecConfig(method="none" | "draft" | "ngram" | "hybrid")``;
 * ``specdec-ngram-tree`` - n-gram with ``tree_topk=3`` (several matches as tree branches);
 * ``specdec-draft-tree`` - the draft model's top-k token tree (EAGLE-2 style), one method per
   ``--tree-shapes`` entry ``TOPKxDEPTHxNODES``, labelled e.g. ``specdec-draft-tree:2x4x8``;
@@ -33,7 +33,8 @@ method samples with the same top_p / top_k (each library's other sampling defaul
 repeat r with seed + r, and outputs are draws, not compared. ``--load-format dummy`` runs
 specdec and transformers on random weights of the models' shapes (their speed without the
 weights). The exit
-code is 1 when any prompt of a specdec method diverges (a peer's divergence is reported, e.g.
+code is 1 when a specdec method diverges other than by near-tie flips (``near_ties_only``; a
+peer's divergence is only reported, e.g.
 llama-cpp-python's prompt lookup verifies with other kernels than its plain decoding). Writes ``<out>/bench.json``, ``<out>/bench.md`` and ``<out>/bench.png``.
 """
 from __future__ import annotations
@@ -55,9 +56,10 @@ from .sequence import cut_after_eos
 METHODS = ("specdec-plain", "specdec-draft", "specdec-ngram", "specdec-hybrid", "specdec-ngram-tree",
            "specdec-draft-tree", "hf-plain", "hf-assisted", "hf-lookup", "llamacpp-plain", "llamacpp-lookup")
 BASELINES = ("hf-plain", "llamacpp-plain")  # speed ratios are reported against each one present
-# a greedy output may part from its reference where the top-2 logits are this near (relative to
-# the top one): two steps of the dtype (tests/test_cuda.py's rule)
 GGUF_TYPES = " for torch and transformers (llama.cpp runs the GGUF's own types)"  # what the dtype applies to
+# a greedy output may part from its reference where the top-2 logits are this near (relative to
+# the top one): two steps of bfloat16 / float16 (tests/test_cuda.py's rule); float32: 1e-4, the
+# runtimes' parity
 NEAR_TIE = {"float32": 1e-4, "bfloat16": 2 ** -6, "float16": 2 ** -9}
 COST_SUFFIX = "+cost"  # e.g. specdec-ngram+cost: the same drafter with the cost model choosing k
 DEFAULT_TREE_SHAPES = "2x4x8"
@@ -77,12 +79,12 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="target: .gguf file, HF model dir or hub id (default %(default)s)")
     p.add_argument("--draft", default=DEFAULT_DRAFT,
-                   help="draft model for specdec-draft and hf-assisted (default %(default)s)")
+                   help="draft model for specdec-draft, -hybrid, -draft-tree and hf-assisted (default %(default)s)")
     p.add_argument("--num-draft-tokens", "-k", type=int, default=4,
                    help="k, the most draft tokens per step, for every specdec method that drafts "
                         "(default %(default)s); hf-assisted keeps transformers' own assistant settings")
     p.add_argument("--draft-quantization", choices=["auto", "none", "int8"], default="auto",
-                   help="specdec-draft's draft weights (auto = int8 on CPU float32; lossless either way)")
+                   help="every specdec method's draft weights (auto = int8 on CPU float32; lossless either way)")
     p.add_argument("--tree-topk", type=int, default=NGRAM_TREE_TOPK,
                    help="specdec-ngram-tree: matches as branches (default %(default)s)")
     p.add_argument("--tree-depth", type=int, help="specdec-ngram-tree depth (default: k)")
@@ -103,7 +105,8 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="JSONL: {id, kind: chat|completion, messages|prompt} (default %(default)s)")
     p.add_argument("--limit", type=int, help="only the first N prompts")
     p.add_argument("--repeats", type=int, default=1,
-                   help="timed runs per prompt and method; medians are reported (default %(default)s)")
+                   help="timed runs per prompt and method; medians are reported (sampled: means of the "
+                        "draws) (default %(default)s)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma list, a subset of: " + ",".join(METHODS) + " (default all); a speculative "
                         "specdec method with +cost (e.g. specdec-ngram+cost) runs it with the cost model")
@@ -673,7 +676,8 @@ def run_bench(args) -> int:
           + (" - **random weights** (`--load-format dummy`): the speeds of these shapes; acceptance "
              "and output mean nothing" if dummy else ""),
           f"- {len(prompts)} prompt(s) from `{args.prompts_file}`, {mode}, max_new_tokens {args.max_new_tokens}, "
-          f"batch size 1, repeats {args.repeats} (medians), {WARMUP_TOKENS}-token warm-up per method",
+          f"batch size 1, repeats {args.repeats} ({'means' if args.temperature > 0 else 'medians'}), "
+          f"{WARMUP_TOKENS}-token warm-up per method",
           f"- specdec on the {args.backend} backend"
           + {True: " (repacked weights)", False: " (weights not repacked)", None: ""}[repacked] +
           f"; machine: {machine['platform']}, {machine['cpu_count']} CPUs, "

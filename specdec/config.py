@@ -270,7 +270,8 @@ class SamplingParams:
 class SpecConfig:
     """Which drafter proposes tokens, and how many per round."""
 
-    method: str = "none"  # none | draft | ngram | self | hybrid (n-gram when it matches, else draft)
+    # hybrid: n-gram when it matches, else draft (with the cost model: the faster expected)
+    method: str = "none"  # none | draft | ngram | self | hybrid
     num_draft_tokens: int = 4  # k
     ngram_max: int = 3  # longest suffix n-gram the lookup tries first
     ngram_min: int = 1
@@ -279,12 +280,14 @@ class SpecConfig:
     draft_quantization: str = "auto"  # auto | none | int8
     # token trees: up to tree_topk candidates per node (draft/self: the draft's top-k
     # children, EAGLE-2 style; ngram: several matches' continuations), tree_depth deep
-    # (default k), at most tree_nodes draft nodes (default depth * topk); topk 1 = chain
+    # (default k; with topk 1 it is the chain's length), at most tree_nodes draft nodes
+    # (default depth * topk); topk 1 = chain
     tree_topk: int = 1
     tree_depth: int | None = None
     tree_nodes: int | None = None
-    # a measured cost model picks each step's drafter and k <= num_draft_tokens (0 = plain
-    # decoding) for the most expected tokens per second; forward times are measured at load
+    # a measured cost model picks each step's drafter and k <= depth (tree_depth, else
+    # num_draft_tokens; 0 = plain decoding) for the most expected tokens per second; forward
+    # times are measured at load
     cost_model: bool = False
 
     def __post_init__(self) -> None:

@@ -58,9 +58,6 @@ class ForwardCosts:
             slope = (last - self.seconds[0]) / (m - 1) if m > 1 else last
         return last + max(slope, 0.0) * (n - m)
 
-    def relative(self) -> list[float]:
-        return [s / self.seconds[0] for s in self.seconds]
-
 
 def forward_seconds(runtime, cache, tokens: list[int], last_only: bool) -> float:
     """The time of one forward of ``tokens`` into slot 0 of ``cache`` (on CUDA, to its end)."""
@@ -287,7 +284,8 @@ class _Track:
 class DraftCost:
     """What drafting costs: ``per_depth`` seconds for each depth after the first; the first
     depth is a forward over the tokens the drafter has not seen yet (``catch_up``: its
-    ``ForwardCosts``, None for a drafter without a model, e.g. n-gram: free).
+    ``ForwardCosts``; None for a drafter without a model, e.g. n-gram, whose every depth
+    costs ``per_depth``).
 
     A catch-up longer than a drafting step leaves behind (``STEADY_BEHIND``: the last draft
     and the bonus token) is an investment: a draft model catches up on each committed token
@@ -337,7 +335,6 @@ class Planner:
         self.priors = {name: [prior] * k_max for name in draft_cost}  # learned across requests
         self.stats: dict[StatsKey, Acceptance] = {}
         self.tracks: dict[int, dict[str, _Track]] = {}
-        self.chosen_k: dict[int, int] = {}  # histogram of chosen k over all requests and steps
         self.level = 1.0  # observed / measured seconds of recent verify steps, any size
         # verify tokens -> (its observed / measured over the level, ``verify_steps`` when last timed)
         self.shape: dict[int, tuple[float, int]] = {}
@@ -507,8 +504,6 @@ class Planner:
     def record(self, request_id: int, choice: Choice, depth: int, num_accepted: int) -> None:
         """A verify step of ``choice`` whose draft reached ``depth`` (a chain's length, a
         tree's deepest path) and had ``num_accepted`` of those accepted."""
-        k = choice.k if depth else 0  # nothing drafted (a draft model still catching up): k = 0
-        self.chosen_k[k] = self.chosen_k.get(k, 0) + 1
         for name, track in self._tracks(request_id).items():
             if name != choice.drafter or depth == 0:
                 track.idle += 1

@@ -1,9 +1,12 @@
 """The engine: batches of sequences going through draft -> verify -> commit rounds.
 
-Cache invariant (target and ``self``/``draft`` drafters alike): between steps a sequence's
-target cache holds KV for all its committed ids but the last one; that last token (the
-recovered or bonus token of the previous round, or the first token after prefill) gets its
-KV as row 0 of the next verify forward, in front of the new drafts.
+Cache invariant: between steps a sequence's target cache holds KV for all its committed ids
+but the last one; that last token (the recovered or bonus token of the previous round, or
+the first token after prefill) gets its KV as row 0 of the next verify forward, in front of
+the new drafts. A draft model's cache (``self``/``draft``) may lag further: its last draft
+is never fed, so after an all-accepted round it lacks that draft and the bonus, and a step
+it did not draft (hybrid, the cost model) leaves it further behind; it catches up at its
+next ``propose``.
 """
 from __future__ import annotations
 
@@ -314,7 +317,7 @@ class Engine:
             if self.cache.lengths[s.slot] < s.prompt_len:
                 continue
             scored = sequence_logits(row[None], s, [[]])  # [1, vocab]
-            token = verify([], None, scored, s.sampling, s.generator).tokens[0]  # no drafts: the bonus token
+            token = verify([], None, scored, s.sampling, s.generator).tokens[0]  # no drafts: the first token, from p
             if s.logprobs is not None:
                 s.token_logprobs += token_logprobs(row[None], [token], s.logprobs)
             self._commit(s, [token])

@@ -40,7 +40,7 @@ class Metrics:
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: steps accepting a draft at depth i+1
     drafted_per_position: list[int] = field(default_factory=list)  # [k]: steps drafting to depth i+1
     generated_tokens: int = 0
-    cached_prompt_tokens: int = 0  # prompt tokens whose KV a finished request left (prefix reuse)
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from another request (prefix reuse)
     chosen_k: list[int] = field(default_factory=list)  # [k+1]: verify steps that drafted with k = i
     drafter_steps: dict[str, int] = field(default_factory=dict)  # verify steps per drafter (hybrid)
     # wall time of the engine steps from this request's admission to its end, by phase (each

@@ -23,8 +23,8 @@
 
   A call that does not parse leaves the whole answer as content. So does a call to a
   function that is not among the request's tools, where the format has no tag of its own. An
-  answer that is nothing but JSON calls in hermes's or mistral's shape is read without
-  the tags too, perhaps in a ```json fence: Qwen2.5-Coder answers so, and a Mistral answer
+  answer that begins with JSON calls in hermes's or mistral's shape is read without the tags
+  too (the text after them is the content), perhaps in a ```json fence: Qwen2.5-Coder answers so, and a Mistral answer
   decoded without its special tokens reads so.
 """
 from __future__ import annotations

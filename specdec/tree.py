@@ -7,8 +7,9 @@ parent i-1.
 
 For the verify forward a tree provides, per row: its token, its position (the root's
 position plus its depth), and the attention mask ``mask[i, j]`` = row j is row i itself or
-one of its ancestors (every row also sees the whole committed prefix in the cache).
-``paths`` (SGLang's retrieve indices) lists the rows of every root-to-leaf path.
+one of its ancestors (every row also sees the whole committed prefix in the cache). After
+verification, ``TreeVerdict.rows`` lists the accepted path's rows (SGLang's retrieve
+indices, for the one path taken), whose KV the runtime keeps.
 """
 from __future__ import annotations
 
@@ -53,10 +54,6 @@ class DraftTree:
         object.__setattr__(self, "children", children)
 
     @classmethod
-    def chain(cls, root: int, drafts: list[int]) -> "DraftTree":
-        return cls([root] + list(drafts), list(range(-1, len(drafts))))
-
-    @classmethod
     def from_paths(cls, root: int, paths: list[list[int]]) -> "DraftTree":
         """A trie of token paths under ``root`` (shared prefixes merge; first seen first)."""
         tokens, parents, index = [root], [-1], {}
@@ -93,17 +90,6 @@ class DraftTree:
         out = [[]]
         for r in range(1, len(self.tokens)):
             out.append(out[self.parents[r]] + [self.tokens[r]])
-        return out
-
-    def paths(self) -> list[list[int]]:
-        """Rows of every root-to-leaf path (retrieve indices), in row order of the leaves."""
-        out = []
-        for leaf, kids in enumerate(self.children):
-            if not kids:
-                path = [leaf]
-                while self.parents[path[-1]] != -1:
-                    path.append(self.parents[path[-1]])
-                out.append(path[::-1])
         return out
 
 
@@ -155,4 +141,4 @@ def verify_tree(tree: DraftTree, target_logits: torch.Tensor, sp: SamplingParams
             rows.append(nxt)
             tokens.append(tree.tokens[nxt])
     accepted = len(rows) - 1
-    return TreeVerdict(accepted, tokens, tree.num_drafts, rows=rows)
+    return TreeVerdict(accepted, tokens, rows=rows)

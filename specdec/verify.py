@@ -27,13 +27,8 @@ from .sampling import probs_from_logits, sample
 class Verdict:
     """Outcome of one verify step for one sequence."""
 
-    num_accepted: int  # drafts that passed, 0..k
+    num_accepted: int  # drafts that passed, 0..k (all k: the last token is the bonus)
     tokens: list[int]  # accepted drafts + one recovered or bonus token (len = num_accepted + 1)
-    num_drafts: int  # k of this round
-
-    @property
-    def bonus(self) -> bool:
-        return self.num_accepted == self.num_drafts
 
 
 def verify(
@@ -50,11 +45,11 @@ def verify(
         n = 0
         while n < k and draft_ids[n] == choice[n]:
             n += 1
-        return Verdict(n, list(draft_ids[:n]) + [choice[n]], k)
+        return Verdict(n, list(draft_ids[:n]) + [choice[n]])
 
     p = probs_from_logits(target_logits, sp)  # [k+1, vocab]
     if k == 0:
-        return Verdict(0, [int(sample(p, generator))], 0)
+        return Verdict(0, [int(sample(p, generator))])
     ids = torch.tensor(draft_ids, device=p.device)  # [k]
     rows = torch.arange(k, device=p.device)
     p_x = p[rows, ids].double()  # [k]
@@ -65,9 +60,9 @@ def verify(
     accepted = (u * q_x < p_x).tolist()  # u < p/q, safe when q_x == 0
     n = accepted.index(False) if False in accepted else k
     if n == k:
-        return Verdict(k, list(draft_ids) + [int(sample(p[k:], generator))], k)
+        return Verdict(k, list(draft_ids) + [int(sample(p[k:], generator))])
     return Verdict(n, list(draft_ids[:n]) + [recover(p[n], q[n] if q is not None else None,
-                                                     draft_ids[n], generator)], k)
+                                                     draft_ids[n], generator)])
 
 
 def residual(p: torch.Tensor, q: torch.Tensor | None, draft_id: int) -> torch.Tensor:

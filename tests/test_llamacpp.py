@@ -69,7 +69,7 @@ def test_logits_match_llama_cpp_python_and_torch(lc, tt, prompts):
     ours = lc.runtime.forward(lc.runtime.new_cache(1), [0], [ids])[0]  # [T, vocab]
     assert ours.shape == (len(ids), lc.runtime.vocab_size) and ours.dtype == torch.float32
     ll = Llama(default_model_path(), n_ctx=256, n_threads=1, flash_attn=True, logits_all=True, verbose=False,
-               type_k=8, type_v=8)  # GGML_TYPE_Q8_0: the KV cache of an exact runtime
+               type_k=8, type_v=1)  # GGML_TYPE_Q8_0 K, F16 V: the KV cache of an exact runtime
     ll.eval(ids)
     close(ours, torch.from_numpy(np.array(ll.scores[: len(ids)])), "vs llama-cpp-python's Llama.eval")
     ref = tt.runtime.forward(tt.runtime.new_cache(1), [0], [ids])[0]
@@ -274,7 +274,7 @@ def test_row_limit_is_cached_and_drafts_are_exact_too(monkeypatch, tmp_path, lc)
 def test_row_check_sees_long_context_kernels():
     """With llama.cpp's F16 KV cache, one row's attention is split over the threads from 512
     cached cells on (several rows take all keys at once): a check after a short context alone
-    misses that; the check after the long one finds it. The exact runtime's Q8_0 cache has
+    misses that; the check after the long one finds it. The exact runtime's Q8_0 K cache has
     no such switch."""
     from specdec.runtime.llamacpp import ROW_CONTEXTS, LlamaCppRuntime, exact_rows
     from specdec.runtime.loading import gguf_file

@@ -19,11 +19,11 @@ def rows(*argmax, vocab=8):
 
 
 def test_chain_structure():
-    t = DraftTree.chain(9, [1, 2, 3])
+    t = DraftTree.from_paths(9, [[1, 2, 3]])
     assert t.depths == [0, 1, 2, 3]
     assert t.positions(10) == [10, 11, 12, 13]
     assert torch.equal(t.mask(), torch.ones(4, 4, dtype=torch.bool).tril())
-    assert t.paths() == [[0, 1, 2, 3]]
+    assert t.parents == [-1, 0, 1, 2] and t.children == [[1], [2], [3], []]
 
 
 def test_star_structure():
@@ -32,7 +32,7 @@ def test_star_structure():
     assert t.positions(5) == [5, 6, 6, 6]
     expected = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
     assert torch.equal(t.mask(), expected)
-    assert t.paths() == [[0, 1], [0, 2], [0, 3]]
+    assert t.children == [[1, 2, 3], [], [], []]
 
 
 def test_unbalanced_tree_from_paths():
@@ -47,7 +47,7 @@ def test_unbalanced_tree_from_paths():
     assert m[3].tolist() == [True, True, True, True, False, False]
     assert m[4].tolist() == [True, True, False, False, True, False]
     assert m[5].tolist() == [True, False, False, False, False, True]
-    assert t.paths() == [[0, 1, 2, 3], [0, 1, 4], [0, 5]]
+    assert t.children == [[1, 5], [2, 4], [3], [], [], []]
 
 
 @pytest.mark.parametrize("tokens, parents", [([], []), ([1, 2], [0, -1]), ([1, 2, 3], [-1, 2, 0]),
@@ -74,7 +74,7 @@ def test_greedy_chain_matches_chain_verifier():
     from specdec.verify import verify
 
     logits = rows(1, 2, 7, 4)
-    t = DraftTree.chain(9, [1, 2, 3])
+    t = DraftTree.from_paths(9, [[1, 2, 3]])
     assert verify_tree(t, logits, GREEDY).tokens == verify([1, 2, 3], None, logits, GREEDY).tokens == [1, 2, 7]
 
 

@@ -17,7 +17,7 @@ from scipy.stats import chisquare
 
 from specdec.config import SamplingParams
 from specdec.sampling import probs_from_logits, sample
-from specdec.verify import residual, verify
+from specdec.verify import Verdict, residual, verify
 
 # Significance level of every chi-square test in this file: a correct verifier fails a
 # given (seeded, hence fixed) test with probability 1e-3 over the choice of seed.
@@ -90,9 +90,9 @@ def first_token_counts(verify_fn, target_row: torch.Tensor, q_row: torch.Tensor 
     counts = np.zeros(vocab, dtype=np.int64)
     for x in drafts:
         v = verify_fn([x], q, target_logits, sp, g)
-        assert len(v.tokens) == v.num_accepted + 1 and v.num_drafts == 1
+        assert len(v.tokens) == v.num_accepted + 1 <= 2
         counts[v.tokens[0]] += 1
-        if bonus_counts is not None and v.bonus:
+        if bonus_counts is not None and v.num_accepted == 1:  # the draft passed: tokens[1] is the bonus
             bonus_counts[v.tokens[1]] += 1
     return counts
 
@@ -106,13 +106,8 @@ def wrong_verify(draft_ids, q, target_logits, sp, generator=None):
         q_x = float(q[i, x]) if q is not None else 1.0
         u = float(torch.rand((), generator=generator))
         if not u * q_x < float(p[i, x]):
-            return _V(i, list(draft_ids[:i]) + [int(sample(p[i:i + 1], generator))], k)  # the bug
-    return _V(k, list(draft_ids) + [int(sample(p[k:], generator))], k)
-
-
-class _V:
-    def __init__(self, num_accepted, tokens, num_drafts):
-        self.num_accepted, self.tokens, self.num_drafts = num_accepted, tokens, num_drafts
+            return Verdict(i, list(draft_ids[:i]) + [int(sample(p[i:i + 1], generator))])  # the bug
+    return Verdict(k, list(draft_ids) + [int(sample(p[k:], generator))])
 
 
 SP_PLAIN = SamplingParams(temperature=1.0)
@@ -253,7 +248,7 @@ def test_p_equal_q_never_rejects():
     for _ in range(2_000):
         drafts = torch.multinomial(q, 1, generator=g).squeeze(-1).tolist()  # one x_i ~ q_i per row
         v = verify(drafts, q, target_logits, sp, g)
-        assert v.num_accepted == k and v.bonus and v.tokens[:k] == drafts
+        assert v.num_accepted == k and v.tokens[:k] == drafts
         assert p[k, v.tokens[k]] > 0
 
 

@@ -13,14 +13,15 @@ from ..tree import DraftTree
 @dataclass
 class Draft:
     tokens: list[int]  # [k] draft ids, k may be 0
-    q: torch.Tensor | None = None  # [k, target_vocab] draft probs; None = one-hot (no model)
+    q: torch.Tensor | None = None  # [k, target_vocab] draft probs; None = one-hot (no model, or greedy)
     forwards: int = 0  # draft-model forwards spent on this draft
     tree: DraftTree | None = None  # several candidates per depth; ``tokens`` = its rows 1..n
 
 
 class Drafter(Protocol):
     def propose(self, seqs: Seq[Sequence], ks: Seq[int]) -> list[Draft]:
-        """At most ``ks[i]`` drafts for ``seqs[i]``, stopping after an EOS draft."""
+        """For ``seqs[i]``, a chain of at most ``ks[i]`` drafts, or a tree at most ``ks[i]``
+        deep; a chain stops after an EOS draft."""
 
     def observe(self, seq: Sequence, num_accepted: int) -> None:
         """Called after ``seq`` committed its verified tokens (``seq.ids`` is updated)."""

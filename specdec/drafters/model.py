@@ -1,7 +1,7 @@
 """A draft model (or the target itself, for ``self``) with its own KV cache.
 
 Each round the drafter first catches up on committed tokens its cache has not seen (the
-recovered/bonus token, and on the first rounds the prompt: at most ``max_catch_up`` tokens
+recovered token, or the last draft and the bonus; on the first rounds the prompt: at most ``max_catch_up`` tokens
 per round, as the target's chunked prefill, drafting nothing until it has them all), then
 drafts for the whole batch, one forward per depth:
 
@@ -77,7 +77,7 @@ class ModelDrafter:
     def __init__(self, runtime, num_slots: int, target_vocab: int, topk: int = 1,
                  max_nodes: int | None = None, max_catch_up: int = 0, max_rows: int | None = None):
         if topk > 1 and not runtime.supports_masks:
-            raise ValueError("draft-model trees need the torch runtime (tree attention masks); "
+            raise ValueError("draft-model trees need the torch or llama.cpp runtime (tree attention masks); "
                              "the transformers fallback drafts chains only")
         self.runtime = runtime
         # positions the draft may feed: its own context (a draft model's may be shorter than
@@ -315,7 +315,7 @@ class ModelDrafter:
     def _log_q(self, logits: torch.Tensor, seq: Sequence, path: list[int]) -> torch.Tensor:
         """Draft log-probabilities over the target's vocab, after the drafts ``path`` (after
         the request's grammar and logits processing, ``sequence_logits``, then temperature,
-        top-k and top-p when sampling; plain softmax of those logits for greedy requests)."""
+        top-k, top-p and min-p when sampling; plain softmax of those logits for greedy requests)."""
         logits = sequence_logits(logits[None, : self.target_vocab].float(), seq, [path])[0]
         if seq.sampling.greedy:
             return logits.log_softmax(-1)

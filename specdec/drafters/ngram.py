@@ -1,4 +1,5 @@
-"""Prompt lookup: propose what followed the most recent earlier occurrence of the last n tokens."""
+"""Prompt lookup: propose what followed an earlier occurrence of the text's last n tokens
+(the longest n first; see ``lookup``)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +10,7 @@ from .base import Draft
 
 
 def lookup(ids: list[int], k: int, n_max: int, n_min: int) -> list[int]:
-    """Continuation (<= k tokens) of the latest earlier match of ``ids``' last n tokens, trying
+    """Continuation (<= k tokens) of an earlier match of ``ids``' last n tokens, trying
     n from ``n_max`` down to ``n_min``; among matches of the same n the most recent one with a
     full k-token continuation wins, else the most recent with the longest one."""
     L = len(ids)

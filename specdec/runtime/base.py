@@ -77,6 +77,7 @@ class Runtime(Protocol):
         Returns ``[batch, max_n, vocab]`` (rows past ``n_b`` are padding), or
         ``[batch, vocab]`` for each slot's last new token when ``last_only``. ``prefill``:
         the chunks are prompt chunks (llama.cpp decodes each whole and alone, as it does
-        every ``last_only`` forward; the others need not care).
+        every ``last_only`` forward; the transformers runtime does not cut them at a longrope
+        switch; the torch runtime need not care).
         """
         ...

@@ -24,8 +24,11 @@ resolve a near-tie unlike plain decoding. Two such switches matter here: K-quant
 products take a tiled kernel from 8 rows on (from 4 rows on with repacked weights), and with
 an F16 KV cache the attention of a single row is split over the threads once 512 or more
 cells are cached (so even 2-row chunks part from one-row decoding past ~260 tokens of
-context). An exact runtime therefore keeps its KV cache in Q8_0, whose attention takes one
-kernel for any row count, and at load finds ``max_rows``, the largest forward whose logits
+context). ggml takes that split path only where K and V have one type, F16 or F32, so an exact
+runtime keeps its K cache in Q8_0 and its V cache in F16: its attention takes one kernel for
+any row count (a Q8_0 V cache, as before, did too, but it is dequantized row by row for every
+query: prefilling 2048 tokens of Qwen2.5-Coder-1.5B took 23-31 s against 16 s, and a token
+at that context 35 against 31 ms). At load it finds ``max_rows``, the largest forward whose logits
 equal feeding its tokens one at a time after a short and after a long context
 (``ROW_CONTEXTS``: the long one is past 512 cells, so the check itself catches the attention
 switch above; checked once per model file, thread count and machine, then read from
@@ -132,7 +135,8 @@ class LlamaCppCache:
     attends over cells in cell order and quantizes activations, so a token placed in a freed
     cell below its sequence's newer cells gets visibly different logits (up to ~0.9 on
     SmolLM2-135M Q4_1); with parking, a slot's cells stay in position order, as in plain
-    decoding, and a chunk of fewer than 64 tokens then gives exactly its one-by-one logits.
+    decoding, and a chunk of fewer than 64 tokens (and at most the runtime's ``max_rows``,
+    where products switch kernels) then gives exactly its one-by-one logits.
     The cache keeps each slot's committed tokens (``tokens``) and where its prefill decodes
     ended (``prefill_ends``), to recompute its KV when it must free parked cells mid-request
     (``fit``)."""
@@ -150,11 +154,12 @@ class LlamaCppCache:
         p.n_seq_max = n_seq
         p.n_threads = p.n_threads_batch = runtime.threads
         p.kv_unified = True  # one buffer: sequences share cells, seq_cp is metadata only
-        # flash attention: a chunk of fewer than 64 tokens per ubatch then gives the same
-        # logits as feeding its tokens one by one (without it, llama.cpp's CPU kernels differ)
+        # flash attention: a chunk of fewer than 64 tokens per ubatch then attends as feeding
+        # its tokens one by one (without it, llama.cpp's CPU kernels differ; the products'
+        # own switch is ``max_rows``)
         p.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         p.no_perf = True
-        p.type_k = p.type_v = runtime.kv_type
+        p.type_k, p.type_v = runtime.kv_types
         self.ctx = lib.llama_init_from_model(runtime.model, p)
         if not self.ctx:
             raise ValueError(f"llama.cpp could not create a context of {p.n_ctx} tokens")
@@ -415,17 +420,19 @@ class LlamaCppRuntime:
         self.device = torch.device("cpu")
 
     @property
-    def kv_type(self) -> int:
-        """The KV cache's ggml type: Q8_0 for an exact runtime (with F16, llama.cpp's default,
-        it splits one row's attention over the threads from 512 cached cells on, which rounds
-        unlike the attention of several rows; see the module docstring), else F16."""
-        return self.lib.GGML_TYPE_Q8_0 if self.exact else self.lib.GGML_TYPE_F16
+    def kv_types(self) -> tuple[int, int]:
+        """The ggml types of the K and V caches: Q8_0 and F16 for an exact runtime (with K and V
+        both F16, llama.cpp's default, it splits one row's attention over the threads from 512
+        cached cells on, which rounds unlike the attention of several rows; see the module
+        docstring), else F16 and F16."""
+        f16 = self.lib.GGML_TYPE_F16
+        return (self.lib.GGML_TYPE_Q8_0 if self.exact else f16), f16
 
     @property
     def settings(self) -> str:
         """What besides the file and the threads sets this runtime's rounding and speed (part
         of the keys of the row-limit and forward-cost caches)."""
-        return f"repack={self.repack},kv_type={self.kv_type}"
+        return f"repack={self.repack},kv_types={self.kv_types}"
 
     @property
     def speed_key(self) -> str:

@@ -192,7 +192,7 @@ def gguf_to_hf_dir(gguf: Path, weights: bool = True) -> Path:
         if (out / "config.json").is_file():
             return out
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     meta = load_gguf_checkpoint(str(gguf), return_tensors=False)

@@ -152,9 +152,11 @@ class KVCache:
     """Per-layer K/V ``[slots, kv_heads, capacity, head_dim]``, grown on demand: rows doubling,
     but past ``max_rows`` (the context window) plus a forward's padding only as far as a
     forward needs (a verify forward at the window's end: its drafts, a tree's nodes); slots
-    only up to the highest one used (the engine takes a freed slot before an untouched one,
-    and untouched ones lowest first), so one long request holds one slot's rows, not
-    ``num_slots``' (8x the memory)."""
+    only up to the highest one used (the engine takes a freed slot that keeps no prompt
+    before an untouched one, and untouched ones lowest first), so one long request holds one
+    slot's rows, not ``num_slots``' (8x the memory). A slot that keeps a finished prompt for
+    prefix reuse is taken only for a matching prefix or once no other is free, so requests
+    with distinct prompts one after another do grow the slots up to ``num_slots``."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype, capacity: int = 256, max_rows: int | None = None):

@@ -37,9 +37,7 @@ def prompt_pool(size: int, seed: int = 0) -> list[dict]:
 
 @dataclass
 class Result:
-    prompt: int
     ok: bool
-    text: str
     tokens: int
     ttft: float | None
     latency: float
@@ -128,7 +126,7 @@ async def run(url: str, clients: int, duration: float, max_tokens: int, pool_siz
                     problem = f"crossed (got prompt {others[0]}'s output)" if others else "diverged from reference"
                 elif not problem and tokens != refs[k][1]:
                     problem = f"usage says {tokens} completion tokens, the reference {refs[k][1]}"
-                results.append(Result(k, not problem, text, tokens, ttft, time.perf_counter() - t0, problem))
+                results.append(Result(not problem, tokens, ttft, time.perf_counter() - t0, problem))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker(c) for c in range(clients)))

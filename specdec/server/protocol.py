@@ -257,7 +257,8 @@ class _Request(_Strict):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # OpenAI's default for completions; null: the rest of the window (vLLM's)
+    max_tokens: int | None = 16  # OpenAI's default for completions; null: the model's generation
+    # config's max_new_tokens, else the rest of the window (vLLM's)
     null_means_none: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     logprobs: int | None = Field(default=None, ge=-1)  # at most --max-logprobs (-1: the vocabulary)
     echo: bool = False
