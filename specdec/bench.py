@@ -533,6 +533,8 @@ def run_bench(args) -> int:
         backend = {"backend": args.backend, "device": args.device, "dtype": args.dtype, "max_batch_size": 1,
                    "repack": args.repack, "load_format": args.load_format, "enforce_eager": args.enforce_eager}
         plain = LLM(str(gguf if on_llamacpp else target_path), speculative=SpecConfig(method="none"), **backend)
+        if on_llamacpp:  # llama.cpp (specdec's runtime and llama-cpp-python alike) stops at its own EOG tokens too
+            eos = eos | plain.target.runtime.eog_ids()  # (Qwen2.5: 128247, its "</s>")
         if plain.target.eos_ids != eos:
             raise RuntimeError(f"eos ids differ: bench {sorted(eos)} vs specdec {sorted(plain.target.eos_ids)}")
         for p, (_, prompt) in zip(prompts, items):  # the ids every method gets are specdec's own
