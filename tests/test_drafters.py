@@ -30,6 +30,34 @@ def test_lookup_prefers_a_full_continuation():
     assert lookup(ids, 2, n_max=1, n_min=1) == [8, 7]  # the most recent already has k
 
 
+def test_lookup_equals_a_scan_of_every_position():
+    """The vectorized lookups against the rule spelled out as a loop over every earlier start,
+    most recent first, on short random texts of small vocabularies (many overlapping matches)."""
+    import random
+
+    from specdec.drafters.ngram import lookup_branches
+
+    def scan(ids, k, n_max, n_min):  # -> per n (longest first): continuations, most recent first
+        L = len(ids)
+        return [[ids[s + n: s + n + k] for s in range(L - n - 1, -1, -1) if ids[s: s + n] == ids[L - n:]]
+                for n in range(min(n_max, L - 1), n_min - 1, -1)]
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        ids = [rng.randrange(rng.choice([2, 3, 50])) for _ in range(rng.randrange(40))]
+        k, n_min = rng.randrange(1, 9), rng.randrange(1, 4)
+        n_max, branches = rng.randrange(n_min, 6), rng.randrange(1, 5)
+        found = [conts for conts in scan(ids, k, n_max, n_min) if conts]
+        # the first n with a match: its most recent full continuation, else its longest
+        want = next((c for c in found[0] if len(c) == k), max(found[0], key=len)) if found else []
+        assert lookup(ids, k, n_max, n_min) == want, (ids, k, n_max, n_min)
+        distinct = []
+        for c in (c for conts in found for c in conts):
+            if c not in distinct:
+                distinct.append(c)
+        assert lookup_branches(ids, k, n_max, n_min, branches) == distinct[:branches]
+
+
 def test_ngram_drafter_budget_and_eos():
     d = NgramDrafter(n_max=2, n_min=1)
     s = seq([1, 2, 3, 4, 5, 1, 2])

@@ -9,23 +9,28 @@ from ..tree import DraftTree
 from .base import Draft
 
 
+def match_starts(a: np.ndarray, n: int) -> np.ndarray:
+    """Ascending starts of the earlier occurrences of ``a``'s last n tokens (windows that
+    begin before the suffix itself; they may overlap it). Vectorized: a long context costs
+    microseconds, not a Python loop over every position."""
+    L = len(a)
+    starts = np.nonzero(a[: L - n] == a[L - n])[0]  # [matches]
+    for j in range(1, n):
+        starts = starts[a[starts + j] == a[L - n + j]]
+    return starts
+
+
 def lookup(ids: list[int], k: int, n_max: int, n_min: int) -> list[int]:
     """Continuation (<= k tokens) of an earlier match of ``ids``' last n tokens, trying
     n from ``n_max`` down to ``n_min``; among matches of the same n the most recent one with a
-    full k-token continuation wins, else the most recent with the longest one."""
-    L = len(ids)
+    full k-token continuation wins, else the one with the longest (the oldest)."""
+    a, L = np.asarray(ids), len(ids)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = ids[L - n:]
-        best: list[int] = []
-        for start in range(L - n - 1, -1, -1):  # most recent first, excluding the suffix itself
-            if ids[start:start + n] == suffix:
-                cont = ids[start + n:start + n + k]
-                if len(cont) > len(best):
-                    best = cont
-                if len(best) == k:
-                    break
-        if best:
-            return best
+        starts = match_starts(a, n)
+        if len(starts):
+            full = starts[starts <= L - n - k]  # continuations of k tokens
+            start = int(full[-1] if len(full) else starts[0])
+            return a[start + n: start + n + k].tolist()
     return []
 
 
@@ -51,16 +56,14 @@ def longest_match(ids: list[int], cap: int = MATCH_CAP) -> int:
 def lookup_branches(ids: list[int], k: int, n_max: int, n_min: int, branches: int) -> list[list[int]]:
     """Up to ``branches`` distinct continuations (<= k tokens) of earlier matches of the last
     n tokens: longest n first, most recent match first within an n."""
-    L, found = len(ids), []
+    a, L, found = np.asarray(ids), len(ids), []
     for n in range(min(n_max, L - 1), n_min - 1, -1):
-        suffix = ids[L - n:]
-        for start in range(L - n - 1, -1, -1):
-            if ids[start:start + n] == suffix:
-                cont = ids[start + n:start + n + k]
-                if cont and cont not in found:
-                    found.append(cont)
-                    if len(found) == branches:
-                        return found
+        for start in match_starts(a, n)[::-1].tolist():
+            cont = ids[start + n:start + n + k]
+            if cont not in found:
+                found.append(cont)
+                if len(found) == branches:
+                    return found
     return found
 
 
