@@ -186,16 +186,21 @@ class Acceptance:
 
     def expected_tokens(self, k: int) -> float:
         """Expected tokens committed by a verify step over k drafts (recovered/bonus included)."""
+        return self.expected_upto(k)[k]
+
+    def expected_upto(self, k: int) -> list[float]:
+        """``expected_tokens(j)`` for j = 0..k, in one pass (the planner weighs every k)."""
         return chain_tokens(self.alphas(k))
 
 
-def chain_tokens(alphas: list[float]) -> float:
-    """``1 + sum_i prod_{j<=i} alpha_j``: expected tokens a chain step commits."""
-    total, reach = 1.0, 1.0
+def chain_tokens(alphas: list[float]) -> list[float]:
+    """``1 + sum_{i<j} prod_{l<=i} alpha_l`` for j = 0..len(alphas): the tokens a chain step of
+    j drafts is expected to commit."""
+    out, reach = [1.0], 1.0
     for a in alphas:
         reach *= a
-        total += reach
-    return total
+        out.append(out[-1] + reach)
+    return out
 
 
 def match_bucket(m: int) -> int:
@@ -223,6 +228,9 @@ class MatchAcceptance:
         return self.planner._first(self.name, self.match + i, self.request_id).alpha(0, prior=shared)
 
     def expected_tokens(self, k: int) -> float:
+        return self.expected_upto(k)[k]
+
+    def expected_upto(self, k: int) -> list[float]:
         return chain_tokens([self.alpha(i) for i in range(k)])
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
@@ -367,10 +375,10 @@ class Planner:
             self.stats[key] = Acceptance(self.priors[name][:1])
         return self.stats[key]
 
-    def rate(self, name: str, acc: Acceptance, k: int, behind: int = 1, left: int | None = None) -> float:
-        """Expected committed tokens per second of a step drafting k with ``name``; ``left``:
-        tokens the request may still generate, over which a long catch-up is spread."""
-        tokens = acc.expected_tokens(k)
+    def rate(self, name: str, tokens: float, k: int, behind: int = 1, left: int | None = None) -> float:
+        """Expected committed tokens per second of a step drafting k with ``name`` that is
+        expected to commit ``tokens``; ``left``: tokens the request may still generate, over
+        which a long catch-up is spread."""
         seconds = self.verify_seconds(self.verify_rows(name, k)) + self.draft_seconds(name, tokens, k, behind, left)
         return tokens / seconds
 
@@ -392,9 +400,8 @@ class Planner:
         accepted. A probe is pointless otherwise: e.g. a draft model that must first catch up on
         a whole prompt a short request cannot repay, or one that costs so much that even its
         best case gains a few percent (the probes' losses would eat that)."""
-        perfect = Acceptance([1.0] * self.k_max)
         plain = PROBE_MARGIN / self.verify_seconds(1)
-        return any(self.rate(name, perfect, k, behind, left) > plain for k in range(1, min(self.k_max, limit) + 1))
+        return any(self.rate(name, k + 1, k, behind, left) > plain for k in range(1, min(self.k_max, limit) + 1))
 
     def verify_seconds(self, n: int) -> float:
         """A target forward of n tokens: the measured cost, times how this process's verify
@@ -448,13 +455,13 @@ class Planner:
             if name not in available:
                 continue
             ctx, lag = available[name], behind.get(name, 1)
-            acc = self.acceptance(name, ctx, request_id)
-            for k in range(1, min(self.k_max, limit) + 1):
-                r = self.rate(name, acc, k, lag, left)
+            expected = self.acceptance(name, ctx, request_id).expected_upto(min(self.k_max, limit))
+            for k in range(1, len(expected)):
+                r = self.rate(name, expected[k], k, lag, left)
                 if r > best.tokens_per_s:
                     best = Choice(name, k, r, ctx)
             if track.idle >= track.backoff and probe is None and self.could_pay(name, limit, lag, left):
-                probe = Choice(name, 1, self.rate(name, acc, 1, lag, left), ctx, probe=True)
+                probe = Choice(name, 1, self.rate(name, expected[1], 1, lag, left), ctx, probe=True)
         if best.drafter is None and probe is not None:
             best = probe
         return best
@@ -471,10 +478,12 @@ class Planner:
         own = [self.choose(a) for a in asks]
         if len(asks) == 1 or self.layout == "serial":
             return own
+        expected = [self.acceptance(c.drafter, c.context, a.request_id).expected_upto(c.k) if c.k else [1.0]
+                    for a, c in zip(asks, own)]  # per request: its expected tokens for k = 0..its own k
         best, best_rate = 0, 0.0
         for cap in range(max(c.k for c in own) + 1):
             ks = [min(c.k, cap) for c in own]
-            rate = self._step_rate(asks, own, ks)
+            rate = self._step_rate(asks, own, ks, [e[k] for e, k in zip(expected, ks)])
             if rate > best_rate:
                 best, best_rate = cap, rate
         return [c if c.k <= best else replace(c, k=best) if best else Choice(None, 0, 1.0 / self.verify_seconds(1))
@@ -487,11 +496,9 @@ class Planner:
             return sizes[0]
         return {"padded": len(sizes) * max(sizes), "packed": sum(sizes)}.get(self.layout)
 
-    def _step_rate(self, asks: list[Ask], own: list[Choice], ks: list[int]) -> float:
+    def _step_rate(self, asks: list[Ask], own: list[Choice], ks: list[int], tokens: list[float]) -> float:
         """Expected tokens per second of a batch step: request i drafts ``ks[i]`` with
-        ``own[i].drafter``."""
-        tokens = [self.acceptance(c.drafter, c.context, a.request_id).expected_tokens(k) if k else 1.0
-                  for a, c, k in zip(asks, own, ks)]
+        ``own[i].drafter``, expected to commit ``tokens[i]``."""
         seconds = self.verify_seconds(self.batch_rows([self.verify_rows(c.drafter, k) for c, k in zip(own, ks)]))
         for name, cost in self.draft_cost.items():
             mine = [i for i, (c, k) in enumerate(zip(own, ks)) if c.drafter == name and k]

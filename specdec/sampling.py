@@ -60,7 +60,7 @@ def top_p_keep(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, top.indices, keep)
 
 
-def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], output: list[int],
+def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int] | torch.Tensor, output: list[int],
                    extra: list[list[int]] | None = None, *, stop_ids: frozenset[int] = frozenset(),
                    bad_words: tuple[tuple[int, ...], ...] = ()) -> torch.Tensor:
     """``sp``'s logit bias, then its repetition, presence and frequency penalties (vLLM's
@@ -80,8 +80,9 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int], 
     rows, vocab = logits.shape
     dev = logits.device
 
-    def ids(tokens: list[int]) -> torch.Tensor:  # a narrower (draft) vocab skips ids past it
-        return torch.tensor([t for t in tokens if t < vocab], dtype=torch.long, device=dev)
+    def ids(tokens: list[int] | torch.Tensor) -> torch.Tensor:  # a narrower (draft) vocab skips ids past it
+        t = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long)  # [n]
+        return t[t < vocab].to(dev)
 
     logits = logits.float()
     if sp.logit_bias:
@@ -135,7 +136,9 @@ def sequence_logits(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[int
     if seq.grammar is not None:
         allowed = seq.grammar.allowed(prefixes) if allowed is None else allowed
         rows = unless_empty(constrain(rows, allowed[:, :rows.shape[-1]]), rows)
-    return process_logits(rows, seq.sampling, seq.ids[:seq.prompt_len], seq.output_ids, prefixes,
+    if not seq.sampling.processes_logits:  # before the prompt and output are copied
+        return rows
+    return process_logits(rows, seq.sampling, seq.prompt_tensor, seq.output_ids, prefixes,
                           stop_ids=seq.eos_ids if seq.min_tokens_ban is None else seq.min_tokens_ban,
                           bad_words=seq.bad_words_ids)
 

@@ -1,6 +1,7 @@
 """One request's state while it runs: the ids the engine, drafters and verifier share."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -36,9 +37,19 @@ def output_text(tokenizer, ids: list[int], sp: SamplingParams) -> str:
     return (" " if sp.spaces_between_special_tokens else "").join(pieces)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading ids ``a`` and ``b`` share."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+def common_prefix(a: list[int], b: list[int], start: int = 0) -> int:
+    """How many leading ids ``a`` and ``b`` share, given that their first ``start`` agree:
+    compared a block at a time (list slices compare in C; a request's prompt and output are
+    compared every step), then id by id inside the first block that differs."""
+    m, i = min(len(a), len(b)), min(start, len(a), len(b))
+    while i < m:
+        j = min(i + 256, m)
+        if a[i:j] != b[i:j]:
+            while a[i] == b[i]:
+                i += 1
+            return i
+        i = j
+    return m
 
 
 def cut_after_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
@@ -164,6 +175,12 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.ids[self.prompt_len:]
+
+    @functools.cached_property
+    def prompt_tensor(self) -> torch.Tensor:
+        """The prompt's ids as a tensor ``[prompt_len]`` (made once: a repetition penalty reads
+        them on every row the request draws from)."""
+        return torch.tensor(self.ids[:self.prompt_len], dtype=torch.long)
 
     @property
     def num_output(self) -> int:

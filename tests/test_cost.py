@@ -72,9 +72,9 @@ def test_a_batch_shares_its_verify_forward():
     assert [c.k for c in serial.choose_batch([Ask(i, 4) for i in range(4)])] == [4] * 4
     draft = DraftCost(per_depth=0.1, catch_up=ForwardCosts((0.1, 0.1, 0.2, 0.2)))
     p = Planner(ForwardCosts((1.0,) * 24), {"draft": draft}, k_max=2, prior=0.9)
-    one = p._step_rate([Ask(1, 2)], [Choice("draft", 2, 0.0)], [2])
+    one = p._step_rate([Ask(1, 2)], [Choice("draft", 2, 0.0)], [2], [1 + 0.9 + 0.81])
     assert one == pytest.approx((1 + 0.9 + 0.81) / (1.0 + 0.1 + 0.1))
-    three = p._step_rate([Ask(i, 2) for i in range(3)], [Choice("draft", 2, 0.0)] * 3, [2] * 3)
+    three = p._step_rate([Ask(i, 2) for i in range(3)], [Choice("draft", 2, 0.0)] * 3, [2] * 3, [1 + 0.9 + 0.81] * 3)
     assert three == pytest.approx(3 * (1 + 0.9 + 0.81) / (1.0 + 0.2 * 0.2 / 0.1))
     with pytest.raises(ValueError, match="batch layout"):
         Planner(curve, {"ngram": 0.0}, k_max=4, layout="ragged")

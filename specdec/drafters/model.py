@@ -337,9 +337,7 @@ class ModelDrafter:
                 self.cache.rewind(seq.slot, base)
             cached.extend(seq.ids[base: base + len(path)])
         n = min(len(cached), len(seq.ids))
-        keep = seq.prompt_len if n >= seq.prompt_len else 0
-        while keep < n and cached[keep] == seq.ids[keep]:
-            keep += 1
+        keep = common_prefix(cached, seq.ids, seq.prompt_len if n >= seq.prompt_len else 0)
         del cached[keep:]
         self.cache.rewind(seq.slot, keep)
         # a slot that drafted held all ids, as a fresh one would: both keep the same
