@@ -104,19 +104,16 @@ def required_partial(text: str) -> list[ToolCall]:
 # answer's call carries, so that what a stream sent is always a prefix of the final call.
 _WS = re.compile(r"\s*")
 _SCALAR = re.compile(r"[\w.+-]*")  # a number, true, false or null (or its start)
+# a whole JSON string (escapes skipped), and the next character that opens or closes something;
+# regexes rather than a loop per character: a stream parses its whole answer again each step
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_STRUCTURE = re.compile(r'["{}\[\]]')
 
 
 def _string_end(text: str, i: int) -> int | None:
     """The index after the JSON string that begins at ``text[i]`` (None: not closed yet)."""
-    j = i + 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-        elif text[j] == '"':
-            return j + 1
-        else:
-            j += 1
-    return None
+    m = _STRING.match(text, i)
+    return m.end() if m else None
 
 
 def _value_end(text: str, i: int) -> int | None:
@@ -130,16 +127,16 @@ def _value_end(text: str, i: int) -> int | None:
             raise ValueError(f"not a JSON value: {text[i]!r}")
         return end if end < len(text) else None
     depth, j = 0, i
-    while j < len(text):
-        c = text[j]
-        if c == '"':
+    while (m := _STRUCTURE.search(text, j)) is not None:
+        j = m.start()
+        if text[j] == '"':
             j = _string_end(text, j)
             if j is None:
                 return None
             continue
-        if c in "{[":
+        if text[j] in "{[":
             depth += 1
-        elif c in "}]":
+        else:
             depth -= 1
             if depth == 0:
                 return j + 1
