@@ -523,6 +523,27 @@ def test_parked_rows_stay_until_the_buffer_is_full_then_sequences_are_recomputed
     close(out, chain_logits(lc, ids, gen + [9, r, b, b1, 42])[-1], "alone after a tree, recomputed")
 
 
+def test_room_for_trees_is_made_before_a_tree_opens(lc, prompts):
+    """A tree's rows cannot be recomputed mid-tree (a draft model feeds a tree a depth a
+    forward, and a buffer full then frees parked cells under running sequences), so a forward
+    with no tree open recomputes once the buffer lacks room for the tree rows every slot may
+    hold beside it."""
+    from specdec.runtime.llamacpp import tree_rows
+
+    rt, ids, other = lc.runtime, prompts[0], prompts[1]
+    cache = rt.new_cache(2)
+    rt.forward(cache, [0], [ids])
+    rt.forward(cache, [1], [other])
+    n = cache.lengths[0]
+    rt.forward(cache, [0], [[7] + [5] * 7])  # beside slot 1: the rejected rows park
+    cache.rewind(0, n + 1)
+    assert len(cache.parked[0]) == 7 and cache.recomputes == 0
+    cache.size = cache.used + 1 + 2 * tree_rows(2) - 1  # the next row fits, the trees beside it do not
+    out = rt.forward(cache, [0], [[9]])[0, 0]
+    assert cache.recomputes == 1 and cache.parked == [[], []]
+    close(out, chain_logits(lc, ids, [7, 9])[-1], "recomputed")
+
+
 def test_chunked_prefill_goes_whole_and_is_recomputed_alike(pieces, prompts, monkeypatch):
     """Chunks of a chunked prefill (``last_only`` forwards) are whole decodes, each slot alone,
     not continuation pieces; the cache records where they end, a recompute replays them, and

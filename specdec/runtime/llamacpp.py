@@ -267,8 +267,14 @@ class LlamaCppCache:
         buffer and recomputes each running sequence's KV from its tokens, with forwards like
         those that made it (vLLM's preemption by recompute): the prompt's decodes, the rest
         in pieces of at most ``max_rows`` rows, so that every sequence's cells are in
-        position order again. Any other runtime, or one with tree rows pending, frees them."""
-        if self.used + n <= self.size or not any(self.parked):
+        position order again. Any other runtime, or one with tree rows pending, frees them;
+        so a forward with no tree open makes room for the tree rows every slot may then hold
+        (a draft model grows its trees a depth a forward: a buffer filling mid-tree unparked
+        cells under running sequences, and a seeded request's draws came to depend on its
+        batch)."""
+        num_slots = len(self.lengths)
+        reserve = 0 if any(self.tail) else tree_rows(num_slots) * num_slots  # <= TREE_HEADROOM
+        if self.used + n + reserve <= self.size or not any(self.parked):
             return
         if not self.runtime.exact or any(self.tail):
             for s in range(len(self.lengths)):
