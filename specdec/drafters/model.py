@@ -1,9 +1,9 @@
 """A draft model (or the target itself, for ``self``) with its own KV cache.
 
 Each round the drafter first catches up on committed tokens its cache has not seen (the
-recovered token, or the last draft and the bonus; on the first rounds the prompt: at most ``max_catch_up`` tokens
-per round, as the target's chunked prefill, drafting nothing until it has them all), then
-drafts for the whole batch, one forward per depth:
+recovered token, or the last draft and the bonus; on the first rounds the prompt: at most
+``max_catch_up`` tokens per round, as the target's chunked prefill, drafting nothing until
+it has them all), then drafts for the whole batch, one forward per depth:
 
 * **chain** (``topk == 1``): the draft's own choice at each depth (argmax, or a draw from
   q when sampling);
