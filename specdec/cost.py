@@ -184,12 +184,9 @@ class Acceptance:
             self.tried[i] += 1
             self.accepted[i] += i < num_accepted
 
-    def expected_tokens(self, k: int) -> float:
-        """Expected tokens committed by a verify step over k drafts (recovered/bonus included)."""
-        return self.expected_upto(k)[k]
-
     def expected_upto(self, k: int) -> list[float]:
-        """``expected_tokens(j)`` for j = 0..k, in one pass (the planner weighs every k)."""
+        """Expected tokens committed by a verify step over j drafts (recovered/bonus included),
+        for j = 0..k, in one pass (the planner weighs every k)."""
         return chain_tokens(self.alphas(k))
 
 
@@ -226,9 +223,6 @@ class MatchAcceptance:
         across requests (a request whose copies go wrong stops trusting them quickly)."""
         shared = self.planner._first(self.name, self.match + i).alpha(0)
         return self.planner._first(self.name, self.match + i, self.request_id).alpha(0, prior=shared)
-
-    def expected_tokens(self, k: int) -> float:
-        return self.expected_upto(k)[k]
 
     def expected_upto(self, k: int) -> list[float]:
         return chain_tokens([self.alpha(i) for i in range(k)])

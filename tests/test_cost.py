@@ -18,15 +18,15 @@ def cost_cache(tmp_path, monkeypatch):
 
 def test_expected_tokens_and_updates():
     acc = Acceptance(prior=[0.5, 0.5, 0.5], weight=2.0, decay=1.0)
-    assert acc.expected_tokens(0) == 1.0
-    assert acc.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)
+    assert acc.expected_upto(0) == [1.0]
+    assert acc.expected_upto(2) == pytest.approx([1, 1 + 0.5, 1 + 0.5 + 0.25])
     acc.record(num_drafts=3, num_accepted=1)  # position 0 accepted, position 1 rejected, 2 not reached
     assert acc.alpha(0) == pytest.approx((1 + 1) / (1 + 2))
     # each position's prior is scaled as the position before compares with its own prior
     # (position 0: 2/3 against 0.5)
     assert acc.alpha(1) == pytest.approx((0 + 2 * 0.5 * (2 / 3) / 0.5) / (1 + 2))
     assert acc.alpha(2) == pytest.approx(0.5 * (4 / 9) / 0.5)  # not reached: the prior, scaled
-    assert acc.expected_tokens(3) == pytest.approx(1 + 2 / 3 + 2 / 3 * 4 / 9 + 2 / 3 * 4 / 9 * 4 / 9)
+    assert acc.expected_upto(3)[3] == pytest.approx(1 + 2 / 3 + 2 / 3 * 4 / 9 + 2 / 3 * 4 / 9 * 4 / 9)
 
 
 def test_untried_depths_lean_on_the_depths_before():
