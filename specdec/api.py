@@ -264,8 +264,10 @@ class LLM:
         if uses_draft:
             from .vocab import require_compatible
 
-            if not isinstance(draft, LoadedModel):
-                draft = load_model(draft, c.device, c.dtype, c.draft_backend or c.backend,
+            if not isinstance(draft, LoadedModel):  # with a loaded target and no device: beside it
+                where = str(self.target.runtime.device) if c.device is None and isinstance(model, LoadedModel) \
+                    else c.device
+                draft = load_model(draft, where, c.dtype, c.draft_backend or c.backend,
                                    quantize=speculative.draft_quantization, **loading)
             self.draft = draft
             require_compatible(self.target.tokenizer, self.draft.tokenizer)

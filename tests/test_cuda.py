@@ -165,7 +165,7 @@ def test_cuda_graphs_equal_eager(tiny_dirs, on_cuda, dtype):
     graphed = on_cuda("llama", dtype).runtime
     eager = load_model(str(tiny_dirs["llama"]), device="cuda", dtype=dtype, enforce_eager=True)
     assert graphed.graphs is not None and eager.runtime.graphs is None
-    tol = {"float32": 1e-4, "bfloat16": 0.1}[dtype]
+    tol = {"float32": 1e-4, "bfloat16": 0.25}[dtype]  # bf16: a few steps of 1/32 at logits of 4-8; a wrong graph errs by ~1
     ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     caches = graphed.new_cache(2), eager.runtime.new_cache(2)
     steps = [(0, 10), (10, 13), (13, 16), (16, 17), (17, 18), (18, 260), (260, 263), (263, 264),

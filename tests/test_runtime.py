@@ -269,6 +269,33 @@ def test_int8_draft_model_stays_lossless(loaded, tiny_dirs):
     assert sum(o.metrics["accepted_tokens"] for o in outs) > 0  # an int8 copy of the target mostly agrees
 
 
+def test_a_gpu_is_fixed_with_its_index(monkeypatch):
+    """``cuda`` (and no device, on a GPU machine) is the GPU current at load, as ``cuda:N``:
+    tensors made later on other threads (the server's) land beside the weights; a GPU the
+    machine lacks is refused at load."""
+    from specdec.runtime.loading import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device(None) == pick_device("cuda") == torch.device("cuda", 1)
+    assert pick_device("cuda:0") == torch.device("cuda", 0) and pick_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="cuda:0 to cuda:1"):
+        pick_device("cuda:2")
+
+
+def test_a_draft_path_goes_beside_a_loaded_target(loaded, tiny_dirs, monkeypatch):
+    """With no ``device``, a draft loaded from a path joins a given target's device, not the
+    machine's default (on a GPU machine: cuda, where an int8 draft is refused)."""
+    from specdec import LLM, SpecConfig
+
+    target = loaded("llama")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the default device: cuda
+    llm = LLM(target, draft=str(tiny_dirs["llama"]),
+              speculative=SpecConfig(method="draft", num_draft_tokens=3, draft_quantization="int8"))
+    assert llm.draft.runtime.device == target.runtime.device == torch.device("cpu")
+
+
 def test_int8_rows_do_not_depend_on_their_neighbours():
     """fbgemm quantizes activations on one range per tensor; int8 linears quantize each row
     on its own, so a row's output is the same alone or beside others (bit for bit), and a

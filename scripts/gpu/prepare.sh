@@ -8,7 +8,7 @@
 #
 #   ../shared/models/fetch-models.sh qwen-coder   # once: the GGUFs (their metadata is read)
 #   scripts/gpu/prepare.sh
-#   then, through the device tool: run(command="bash scripts/gpu/run.sh", carry=[".gpu"], timeout_s=540)
+#   then, through the device tool: run(command="bash scripts/gpu/run.sh", carry=[".gpu"], timeout_s=300)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 models=${SPECDEC_MODELS:-$HOME/.cache/specdec-models}

@@ -376,14 +376,21 @@ def eos_ids_of(path: Path, config, tokenizer) -> frozenset[int]:
 
 
 def pick_device(device: str | None) -> torch.device:
-    """``device`` (``EngineConfig.device``'s forms) as a ``torch.device``; ``ValueError`` for
-    another name or cuda without CUDA."""
+    """``device`` (``EngineConfig.device``'s forms) as a ``torch.device``, a GPU always with
+    its index (``cuda`` is the current GPU now: tensors made later, on other threads, land
+    there too); ``ValueError`` for another name, cuda without CUDA or a GPU that is not there."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(EngineConfig(device=device).device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return dev
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} GPU(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return torch.device("cuda", index)
 
 
 def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:

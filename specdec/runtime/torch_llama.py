@@ -277,7 +277,7 @@ class CudaGraphs:
 
     def __init__(self, runtime: "TorchLlama"):
         self.runtime = runtime
-        # cache -> (its K buffer's address and capacity, its memory pool, its graphs by (batch, tokens))
+        # cache -> (its K and V buffers' addresses and K's shape, its memory pool, its graphs by (batch, tokens))
         self.by_cache: "weakref.WeakKeyDictionary[KVCache, tuple[tuple, tuple, dict]]" = weakref.WeakKeyDictionary()
 
     def run(self, cache: KVCache, x: _Batch, tokens: int) -> torch.Tensor:
@@ -288,8 +288,9 @@ class CudaGraphs:
 
     def _run(self, cache: KVCache, x: _Batch, tokens: int) -> torch.Tensor:
         buffer, pool, graphs = self.by_cache.get(cache, (None, None, None))
-        if buffer != (cache.k.data_ptr(), cache.capacity):  # new, or grown since: old graphs read freed memory
-            buffer, pool, graphs = (cache.k.data_ptr(), cache.capacity), torch.cuda.graph_pool_handle(), {}
+        now = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))  # grown buffers change shape
+        if buffer != now:  # new, or grown since (slots or capacity): old graphs read freed memory
+            buffer, pool, graphs = now, torch.cuda.graph_pool_handle(), {}
             self.by_cache[cache] = (buffer, pool, graphs)
         key = tuple(x.ids.shape)
         g = graphs.get(key)
