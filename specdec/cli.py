@@ -341,16 +341,22 @@ def cmd_serve(a) -> int:
     elif template is not None and "{{" not in template and "{%" not in template:
         raise ValueError(f"--chat-template {a.chat_template!r} is neither a file nor a Jinja template")
     from .server import create_app, serve
+    from .server.runner import listen_socket
 
-    llm = make_llm(a)
-    app = create_app(llm, served_model_name=a.served_model_name, max_queue=a.max_queue,
-                     api_key=a.api_key, max_request_bytes=a.max_request_bytes,
-                     enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
-                     reasoning_parser=a.reasoning_parser, chat_template=template,
-                     trust_request_chat_template=a.trust_request_chat_template)
-    print(f"specdec: serving {app.state.served_model_name!r} (method {llm.spec.method}) on "
-          f"http://{a.host}:{a.port}/v1", file=sys.stderr)
-    serve(app, a.host, a.port, a.log_level)
+    sock = listen_socket(a.host, a.port)  # a port in use fails now, not after loading the models
+    try:
+        llm = make_llm(a)
+        app = create_app(llm, served_model_name=a.served_model_name, max_queue=a.max_queue,
+                         api_key=a.api_key, max_request_bytes=a.max_request_bytes,
+                         enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
+                         reasoning_parser=a.reasoning_parser, chat_template=template,
+                         trust_request_chat_template=a.trust_request_chat_template)
+        host, port = sock.getsockname()[:2]
+        print(f"specdec: serving {app.state.served_model_name!r} (method {llm.spec.method}) on "
+              f"http://{f'[{host}]' if ':' in host else host}:{port}/v1", file=sys.stderr)
+        serve(app, log_level=a.log_level, sock=sock)
+    finally:
+        sock.close()
     return 0
 
 
@@ -407,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(s)
     h = s.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1")
-    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--port", type=int, default=8000,
+                   help="(default %(default)s; 0: a free port, printed) taken before the models load")
     h.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a batch slot; beyond that 429 (default %(default)s)")
     h.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),

@@ -1,6 +1,7 @@
 """Bad input: one-line ValueError from the API, exit code 2 and no traceback from the CLI."""
 import json
 import re
+import socket
 import subprocess
 import sys
 
@@ -166,6 +167,12 @@ def test_vllm_speculative_config(loaded, tiny_dirs):
     assert r.returncode == 2 and "neither a file nor a Jinja template" in r.stderr
     r = run_cli("serve", str(tiny_dirs["llama"]), "--model", str(tiny_dirs["draft"]))
     assert r.returncode == 2 and "two targets" in r.stderr
+    with socket.socket() as busy:  # a port in use: refused before the model loads (here: could not)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = run_cli("serve", "/no/such/model", "--port", str(port))
+    assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
 
 
 def test_vllm_prompt_dtype_and_tokenizer(loaded, tiny_dirs):

@@ -118,6 +118,26 @@ def test_several_served_names(loaded):
         assert "'first', 'second'" in e.value.body["message"]
 
 
+def test_the_startup_thread_is_joined_at_shutdown(loaded, monkeypatch):
+    """The grammars' warm-up thread runs llguidance's native code: a process that exits
+    under it (``specdec serve`` on a port in use) died with a segfault. The server's shutdown
+    waits for it, and it is no daemon."""
+    import threading
+    import time
+
+    llm = LLM(loaded("llama"))
+    started = threading.Event()
+
+    def slow_warm():
+        started.set()
+        time.sleep(1.0)
+
+    monkeypatch.setattr(llm.grammars, "warm", slow_warm)
+    with BackgroundServer(create_app(llm, served_model_name=MODEL)):
+        assert started.wait(10)
+    assert not [t for t in threading.enumerate() if t.name == "specdec-grammars"]
+
+
 def test_a_served_llm_refuses_generate(loaded):
     """While a server steps an LLM's engine, that LLM's generate would step it too (the two
     sides retired each other's requests: wrong tokens, AssertionErrors): it is refused, and
@@ -741,7 +761,13 @@ def test_oversized_chunked_body_and_other_routes(strict_server):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert httpx.get(strict_server.url + "/v1/models").status_code == 401
     assert httpx.get(strict_server.url + "/v1/models", headers=AUTH).json()["data"][0]["id"] == MODEL
-    assert httpx.get(strict_server.url + "/nope").status_code == 404
+    r = httpx.get(strict_server.url + "/nope")
+    assert r.status_code == 404 and r.json()["error"] == {"message": "Invalid URL (GET /nope)",  # OpenAI's
+                                                          "type": "invalid_request_error", "param": None, "code": None}
+    r = httpx.post(strict_server.url + CHAT, headers=AUTH, json={**OK_CHAT, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == \
+        "messages.0.content: only text content parts are served (this is a text model), not 'image_url'", r.text
     assert httpx.get(strict_server.url + "/health").status_code == 200  # open, like /metrics
 
 

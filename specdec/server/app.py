@@ -87,11 +87,15 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
         await asyncio.to_thread(llm.serve, True)  # after a generate call running now
         scheduler.start()
         # structured outputs' tokenizer (about 1 s for a 150k vocabulary), off the event loop
-        threading.Thread(target=llm.grammars.warm, name="specdec-grammars", daemon=True).start()
+        # not a daemon: exiting while it runs inside llguidance's native code (a port in use,
+        # say) would end the process with a segfault; it is joined instead (about 1 s at most)
+        warm = threading.Thread(target=llm.grammars.warm, name="specdec-grammars")
+        warm.start()
         try:
             yield
         finally:
             await asyncio.to_thread(scheduler.stop)
+            await asyncio.to_thread(warm.join)
             api._preparing.shutdown(wait=False)
             llm.serve(False)
 
@@ -108,8 +112,10 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "invalid_request_error")
-        return JSONResponse(APIError(e.status_code, str(e.detail), kind).body(), status_code=e.status_code)
+        # an unknown route: OpenAI's words and type (a model's 404 is ``model_not_found``)
+        message = f"Invalid URL ({request.method} {request.url.path})" if e.status_code == 404 else str(e.detail)
+        return JSONResponse(APIError(e.status_code, message, "invalid_request_error").body(),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):

@@ -333,6 +333,15 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # a tool message: the call it answers
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in (None, "text"):  # one error, not one per branch of the union
+                raise ValueError(f"only text content parts are served (this is a text model), not {kind!r}")
+        return content
+
     def for_template(self) -> dict:
         """The message as ``api.render_prompt`` takes it (which joins text parts and reads
         tool calls' arguments as objects, ``api.text_messages``), optional fields only when
@@ -520,7 +529,7 @@ def parse(model: type[_Strict], body: object) -> _Strict:
             msg = f"{field_name}: wrong type or value ({errors[0]['msg'].lower()}, ...)"
         else:
             path = ".".join(str(x) for x in err["loc"])
-            msg = f"{path or 'body'}: {err['msg']}"
+            msg = f"{path or 'body'}: {err['msg'].removeprefix('Value error, ')}"  # our validators' words
         raise bad_request(msg, field_name) from None
     req.refuse_unsupported()
     return req

@@ -28,17 +28,33 @@ def close(app) -> None:
         scheduler.close()
 
 
-def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    _server(app, host=host, port=port, log_level=log_level).run()
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one), as uvicorn binds it;
+    ``ValueError`` when it cannot be (a port in use, an unknown host). ``specdec serve`` binds
+    before loading its models, as vLLM does, so that such a mistake shows at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          sock: socket.socket | None = None) -> None:
+    """Serve ``app`` on ``sock`` (bound by ``listen_socket``) or else on ``host:port``."""
+    if sock is None:
+        sock = listen_socket(host, port)
+    _server(app, log_level=log_level).run(sockets=[sock])
 
 
 class BackgroundServer:
     """``with BackgroundServer(app) as srv: ... srv.url ...`` serves ``app`` until the block ends."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock = listen_socket(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
         self.app = app
         self.server = _server(app, log_level=log_level, lifespan="on")
