@@ -1,13 +1,14 @@
 """The Python API: ``LLM(...).generate(prompts, SamplingParams(...))``, in the spirit of vLLM."""
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import threading
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Union
+from typing import TypedDict, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -33,6 +34,18 @@ Prompt = Union[str, list[dict], dict]  # text | chat messages | {"prompt_token_i
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})  # vLLM's TextPrompt / TokensPrompt (text only)
 
 
+class TextPrompt(TypedDict):
+    """vLLM's name for the ``{"prompt": text}`` form."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's name for the ``{"prompt_token_ids": [...]}`` form."""
+
+    prompt_token_ids: list[int]
+
+
 @dataclass(frozen=True)
 class Logprob:
     """A token's log-probability under the target (raw logits), as vLLM reports it."""
@@ -55,6 +68,9 @@ class CompletionOutput:
     # what stopped it (as vLLM's): the stop string, or the token of stop_token_ids; None for
     # an EOS of the model's or the length
     stop_reason: int | str | None = None
+
+    def finished(self) -> bool:  # vLLM's
+        return self.finish_reason is not None
 
 
 @dataclass
@@ -218,6 +234,8 @@ class LLM:
     many); None: torch's default. ``max_num_seqs``: vLLM's name for ``max_batch_size``.
     ``max_logprobs``: the most alternatives a request's ``logprobs`` or ``prompt_logprobs`` may
     ask for (vLLM's, 20; -1 = the vocabulary; more is a ``ValueError``).
+    ``tensor_parallel_size`` (1 only) and ``gpu_memory_utilization`` (checked, nothing is
+    reserved: the KV cache grows on demand) are vLLM's, taken so that its scripts run.
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
@@ -227,7 +245,8 @@ class LLM:
                  chunked_prefill_size: int | None = None, max_model_len: int | None = None,
                  enforce_eager: bool = False, speculative_config: dict | None = None,
                  generation_config: str = "auto", seed: int | None = None, threads: int | None = None,
-                 max_num_seqs: int | None = None, max_logprobs: int = EngineConfig.max_logprobs):
+                 max_num_seqs: int | None = None, max_logprobs: int = EngineConfig.max_logprobs,
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization):
         if max_num_seqs is not None:  # vLLM's name
             if max_batch_size not in (EngineConfig.max_batch_size, max_num_seqs):
                 raise ValueError("give max_batch_size or max_num_seqs (vLLM's name), not both")
@@ -243,7 +262,8 @@ class LLM:
                          draft_backend=draft_backend, repack=repack, load_format=load_format,
                          chunked_prefill_size=chunked_prefill_size, max_model_len=max_model_len,
                          enforce_eager=enforce_eager, generation_config=generation_config, seed=seed, threads=threads,
-                         max_logprobs=max_logprobs)
+                         max_logprobs=max_logprobs, tensor_parallel_size=tensor_parallel_size,
+                         gpu_memory_utilization=gpu_memory_utilization)
         if c.threads is not None:  # process-wide, before loading: llama.cpp takes torch's count too
             torch.set_num_threads(c.threads)
         if c.generation_config not in ("auto", "vllm") and \
@@ -301,7 +321,8 @@ class LLM:
         self.sampling_defaults = self._generation_defaults(c.generation_config)
         self.grammars = Grammars(self.tokenizer, self.target.runtime.vocab_size, self.target.eos_ids)
         self.last_run_metrics: Metrics | None = None
-        self._next_id = 0
+        self._next_id = 0  # sequences' ids (each of a request's n completions has one)
+        self._next_request = itertools.count()  # RequestOutput.request_id: "0", "1", ... per prompt (vLLM's)
         self._seeds = None if c.seed is None else random.Random(c.seed)  # unseeded requests' seeds
         self._lock = threading.Lock()  # generate: one call at a time
         self.served = False  # a running server (create_app) steps the engine: generate refuses
@@ -369,7 +390,7 @@ class LLM:
     def encode(self, prompt: Prompt, chat: dict | None = None) -> list[int]:
         """Token ids for a text prompt, a chat (list of messages), ``{"prompt": text}`` or
         ``{"prompt_token_ids": ...}`` (``chat``: ``apply_chat_template`` options, see
-        ``encode_prompt``)."""
+        ``encode_prompt``). Not vLLM's ``LLM.encode``, which pools (embeddings)."""
         return encode_prompt(self.tokenizer, prompt, chat)
 
     def get_tokenizer(self):
@@ -524,7 +545,7 @@ class LLM:
         if first.sampling.prompt_logprobs is not None:
             prompt_logprobs = [None] + self._logprobs(prompt_ids[1:], first.prompt_token_logprobs)
         outputs = [self._completion(i, s) for i, s in enumerate(seqs)]
-        return RequestOutput(str(first.request_id), prompt, prompt_ids, outputs, metrics.to_dict(),
+        return RequestOutput(str(next(self._next_request)), prompt, prompt_ids, outputs, metrics.to_dict(),
                              prompt_logprobs=prompt_logprobs)
 
     def _completion(self, index: int, s: Sequence) -> CompletionOutput:

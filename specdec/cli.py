@@ -76,6 +76,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
                    help="the most alternatives a request's logprobs / prompt_logprobs may ask for "
                         "(-1 = the vocabulary; default %(default)s, vLLM's)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=EngineConfig.tensor_parallel_size,
+                   help="vLLM's; specdec runs each model on one device: 1 only")
+    g.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization,
+                   help="vLLM's; checked (0 < x <= 1), nothing is reserved: the KV cache grows on demand")
     g.add_argument("--enforce-eager", action="store_true",
                    help="torch runtime on cuda: no CUDA graphs (by default decoding, verification and "
                         "drafting forwards of up to 32 tokens per row replay captured graphs)")
@@ -212,7 +216,9 @@ def make_llm(a):
                draft_backend=a.draft_backend, repack=a.repack, load_format=a.load_format,
                chunked_prefill_size=a.chunked_prefill_size, max_model_len=a.max_model_len,
                enforce_eager=a.enforce_eager, generation_config=a.generation_config,
-               seed=getattr(a, "llm_seed", None), threads=a.threads, max_logprobs=a.max_logprobs)  # serve's --seed (generate's seeds its SamplingParams)
+               seed=getattr(a, "llm_seed", None),  # serve's --seed (generate's seeds its SamplingParams)
+               threads=a.threads, max_logprobs=a.max_logprobs,
+               tensor_parallel_size=a.tensor_parallel_size, gpu_memory_utilization=a.gpu_memory_utilization)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 METHODS = ("none", "draft", "ngram", "self", "hybrid")
 # vLLM's speculative_config, as SpecConfig.from_vllm reads it: its method names and keys
@@ -193,6 +193,11 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     # vLLM's: keep only the prompt's last this many tokens (-1: the context window's worth)
     truncate_prompt_tokens: int | None = None
+
+    def clone(self) -> "SamplingParams":
+        """A copy (vLLM's). The fields are frozen: change one with ``dataclasses.replace(sp,
+        max_tokens=8)``."""
+        return replace(self)
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -386,6 +391,11 @@ class EngineConfig:
     seed: int | None = None
     # alternatives a request's logprobs / prompt_logprobs may ask for (vLLM's; -1 = the vocabulary)
     max_logprobs: int = 20
+    # vLLM's: the GPUs a model is split over; specdec runs each model on one device (1 only)
+    tensor_parallel_size: int = 1
+    # vLLM's share of GPU memory reserved up front for weights and KV cache; specdec reserves
+    # nothing (its KV cache grows with the requests), so the value is only checked: 0 < x <= 1
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -409,6 +419,10 @@ class EngineConfig:
         _check(self.threads is None or self.threads >= 1, f"threads must be >= 1, got {self.threads}")
         _check(self.max_logprobs >= -1, f"max_logprobs must be an integer >= -1 (-1 = the vocabulary), "
                                         f"got {self.max_logprobs}")
+        _check(self.tensor_parallel_size == 1, f"tensor_parallel_size {self.tensor_parallel_size}: specdec runs "
+                                               "each model on one device (no tensor parallelism); use 1")
+        _check(0 < self.gpu_memory_utilization <= 1,
+               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.load_format in LOAD_FORMATS,
                f"unknown load_format {self.load_format!r}; choose {', '.join(LOAD_FORMATS)}")
         _check(self.load_format == "auto" or "llamacpp" not in (self.backend, self.draft_backend),

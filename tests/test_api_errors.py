@@ -188,6 +188,31 @@ def test_vllm_prompt_dtype_and_tokenizer(loaded, tiny_dirs):
     assert LLM(str(tiny_dirs["llama"]), device="cpu", dtype="float").target.runtime.dtype == torch.float32
 
 
+def test_vllm_porting_names(loaded):
+    """What vLLM's offline scripts use: ``sp.clone()``, ``StructuredOutputsParams`` /
+    ``GuidedDecodingParams``, ``TextPrompt`` / ``TokensPrompt``, ``CompletionOutput.finished()``,
+    request ids "0", "1", ... per prompt, and ``tensor_parallel_size=1`` /
+    ``gpu_memory_utilization`` (checked; a size other than 1 is refused)."""
+    import dataclasses
+
+    import specdec
+
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, n=2)
+    assert sp.clone() == sp and sp.clone() is not sp
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sp.max_tokens = 8
+    assert specdec.StructuredOutputsParams is specdec.GuidedDecodingParams is specdec.StructuredOutputs
+    llm = LLM(loaded("llama"), tensor_parallel_size=1, gpu_memory_utilization=0.5)
+    outs = llm.generate([specdec.TextPrompt(prompt="abc"), specdec.TokensPrompt(prompt_token_ids=[5, 6, 7])], sp)
+    outs += llm.generate("abc", sp)
+    assert [o.request_id for o in outs] == ["0", "1", "2"] and outs[2].token_ids == outs[0].token_ids
+    assert all(c.finished() for o in outs for c in o.outputs)
+    with pytest.raises(ValueError, match="no tensor parallelism"):
+        LLM(loaded("llama"), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        EngineConfig(gpu_memory_utilization=1.5)
+
+
 def test_cli_top_k_minus_one_is_off(tiny_dirs):
     """vLLM's --top-k -1 (all tokens) samples as 0 (off)."""
     common = ("generate", "--model", str(tiny_dirs["llama"]), "--prompt", "The quick brown fox", "--json",
