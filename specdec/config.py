@@ -332,6 +332,9 @@ class SpecConfig:
                        f"{', '.join(VLLM_SPEC_METHODS)} (vLLM's names) or {', '.join(METHODS)}")
             elif key in VLLM_SPEC_KEYS or key in own:
                 out[VLLM_SPEC_KEYS.get(key, key)] = value
+            elif key == "draft_tensor_parallel_size":  # vLLM's examples give 1: the draft on one device
+                _check(value == 1, f"speculative_config: draft_tensor_parallel_size {value!r}: specdec runs the "
+                                   "draft on one device; use 1")
             elif key != "model":
                 raise ValueError(f"speculative_config: unknown key {key!r}; specdec reads method, model, "
                                  f"{', '.join(VLLM_SPEC_KEYS)} and SpecConfig's fields")

@@ -48,6 +48,7 @@ from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
     (lambda: SpecConfig.from_vllm({"method": "eagle3", "model": "x"}), "method 'eagle3' is not supported"),
     (lambda: SpecConfig.from_vllm({"num_speculative_tokens": 3}), "needs a method"),
     (lambda: SpecConfig.from_vllm({"method": "ngram", "lookahead": 2}), "unknown key 'lookahead'"),
+    (lambda: SpecConfig.from_vllm({"model": "x", "draft_tensor_parallel_size": 2}), "draft on one device"),
     (lambda: SpecConfig.from_vllm([1]), "JSON object"),
 ])
 def test_config_errors(make, match):
@@ -202,6 +203,8 @@ def test_vllm_porting_names(loaded):
     with pytest.raises(dataclasses.FrozenInstanceError):
         sp.max_tokens = 8
     assert specdec.StructuredOutputsParams is specdec.GuidedDecodingParams is specdec.StructuredOutputs
+    assert SpecConfig.from_vllm({"model": "d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}) == \
+        (SpecConfig(method="draft", num_draft_tokens=3), "d")
     llm = LLM(loaded("llama"), tensor_parallel_size=1, gpu_memory_utilization=0.5)
     outs = llm.generate([specdec.TextPrompt(prompt="abc"), specdec.TokensPrompt(prompt_token_ids=[5, 6, 7])], sp)
     outs += llm.generate("abc", sp)
