@@ -320,7 +320,7 @@ class SpecConfig:
         ``model`` is given, as vLLM infers), ``model`` (the draft), ``num_speculative_tokens``
         (k), ``prompt_lookup_max`` / ``prompt_lookup_min`` (the n-gram sizes; one alone sets
         both, as vLLM's; neither keeps specdec's, 1 to 3, where vLLM's are 5 and 5), and any
-        other ``SpecConfig`` field by name."""
+        other ``SpecConfig`` field by name (and ``draft_tensor_parallel_size`` 1)."""
         _check(isinstance(config, dict), f"speculative_config must be a JSON object, got {type(config).__name__}")
         own = {f.name for f in fields(SpecConfig)}
         out, draft = {}, config.get("model")
