@@ -31,7 +31,6 @@ from .structured import Grammars
 CHUNKED_PREFILL_SIZE = {"cpu": 256, "cuda": 2048}
 CATCH_UP_TOKENS = 16  # draft forward costs measured up to this many tokens (then extrapolated)
 Prompt = Union[str, list[dict], dict]  # text | chat messages | {"prompt_token_ids": [...]} | {"prompt": text}
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})  # vLLM's TextPrompt / TokensPrompt (text only)
 
 
 class TextPrompt(TypedDict):
@@ -44,6 +43,9 @@ class TokensPrompt(TypedDict):
     """vLLM's name for the ``{"prompt_token_ids": [...]}`` form."""
 
     prompt_token_ids: list[int]
+
+
+PROMPT_KEYS = TextPrompt.__required_keys__ | TokensPrompt.__required_keys__  # a prompt dict's keys (text only)
 
 
 @dataclass(frozen=True)
