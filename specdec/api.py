@@ -54,7 +54,7 @@ class Logprob:
 
     logprob: float
     rank: int  # 1 = the most likely token
-    decoded_token: str
+    decoded_token: str | None  # None with detokenize=False
 
 
 @dataclass
@@ -248,7 +248,9 @@ class LLM:
                  enforce_eager: bool = False, speculative_config: dict | None = None,
                  generation_config: str = "auto", seed: int | None = None, threads: int | None = None,
                  max_num_seqs: int | None = None, max_logprobs: int = EngineConfig.max_logprobs,
-                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization):
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization,
+                 enable_prefix_caching: bool = True, tokenizer: str | None = None, revision: str | None = None,
+                 trust_remote_code: bool = False):
         if max_num_seqs is not None:  # vLLM's name
             if max_batch_size not in (EngineConfig.max_batch_size, max_num_seqs):
                 raise ValueError("give max_batch_size or max_num_seqs (vLLM's name), not both")
@@ -265,7 +267,8 @@ class LLM:
                          chunked_prefill_size=chunked_prefill_size, max_model_len=max_model_len,
                          enforce_eager=enforce_eager, generation_config=generation_config, seed=seed, threads=threads,
                          max_logprobs=max_logprobs, tensor_parallel_size=tensor_parallel_size,
-                         gpu_memory_utilization=gpu_memory_utilization)
+                         gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
+                         tokenizer=tokenizer, revision=revision, trust_remote_code=trust_remote_code)
         if c.threads is not None:  # process-wide, before loading: llama.cpp takes torch's count too
             torch.set_num_threads(c.threads)
         if c.generation_config not in ("auto", "vllm") and \
@@ -279,9 +282,11 @@ class LLM:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
                              "use method 'draft' or 'hybrid'")
         loading = dict(repack=c.repack, load_format=c.load_format, max_model_len=c.max_model_len,
-                       enforce_eager=c.enforce_eager)
+                       enforce_eager=c.enforce_eager, trust_remote_code=c.trust_remote_code)
+        if isinstance(model, LoadedModel) and (c.tokenizer or c.revision):
+            raise ValueError("tokenizer and revision are for loading the model; this one is loaded already")
         self.target: LoadedModel = model if isinstance(model, LoadedModel) \
-            else load_model(model, c.device, c.dtype, c.backend, **loading)
+            else load_model(model, c.device, c.dtype, c.backend, revision=c.revision, tokenizer=c.tokenizer, **loading)
         self.draft: LoadedModel | None = None
         if uses_draft:
             from .vocab import require_compatible
@@ -318,7 +323,8 @@ class LLM:
         drafters = self._drafters(c.max_batch_size, c.chunked_prefill_size)
         planner = self._planner(drafters) if speculative.cost_model else None
         self.engine = Engine(self.target, drafters, speculative, c.max_batch_size, planner,
-                             chunked_prefill_size=c.chunked_prefill_size, max_rows=self.context_window)
+                             chunked_prefill_size=c.chunked_prefill_size, max_rows=self.context_window,
+                             prefix_caching=c.enable_prefix_caching)
         self.tokenizer = self.target.tokenizer
         self.sampling_defaults = self._generation_defaults(c.generation_config)
         self.grammars = Grammars(self.tokenizer, self.target.runtime.vocab_size, self.target.eos_ids)
@@ -369,7 +375,8 @@ class LLM:
             out["self" if spec.method == "self" else "draft"] = ModelDrafter(
                 (self.draft or self.target).runtime, num_slots=max_batch_size,
                 target_vocab=self.target.runtime.vocab_size, topk=spec.tree_topk, max_nodes=spec.node_budget,
-                max_catch_up=max_catch_up, max_rows=self.context_window)
+                max_catch_up=max_catch_up, max_rows=self.context_window,
+                prefix_caching=self.engine_config.enable_prefix_caching)
         return out
 
     def _planner(self, drafters: dict) -> Planner:
@@ -545,17 +552,21 @@ class LLM:
         metrics = run_metrics([s.metrics for s in seqs], [(s.admitted, s.retired) for s in seqs if s.retired])
         prompt_logprobs = None
         if first.sampling.prompt_logprobs is not None:
-            prompt_logprobs = [None] + self._logprobs(prompt_ids[1:], first.prompt_token_logprobs)
+            prompt_logprobs = [None] + self._logprobs(prompt_ids[1:], first.prompt_token_logprobs,
+                                                      first.sampling.detokenize)
         outputs = [self._completion(i, s) for i, s in enumerate(seqs)]
         return RequestOutput(str(next(self._next_request)), prompt, prompt_ids, outputs, metrics.to_dict(),
                              prompt_logprobs=prompt_logprobs)
 
     def _completion(self, index: int, s: Sequence) -> CompletionOutput:
-        text = s.text if s.text is not None else settled_text(self.tokenizer, s.output_ids, s.sampling)
+        sp = s.sampling
+        text = "" if not sp.detokenize else s.text if s.text is not None else \
+            settled_text(self.tokenizer, s.output_ids, sp)
         if s.logprobs is None:
             return CompletionOutput(index, text, s.output_ids, s.finish_reason, stop_reason=s.stop_reason)
-        return CompletionOutput(index, text, s.output_ids, s.finish_reason, self._logprobs(s.output_ids, s.token_logprobs),
+        return CompletionOutput(index, text, s.output_ids, s.finish_reason,
+                                self._logprobs(s.output_ids, s.token_logprobs, sp.detokenize),
                                 sum(e.logprob for e in s.token_logprobs), s.stop_reason)
 
-    def _logprobs(self, tokens: list[int], entries: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
-        return vllm_logprobs(tokens, entries, lambda t: self.tokenizer.decode([t]))
+    def _logprobs(self, tokens: list[int], entries: list[TokenLogprobs], detokenize: bool) -> list[dict[int, Logprob]]:
+        return vllm_logprobs(tokens, entries, (lambda t: self.tokenizer.decode([t])) if detokenize else lambda t: None)

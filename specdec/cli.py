@@ -22,6 +22,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models and speculation")
     g.add_argument("--model", help="target: HF model dir, .gguf file or hub id "
                                    "(default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", help="the target's tokenizer from another directory, .gguf or hub id "
+                                       "(default: the model's own; e.g. the original model's beside a GGUF)")
+    g.add_argument("--revision", help="the hub model's branch, tag or commit (default: main)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="run the checkpoint's own Python code (config, tokenizer, model on transformers' "
+                        "runtime) where its config.json names it in auto_map")
     g.add_argument("--draft", help="draft model for --method draft or hybrid (same forms as --model)")
     g.add_argument("--speculative-config", metavar="JSON",
                    help="vLLM's form, instead of --method and --draft: e.g. '{\"method\": \"draft_model\", "
@@ -80,6 +86,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="vLLM's; specdec runs each model on one device: 1 only")
     g.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization,
                    help="vLLM's; checked (0 < x <= 1), nothing is reserved: the KV cache grows on demand")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.enable_prefix_caching,
+                   help="keep a finished prompt's KV in its slot for a later prompt that starts the same, and "
+                        "share a prompt's chunks among its running completions (default on; off: every "
+                        "prompt computed from scratch)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="torch runtime on cuda: no CUDA graphs (by default decoding, verification and "
                         "drafting forwards of up to 32 tokens per row replay captured graphs)")
@@ -218,7 +229,9 @@ def make_llm(a):
                enforce_eager=a.enforce_eager, generation_config=a.generation_config,
                seed=getattr(a, "llm_seed", None),  # serve's --seed (generate's seeds its SamplingParams)
                threads=a.threads, max_logprobs=a.max_logprobs,
-               tensor_parallel_size=a.tensor_parallel_size, gpu_memory_utilization=a.gpu_memory_utilization)
+               tensor_parallel_size=a.tensor_parallel_size, gpu_memory_utilization=a.gpu_memory_utilization,
+               enable_prefix_caching=a.enable_prefix_caching, tokenizer=a.tokenizer, revision=a.revision,
+               trust_remote_code=a.trust_remote_code)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import re
-from dataclasses import dataclass, fields, replace
+from dataclasses import InitVar, dataclass, fields, replace
 
 METHODS = ("none", "draft", "ngram", "self", "hybrid")
 # vLLM's speculative_config, as SpecConfig.from_vllm reads it: its method names and keys
@@ -193,14 +193,22 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     # vLLM's: keep only the prompt's last this many tokens (-1: the context window's worth)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: False = token ids only (text "", logprobs without decoded tokens, no stop strings)
+    detokenize: bool = True
+    # vLLM's older name of structured_outputs (not kept as a field of its own)
+    guided_decoding: InitVar[StructuredOutputs | dict | None] = None
 
     def clone(self) -> "SamplingParams":
         """A copy (vLLM's). The fields are frozen: change one with ``dataclasses.replace(sp,
         max_tokens=8)``."""
         return replace(self)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, guided_decoding: StructuredOutputs | dict | None = None) -> None:
         _check_types(self)
+        if guided_decoding is not None:
+            _check(self.structured_outputs is None, "give structured_outputs or guided_decoding (its older name), "
+                                                    "not both")
+            object.__setattr__(self, "structured_outputs", guided_decoding)
         stop = self.stop
         if isinstance(stop, str):
             stop = (stop,)
@@ -235,6 +243,7 @@ class SamplingParams:
                f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop strings must be non-empty strings")
+        _check(self.detokenize or not self.stop, "stop strings are sought in the text: they need detokenize=True")
         _check(self.allowed_token_ids is None or (len(self.allowed_token_ids) >= 1 and all(
             isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
                "allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
@@ -399,6 +408,16 @@ class EngineConfig:
     # vLLM's share of GPU memory reserved up front for weights and KV cache; specdec reserves
     # nothing (its KV cache grows with the requests), so the value is only checked: 0 < x <= 1
     gpu_memory_utilization: float = 0.9
+    # vLLM's: a finished prompt's KV stays in its slot for a later prompt that starts the same,
+    # and running requests (n completions) share their prompt's chunks; False = every prompt
+    # is computed from scratch (e.g. to time prefills)
+    enable_prefix_caching: bool = True
+    # vLLM's loading keywords: the target's tokenizer from another path, .gguf or hub id (None =
+    # the model's own); a hub id's revision (branch, tag or commit); and trust_remote_code:
+    # run a checkpoint's own Python code (config, tokenizer, model) where its config names it
+    tokenizer: str | None = None
+    revision: str | None = None
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -424,6 +443,8 @@ class EngineConfig:
                                         f"got {self.max_logprobs}")
         _check(self.tensor_parallel_size == 1, f"tensor_parallel_size {self.tensor_parallel_size}: specdec runs "
                                                "each model on one device (no tensor parallelism); use 1")
+        for name in ("tokenizer", "revision"):
+            _check(getattr(self, name) != "", f"{name} must be None or a non-empty string")
         _check(0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.load_format in LOAD_FORMATS,

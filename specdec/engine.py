@@ -81,7 +81,7 @@ class Engine:
 
     def __init__(self, target, drafters: Drafter | dict[str, Drafter] | None, spec: SpecConfig,
                  max_batch_size: int, planner: Planner | None = None, chunked_prefill_size: int = 0,
-                 max_rows: int | None = None):
+                 max_rows: int | None = None, prefix_caching: bool = True):
         self.target = target  # LoadedModel
         self.runtime = target.runtime
         if drafters is not None and not isinstance(drafters, dict):
@@ -95,7 +95,8 @@ class Engine:
         # prefix reuse: a free slot keeps the KV of its last request's prompt, in whole prefill
         # chunks (slot -> those tokens, oldest first), for a new prompt that starts the same
         self.retained: dict[int, list[int]] = {}
-        self.reuses_prefixes = chunked_prefill_size > 0 and getattr(self.runtime, "reuses_prefixes", False)
+        self.reuses_prefixes = prefix_caching and chunked_prefill_size > 0 and \
+            getattr(self.runtime, "reuses_prefixes", False)
         # running requests share whole chunks where the cache can copy rows between slots
         self.shares_chunks = self.reuses_prefixes and callable(getattr(self.cache, "copy", None))
         self._masking: ThreadPoolExecutor | None = None  # grammar masks beside the verify forward
@@ -374,7 +375,7 @@ class Engine:
             last, sp = kept[-1], s.sampling
             if last in sp.stop_token_ids and (sp.ignore_eos or last not in self.target.eos_ids):
                 s.stop_reason = last  # vLLM's: a stop token, not the model's EOS
-            if not sp.include_stop_str_in_output:  # the token is not in the text (vLLM's rule)
+            if not sp.include_stop_str_in_output and sp.detokenize:  # the token is not in the text (vLLM's rule)
                 s.text = settled_text(self.target.tokenizer, s.output_ids[:-1], sp)
         elif s.remaining == 0:
             s.finish_reason = "length"

@@ -192,8 +192,9 @@ def test_vllm_prompt_dtype_and_tokenizer(loaded, tiny_dirs):
 def test_vllm_porting_names(loaded):
     """What vLLM's offline scripts use: ``sp.clone()``, ``StructuredOutputsParams`` /
     ``GuidedDecodingParams``, ``TextPrompt`` / ``TokensPrompt``, ``CompletionOutput.finished()``,
-    request ids "0", "1", ... per prompt, and ``tensor_parallel_size=1`` /
-    ``gpu_memory_utilization`` (checked; a size other than 1 is refused)."""
+    request ids "0", "1", ... per prompt, ``tensor_parallel_size=1`` /
+    ``gpu_memory_utilization`` (checked; a size other than 1 is refused), ``detokenize=False``
+    (ids only) and ``guided_decoding`` (structured_outputs' older name)."""
     import dataclasses
 
     import specdec
@@ -214,6 +215,20 @@ def test_vllm_porting_names(loaded):
         LLM(loaded("llama"), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         EngineConfig(gpu_memory_utilization=1.5)
+    ids = dataclasses.replace(sp, n=1, detokenize=False, logprobs=1, prompt_logprobs=0)
+    bare, full = llm.generate("abc", ids)[0], llm.generate("abc", dataclasses.replace(ids, detokenize=True))[0]
+    assert bare.outputs[0].text == "" and bare.token_ids == full.token_ids and full.outputs[0].text
+    assert {lp.decoded_token for e in bare.outputs[0].logprobs + bare.prompt_logprobs[1:] for lp in e.values()} == {None}
+    assert [[lp.logprob for lp in e.values()] for e in bare.outputs[0].logprobs] == \
+        [[lp.logprob for lp in e.values()] for e in full.outputs[0].logprobs]
+    with pytest.raises(ValueError, match="need detokenize=True"):
+        SamplingParams(stop=["x"], detokenize=False)
+    guided = SamplingParams(guided_decoding=specdec.GuidedDecodingParams(choice=["yes", "no"]), max_tokens=8)
+    assert guided.structured_outputs == specdec.StructuredOutputs(choice=["yes", "no"])
+    assert llm.generate("abc", guided)[0].outputs[0].text in ("yes", "no")
+    assert dataclasses.replace(guided, max_tokens=9).structured_outputs == guided.structured_outputs
+    with pytest.raises(ValueError, match="not both"):
+        SamplingParams(guided_decoding={"choice": ["a"]}, structured_outputs={"choice": ["b"]})
 
 
 def test_cli_top_k_minus_one_is_off(tiny_dirs):

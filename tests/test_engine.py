@@ -988,8 +988,8 @@ def test_prefix_reuse(loaded):
     """A finished request's prompt KV stays in its slot, in whole prefill chunks; a new prompt
     that starts the same prefills only the rest (``cached_prompt_tokens``), with the same
     output as from scratch (plain and speculative, more prompts than slots); a draft model
-    keeps its prompt KV as well. Not with whole
-    prompts (size 0), nor when prompt logprobs need every prompt row, nor on a bare slot."""
+    keeps its prompt KV as well. Not with whole prompts (size 0), nor when prompt logprobs need
+    every prompt row, nor on a bare slot, nor with ``enable_prefix_caching=False`` (vLLM's)."""
     size, sp = 4, SamplingParams(max_tokens=10, ignore_eos=True)
     first = PROMPTS[2]
     longer = [first + " and then some more words", first + " xyz", "unrelated prompt here", first]
@@ -1036,6 +1036,17 @@ def test_prefix_reuse(loaded):
     llm.generate(first, sp)
     scored = llm.generate(first, SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
     assert scored.metrics["cached_prompt_tokens"] == 0 and len(scored.prompt_logprobs) == len(scored.prompt_token_ids)
+    off, on = (spec(loaded, "llama", "self", k=3, chunked_prefill_size=size, max_batch_size=2, enable_prefix_caching=c)
+               for c in (False, True))
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True, n=2)
+    for llm in (off, on):
+        llm.generate(first, greedy)
+    drafter = off.engine.drafters["self"]
+    assert not off.engine.retained and not off.engine.shares_chunks
+    assert drafter.cached_ids == [[], []] and not drafter.can_copy
+    a, b = (llm.generate(longer[0], greedy)[0] for llm in (off, on))
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert a.metrics["cached_prompt_tokens"] == 0 < b.metrics["cached_prompt_tokens"]
 
 
 def test_n_completions_share_the_draft_prefill(loaded, monkeypatch):

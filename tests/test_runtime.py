@@ -87,6 +87,7 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     assert "longrope" in unsupported(AutoConfig.from_pretrained(path))
     assert "gpt2" in unsupported(AutoConfig.for_model("gpt2"))
     assert "gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="gelu"))
+    assert "not 'awq' ones" in unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "awq"}))
     model = load_model(str(path), device="cpu")
     assert isinstance(model.runtime, HFRuntime)
     with pytest.raises(ValueError, match="rope types"):
@@ -379,7 +380,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
     from specdec.runtime import load_model
 
     path = weightless(tiny_dirs["qwen2"], tmp_path / "cfg", tie_word_embeddings=tied)
-    with pytest.raises(ValueError, match="no .safetensors"):
+    with pytest.raises(ValueError, match="no weights in .*: neither .safetensors nor pytorch_model"):
         load_model(str(path))
     ids = list(range(40, 57))
     logits = {}
@@ -447,3 +448,170 @@ def test_cuda_graphs_need_cuda(tiny_dirs):
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         TorchLlama(AutoConfig.from_pretrained(tiny_dirs["llama"]), Weights(tiny_dirs["llama"]),
                    torch.device("cpu"), torch.float32, cuda_graphs=True)
+
+
+def _copy_without_weights(src, dst):
+    import shutil
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def test_pytorch_bin_checkpoints(tiny_dirs, tmp_path):
+    """A checkpoint saved as PyTorch pickles (``pytorch_model.bin``, or shards with their
+    index, as older hub models and ``safe_serialization=False`` save) runs on the torch runtime
+    and gives what its safetensors give; a pickle holding code is refused."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from specdec import LLM, SamplingParams
+    from specdec.runtime.loading import Weights
+
+    src = tiny_dirs["llama"]
+    state = load_file(src / "model.safetensors")
+    whole = _copy_without_weights(src, tmp_path / "whole")
+    torch.save(state, whole / "pytorch_model.bin")
+    sharded, names, where = _copy_without_weights(src, tmp_path / "sharded"), sorted(state), {}
+    for i in range(3):
+        file = f"pytorch_model-{i + 1:05d}-of-00003.bin"
+        torch.save({n: state[n] for n in names[i::3]}, sharded / file)
+        where.update({n: file for n in names[i::3]})
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": where}))
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(str(src), device="cpu").generate(["hello world", "abc"], sp)]
+    for path in (whole, sharded):
+        llm = LLM(str(path), device="cpu")
+        assert isinstance(llm.target.runtime, TorchLlama)
+        assert [o.token_ids for o in llm.generate(["hello world", "abc"], sp)] == ref
+    evil = _copy_without_weights(src, tmp_path / "evil")
+    torch.save({"w": torch.zeros(1), "f": print}, evil / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="cannot read .* as PyTorch weights"):
+        Weights(evil)
+    with pytest.raises(ValueError, match="neither .safetensors nor pytorch_model"):
+        Weights(_copy_without_weights(src, tmp_path / "empty"))
+
+
+CUSTOM_CONFIG = '''
+from transformers import LlamaConfig
+
+
+class TinyCustomConfig(LlamaConfig):
+    model_type = "tinycustom"
+'''
+CUSTOM_MODEL = '''
+from transformers import LlamaForCausalLM
+
+from .configuration_tinycustom import TinyCustomConfig
+
+
+class TinyCustomForCausalLM(LlamaForCausalLM):
+    """Llama under a name of its own, taking its cache as older remote code does."""
+
+    config_class = TinyCustomConfig
+
+    def forward(self, input_ids=None, past_key_values=None, use_cache=None, logits_to_keep=0, **kwargs):
+        return super().forward(input_ids=input_ids, cache=past_key_values, use_cache=use_cache,
+                               logits_to_keep=logits_to_keep, **kwargs)
+'''
+
+
+def test_trust_remote_code(tiny_dirs, tmp_path):
+    """A checkpoint with its own code (``auto_map``; here Llama renamed, its forward taking
+    ``past_key_values``) is refused with the keyword to pass; with ``trust_remote_code`` it runs
+    that code on transformers' runtime, plain and drafting, from the library and the CLI."""
+    import json
+    import shutil
+
+    from specdec import LLM, SamplingParams
+    from specdec.runtime.hf import HFRuntime
+
+    from test_api_errors import run_cli
+
+    path = tmp_path / "custom"
+    shutil.copytree(tiny_dirs["llama"], path)
+    (path / "configuration_tinycustom.py").write_text(CUSTOM_CONFIG)
+    (path / "modeling_tinycustom.py").write_text(CUSTOM_MODEL)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="tinycustom", architectures=["TinyCustomForCausalLM"], auto_map={
+        "AutoConfig": "configuration_tinycustom.TinyCustomConfig",
+        "AutoModelForCausalLM": "modeling_tinycustom.TinyCustomForCausalLM"})
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="its own Python code .* trust_remote_code=True"):
+        LLM(str(path), device="cpu")
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(str(tiny_dirs["llama"]), device="cpu").generate(["hello world", "abc"], sp)]
+    llm = LLM(str(path), device="cpu", trust_remote_code=True)
+    assert isinstance(llm.target.runtime, HFRuntime) and llm.target.runtime.cache_name == "past_key_values"
+    assert [o.token_ids for o in llm.generate(["hello world", "abc"], sp)] == ref
+    drafted = LLM(str(path), draft=str(path), device="cpu", trust_remote_code=True).generate(["hello world", "abc"], sp)
+    assert [o.token_ids for o in drafted] == ref and drafted[0].metrics["acceptance_rate"] == 1
+    r = run_cli("generate", "--model", str(path), "--trust-remote-code", "--device", "cpu", "--prompt", "abc",
+                "--max-tokens", "12", "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == ref[1]
+
+
+def test_tokenizer_from_elsewhere(tiny_dirs, loaded, tmp_path):
+    """``tokenizer=`` (vLLM's): the target's tokenizer from another directory; the model is the
+    same (token ids in, the same ids out), its text is that tokenizer's. One with ids past the
+    model's vocabulary is refused, and so is the keyword beside a model loaded already."""
+    from specdec import LLM, SamplingParams
+
+    from tiny import byte_tokenizer
+
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    own = LLM(str(tiny_dirs["llama"]), device="cpu")
+    other = LLM(str(tiny_dirs["llama"]), device="cpu", tokenizer=str(tiny_dirs["alien"]))  # 'a' and 'b' swapped
+    assert own.encode("a") != other.encode("a") and other.encode("a") == own.encode("b")
+    ids = {"prompt_token_ids": own.encode("hello world")}
+    a, b = own.generate(ids, sp)[0].outputs[0], other.generate(ids, sp)[0].outputs[0]
+    assert a.token_ids == b.token_ids and b.text == other.get_tokenizer().decode(b.token_ids)
+    big = byte_tokenizer()
+    big.add_tokens([f"<extra{i}>" for i in range(10)])  # 268 tokens against 264 rows
+    big.save_pretrained(tmp_path / "big")
+    with pytest.raises(ValueError, match="268 tokens, more than the model's vocabulary of 264"):
+        LLM(str(tiny_dirs["llama"]), device="cpu", tokenizer=str(tmp_path / "big"))
+    with pytest.raises(ValueError, match="loaded already"):
+        LLM(loaded("llama"), tokenizer=str(tiny_dirs["alien"]))
+
+
+def test_hub_downloads(tiny_dirs, monkeypatch):
+    """What a hub id fetches (the hub itself is out of reach here, so its two calls are
+    replaced): config and tokenizer files, the safetensors where the repo has them, else its
+    ``pytorch_model*.bin`` (not both), its Python files with ``trust_remote_code``, all at
+    ``revision``; from the local snapshot when the listing fails (offline); no weights for a
+    tokenizer alone."""
+    import huggingface_hub
+
+    from specdec import LLM
+    from specdec.runtime.loading import load_tokenizer, resolve
+
+    calls, listing = [], []
+
+    def list_repo_files(repo_id, revision=None):
+        if listing is None:
+            raise OSError("offline")
+        return listing
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None):
+        calls.append((repo_id, revision, set(allow_patterns)))
+        return str(tiny_dirs["llama"])
+
+    monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    meta = {"*.json", "tokenizer*", "*.model", "*.txt"}
+    listing[:] = ["config.json", "model.safetensors", "pytorch_model.bin"]
+    llm = LLM("org/model", device="cpu", revision="v1.0")
+    assert calls[-1] == ("org/model", "v1.0", meta | {"*.safetensors"}) and llm.generate("abc")[0].token_ids
+    listing[:] = ["config.json", "pytorch_model.bin"]
+    resolve("org/old", code=True)
+    assert calls[-1] == ("org/old", None, meta | {"pytorch_model*.bin", "*.py"})
+    listing = None
+    resolve("org/cached")
+    assert calls[-1][2] == meta | {"*.safetensors", "pytorch_model*.bin"}
+    load_tokenizer("org/model")
+    assert calls[-1] == ("org/model", None, meta)

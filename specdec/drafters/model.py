@@ -75,7 +75,8 @@ class _Growth:
 
 class ModelDrafter:
     def __init__(self, runtime, num_slots: int, target_vocab: int, topk: int = 1,
-                 max_nodes: int | None = None, max_catch_up: int = 0, max_rows: int | None = None):
+                 max_nodes: int | None = None, max_catch_up: int = 0, max_rows: int | None = None,
+                 prefix_caching: bool = True):
         if topk > 1 and not runtime.supports_masks:
             raise ValueError("draft-model trees need the torch or llama.cpp runtime (tree attention masks); "
                              "the transformers fallback drafts chains only")
@@ -84,7 +85,9 @@ class ModelDrafter:
         # the target's; the engine drafts with it only while a round fits, ``room``)
         self.max_context = min(runtime.max_context, max_rows or runtime.max_context)
         self.cache = runtime.new_cache(num_slots, self.max_context)
-        self.can_copy = callable(getattr(self.cache, "copy", None))  # rows between slots (not llama.cpp)
+        # rows kept for the slot's next request, and copied between slots (not on llama.cpp)
+        self.reuses_prefixes = prefix_caching and getattr(runtime, "reuses_prefixes", False)
+        self.can_copy = prefix_caching and callable(getattr(self.cache, "copy", None))
         self.cached_ids: list[list[int]] = [[] for _ in range(num_slots)]  # ids behind each slot's KV
         self.target_vocab = target_vocab
         self.draft_vocab = runtime.vocab_size  # a narrower draft may lack the target's last ids
@@ -346,10 +349,10 @@ class ModelDrafter:
 
     def release(self, seq: Sequence) -> None:
         """Forget ``seq``'s drafts and output; its prompt's KV stays for the slot's next
-        request where the runtime keeps rows over a rewind (``Runtime.reuses_prefixes``)."""
+        request where the runtime keeps rows over a rewind (``Runtime.reuses_prefixes``) and
+        prefix caching is on."""
         cached = self.cached_ids[seq.slot]
-        keep = min(len(cached), seq.prompt_len) if getattr(self.runtime, "reuses_prefixes", False) \
-            and seq.finish_reason != "error" else 0
+        keep = min(len(cached), seq.prompt_len) if self.reuses_prefixes and seq.finish_reason != "error" else 0
         del cached[keep:]
         self.tail.pop(seq.slot, None)
         self.drafted.discard(seq.slot)  # a request that failed between propose and observe

@@ -78,13 +78,17 @@ class HFRuntime:
     supports_masks = False
     batch_layout = "serial"
 
-    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, load_format: str = "auto"):
+    def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, load_format: str = "auto",
+                 trust_remote_code: bool = False):
         from .loading import load_hf_model
 
-        self.model = load_hf_model(path, device, dtype, load_format)
+        self.model = load_hf_model(path, device, dtype, load_format, trust_remote_code)
         self.device, self.dtype = device, dtype
         cfg = self.model.config
-        if "cache" not in inspect.signature(self.model.forward).parameters or cfg.model_type in OWN_STATE:
+        takes = inspect.signature(self.model.forward).parameters
+        # transformers 5 names the cache ``cache``; a model's own code may use the older name
+        self.cache_name = next((n for n in ("cache", "past_key_values") if n in takes), None)
+        if self.cache_name is None or cfg.model_type in OWN_STATE:
             raise ValueError(f"{cfg.model_type!r} keeps its state outside transformers' cache, where specdec "
                              "holds each sequence's; it cannot run here")
         # a recurrent state (Mamba, Qwen3-Next...) cannot go back to an earlier length:
@@ -129,7 +133,8 @@ class HFRuntime:
             rows = []
             for piece in pieces:
                 ids = torch.tensor([piece], device=self.device)  # [1, n]
-                rows.append(self.model(input_ids=ids, cache=cache.caches[slot], use_cache=True, **keep).logits[0])
+                given = {self.cache_name: cache.caches[slot]}
+                rows.append(self.model(input_ids=ids, use_cache=True, **given, **keep).logits[0])
                 cache.lengths[slot] += len(piece)
             logits = torch.cat(rows)  # [n, vocab], or the last pieces' last rows
             if last_only:

@@ -43,10 +43,11 @@ def default_model_path() -> str:
     return str(path)
 
 
-def resolve(model: str | None, weights: bool = True) -> Path:
-    """A local HF directory for ``model``: a directory, a ``.gguf`` file, or a hub id.
-    ``weights=False``: config and tokenizer are enough (a GGUF is not dequantized, a hub id
-    fetches no weights)."""
+def resolve(model: str | None, weights: bool = True, revision: str | None = None, code: bool = False) -> Path:
+    """A local HF directory for ``model``: a directory, a ``.gguf`` file, or a hub id (at
+    ``revision``: a branch, tag or commit; with ``code``, the repo's Python files too, for
+    ``trust_remote_code``). ``weights=False``: config and tokenizer are enough (a GGUF is not
+    dequantized, a hub id fetches no weights)."""
     if model is None:
         model = default_model_path()
     path = Path(model).expanduser()
@@ -64,18 +65,27 @@ def resolve(model: str | None, weights: bool = True) -> Path:
         raise ValueError(f"model path {model!r} is neither an HF model directory nor a .gguf file")
     if model.count("/") != 1 or model.startswith((".", "/", "~")):
         raise ValueError(f"model path {model!r} does not exist")
-    return _from_hub(model, weights)
+    return _from_hub(model, weights, revision, code)
 
 
-def _from_hub(repo_id: str, weights: bool = True) -> Path:
-    from huggingface_hub import snapshot_download
+def _from_hub(repo_id: str, weights: bool = True, revision: str | None = None, code: bool = False) -> Path:
+    """The hub repo's snapshot: config, tokenizer, generation config, and its safetensors
+    (else its ``pytorch_model*.bin``, as transformers prefers them), not both."""
+    from huggingface_hub import list_repo_files, snapshot_download
 
+    patterns = ["*.json", "tokenizer*", "*.model", "*.txt"] + ["*.py"] * code
+    if weights:
+        try:
+            files = list_repo_files(repo_id, revision=revision)
+            patterns.append("*.safetensors" if any(f.endswith(".safetensors") for f in files) else "pytorch_model*.bin")
+        except Exception:  # offline: what the local snapshot holds
+            patterns += ["*.safetensors", "pytorch_model*.bin"]
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=[
-            "*.json", "tokenizer*", "*.model", "*.txt"] + ["*.safetensors"] * weights))
-    except Exception as e:  # offline, unknown repo, gated...
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo or revision, gated...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"model {repo_id!r} is not a local path and could not be fetched "
+        at = f" at revision {revision!r}" if revision else ""
+        raise ValueError(f"model {repo_id!r}{at} is not a local path and could not be fetched "
                          f"from the Hugging Face hub ({first})") from None
 
 
@@ -249,22 +259,24 @@ def gguf_file(model: str | None) -> Path:
 
 
 class Weights(Mapping):
-    """The tensors of an HF directory's safetensors, read one at a time on access (so a
-    runtime converting them keeps at most one extra layer in memory)."""
+    """The tensors of an HF directory's checkpoint, read one at a time on access (so a
+    runtime converting them keeps at most one extra layer in memory): its safetensors, else
+    its ``pytorch_model*.bin`` files (PyTorch's pickles, memory-mapped, tensors only)."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
-        index = path / "model.safetensors.index.json"
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-            else [p.name for p in path.glob("*.safetensors")]
-        if not files:
-            raise ValueError(f"no .safetensors weights in {path}")
         self._where = {}
-        for f in files:
-            handle = safe_open(str(path / f), framework="pt")
-            for name in handle.keys():
-                self._where[name] = handle
+        for kind, pattern, open_file in (("model.safetensors", "*.safetensors", _open_safetensors),
+                                         ("pytorch_model.bin", "pytorch_model*.bin", _PickleFile)):
+            index = path / f"{kind}.index.json"
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+                else sorted(p.name for p in path.glob(pattern))
+            for f in files:
+                handle = open_file(path / f)
+                for name in handle.keys():
+                    self._where[name] = handle
+            if files:
+                return
+        raise ValueError(f"no weights in {path}: neither .safetensors nor pytorch_model*.bin files")
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
@@ -274,6 +286,29 @@ class Weights(Mapping):
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+def _open_safetensors(file: Path):
+    from safetensors import safe_open
+
+    return safe_open(str(file), framework="pt")
+
+
+class _PickleFile:
+    """A ``pytorch_model.bin`` read as ``safe_open`` reads a safetensors file (``keys``,
+    ``get_tensor``): memory-mapped, and refusing anything but tensors (``weights_only``)."""
+
+    def __init__(self, file: Path):
+        try:
+            self._tensors = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # an old (non-zip) pickle cannot be memory-mapped; untrusted code is refused
+            raise ValueError(f"cannot read {file} as PyTorch weights ({str(e).splitlines()[0]})") from None
+
+    def keys(self):
+        return self._tensors.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
 
 
 class DummyWeights(Mapping):
@@ -313,16 +348,19 @@ class DummyWeights(Mapping):
         return len(self._shapes)
 
 
-def load_hf_model(path: Path, device: torch.device, dtype: torch.dtype, load_format: str = "auto"):
+def load_hf_model(path: Path, device: torch.device, dtype: torch.dtype, load_format: str = "auto",
+                  trust_remote_code: bool = False):
     """transformers' own model of the HF directory ``path`` (``load_format="dummy"``: with
-    ``DummyWeights`` instead of the checkpoint's), on ``device``, in eval mode."""
+    ``DummyWeights`` instead of the checkpoint's; ``trust_remote_code``: the directory's own
+    modeling code where its config names one), on ``device``, in eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    code = {"trust_remote_code": trust_remote_code}
     if load_format == "auto":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    config = AutoConfig.from_pretrained(path)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **code).to(device).eval()
+    config = AutoConfig.from_pretrained(path, **code)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **code)
     state = model.state_dict()  # the parameters themselves, detached
     with torch.no_grad():
         for name, value in DummyWeights(config, device).items():
@@ -401,8 +439,15 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 def load_model(model: str | None, device: str | None = None, dtype: str | None = None,
                backend: str = "auto", quantize: str = "none", repack: bool = True, load_format: str = "auto",
-               max_model_len: int | None = None, enforce_eager: bool = False) -> LoadedModel:
+               max_model_len: int | None = None, enforce_eager: bool = False, revision: str | None = None,
+               tokenizer: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load ``model`` (path, .gguf, hub id or None for the default) onto a runtime.
+
+    vLLM's loading keywords: ``revision`` of a hub id (branch, tag or commit); ``tokenizer``:
+    another model's tokenizer (path, .gguf or hub id; e.g. the original model's beside a
+    GGUF), whose ids must fit the model's vocabulary; ``trust_remote_code``: run the model's
+    own Python code (config, tokenizer, and the model itself, on transformers' runtime) where
+    its config names it in ``auto_map``.
 
     ``quantize`` (draft models only, see ``torch_llama.Linear``): ``int8`` linears, ``none``,
     or ``auto`` = int8 where it applies (torch runtime, CPU, float32).
@@ -412,22 +457,31 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     ``DummyWeights`` instead of the checkpoint's (only its config and tokenizer are read;
     not on llama.cpp), for measuring speed. ``enforce_eager``: the torch runtime on CUDA runs
     without CUDA graphs."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from .hf import HFRuntime
     from .torch_llama import TorchLlama, pick_linear, unsupported
 
     EngineConfig(backend=backend, load_format=load_format)  # validates the pair
+    code = {"trust_remote_code": trust_remote_code}
     if backend == "llamacpp":
-        return load_llamacpp(model, device, dtype, quantize, repack, max_model_len)
+        return load_llamacpp(model, device, dtype, quantize, repack, max_model_len, tokenizer, trust_remote_code)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    path = resolve(model, weights=load_format == "auto")
-    config = AutoConfig.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    eos_ids = eos_ids_of(path, config, tokenizer)
+    path = resolve(model, weights=load_format == "auto", revision=revision, code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(path, **code)
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(f"model {model!r} comes with its own Python code (auto_map in its config.json); "
+                         "to run it, pass trust_remote_code=True (--trust-remote-code)") from None
+    tok = own_or_given_tokenizer(path, tokenizer, config, trust_remote_code)
+    eos_ids = eos_ids_of(path, config, tok)
     # auto: specdec's own runtime where it runs the config as transformers does, else transformers'
-    torch_runtime = backend == "torch" or (backend == "auto" and unsupported(config) is None)
+    # (also for a config whose own modeling code is trusted: that code is the model)
+    own_code = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    torch_runtime = backend == "torch" or (backend == "auto" and unsupported(config) is None and not own_code)
     if quantize == "auto":
         quantize = "int8" if torch_runtime and dev.type == "cpu" and dt == torch.float32 else "none"
     if torch_runtime:
@@ -438,14 +492,30 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
         raise ValueError(f"int8 draft quantization needs the torch runtime; {config.model_type!r} "
                          "runs on the transformers fallback")
     else:
-        runtime = HFRuntime(path, dev, dt, load_format)
-    return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer, eos_ids, config)
+        runtime = HFRuntime(path, dev, dt, load_format, trust_remote_code)
+    return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tok, eos_ids, config)
+
+
+def own_or_given_tokenizer(path: Path, tokenizer: str | None, config, trust_remote_code: bool = False):
+    """The tokenizer of the model directory ``path``, or the one ``tokenizer`` names
+    (``load_tokenizer``'s forms), refused if it has ids the model's vocabulary lacks."""
+    from transformers import AutoTokenizer
+
+    if tokenizer is None:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+    rows = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", None)
+    if rows is not None and len(tok) > rows:
+        raise ValueError(f"tokenizer {tokenizer!r} has {len(tok)} tokens, more than the model's vocabulary of "
+                         f"{rows}: it is not this model's tokenizer")
+    return tok
 
 
 def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quantize: str,
-                  repack: bool, max_model_len: int | None = None) -> LoadedModel:
+                  repack: bool, max_model_len: int | None = None, tokenizer: str | None = None,
+                  trust_remote_code: bool = False) -> LoadedModel:
     """``load_model`` for ``backend="llamacpp"``: the GGUF's weights go to llama.cpp as they are."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     from .llamacpp import DEFAULT_CONTEXT, LlamaCppRuntime
 
@@ -459,16 +529,17 @@ def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quan
     gguf = gguf_file(model)
     path = gguf_to_hf_dir(gguf, weights=False)
     config = AutoConfig.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tok = own_or_given_tokenizer(path, tokenizer, config, trust_remote_code)
     runtime = LlamaCppRuntime(gguf, threads=torch.get_num_threads(), repack=repack,
                               context=max_model_len or DEFAULT_CONTEXT)
     # llama.cpp's own end-of-generation tokens: as llama.cpp itself stops
-    return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tokenizer,
-                       eos_ids_of(path, config, tokenizer) | runtime.eog_ids(), config)
+    return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tok,
+                       eos_ids_of(path, config, tok) | runtime.eog_ids(), config)
 
 
-def load_tokenizer(model: str | None):
-    """Just the tokenizer of ``model`` (a GGUF is not dequantized for this)."""
+def load_tokenizer(model: str | None, trust_remote_code: bool = False):
+    """Just the tokenizer of ``model`` (a GGUF is not dequantized for this; a directory may
+    hold the tokenizer's files alone)."""
     from transformers import AutoTokenizer
 
     if model is None:
@@ -479,4 +550,11 @@ def load_tokenizer(model: str | None):
         path = ggufs[0] if len(ggufs) == 1 else path
     if path.is_file() and path.suffix == ".gguf":
         return gguf_tokenizer(path)
-    return AutoTokenizer.from_pretrained(resolve(str(path) if path.exists() else model))
+    where = path if path.is_dir() else resolve(model, weights=False, code=trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            raise ValueError(f"tokenizer {model!r} comes with its own Python code; to run it, pass "
+                             "trust_remote_code=True (--trust-remote-code)") from None
+        raise ValueError(f"no tokenizer in {model!r} ({str(e).strip().splitlines()[0]})") from None

@@ -332,6 +332,10 @@ def unsupported(config) -> str | None:
     """Why the torch runtime cannot run ``config`` as transformers does (None: it can)."""
     if config.model_type not in ARCHS:
         return f"the torch runtime supports {', '.join(ARCHS)}, not {config.model_type!r}"
+    quantized = getattr(config, "quantization_config", None)
+    if quantized:  # GPTQ, AWQ, bitsandbytes, fp8...: packed weights transformers' quantizers unpack
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+        return f"the torch runtime reads unquantized checkpoints, not {getattr(method, 'value', method)!r} ones"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"the torch runtime supports the silu activation, not {config.hidden_act!r}"
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
