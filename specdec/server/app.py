@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models`` (and ``/v1/models/{model}``), ``/tokenize``, ``/detokenize``, ``/health``,
+``/v1/responses`` (over the chat machinery, ``responses.py``), ``/v1/models`` (and ``/v1/models/{model}``), ``/tokenize``, ``/detokenize``, ``/health``,
 ``/version`` and ``/metrics``.
 
 A handler validates and encodes its request, hands a ``Sequence`` per completion (``n``) to
@@ -39,6 +39,7 @@ from ..tools import PARSERS, TOOL_PARSERS
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                        TokenizeRequest, bad_request, model_not_found, parse)
+from .responses import CHAT_FIELDS, ResponseShaper, ResponsesRequest
 from .scheduler import Closing, QueueFull, Scheduler, ServerRequest, Update
 from .text import TextStream, TokenOffsets, prompt_offsets
 
@@ -188,6 +189,10 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
     async def chat_completions(request: Request):
         return await api.generate(request, chat=True)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        return await api.respond(request)
+
     return app
 
 
@@ -322,7 +327,34 @@ class _API:
 
     async def generate(self, request: Request, chat: bool):
         self.check_auth(request)
-        body = await self.read_json(request)
+        out, watcher = await self._submit(request, await self.read_json(request), chat)
+        if out.req.stream:
+            return self._sse(self._chunks(out), out, watcher)
+        try:
+            return JSONResponse(await out.collect())
+        finally:
+            self._release(out.sreqs, watcher)
+
+    async def respond(self, request: Request):
+        """``/v1/responses``: the request as a chat completion's, its answer shaped as a response."""
+        self.check_auth(request)
+        req = self.parse_named(ResponsesRequest, await self.read_json(request))
+        shaper = ResponseShaper(req, self.name)
+        try:
+            out, watcher = await self._submit(request, req.chat_body(), chat=True)
+        except APIError as e:  # the chat request's field names: the request's own
+            e.param = CHAT_FIELDS.get(e.param, e.param)
+            raise
+        if req.stream:
+            return self._sse(shaper.events(out.events()), out, watcher)
+        try:
+            return JSONResponse(shaper.from_chat(await out.collect()))
+        finally:
+            self._release(out.sreqs, watcher)
+
+    async def _submit(self, request: Request, body: object, chat: bool) -> tuple["_Output", asyncio.Task]:
+        """Prepare a request body, hand its completions to the scheduler and watch for the
+        client going away; the caller releases them (``_release``) when done."""
         req, seqs, echoes = await asyncio.get_running_loop().run_in_executor(self._preparing, self.prepare, body, chat)
         if len(seqs) > self.scheduler.capacity:
             raise bad_request(f"{len(seqs)} completions (prompts x n) exceed what this server holds at "
@@ -337,14 +369,7 @@ class _API:
         except Closing as e:  # shutting down
             raise APIError(503, str(e), "server_error") from None
         watcher = asyncio.create_task(self._abort_on_disconnect(request, sreqs))
-        out = _Output(self, req, sreqs, chat, echoes)
-        if req.stream:
-            return StreamingResponse(self._stream(out, watcher), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
-            return JSONResponse(await out.collect())
-        finally:
-            self._release(sreqs, watcher)
+        return _Output(self, req, sreqs, chat, echoes), watcher
 
     async def _abort_on_disconnect(self, request: Request, sreqs: list[ServerRequest]) -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -358,13 +383,24 @@ class _API:
             if not sreq.finished:  # cancelled or failed mid-way: free the slot
                 self.scheduler.abort(sreq)
 
-    async def _stream(self, out: "_Output", watcher: asyncio.Task):
-        try:
-            async for event in out.events():
-                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            self._release(out.sreqs, watcher)
+    def _sse(self, lines, out: "_Output", watcher: asyncio.Task) -> StreamingResponse:
+        """A stream of server-sent events (``lines``: formatted), the request released at its end."""
+        async def body():
+            try:
+                async for line in lines:
+                    yield line
+            finally:
+                self._release(out.sreqs, watcher)
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @staticmethod
+    async def _chunks(out: "_Output"):
+        """Completions' and chats' stream: each chunk as a data line, then ``[DONE]``."""
+        async for event in out.events():
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+        yield "data: [DONE]\n\n"
 
     # --- token text ---------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
