@@ -249,7 +249,7 @@ class LLM:
                  generation_config: str = "auto", seed: int | None = None, threads: int | None = None,
                  max_num_seqs: int | None = None, max_logprobs: int = EngineConfig.max_logprobs,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization,
-                 enable_prefix_caching: bool = True, tokenizer: str | None = None, revision: str | None = None,
+                 enable_prefix_caching: bool | None = True, tokenizer: str | None = None, revision: str | None = None,
                  trust_remote_code: bool = False):
         if max_num_seqs is not None:  # vLLM's name
             if max_batch_size not in (EngineConfig.max_batch_size, max_num_seqs):

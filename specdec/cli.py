@@ -319,7 +319,7 @@ def cmd_check_vocab(a) -> int:
     from .runtime.loading import load_tokenizer
     from .vocab import compare_tokenizers
 
-    report = compare_tokenizers(load_tokenizer(a.target), load_tokenizer(a.draft))
+    report = compare_tokenizers(*(load_tokenizer(m, trust_remote_code=a.trust_remote_code) for m in (a.target, a.draft)))
     print(report.summary())
     for line in report.problems:
         print("  " + line)
@@ -419,6 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "incompatible (the problems are listed), 2: an error (e.g. a path).")
     c.add_argument("target", help="target model: HF dir, .gguf file or hub id")
     c.add_argument("draft", help="draft model, in the same forms")
+    c.add_argument("--trust-remote-code", action="store_true",
+                   help="run a tokenizer's own Python code where its files name it")
     c.set_defaults(func=cmd_check_vocab)
 
     b = sub.add_parser("bench", help="side-by-side tokens/s: specdec vs transformers and llama-cpp-python (see docs/bench.md)")

@@ -410,8 +410,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     # vLLM's: a finished prompt's KV stays in its slot for a later prompt that starts the same,
     # and running requests (n completions) share their prompt's chunks; False = every prompt
-    # is computed from scratch (e.g. to time prefills)
-    enable_prefix_caching: bool = True
+    # is computed from scratch (e.g. to time prefills); None (vLLM's default) = True
+    enable_prefix_caching: bool | None = True
     # vLLM's loading keywords: the target's tokenizer from another path, .gguf or hub id (None =
     # the model's own); a hub id's revision (branch, tag or commit); and trust_remote_code:
     # run a checkpoint's own Python code (config, tokenizer, model) where its config names it
@@ -443,6 +443,8 @@ class EngineConfig:
                                         f"got {self.max_logprobs}")
         _check(self.tensor_parallel_size == 1, f"tensor_parallel_size {self.tensor_parallel_size}: specdec runs "
                                                "each model on one device (no tensor parallelism); use 1")
+        if self.enable_prefix_caching is None:
+            object.__setattr__(self, "enable_prefix_caching", True)
         for name in ("tokenizer", "revision"):
             _check(getattr(self, name) != "", f"{name} must be None or a non-empty string")
         _check(0 < self.gpu_memory_utilization <= 1,

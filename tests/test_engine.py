@@ -1037,7 +1037,7 @@ def test_prefix_reuse(loaded):
     scored = llm.generate(first, SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
     assert scored.metrics["cached_prompt_tokens"] == 0 and len(scored.prompt_logprobs) == len(scored.prompt_token_ids)
     off, on = (spec(loaded, "llama", "self", k=3, chunked_prefill_size=size, max_batch_size=2, enable_prefix_caching=c)
-               for c in (False, True))
+               for c in (False, None))  # None: vLLM's default, on
     greedy = SamplingParams(max_tokens=10, ignore_eos=True, n=2)
     for llm in (off, on):
         llm.generate(first, greedy)

@@ -462,8 +462,9 @@ def _copy_without_weights(src, dst):
 
 def test_pytorch_bin_checkpoints(tiny_dirs, tmp_path):
     """A checkpoint saved as PyTorch pickles (``pytorch_model.bin``, or shards with their
-    index, as older hub models and ``safe_serialization=False`` save) runs on the torch runtime
-    and gives what its safetensors give; a pickle holding code is refused."""
+    index, as older hub models and ``safe_serialization=False`` save; also PyTorch's pre-1.6
+    format, and names without the ``model.`` prefix) runs on the torch runtime and gives what
+    its safetensors give; a pickle holding code is refused."""
     import json
 
     from safetensors.torch import load_file
@@ -487,6 +488,12 @@ def test_pytorch_bin_checkpoints(tiny_dirs, tmp_path):
         llm = LLM(str(path), device="cpu")
         assert isinstance(llm.target.runtime, TorchLlama)
         assert [o.token_ids for o in llm.generate(["hello world", "abc"], sp)] == ref
+    old = _copy_without_weights(src, tmp_path / "old")  # PyTorch's format before 1.6: not a zip, read whole
+    torch.save(state, old / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    bare = _copy_without_weights(src, tmp_path / "bare")  # saved from the base model: no "model." prefix
+    torch.save({n.removeprefix("model."): t for n, t in state.items()}, bare / "pytorch_model.bin")
+    for path in (old, bare):
+        assert [o.token_ids for o in LLM(str(path), device="cpu").generate(["hello world", "abc"], sp)] == ref
     evil = _copy_without_weights(src, tmp_path / "evil")
     torch.save({"w": torch.zeros(1), "f": print}, evil / "pytorch_model.bin")
     with pytest.raises(ValueError, match="cannot read .* as PyTorch weights"):
@@ -542,6 +549,8 @@ def test_trust_remote_code(tiny_dirs, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="its own Python code .* trust_remote_code=True"):
         LLM(str(path), device="cpu")
+    with pytest.raises(ValueError, match="runs its own modeling code .* backend 'auto' or 'hf'"):
+        LLM(str(path), device="cpu", trust_remote_code=True, backend="torch")
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
     ref = [o.token_ids for o in LLM(str(tiny_dirs["llama"]), device="cpu").generate(["hello world", "abc"], sp)]
     llm = LLM(str(path), device="cpu", trust_remote_code=True)
@@ -557,8 +566,10 @@ def test_trust_remote_code(tiny_dirs, tmp_path):
 
 def test_tokenizer_from_elsewhere(tiny_dirs, loaded, tmp_path):
     """``tokenizer=`` (vLLM's): the target's tokenizer from another directory; the model is the
-    same (token ids in, the same ids out), its text is that tokenizer's. One with ids past the
-    model's vocabulary is refused, and so is the keyword beside a model loaded already."""
+    same (token ids in, the same ids out), its text is that tokenizer's. One whose base
+    vocabulary is larger than the model's is refused (tokens added past the embedding are not:
+    they are refused per request, as with the model's own), and so is the keyword beside a
+    model loaded already."""
     from specdec import LLM, SamplingParams
 
     from tiny import byte_tokenizer
@@ -570,11 +581,17 @@ def test_tokenizer_from_elsewhere(tiny_dirs, loaded, tmp_path):
     ids = {"prompt_token_ids": own.encode("hello world")}
     a, b = own.generate(ids, sp)[0].outputs[0], other.generate(ids, sp)[0].outputs[0]
     assert a.token_ids == b.token_ids and b.text == other.get_tokenizer().decode(b.token_ids)
-    big = byte_tokenizer()
-    big.add_tokens([f"<extra{i}>" for i in range(10)])  # 268 tokens against 264 rows
-    big.save_pretrained(tmp_path / "big")
-    with pytest.raises(ValueError, match="268 tokens, more than the model's vocabulary of 264"):
-        LLM(str(tiny_dirs["llama"]), device="cpu", tokenizer=str(tmp_path / "big"))
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    added = byte_tokenizer()
+    added.add_tokens([f"<extra{i}>" for i in range(10)])  # 268 tokens against 264 rows
+    added.save_pretrained(tmp_path / "added")
+    assert len(LLM(str(tiny_dirs["llama"]), device="cpu", tokenizer=str(tmp_path / "added")).get_tokenizer()) == 268
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(300)}, unk_token="w0"))
+    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="300 tokens, more than the model's vocabulary of 264"):
+        LLM(str(tiny_dirs["llama"]), device="cpu", tokenizer=str(tmp_path / "other"))
     with pytest.raises(ValueError, match="loaded already"):
         LLM(loaded("llama"), tokenizer=str(tiny_dirs["alien"]))
 
@@ -603,7 +620,7 @@ def test_hub_downloads(tiny_dirs, monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "list_repo_files", list_repo_files)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    meta = {"*.json", "tokenizer*", "*.model", "*.txt"}
+    meta = {"*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"}
     listing[:] = ["config.json", "model.safetensors", "pytorch_model.bin"]
     llm = LLM("org/model", device="cpu", revision="v1.0")
     assert calls[-1] == ("org/model", "v1.0", meta | {"*.safetensors"}) and llm.generate("abc")[0].token_ids

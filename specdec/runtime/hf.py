@@ -86,11 +86,14 @@ class HFRuntime:
         self.device, self.dtype = device, dtype
         cfg = self.model.config
         takes = inspect.signature(self.model.forward).parameters
-        # transformers 5 names the cache ``cache``; a model's own code may use the older name
+        # transformers 5 names the cache ``cache``; a model's own code may use the older name.
+        # (Not one that takes neither by name: GPT-1, RWKV, XLNet pass on **kwargs, and would
+        # drop a cache given so, each forward then seeing none of the tokens before it)
         self.cache_name = next((n for n in ("cache", "past_key_values") if n in takes), None)
         if self.cache_name is None or cfg.model_type in OWN_STATE:
             raise ValueError(f"{cfg.model_type!r} keeps its state outside transformers' cache, where specdec "
-                             "holds each sequence's; it cannot run here")
+                             "holds each sequence's (its forward takes no cache / past_key_values argument); "
+                             "it cannot run here")
         # a recurrent state (Mamba, Qwen3-Next...) cannot go back to an earlier length:
         # nothing drafts against it, and no finished prompt is reused (transformers refuses
         # assisted generation for such models too)

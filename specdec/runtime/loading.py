@@ -73,7 +73,8 @@ def _from_hub(repo_id: str, weights: bool = True, revision: str | None = None, c
     (else its ``pytorch_model*.bin``, as transformers prefers them), not both."""
     from huggingface_hub import list_repo_files, snapshot_download
 
-    patterns = ["*.json", "tokenizer*", "*.model", "*.txt"] + ["*.py"] * code
+    # config, generation config, tokenizer (also sentencepiece and tiktoken files), chat templates
+    patterns = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"] + ["*.py"] * code
     if weights:
         try:
             files = list_repo_files(repo_id, revision=revision)
@@ -275,17 +276,21 @@ class Weights(Mapping):
                 for name in handle.keys():
                     self._where[name] = handle
             if files:
+                self._names = {n: n for n in self._where}
+                if not any(n.startswith("model.") for n in self._where):  # saved from the base model
+                    self._names = {n if n.startswith("lm_head.") else f"model.{n}": n for n in self._where}
                 return
         raise ValueError(f"no weights in {path}: neither .safetensors nor pytorch_model*.bin files")
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._where[name].get_tensor(name)
+        stored = self._names[name]
+        return self._where[stored].get_tensor(stored)
 
     def __iter__(self):
-        return iter(self._where)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._where)
+        return len(self._names)
 
 
 def _open_safetensors(file: Path):
@@ -299,9 +304,11 @@ class _PickleFile:
     ``get_tensor``): memory-mapped, and refusing anything but tensors (``weights_only``)."""
 
     def __init__(self, file: Path):
-        try:
-            self._tensors = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-        except Exception as e:  # an old (non-zip) pickle cannot be memory-mapped; untrusted code is refused
+        import zipfile
+
+        try:  # PyTorch's zip format is memory-mapped; an old (pre-1.6) pickle is read whole
+            self._tensors = torch.load(file, map_location="cpu", mmap=zipfile.is_zipfile(file), weights_only=True)
+        except Exception as e:  # code in the pickle (weights_only refuses it), a broken file
             raise ValueError(f"cannot read {file} as PyTorch weights ({str(e).splitlines()[0]})") from None
 
     def keys(self):
@@ -481,6 +488,9 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     # auto: specdec's own runtime where it runs the config as transformers does, else transformers'
     # (also for a config whose own modeling code is trusted: that code is the model)
     own_code = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if own_code and backend == "torch":
+        raise ValueError(f"model {model!r} runs its own modeling code (trust_remote_code), which only transformers' "
+                         "runtime runs: use backend 'auto' or 'hf'")
     torch_runtime = backend == "torch" or (backend == "auto" and unsupported(config) is None and not own_code)
     if quantize == "auto":
         quantize = "int8" if torch_runtime and dev.type == "cpu" and dt == torch.float32 else "none"
@@ -498,15 +508,15 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
 
 def own_or_given_tokenizer(path: Path, tokenizer: str | None, config, trust_remote_code: bool = False):
     """The tokenizer of the model directory ``path``, or the one ``tokenizer`` names
-    (``load_tokenizer``'s forms), refused if it has ids the model's vocabulary lacks."""
-    from transformers import AutoTokenizer
-
+    (``load_tokenizer``'s forms), refused if its base vocabulary is larger than the model's
+    (another model's; tokens added past the embedding are refused per request, as with the
+    model's own tokenizer)."""
     if tokenizer is None:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return _tokenizer_at(path, str(path), trust_remote_code)
     tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
     rows = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", None)
-    if rows is not None and len(tok) > rows:
-        raise ValueError(f"tokenizer {tokenizer!r} has {len(tok)} tokens, more than the model's vocabulary of "
+    if rows is not None and tok.vocab_size > rows:
+        raise ValueError(f"tokenizer {tokenizer!r} has {tok.vocab_size} tokens, more than the model's vocabulary of "
                          f"{rows}: it is not this model's tokenizer")
     return tok
 
@@ -540,8 +550,6 @@ def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quan
 def load_tokenizer(model: str | None, trust_remote_code: bool = False):
     """Just the tokenizer of ``model`` (a GGUF is not dequantized for this; a directory may
     hold the tokenizer's files alone)."""
-    from transformers import AutoTokenizer
-
     if model is None:
         model = default_model_path()
     path = Path(model).expanduser()
@@ -551,10 +559,17 @@ def load_tokenizer(model: str | None, trust_remote_code: bool = False):
     if path.is_file() and path.suffix == ".gguf":
         return gguf_tokenizer(path)
     where = path if path.is_dir() else resolve(model, weights=False, code=trust_remote_code)
+    return _tokenizer_at(where, model, trust_remote_code)
+
+
+def _tokenizer_at(where: Path, name: str, trust_remote_code: bool = False):
+    """transformers' tokenizer of the directory ``where`` (``name``: what the user gave)."""
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e):
-            raise ValueError(f"tokenizer {model!r} comes with its own Python code; to run it, pass "
+            raise ValueError(f"the tokenizer of {name!r} comes with its own Python code; to run it, pass "
                              "trust_remote_code=True (--trust-remote-code)") from None
-        raise ValueError(f"no tokenizer in {model!r} ({str(e).strip().splitlines()[0]})") from None
+        raise ValueError(f"no tokenizer in {name!r} ({str(e).strip().splitlines()[0]})") from None
