@@ -434,8 +434,32 @@ def test_longrope_equal_to_transformers(tmp_path):
         assert llm.target.runtime.whole_prompts and llm.engine_config.chunked_prefill_size == 0
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
         assert [o.token_ids for o in outs] == want, method
+        if method == "self":  # the draft takes the prompt whole too (its long factors), so it agrees
+            assert [o.metrics["acceptance_rate"] for o in outs] == [1, 1]
     with pytest.raises(ValueError, match="prompts go whole"):
         LLM(str(target), chunked_prefill_size=8)
+
+
+def test_conv_state_rewinds(tmp_path):
+    """LFM2's short convolutions (transformers' fallback) keep a state per layer that a rewind
+    cuts with the rows: a prompt reusing fewer kept chunks than the one before it, and drafts
+    rolled back, give what the prompt gives alone (the conv states are sliced, not cropped to
+    the kernel, which left nothing below the crop for the next rewind)."""
+    from tiny import make_tiny
+
+    path = make_tiny(tmp_path / "lfm2", "lfm2", layer_types=["conv", "full_attention"])
+    shared = list(range(40, 120))
+    a, b, c = shared + [5, 6, 7], shared + [9, 9], shared[:40] + [3, 4, 5, 6]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    alone = [LLM(str(path), device="cpu", chunked_prefill_size=16).generate({"prompt_token_ids": p}, sp)[0].token_ids
+             for p in (b, c)]
+    llm = LLM(str(path), device="cpu", chunked_prefill_size=16, max_batch_size=1)
+    outs = [llm.generate({"prompt_token_ids": p}, sp)[0] for p in (a, b, c)]
+    assert [o.token_ids for o in outs[1:]] == alone and [o.metrics["cached_prompt_tokens"] for o in outs] == [0, 80, 32]
+    drafted = LLM(str(path), device="cpu", chunked_prefill_size=16, max_batch_size=1,
+                  speculative=SpecConfig(method="ngram", num_draft_tokens=4))
+    outs = [drafted.generate({"prompt_token_ids": p}, sp)[0] for p in (a, b, c)]
+    assert [o.token_ids for o in outs[1:]] == alone
 
 
 @pytest.mark.parametrize("backend", ["torch", "hf"])

@@ -127,6 +127,9 @@ def test_recurrent_states_decode_without_drafts(tmp_path):
             LLM(str(path), **kw)
     with pytest.raises(ValueError, match="'openai-gpt' keeps its state outside"):
         LLM(str(make_tiny(tmp_path / "gpt1", "openai-gpt", n_positions=512)))
+    with pytest.raises(ValueError, match="'minimax' keeps its state outside"):  # at load, not at the first forward
+        LLM(str(make_tiny(tmp_path / "minimax", "minimax", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                          layer_types=["linear_attention", "full_attention"])))
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -87,7 +87,7 @@ class ModelDrafter:
         self.cache = runtime.new_cache(num_slots, self.max_context)
         # rows kept for the slot's next request, and copied between slots (not on llama.cpp)
         self.reuses_prefixes = prefix_caching and getattr(runtime, "reuses_prefixes", False)
-        self.can_copy = prefix_caching and callable(getattr(self.cache, "copy", None))
+        self.can_copy = self.reuses_prefixes and callable(getattr(self.cache, "copy", None))
         self.cached_ids: list[list[int]] = [[] for _ in range(num_slots)]  # ids behind each slot's KV
         self.target_vocab = target_vocab
         self.draft_vocab = runtime.vocab_size  # a narrower draft may lack the target's last ids
@@ -165,13 +165,23 @@ class ModelDrafter:
             if len(cached) >= len(s.ids):
                 del cached[len(s.ids) - 1:]
                 self.cache.rewind(s.slot, len(cached))
+        pre = set()  # slots fed their prompt first, whole (one more forward each)
+        if getattr(self.runtime, "whole_prompts", False):  # longrope: as its own plain decoding takes a prompt
+            todo = [s for s in seqs if len(self.cached_ids[s.slot]) < s.prompt_len]
+            if todo:
+                head = [s.ids[len(self.cached_ids[s.slot]):s.prompt_len] for s in todo]
+                self.runtime.forward(self.cache, [s.slot for s in todo], [self._known(h) for h in head],
+                                     last_only=True, prefill=True)
+                for s, h in zip(todo, head):
+                    self.cached_ids[s.slot].extend(h)
+                    pre.add(s.slot)
         if self.can_copy:
             for s in seqs:
                 self._copy_longest(s)
         feed = [s.ids[len(self.cached_ids[s.slot]):][: self.max_catch_up or None] for s in seqs]
         lead, shared = self._leaders(seqs, feed)
         first = [i for i, j in enumerate(lead) if j == i]
-        took = [int(j == i) for i, j in enumerate(lead)]
+        took = [int(j == i) + (seqs[i].slot in pre) for i, j in enumerate(lead)]
         logits: list = [None] * len(seqs)
         out = self.runtime.forward(self.cache, [seqs[i].slot for i in first], [self._known(feed[i]) for i in first],
                                    last_only=True)  # [len(first), vocab_d]

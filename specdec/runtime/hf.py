@@ -32,7 +32,7 @@ class HFCache:
         return cache
 
     def rewind(self, slot: int, length: int, idle: bool = False) -> None:
-        from transformers.cache_utils import DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+        from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         n = self.lengths[slot] - length
@@ -40,13 +40,21 @@ class HFCache:
             self.caches[slot] = self._make()
         elif n:
             for layer in self.caches[slot].layers:
-                if isinstance(layer, DynamicSlidingWindowLayer) and not isinstance(layer, LinearAttentionCacheLayerMixin):
-                    if layer.is_initialized:  # drop n rows, keep the rest
-                        layer.keys, layer.values = layer.keys[..., :-n, :], layer.values[..., :-n, :]
-                        layer.cumulative_length -= n
-                elif any(getattr(layer, "is_recurrent_states_initialized", {}).values()):
+                if any(getattr(layer, "is_recurrent_states_initialized", {}).values()):
                     # a recurrent state holds the dropped tokens (HFRuntime.rewinds)
                     raise RuntimeError(f"cannot rewind a {type(layer).__name__} by {n} tokens")
+                conv = isinstance(layer, LinearAttentionCacheLayerMixin)
+                if conv:  # conv states (LFM2...), recorded whole since the first token: drop n columns, keep the rest
+                    for i, done in layer.is_conv_states_initialized.items():
+                        if done:
+                            layer.conv_states[i] = layer.conv_states[i][..., :-n]
+                if isinstance(layer, DynamicSlidingWindowLayer):  # alone or beside conv states: keep the whole past
+                    if layer.is_initialized:
+                        layer.keys, layer.values = layer.keys[..., :-n, :], layer.values[..., :-n, :]
+                        layer.cumulative_length -= n
+                elif conv:
+                    if isinstance(layer, DynamicLayer):  # LinearAttentionAndFullAttentionLayer's attention rows
+                        DynamicLayer.crop(layer, -n)
                 else:
                     layer.crop(-n)  # transformers 5: negative = drop n
         self.lengths[slot] = length
@@ -71,7 +79,7 @@ def longrope_switch(config) -> int | None:
 
 # models that keep their state in their own modules, shared by all sequences (transformers'
 # cache holds none of it)
-OWN_STATE = ("recurrent_gemma",)
+OWN_STATE = ("recurrent_gemma", "minimax")  # minimax: its own MiniMaxCache, refused at the first forward
 
 
 class HFRuntime:
