@@ -6,6 +6,7 @@ import json
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response
 
 from specdec import LLM, SpecConfig
 from specdec.server import BackgroundServer, create_app
@@ -50,12 +51,14 @@ def test_text_as_chat_gives_it(client):
                                 metadata={"run": "1"}, reasoning={"effort": "low"}, store=False)
     assert r.object == "response" and r.id.startswith("resp_") and r.model == MODEL
     assert r.metadata == {"run": "1"} and r.reasoning.effort == "low" and r.instructions == "be brief"
+    raw = httpx.post(str(client.base_url) + "responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 4}).json()
+    Response.model_validate(raw, strict=True)  # every field the openai package requires, of its type
     assert r.output_text == chat.choices[0].message.content and chat.choices[0].finish_reason == "length"
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == \
         (chat.usage.prompt_tokens, chat.usage.completion_tokens, chat.usage.total_tokens)
     [item] = r.output
-    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    assert item.type == "message" and item.role == "assistant" and item.status == "incomplete"  # cut by max_output_tokens
     streamed = events(client, temperature=0, max_output_tokens=10, instructions="be brief", input="Hello there")
     kinds = [e.type for e in streamed]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
@@ -99,6 +102,20 @@ def test_reasoning_and_function_calls(client):
     assert "".join(e.delta for e in streamed if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
     assert "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta") == call.arguments
     assert final.output[2].name == "get_weather" and final.output[2].arguments == call.arguments
+    with client.responses.stream(model=MODEL, input=messages, include=["message.output_text.logprobs"], **kw) as stream:
+        final = stream.get_final_response()  # logprobs of the reasoning's and the call's tokens open no message
+    assert [(o.type, getattr(o, "name", None)) for o in final.output] == \
+        [("reasoning", None), ("message", None), ("function_call", "get_weather")]
+    assert final.output[1].content[0].text == message.content[0].text and final.output[2].arguments == call.arguments
+    # the next turn: the answer's items and the call's output, as the openai client's loop sends them;
+    # the answer's text and call are one assistant turn, as the model wrote them (one prompt prefix)
+    turn = r.output + [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    nxt = client.responses.create(model=MODEL, input=messages + [o if isinstance(o, dict) else o.model_dump()
+                                                                 for o in turn], tools=[WEATHER], max_output_tokens=4)
+    tokenized = httpx.post(str(client.base_url).removesuffix("/v1/") + "/tokenize", json={"model": MODEL, "messages": [
+        *messages, {"role": "assistant", "content": chat.content, "tool_calls": [t.model_dump() for t in chat.tool_calls]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]}).json()
+    assert nxt.usage.input_tokens == tokenized["count"]
     history = [{"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
                {"type": "function_call_output", "call_id": "call_1", "output": '{"sky": "sunny"}'}]
     chat_history = [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -132,6 +149,8 @@ def test_structured_text_and_logprobs(client):
 @pytest.mark.parametrize("body, param, words", [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
     ({"background": True}, "background", "background"),
+    ({"conversation": "conv_1"}, "conversation", "stores no conversations"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt", "stores no prompts"),
     ({"tools": [{"type": "web_search"}]}, "tools", "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "only text"),
     ({"input": [{"type": "file_search_call"}]}, "input", "not served"),

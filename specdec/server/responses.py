@@ -66,12 +66,17 @@ class ResponsesRequest(_Strict):
     store: bool = True  # OpenAI's default; nothing is stored here either way
     truncation: Literal["disabled"] = "disabled"
     previous_response_id: str | None = None
+    conversation: str | dict | None = None  # stored conversations: refused, as previous_response_id
+    prompt: dict | None = None  # a stored prompt template: refused
     background: bool = False
 
     def refuse_unsupported(self) -> None:
         if self.previous_response_id is not None:
             raise bad_request("this server stores no responses: send the whole conversation in input "
                               "instead of previous_response_id", "previous_response_id")
+        for name in ("conversation", "prompt"):
+            if getattr(self, name) is not None:
+                raise bad_request(f"this server stores no {name}s: send the whole conversation in input", name)
         if self.background:
             raise bad_request("background responses are not supported", "background")
         unknown = [i for i in self.include or [] if i != LOGPROBS_INCLUDE]
@@ -131,8 +136,8 @@ class ResponsesRequest(_Strict):
                 call = {"id": item.get("call_id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
                 last = out[-1] if out else {}
-                if last.get("role") == "assistant" and last.get("tool_calls") and not last.get("content"):
-                    last["tool_calls"].append(call)  # calls made together: one assistant message
+                if last.get("role") == "assistant":
+                    last.setdefault("tool_calls", []).append(call)  # one turn's text and calls: one message
                 else:
                     out.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
@@ -164,7 +169,8 @@ def _usage(chat: dict | None) -> dict | None:
     if chat is None:
         return None
     return {"input_tokens": chat["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": chat.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
+            "input_tokens_details": {"cached_tokens": chat.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                                     "cache_write_tokens": 0},
             "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": chat["total_tokens"]}
 
@@ -181,7 +187,8 @@ class ResponseShaper:
     def response(self, output: list[dict], status: str, usage: dict | None) -> dict:
         req = self.req
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "error": {"code": "server_error", "message": "the request was aborted (the server is shutting down)"}
+                if status == "failed" else None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "previous_response_id": None, "reasoning": {"effort": (req.reasoning or {}).get("effort"),
@@ -192,7 +199,7 @@ class ResponseShaper:
 
     @staticmethod
     def status(finish_reason: str | None) -> str:
-        return "incomplete" if finish_reason == "length" else "completed"
+        return {"length": "incomplete", "abort": "failed"}.get(finish_reason, "completed")
 
     def from_chat(self, chat: dict) -> dict:
         """The response of a whole chat completion."""
@@ -201,9 +208,10 @@ class ResponseShaper:
         if message.get("reasoning_content"):
             output.append(self._reasoning(message["reasoning_content"]))
         calls = message.get("tool_calls") or []
-        if message.get("content") or not calls:
+        cut = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        if message.get("content") or not (calls or message.get("reasoning_content")):
             logprobs = (choice.get("logprobs") or {}).get("content")
-            output.append(self._message(message.get("content") or "", logprobs or []))
+            output.append(self._message(message.get("content") or "", logprobs or [], status=cut))
         output += [self._call(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
         return self.response(output, self.status(choice["finish_reason"]), _usage(chat.get("usage")))
 
@@ -235,6 +243,7 @@ class ResponseShaper:
         done: list[dict] = []  # finished output items
         open_: dict | None = None  # the item being streamed: {"kind", "id", "text", ...}
         finish_reason, usage = None, None
+        held: list = []  # logprobs of text not sent yet
 
         def close():
             nonlocal open_
@@ -246,7 +255,8 @@ class ResponseShaper:
                                  content_index=0, text=open_["text"])
                 item = self._reasoning(open_["text"], open_["id"])
             elif open_["kind"] == "message":
-                item = self._message(open_["text"], open_["logprobs"], open_["id"])
+                item = self._message(open_["text"], open_["logprobs"], open_["id"],
+                                     "incomplete" if finish_reason == "length" else "completed")
                 yield self.event("response.output_text.done", item_id=open_["id"], output_index=index,
                                  content_index=0, text=open_["text"], logprobs=open_["logprobs"])
                 yield self.event("response.content_part.done", item_id=open_["id"], output_index=index,
@@ -291,6 +301,13 @@ class ResponseShaper:
             choice = chunk["choices"][0]
             delta = choice.get("delta") or {}
             logprobs = (choice.get("logprobs") or {}).get("content") or []
+            if delta.get("reasoning_content") or delta.get("tool_calls"):
+                held = []  # tokens of the reasoning or a call, not of the message's text
+            elif not delta.get("content"):
+                held += logprobs  # tokens whose text is held back (a stop string, a marker): wait
+                logprobs = []
+            else:
+                logprobs, held = held + logprobs, []
             if delta.get("reasoning_content"):
                 if open_ is None or open_["kind"] != "reasoning":
                     for line in start("reasoning"):
@@ -298,7 +315,7 @@ class ResponseShaper:
                 open_["text"] += delta["reasoning_content"]
                 yield self.event("response.reasoning_text.delta", item_id=open_["id"], output_index=len(done),
                                  content_index=0, delta=delta["reasoning_content"])
-            if delta.get("content") or (logprobs and not delta.get("tool_calls")):
+            if delta.get("content"):
                 if open_ is None or open_["kind"] != "message":
                     for line in start("message"):
                         yield line
