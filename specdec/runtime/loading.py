@@ -452,7 +452,7 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
 
     vLLM's loading keywords: ``revision`` of a hub id (branch, tag or commit); ``tokenizer``:
     another model's tokenizer (path, .gguf or hub id; e.g. the original model's beside a
-    GGUF), whose ids must fit the model's vocabulary; ``trust_remote_code``: run the model's
+    GGUF), whose base vocabulary must fit the model's; ``trust_remote_code``: run the model's
     own Python code (config, tokenizer, and the model itself, on transformers' runtime) where
     its config names it in ``auto_map``.
 
