@@ -328,12 +328,7 @@ class _API:
     async def generate(self, request: Request, chat: bool):
         self.check_auth(request)
         out, watcher = await self._submit(request, await self.read_json(request), chat)
-        if out.req.stream:
-            return self._sse(self._chunks(out), out, watcher)
-        try:
-            return JSONResponse(await out.collect())
-        finally:
-            self._release(out.sreqs, watcher)
+        return await self._reply(out, watcher, lambda: self._chunks(out), lambda whole: whole)
 
     async def respond(self, request: Request):
         """``/v1/responses``: the request as a chat completion's, its answer shaped as a response."""
@@ -345,10 +340,15 @@ class _API:
         except APIError as e:  # the chat request's field names: the request's own
             e.param = CHAT_FIELDS.get(e.param, e.param)
             raise
-        if req.stream:
-            return self._sse(shaper.events(out.events()), out, watcher)
+        return await self._reply(out, watcher, lambda: shaper.events(out.events()), shaper.from_chat)
+
+    async def _reply(self, out: "_Output", watcher: asyncio.Task, lines, shape):
+        """The answer to a submitted request: ``lines()`` (SSE lines) streamed, or the collected
+        response as ``shape`` makes it; the request released at the end either way."""
+        if out.req.stream:
+            return self._sse(lines(), out, watcher)
         try:
-            return JSONResponse(shaper.from_chat(await out.collect()))
+            return JSONResponse(shape(await out.collect()))
         finally:
             self._release(out.sreqs, watcher)
 

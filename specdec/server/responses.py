@@ -201,6 +201,11 @@ class ResponseShaper:
     def status(finish_reason: str | None) -> str:
         return {"length": "incomplete", "abort": "failed"}.get(finish_reason, "completed")
 
+    @staticmethod
+    def message_status(finish_reason: str | None) -> str:
+        """The answer's message item: incomplete where the token budget cut it."""
+        return "incomplete" if finish_reason == "length" else "completed"
+
     def from_chat(self, chat: dict) -> dict:
         """The response of a whole chat completion."""
         choice = chat["choices"][0]
@@ -208,10 +213,10 @@ class ResponseShaper:
         if message.get("reasoning_content"):
             output.append(self._reasoning(message["reasoning_content"]))
         calls = message.get("tool_calls") or []
-        cut = "incomplete" if choice["finish_reason"] == "length" else "completed"
         if message.get("content") or not (calls or message.get("reasoning_content")):
             logprobs = (choice.get("logprobs") or {}).get("content")
-            output.append(self._message(message.get("content") or "", logprobs or [], status=cut))
+            output.append(self._message(message.get("content") or "", logprobs or [],
+                                        status=self.message_status(choice["finish_reason"])))
         output += [self._call(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
         return self.response(output, self.status(choice["finish_reason"]), _usage(chat.get("usage")))
 
@@ -255,8 +260,7 @@ class ResponseShaper:
                                  content_index=0, text=open_["text"])
                 item = self._reasoning(open_["text"], open_["id"])
             elif open_["kind"] == "message":
-                item = self._message(open_["text"], open_["logprobs"], open_["id"],
-                                     "incomplete" if finish_reason == "length" else "completed")
+                item = self._message(open_["text"], open_["logprobs"], open_["id"], self.message_status(finish_reason))
                 yield self.event("response.output_text.done", item_id=open_["id"], output_index=index,
                                  content_index=0, text=open_["text"], logprobs=open_["logprobs"])
                 yield self.event("response.content_part.done", item_id=open_["id"], output_index=index,
@@ -319,10 +323,10 @@ class ResponseShaper:
                 if open_ is None or open_["kind"] != "message":
                     for line in start("message"):
                         yield line
-                open_["text"] += delta.get("content") or ""
+                open_["text"] += delta["content"]
                 open_["logprobs"] += logprobs
                 yield self.event("response.output_text.delta", item_id=open_["id"], output_index=len(done),
-                                 content_index=0, delta=delta.get("content") or "", logprobs=logprobs)
+                                 content_index=0, delta=delta["content"], logprobs=logprobs)
             for call in delta.get("tool_calls") or []:
                 function = call.get("function") or {}
                 if call.get("id"):  # a new call
