@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI): ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/responses`` (over the chat machinery, ``responses.py``), ``/v1/models`` (and ``/v1/models/{model}``), ``/tokenize``, ``/detokenize``, ``/health``,
-``/version`` and ``/metrics``.
+``/v1/responses`` (over the chat machinery, ``responses.py``), ``/v1/models`` (and
+``/v1/models/{model}``), ``/tokenize``, ``/detokenize``, ``/health``, ``/version`` and ``/metrics``.
 
 A handler validates and encodes its request, hands a ``Sequence`` per completion (``n``) to
 the scheduler and reads the committed tokens back from their asyncio queues, streaming them

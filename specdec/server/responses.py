@@ -186,9 +186,10 @@ class ResponseShaper:
 
     def response(self, output: list[dict], status: str, usage: dict | None) -> dict:
         req = self.req
+        aborted = {"code": "server_error", "message": "the request was aborted (the server is shutting down)"}
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "error": {"code": "server_error", "message": "the request was aborted (the server is shutting down)"}
-                if status == "failed" else None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "error": aborted if status == "failed" else None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.model,
                 "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "previous_response_id": None, "reasoning": {"effort": (req.reasoning or {}).get("effort"),
