@@ -26,9 +26,11 @@ from .verify import Verdict, residual as normalized_residual
 class DraftTree:
     tokens: list[int]  # [n+1] row 0 = root
     parents: list[int]  # [n+1] parent row, -1 for the root
-    # q[r]: the draft distribution the children of row r were drawn from, i.i.d.
-    # (``[n+1, vocab]``); None when children were chosen deterministically (n-gram
-    # matches, top-k expansion, greedy), which the verifier treats as one-hot proposals.
+    # q[r]: the draft distribution the children of row r were drawn from, without
+    # replacement in row order (the first from q[r], each next from q[r] without the
+    # earlier siblings, renormalized) (``[n+1, vocab]``; rows without children unused);
+    # None when children were chosen deterministically (n-gram matches, top-k expansion,
+    # greedy), which the verifier treats as one-hot proposals.
     q: torch.Tensor | None = None
     depths: list[int] = field(init=False)
     children: list[list[int]] = field(init=False)
@@ -48,8 +50,8 @@ class DraftTree:
             raise ValueError(f"q has {self.q.shape[0]} rows for {n} tree rows")
         for r, kids in enumerate(children):
             toks = [self.tokens[c] for c in kids]
-            if self.q is None and len(set(toks)) != len(toks):
-                raise ValueError(f"row {r}: deterministic siblings must be distinct tokens")
+            if len(set(toks)) != len(toks):
+                raise ValueError(f"row {r}: siblings must be distinct tokens")
         object.__setattr__(self, "depths", depths)
         object.__setattr__(self, "children", children)
 
@@ -105,10 +107,12 @@ def verify_tree(tree: DraftTree, target_logits: torch.Tensor, sp: SamplingParams
 
     Greedy: follow the child equal to the target's argmax; stop at the first row where no
     child matches (commit the argmax: recovered) or at a leaf (commit its argmax: bonus).
-    Sampling (multi-draft rejection, SpecInfer-style): at row r with residual ``R = p_r``, try
-    each child x in order: accept with ``min(1, R[x] / q_r[x])`` (``q_r`` one-hot at x for
-    deterministic children); on rejection ``R = normalize(max(R - q_r, 0))``. If no child is
-    accepted, draw the recovered token from R. Either way the committed token follows p.
+    Sampling (multi-draft rejection; Jeon et al.'s recursive rule for siblings drawn without
+    replacement): at row r start with ``R = p_r`` and ``Q = q_r`` and try each child x in
+    order: accept with ``min(1, R[x] / Q[x])`` (``Q`` one-hot at x for deterministic
+    children); on rejection ``R = normalize(max(R - Q, 0))`` and the next sibling's ``Q`` is
+    ``Q`` without x, renormalized (what it was drawn from). If no child is accepted, draw
+    the recovered token from R. Either way the committed token follows p.
     """
     rows, tokens = [0], []
     if sp.greedy:
@@ -125,16 +129,20 @@ def verify_tree(tree: DraftTree, target_logits: torch.Tensor, sp: SamplingParams
         p = probs_from_logits(target_logits, sp)  # [n+1, vocab]
         while True:
             r = rows[-1]
-            residual, nxt = p[r], None
+            residual, nxt = p[r], None  # [vocab]
+            q = tree.q[r].float() if tree.q is not None else None  # [vocab] the first child's
             for c in tree.children[r]:
                 x = tree.tokens[c]
-                q = tree.q[r].float() if tree.q is not None else None
                 q_x = float(q[x]) if q is not None else 1.0
                 u = torch.rand((), device=p.device, dtype=torch.float64, generator=generator)  # as verify's
                 if u * q_x < float(residual[x]):
                     nxt = c
                     break
                 residual = normalized_residual(residual, q, x)
+                if q is not None:  # the next sibling was drawn without this one
+                    q = q.clone()
+                    q[x] = 0.0
+                    q /= q.sum().clamp_min(1e-30)
             if nxt is None:
                 tokens.append(int(sample(residual[None], generator)))
                 break

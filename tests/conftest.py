@@ -5,15 +5,18 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import make_tiny  # noqa: E402
+from tiny import make_tiny, noisy_copy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
-    """Tiny random checkpoints: targets of two architectures and an unrelated 1-layer draft."""
+    """Tiny random checkpoints: targets of several architectures, an unrelated 1-layer draft
+    and one resembling the llama target."""
     root = tmp_path_factory.mktemp("tiny")
+    llama = make_tiny(root / "llama", "llama", seed=0)
     return {
-        "llama": make_tiny(root / "llama", "llama", seed=0),
+        "llama": llama,
+        "noisy": noisy_copy(llama, root / "noisy", 0.1),  # a draft whose q overlaps llama's p
         "qwen2": make_tiny(root / "qwen2", "qwen2", seed=1),
         "qwen3": make_tiny(root / "qwen3", "qwen3", seed=2),
         "mistral": make_tiny(root / "mistral", "mistral", seed=3),

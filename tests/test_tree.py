@@ -1,12 +1,14 @@
 """DraftTree structure (mask, positions, retrieve paths) and tree verification."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from specdec.config import SamplingParams
 from specdec.tree import DraftTree, verify_tree
+from specdec.verify import Verdict
 
 GREEDY = SamplingParams()
 ALPHA = 1e-3
@@ -105,21 +107,45 @@ def test_sampling_deterministic_siblings_lossless(siblings):
     assert chi2_pvalue(counts, p) > ALPHA
 
 
-@pytest.mark.parametrize("siblings", [2, 4])
-def test_sampling_iid_siblings_with_q_lossless(siblings):
-    g = torch.Generator().manual_seed(10 + siblings)
+def drawn_siblings_counts(siblings: int, seed: int, rule=verify_tree, n: int = 20000):
+    """First-token counts over ``n`` stars of ``siblings`` children drawn from q without
+    replacement, verified by ``rule``; and p."""
+    g = torch.Generator().manual_seed(seed)
     p_logits = torch.randn(8, generator=g)
-    q = torch.softmax(torch.randn(8, generator=g), -1)
-    p = torch.softmax(p_logits, -1)
+    q = torch.softmax(torch.randn(8, generator=g) * 1.5, -1)
     sp = SamplingParams(temperature=1.0)
     counts = torch.zeros(8)
-    n = 20000
-    draw = torch.Generator().manual_seed(1)
     for _ in range(n):
-        kids = torch.multinomial(q, siblings, replacement=True, generator=draw).tolist()
+        kids = torch.multinomial(q, siblings, replacement=False, generator=g).tolist()
         tree = DraftTree([0] + kids, [-1] + [0] * siblings, q=q.expand(siblings + 1, 8))
-        counts[verify_tree(tree, p_logits.expand(siblings + 1, 8), sp, draw).tokens[0]] += 1
+        counts[rule(tree, p_logits.expand(siblings + 1, 8), sp, g).tokens[0]] += 1
+    return counts, torch.softmax(p_logits, -1)
+
+
+@pytest.mark.parametrize("siblings", [2, 3, 5])
+def test_sampling_drawn_siblings_lossless(siblings):
+    """Siblings drawn from q without replacement (distinct), each checked against the
+    residual and q without the earlier ones: the first token follows p (chi-square)."""
+    counts, p = drawn_siblings_counts(siblings, 10 + siblings)
     assert chi2_pvalue(counts, p) > ALPHA
+
+
+def test_negative_control_drawn_siblings_with_the_iid_rule_is_caught():
+    """Checking siblings drawn without replacement against the unchanged q (SpecInfer's rule
+    for i.i.d. draws) is biased."""
+
+    def iid_rule(tree, logits, sp, g):
+        p, q = torch.softmax(logits[0], -1), tree.q[0]
+        residual = p
+        for x in tree.tokens[1:]:
+            if torch.rand((), dtype=torch.float64, generator=g) * q[x] < residual[x]:
+                return Verdict(1, [x])
+            residual = (residual - q).clamp_min(0)
+            residual = residual / residual.sum()
+        return Verdict(0, [int(torch.multinomial(residual, 1, generator=g))])
+
+    counts, p = drawn_siblings_counts(3, 13, iid_rule)
+    assert chi2_pvalue(counts, p) < ALPHA
 
 
 def test_negative_control_no_residual_update_is_caught():
@@ -306,6 +332,49 @@ def test_model_tree_sampling_reproducible(loaded):
     a, b = (llm.generate(PROMPTS, sp) for _ in range(2))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 24 for o in a)
+
+
+def test_model_tree_sampled_children_are_lossless(loaded, tiny_dirs):
+    """Sampled requests draw a draft-model tree's children from q without replacement: the
+    engine's first four tokens (the last three from a tree of depth 2, pruned to 3 of its 6
+    candidates, and a bonus) follow the target's exact joint distribution (chi-square at alpha
+    0.001 over 6144 completions; top_k 4 at temperature 1.5, so q and p both spread; a
+    draft resembling the target, so that children are accepted at every depth and rejected)."""
+    from transformers import AutoModelForCausalLM
+
+    top_k, temperature, n = 4, 1.5, 6144
+    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
+    prompt = [40, 41, 42, 43, 44]
+
+    def probs(ids):  # the target's processed next-token distribution after ``ids``
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1] / temperature
+        keep = logits >= logits.topk(top_k).values[-1]
+        return torch.where(keep, logits, float("-inf")).softmax(-1).double()
+
+    expected = {(): 1.0}
+    for _ in range(4):
+        expected = {path + (t,): w * float(pr[t]) for path, w in expected.items()
+                    for pr in [probs(prompt + list(path))] for t in pr.nonzero().flatten().tolist()}
+    spec = SpecConfig(method="draft", num_draft_tokens=2, tree_topk=2, tree_nodes=3)
+    llm = LLM(loaded("llama"), draft=loaded("noisy"), speculative=spec, max_batch_size=64)
+    sps = [SamplingParams(max_tokens=4, temperature=temperature, top_k=top_k, seed=j * n // 64, n=n // 64, ignore_eos=True)
+           for j in range(64)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 64, sps)
+    seen = [tuple(c.token_ids) for o in outs for c in o.outputs]
+    assert len(seen) == n and set(seen) <= set(expected)
+    m = [o.metrics for o in outs]
+    drafted, accepted = sum(x["drafted_tokens"] for x in m), sum(x["accepted_tokens"] for x in m)
+    assert 0.2 * drafted < accepted < 0.8 * drafted  # children accepted and rejected
+    print({k: m[0][k] for k in ("acceptance_by_depth", "nodes_per_verify_step", "drafted_per_position")})
+    assert sum(x["acceptance_by_depth"][1] > 0 for x in m) > 32
+    cells = sorted(expected, key=expected.get)
+    obs = np.array([seen.count(c) for c in cells], dtype=float)
+    exp = np.array([expected[c] for c in cells]) * n
+    small = np.cumsum(exp) < 40  # the least likely paths pooled into one cell of >= 40 expected
+    obs = np.append(obs[~small], obs[small].sum())
+    exp = np.append(exp[~small], exp[small].sum())
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA
 
 
 def test_tree_metrics_by_depth(loaded):

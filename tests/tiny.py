@@ -86,3 +86,18 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def noisy_copy(src: Path, path: Path, noise: float, seed: int = 0) -> Path:
+    """A draft that resembles the checkpoint at ``src`` (each weight plus gaussian noise of
+    ``noise`` times its tensor's std): its q overlaps the target's p without equalling it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p += torch.randn(p.shape, generator=g) * noise * p.std().clamp_min(1e-3)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(src).save_pretrained(path)
+    return path

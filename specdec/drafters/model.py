@@ -8,7 +8,9 @@ it has them all), then drafts for the whole batch, one forward per depth:
 * **chain** (``topk == 1``): the draft's own choice at each depth (argmax, or a draw from
   q when sampling);
 * **tree** (``topk > 1``, EAGLE-2 style): each depth expands the ``topk`` best frontier
-  nodes (by cumulative draft log-probability) into their ``topk`` most likely children;
+  nodes into ``topk`` children each: the draft's most likely ones for greedy requests,
+  ``topk`` drawn from q without replacement for sampled ones (accepted by the overlap of p
+  and q, as a chain's drafts, where top-k children are accepted only with p's own mass);
   the tree keeps the ``max_nodes`` best nodes overall. The frontier of each depth is fed as
   one chunk per sequence, positioned at its depth and masked to see only its ancestors
   among the earlier depths' rows (the runtime's tail mask).
@@ -34,9 +36,18 @@ class _Growth:
 
     tokens: list[int]
     parents: list[int]
-    scores: list[float]  # cumulative draft log-probability
+    # a node's rank: for top-k children (greedy requests) the path's draft log-probability
+    # (EAGLE-2's). For children drawn from q (sampled requests): the parent's rank plus
+    # log(q_j / q_1) for the parent's j-th draw, q_j the j-th largest draft probability
+    # there. That does not depend on the tokens drawn, so that which draws the tree keeps
+    # (a prefix of each parent's) does not either, as the verifier's rule for draws without
+    # replacement needs; and the path of first draws ranks 0: the tree holds the chain the
+    # same draft would sample (each draft accepted by the overlap of p and q), then the
+    # most likely branches off it.
+    ranks: list[float]
     depths: list[int]
     fed: list[int] = field(default_factory=list)  # nodes fed to the draft cache, in cache order
+    drawn: dict[int, torch.Tensor] = field(default_factory=dict)  # node -> q its children were drawn from
 
     def path(self, node: int) -> list[int]:
         """The tokens from the root (excluded) down to ``node``."""
@@ -46,10 +57,11 @@ class _Growth:
             node = self.parents[node]
         return out[::-1]
 
-    def add(self, parent: int, token: int, logq: float) -> int:
+    def add(self, parent: int, token: int, rank_logq: float) -> int:
+        """Add ``token`` under ``parent`` as the child whose rank adds ``rank_logq``."""
         self.tokens.append(token)
         self.parents.append(parent)
-        self.scores.append(self.scores[parent] + logq)
+        self.ranks.append(self.ranks[parent] + rank_logq)
         self.depths.append(self.depths[parent] + 1)
         return len(self.tokens) - 1
 
@@ -63,14 +75,25 @@ class _Growth:
                 node = self.parents[node]
         return m
 
-    def best_tree(self, max_nodes: int) -> DraftTree:
-        """The ``max_nodes`` best nodes by score (a parent never scores below its child, and
-        sorts first on ties), in topological order."""
-        ranked = sorted(range(1, len(self.tokens)), key=lambda r: (-self.scores[r], self.depths[r], r))
-        keep = sorted(ranked[:max_nodes], key=lambda r: (self.depths[r], r))
+    def best(self, nodes: list[int], n: int) -> list[int]:
+        """The ``n`` best of ``nodes`` by rank (a parent never ranks below its child, nor a
+        child below a later sibling, and each sorts first on ties)."""
+        return sorted(nodes, key=lambda r: (-self.ranks[r], self.depths[r], r))[:n]
+
+    def best_tree(self, max_nodes: int, vocab: int) -> DraftTree:
+        """The ``max_nodes`` best nodes, in topological order; with the q of drawn children
+        (``[rows, vocab]``) if any were drawn."""
+        keep = sorted(self.best(range(1, len(self.tokens)), max_nodes), key=lambda r: (self.depths[r], r))
         row = {0: 0} | {node: i + 1 for i, node in enumerate(keep)}
+        q = None
+        if self.drawn:
+            some = next(iter(self.drawn.values()))
+            q = some.new_zeros(len(keep) + 1, vocab)  # [n+1, vocab]
+            for node, r in row.items():
+                if node in self.drawn:
+                    q[r, : self.drawn[node].shape[0]] = self.drawn[node]
         return DraftTree([self.tokens[0]] + [self.tokens[r] for r in keep],
-                         [-1] + [row[self.parents[r]] for r in keep])
+                         [-1] + [row[self.parents[r]] for r in keep], q=q)
 
 
 class ModelDrafter:
@@ -285,8 +308,7 @@ class ModelDrafter:
         return token, F.pad(q, (0, self.target_vocab - q.shape[0]))
 
     def _trees(self, seqs, ks, active, logits) -> list[Draft]:
-        """Top-k expansion; children are chosen deterministically, so the trees carry no q
-        (the verifier treats them as one-hot proposals, which keeps sampling lossless)."""
+        """EAGLE-2 expansion, one draft forward per depth for the whole batch."""
         drafts = [Draft([]) for _ in seqs]
         grow = {i: _Growth([seqs[i].ids[-1]], [-1], [0.0], [0]) for i in active}
         frontier = {i: [0] for i in active}  # nodes whose children the logits rows predict
@@ -295,14 +317,8 @@ class ModelDrafter:
             nxt = []
             for i in active:
                 seq, g = seqs[i], grow[i]
-                children = []
-                for node, row in zip(frontier[i], rows[i]):
-                    logq = self._log_q(row, seq, g.path(node))  # [target_vocab]
-                    top = torch.topk(logq, self.topk)
-                    children += [g.add(node, int(t), float(v))
-                                 for t, v in zip(top.indices, top.values) if v > float("-inf")]
-                best = sorted(children, key=lambda c: -g.scores[c])[: self.topk]
-                frontier[i] = [c for c in best if g.tokens[c] not in seq.eos_ids]
+                children = [c for node, row in zip(frontier[i], rows[i]) for c in self._children(g, node, row, seq)]
+                frontier[i] = [c for c in g.best(children, self.topk) if g.tokens[c] not in seq.eos_ids]
                 if frontier[i] and g.depths[frontier[i][0]] < ks[i]:
                     nxt.append(i)
             active = nxt
@@ -318,21 +334,39 @@ class ModelDrafter:
                     grow[i].fed += frontier[i]
                     rows[i] = list(out[b, : len(frontier[i])])
         for i, g in grow.items():
-            tree = g.best_tree(self.max_nodes or len(g.tokens) - 1)
+            tree = g.best_tree(self.max_nodes or len(g.tokens) - 1, self.target_vocab)
             drafts[i].tokens, drafts[i].tree = tree.tokens[1:], tree
             row_of = {n: j for j, n in enumerate(g.fed)}
             self.tail[seqs[i].slot] = {(row_of.get(g.parents[n], -1), g.tokens[n]): j
                                        for j, n in enumerate(g.fed)}
         return drafts
 
-    def _log_q(self, logits: torch.Tensor, seq: Sequence, path: list[int]) -> torch.Tensor:
-        """Draft log-probabilities over the target's vocab, after the drafts ``path`` (after
-        the request's grammar and logits processing, ``sequence_logits``, then temperature,
-        top-k, top-p and min-p when sampling; plain softmax of those logits for greedy requests)."""
-        logits = sequence_logits(logits[None, : self.target_vocab].float(), seq, [path])[0]
+    def _children(self, g: _Growth, node: int, logits: torch.Tensor, seq: Sequence) -> list[int]:
+        """Add ``topk`` children under ``node`` from the draft's logits row there ``[vocab_d]``:
+        its most likely tokens for a greedy request (deterministic: the verifier treats
+        them as one-hot proposals); for a sampled one, tokens drawn from q without
+        replacement (an exponential race), keeping q for the verifier."""
+        q = self._q(logits, seq, g.path(node))  # [vocab_d]
+        top = torch.topk(q, min(self.topk, q.shape[0]))
+        picks, rank_logq = top.indices, top.values.log()  # [topk]
+        if not seq.sampling.greedy:
+            race = torch.empty_like(q).exponential_(generator=seq.generator)  # [vocab_d]
+            picks = torch.topk(q / race, top.indices.shape[0]).indices  # an ordered draw without replacement
+            rank_logq = rank_logq - rank_logq[0]
+            g.drawn[node] = q
+        return [g.add(node, t, r) for t, p_t, r in zip(picks.tolist(), q[picks].tolist(), rank_logq.tolist())
+                if p_t > 0]
+
+    def _q(self, logits: torch.Tensor, seq: Sequence, path: list[int]) -> torch.Tensor:
+        """Draft probabilities over the target's vocab (narrower for a narrower draft), after
+        the drafts ``path`` (after the request's grammar and logits processing,
+        ``sequence_logits``, then temperature, top-k, top-p and min-p when sampling; plain
+        softmax of those logits for greedy requests), on the request's generator's device."""
+        logits = logits[None, : self.target_vocab].float().to(seq.generator.device)
+        logits = sequence_logits(logits, seq, [path])[0]
         if seq.sampling.greedy:
-            return logits.log_softmax(-1)
-        return probs_from_logits(logits[None], seq.sampling)[0].log()
+            return logits.softmax(-1)
+        return probs_from_logits(logits[None], seq.sampling)[0]
 
     def observe(self, seq: Sequence, num_accepted: int) -> None:
         cached = self._cached(seq)
