@@ -219,6 +219,21 @@ def test_auto_tool_choice_parses_hermes_calls(client):
     assert streamed(client, **plain) == (r.message.content, [], "stop")
 
 
+def test_streamed_call_cut_short_stays_a_call(client):
+    """A call that max_tokens cuts in its arguments: streamed, it stays the call it was
+    streamed as, with the arguments written (finish reason length), and none of its text
+    arrives as content; whole, the text is content (no complete call), as vLLM's."""
+    regex = r'Sure[a-z]{0,3}\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)"\}\}\n</tool_call>'
+    kw = dict(messages=MESSAGES, tools=TOOLS, temperature=0, extra_body={"structured_outputs": {"regex": regex}})
+    text = client.chat.completions.create(model=MODEL, max_tokens=120, **kw).choices[0].message
+    cut = len(text.content + '<tool_call>\n{"name": "get_weather", "arguments": {"ci')  # the tiny model's tokens are bytes
+    r = client.chat.completions.create(model=MODEL, max_tokens=cut, **kw).choices[0]
+    assert r.finish_reason == "length" and r.message.tool_calls is None and r.message.content.endswith('{"ci')
+    content, calls, finish = streamed(client, max_tokens=cut, **kw)
+    assert content == text.content and finish == "length"
+    assert calls == [(0, "get_weather", '{"ci')]
+
+
 def test_tool_conversation_and_none(client):
     """A conversation with an earlier call and its result goes through the chat template;
     tool_choice "none" shows the tools to the template (as vLLM does by default) but reads no

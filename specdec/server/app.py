@@ -640,6 +640,8 @@ class _Output:
         then at the end the finish reason."""
         final = finish_reason is not None
         answer = self.parser.view(stream.text if final else stream.text[:stream.sent], final)
+        if len(answer.calls) < len(shown) - 2:  # a call was streamed, then cut short (max_tokens): the whole
+            answer = self.parser.view(stream.text)  # text reads it as content; the stream keeps it a call (vLLM's)
         delta = {}
         for j, (key, part) in enumerate((("reasoning_content", answer.reasoning), ("content", answer.content))):
             more = (part or "")[shown[j]:]
