@@ -107,6 +107,16 @@ def test_reasoning_and_function_calls(client):
     assert [(o.type, getattr(o, "name", None)) for o in final.output] == \
         [("reasoning", None), ("message", None), ("function_call", "get_weather")]
     assert final.output[1].content[0].text == message.content[0].text and final.output[2].arguments == call.arguments
+    # cut in the call's arguments: the whole answer has the text as its message (no complete call); the
+    # stream keeps the call it started, incomplete, as the chat stream does
+    cut = r.usage.output_tokens - 10
+    whole = client.responses.create(model=MODEL, input=messages, **{**kw, "max_output_tokens": cut})
+    assert whole.status == "incomplete" and [o.type for o in whole.output] == ["reasoning", "message"]
+    assert whole.output[1].content[0].text.startswith(message.content[0].text + "<tool_call>")
+    last = events(client, input=messages, **{**kw, "max_output_tokens": cut})[-1]
+    assert last.type == "response.incomplete" and [o.type for o in last.response.output] == [o.type for o in r.output]
+    assert last.response.output[1].content[0].text == message.content[0].text
+    assert last.response.output[2].status == "incomplete" and call.arguments.startswith(last.response.output[2].arguments)
     # the next turn: the answer's items and the call's output, as the openai client's loop sends them;
     # the answer's text and call are one assistant turn, as the model wrote them (one prompt prefix)
     turn = r.output + [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]

@@ -204,7 +204,8 @@ class ResponseShaper:
 
     @staticmethod
     def message_status(finish_reason: str | None) -> str:
-        """The answer's message item: incomplete where the token budget cut it."""
+        """The answer's message item, or a streamed call open at its end: incomplete where the
+        token budget cut it."""
         return "incomplete" if finish_reason == "length" else "completed"
 
     def from_chat(self, chat: dict) -> dict:
@@ -269,7 +270,8 @@ class ResponseShaper:
             else:
                 yield self.event("response.function_call_arguments.done", item_id=open_["id"], output_index=index,
                                  arguments=open_["text"])
-                item = self._call(open_["call_id"], open_["name"], open_["text"], open_["id"])
+                item = self._call(open_["call_id"], open_["name"], open_["text"], open_["id"],
+                                  self.message_status(finish_reason))
             yield self.event("response.output_item.done", output_index=index, item=item)
             done.append(item)
             open_ = None
