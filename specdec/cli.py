@@ -41,7 +41,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max)
     g.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min)
     g.add_argument("--tree-topk", type=int, default=1,
-                   help="token tree: candidates per node (draft/self: top-k children; ngram: matches; 1 = chain, default)")
+                   help="token tree: candidates per node (draft/self: top-k children, drawn from q when sampling; ngram: matches; 1 = chain, default)")
     g.add_argument("--tree-depth", type=int, help="token tree depth (default: k)")
     g.add_argument("--tree-nodes", type=int, help="token tree node budget (default: depth * topk)")
     g.add_argument("--cost-model", action="store_true",
