@@ -250,7 +250,7 @@ class LLM:
                  max_num_seqs: int | None = None, max_logprobs: int = EngineConfig.max_logprobs,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization,
                  enable_prefix_caching: bool | None = True, tokenizer: str | None = None, revision: str | None = None,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, tokenizer_revision: str | None = None):
         if max_num_seqs is not None:  # vLLM's name
             if max_batch_size not in (EngineConfig.max_batch_size, max_num_seqs):
                 raise ValueError("give max_batch_size or max_num_seqs (vLLM's name), not both")
@@ -268,7 +268,8 @@ class LLM:
                          enforce_eager=enforce_eager, generation_config=generation_config, seed=seed, threads=threads,
                          max_logprobs=max_logprobs, tensor_parallel_size=tensor_parallel_size,
                          gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-                         tokenizer=tokenizer, revision=revision, trust_remote_code=trust_remote_code)
+                         tokenizer=tokenizer, revision=revision, trust_remote_code=trust_remote_code,
+                         tokenizer_revision=tokenizer_revision)
         if c.threads is not None:  # process-wide, before loading: llama.cpp takes torch's count too
             torch.set_num_threads(c.threads)
         if c.generation_config not in ("auto", "vllm") and \
@@ -283,10 +284,12 @@ class LLM:
                              "use method 'draft' or 'hybrid'")
         loading = dict(repack=c.repack, load_format=c.load_format, max_model_len=c.max_model_len,
                        enforce_eager=c.enforce_eager, trust_remote_code=c.trust_remote_code)
-        if isinstance(model, LoadedModel) and (c.tokenizer or c.revision):
-            raise ValueError("tokenizer and revision are for loading the model; this one is loaded already")
+        if isinstance(model, LoadedModel) and (c.tokenizer or c.revision or c.tokenizer_revision):
+            raise ValueError("tokenizer, revision and tokenizer_revision are for loading the model; "
+                             "this one is loaded already")
         self.target: LoadedModel = model if isinstance(model, LoadedModel) \
-            else load_model(model, c.device, c.dtype, c.backend, revision=c.revision, tokenizer=c.tokenizer, **loading)
+            else load_model(model, c.device, c.dtype, c.backend, revision=c.revision, tokenizer=c.tokenizer,
+                            tokenizer_revision=c.tokenizer_revision, **loading)
         self.draft: LoadedModel | None = None
         if uses_draft:
             from .vocab import require_compatible

@@ -25,6 +25,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", help="the target's tokenizer from another directory, .gguf or hub id "
                                        "(default: the model's own; e.g. the original model's beside a GGUF)")
     g.add_argument("--revision", help="the hub model's branch, tag or commit (default: main)")
+    g.add_argument("--tokenizer-revision", help="a hub tokenizer's branch, tag or commit (default: --revision)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="run the checkpoint's own Python code (config, tokenizer, model on transformers' "
                         "runtime) where its config.json names it in auto_map")
@@ -231,7 +232,7 @@ def make_llm(a):
                threads=a.threads, max_logprobs=a.max_logprobs,
                tensor_parallel_size=a.tensor_parallel_size, gpu_memory_utilization=a.gpu_memory_utilization,
                enable_prefix_caching=a.enable_prefix_caching, tokenizer=a.tokenizer, revision=a.revision,
-               trust_remote_code=a.trust_remote_code)
+               trust_remote_code=a.trust_remote_code, tokenizer_revision=a.tokenizer_revision)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:

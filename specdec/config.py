@@ -413,11 +413,13 @@ class EngineConfig:
     # is computed from scratch (e.g. to time prefills); None (vLLM's default) = True
     enable_prefix_caching: bool | None = True
     # vLLM's loading keywords: the target's tokenizer from another path, .gguf or hub id (None =
-    # the model's own); a hub id's revision (branch, tag or commit); and trust_remote_code:
-    # run a checkpoint's own Python code (config, tokenizer, model) where its config names it
+    # the model's own); a hub id's revision (branch, tag or commit), and the tokenizer's (None =
+    # revision, as vLLM's); and trust_remote_code: run a checkpoint's own Python code (config,
+    # tokenizer, model) where its config names it
     tokenizer: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False
+    tokenizer_revision: str | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -445,7 +447,7 @@ class EngineConfig:
                                                "each model on one device (no tensor parallelism); use 1")
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", True)
-        for name in ("tokenizer", "revision"):
+        for name in ("tokenizer", "revision", "tokenizer_revision"):
             _check(getattr(self, name) != "", f"{name} must be None or a non-empty string")
         _check(0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

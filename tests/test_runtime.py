@@ -635,3 +635,8 @@ def test_hub_downloads(tiny_dirs, monkeypatch):
     assert calls[-1][2] == meta | {"*.safetensors", "pytorch_model*.bin"}
     load_tokenizer("org/model")
     assert calls[-1] == ("org/model", None, meta)
+    listing = ["config.json", "model.safetensors"]  # a hub tokenizer: at the model's revision, or its own
+    LLM(str(tiny_dirs["llama"]), device="cpu", tokenizer="org/tok", revision="v2")
+    assert calls[-1] == ("org/tok", "v2", meta)
+    LLM(str(tiny_dirs["llama"]), device="cpu", tokenizer="org/tok", revision="v2", tokenizer_revision="t1")
+    assert calls[-1] == ("org/tok", "t1", meta)

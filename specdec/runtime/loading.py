@@ -447,12 +447,14 @@ def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 def load_model(model: str | None, device: str | None = None, dtype: str | None = None,
                backend: str = "auto", quantize: str = "none", repack: bool = True, load_format: str = "auto",
                max_model_len: int | None = None, enforce_eager: bool = False, revision: str | None = None,
-               tokenizer: str | None = None, trust_remote_code: bool = False) -> LoadedModel:
+               tokenizer: str | None = None, trust_remote_code: bool = False,
+               tokenizer_revision: str | None = None) -> LoadedModel:
     """Load ``model`` (path, .gguf, hub id or None for the default) onto a runtime.
 
     vLLM's loading keywords: ``revision`` of a hub id (branch, tag or commit); ``tokenizer``:
     another model's tokenizer (path, .gguf or hub id; e.g. the original model's beside a
-    GGUF), whose base vocabulary must fit the model's; ``trust_remote_code``: run the model's
+    GGUF), whose base vocabulary must fit the model's, at ``tokenizer_revision`` where it is a
+    hub id (default ``revision``, as vLLM's); ``trust_remote_code``: run the model's
     own Python code (config, tokenizer, and the model itself, on transformers' runtime) where
     its config names it in ``auto_map``.
 
@@ -472,7 +474,8 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     EngineConfig(backend=backend, load_format=load_format)  # validates the pair
     code = {"trust_remote_code": trust_remote_code}
     if backend == "llamacpp":
-        return load_llamacpp(model, device, dtype, quantize, repack, max_model_len, tokenizer, trust_remote_code)
+        return load_llamacpp(model, device, dtype, quantize, repack, max_model_len, tokenizer, trust_remote_code,
+                             tokenizer_revision or revision)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve(model, weights=load_format == "auto", revision=revision, code=trust_remote_code)
@@ -483,7 +486,7 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
             raise
         raise ValueError(f"model {model!r} comes with its own Python code (auto_map in its config.json); "
                          "to run it, pass trust_remote_code=True (--trust-remote-code)") from None
-    tok = own_or_given_tokenizer(path, tokenizer, config, trust_remote_code)
+    tok = own_or_given_tokenizer(path, tokenizer, config, trust_remote_code, tokenizer_revision or revision)
     eos_ids = eos_ids_of(path, config, tok)
     # auto: specdec's own runtime where it runs the config as transformers does, else transformers'
     # (also for a config whose own modeling code is trusted: that code is the model)
@@ -506,14 +509,15 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tok, eos_ids, config)
 
 
-def own_or_given_tokenizer(path: Path, tokenizer: str | None, config, trust_remote_code: bool = False):
+def own_or_given_tokenizer(path: Path, tokenizer: str | None, config, trust_remote_code: bool = False,
+                           revision: str | None = None):
     """The tokenizer of the model directory ``path``, or the one ``tokenizer`` names
-    (``load_tokenizer``'s forms), refused if its base vocabulary is larger than the model's
-    (another model's; tokens added past the embedding are refused per request, as with the
-    model's own tokenizer)."""
+    (``load_tokenizer``'s forms; a hub id at ``revision``), refused if its base vocabulary is
+    larger than the model's (another model's; tokens added past the embedding are refused
+    per request, as with the model's own tokenizer)."""
     if tokenizer is None:
         return _tokenizer_at(path, str(path), trust_remote_code)
-    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code)
+    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code, revision=revision)
     rows = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", None)
     if rows is not None and tok.vocab_size > rows:
         raise ValueError(f"tokenizer {tokenizer!r} has {tok.vocab_size} tokens, more than the model's vocabulary of "
@@ -523,7 +527,7 @@ def own_or_given_tokenizer(path: Path, tokenizer: str | None, config, trust_remo
 
 def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quantize: str,
                   repack: bool, max_model_len: int | None = None, tokenizer: str | None = None,
-                  trust_remote_code: bool = False) -> LoadedModel:
+                  trust_remote_code: bool = False, tokenizer_revision: str | None = None) -> LoadedModel:
     """``load_model`` for ``backend="llamacpp"``: the GGUF's weights go to llama.cpp as they are."""
     from transformers import AutoConfig
 
@@ -539,7 +543,7 @@ def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quan
     gguf = gguf_file(model)
     path = gguf_to_hf_dir(gguf, weights=False)
     config = AutoConfig.from_pretrained(path)
-    tok = own_or_given_tokenizer(path, tokenizer, config, trust_remote_code)
+    tok = own_or_given_tokenizer(path, tokenizer, config, trust_remote_code, tokenizer_revision)
     runtime = LlamaCppRuntime(gguf, threads=torch.get_num_threads(), repack=repack,
                               context=max_model_len or DEFAULT_CONTEXT)
     # llama.cpp's own end-of-generation tokens: as llama.cpp itself stops
@@ -547,9 +551,9 @@ def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quan
                        eos_ids_of(path, config, tok) | runtime.eog_ids(), config)
 
 
-def load_tokenizer(model: str | None, trust_remote_code: bool = False):
+def load_tokenizer(model: str | None, trust_remote_code: bool = False, revision: str | None = None):
     """Just the tokenizer of ``model`` (a GGUF is not dequantized for this; a directory may
-    hold the tokenizer's files alone)."""
+    hold the tokenizer's files alone; a hub id at ``revision``)."""
     if model is None:
         model = default_model_path()
     path = Path(model).expanduser()
@@ -558,7 +562,7 @@ def load_tokenizer(model: str | None, trust_remote_code: bool = False):
         path = ggufs[0] if len(ggufs) == 1 else path
     if path.is_file() and path.suffix == ".gguf":
         return gguf_tokenizer(path)
-    where = path if path.is_dir() else resolve(model, weights=False, code=trust_remote_code)
+    where = path if path.is_dir() else resolve(model, weights=False, revision=revision, code=trust_remote_code)
     return _tokenizer_at(where, model, trust_remote_code)
 
 
