@@ -366,7 +366,6 @@ def test_model_tree_sampled_children_are_lossless(loaded, tiny_dirs):
     m = [o.metrics for o in outs]
     drafted, accepted = sum(x["drafted_tokens"] for x in m), sum(x["accepted_tokens"] for x in m)
     assert 0.2 * drafted < accepted < 0.8 * drafted  # children accepted and rejected
-    print({k: m[0][k] for k in ("acceptance_by_depth", "nodes_per_verify_step", "drafted_per_position")})
     assert sum(x["acceptance_by_depth"][1] > 0 for x in m) > 32
     cells = sorted(expected, key=expected.get)
     obs = np.array([seen.count(c) for c in cells], dtype=float)

@@ -80,18 +80,15 @@ class _Growth:
         child below a later sibling, and each sorts first on ties)."""
         return sorted(nodes, key=lambda r: (-self.ranks[r], self.depths[r], r))[:n]
 
-    def best_tree(self, max_nodes: int, vocab: int) -> DraftTree:
+    def best_tree(self, max_nodes: int) -> DraftTree:
         """The ``max_nodes`` best nodes, in topological order; with the q of drawn children
-        (``[rows, vocab]``) if any were drawn."""
+        (zeros for rows that drew none) if any were drawn."""
         keep = sorted(self.best(range(1, len(self.tokens)), max_nodes), key=lambda r: (self.depths[r], r))
         row = {0: 0} | {node: i + 1 for i, node in enumerate(keep)}
         q = None
         if self.drawn:
-            some = next(iter(self.drawn.values()))
-            q = some.new_zeros(len(keep) + 1, vocab)  # [n+1, vocab]
-            for node, r in row.items():
-                if node in self.drawn:
-                    q[r, : self.drawn[node].shape[0]] = self.drawn[node]
+            none = torch.zeros_like(next(iter(self.drawn.values())))
+            q = torch.stack([self.drawn.get(node, none) for node in row])  # [n+1, target_vocab]
         return DraftTree([self.tokens[0]] + [self.tokens[r] for r in keep],
                          [-1] + [row[self.parents[r]] for r in keep], q=q)
 
@@ -334,7 +331,7 @@ class ModelDrafter:
                     grow[i].fed += frontier[i]
                     rows[i] = list(out[b, : len(frontier[i])])
         for i, g in grow.items():
-            tree = g.best_tree(self.max_nodes or len(g.tokens) - 1, self.target_vocab)
+            tree = g.best_tree(self.max_nodes or len(g.tokens) - 1)
             drafts[i].tokens, drafts[i].tree = tree.tokens[1:], tree
             row_of = {n: j for j, n in enumerate(g.fed)}
             self.tail[seqs[i].slot] = {(row_of.get(g.parents[n], -1), g.tokens[n]): j
@@ -353,7 +350,7 @@ class ModelDrafter:
             race = torch.empty_like(q).exponential_(generator=seq.generator)  # [vocab_d]
             picks = torch.topk(q / race, top.indices.shape[0]).indices  # an ordered draw without replacement
             rank_logq = rank_logq - rank_logq[0]
-            g.drawn[node] = q
+            g.drawn[node] = F.pad(q, (0, self.target_vocab - q.shape[0]))  # [target_vocab], as a chain's q
         return [g.add(node, t, r) for t, p_t, r in zip(picks.tolist(), q[picks].tolist(), rank_logq.tolist())
                 if p_t > 0]
 

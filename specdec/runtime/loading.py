@@ -473,9 +473,10 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
 
     EngineConfig(backend=backend, load_format=load_format)  # validates the pair
     code = {"trust_remote_code": trust_remote_code}
+    tokenizer_revision = tokenizer_revision or revision
     if backend == "llamacpp":
         return load_llamacpp(model, device, dtype, quantize, repack, max_model_len, tokenizer, trust_remote_code,
-                             tokenizer_revision or revision)
+                             tokenizer_revision)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     path = resolve(model, weights=load_format == "auto", revision=revision, code=trust_remote_code)
@@ -486,7 +487,7 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
             raise
         raise ValueError(f"model {model!r} comes with its own Python code (auto_map in its config.json); "
                          "to run it, pass trust_remote_code=True (--trust-remote-code)") from None
-    tok = own_or_given_tokenizer(path, tokenizer, config, trust_remote_code, tokenizer_revision or revision)
+    tok = own_or_given_tokenizer(path, tokenizer, config, trust_remote_code, tokenizer_revision)
     eos_ids = eos_ids_of(path, config, tok)
     # auto: specdec's own runtime where it runs the config as transformers does, else transformers'
     # (also for a config whose own modeling code is trusted: that code is the model)
