@@ -298,7 +298,10 @@ class LLM:
                 where = str(self.target.runtime.device) if c.device is None and isinstance(model, LoadedModel) \
                     else c.device
                 draft = load_model(draft, where, c.dtype, c.draft_backend or c.backend,
-                                   quantize=speculative.draft_quantization, **loading)
+                                   quantize=speculative.draft_quantization, revision=speculative.draft_revision,
+                                   **loading)
+            elif speculative.draft_revision:
+                raise ValueError("draft_revision is for loading the draft model; this one is loaded already")
             self.draft = draft
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
         for side, m in (("target", self.target), ("draft", self.draft)):

@@ -50,6 +50,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "from measured forward times and online acceptance")
     g.add_argument("--draft-quantization", choices=["auto", "none", "int8"], default="auto",
                    help="int8 draft weights (lossless; auto = int8 for a CPU float32 draft)")
+    g.add_argument("--draft-revision", help="a hub draft model's branch, tag or commit (default: main)")
     g.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                    help="auto (default): float32 on cpu, bfloat16 on cuda")
@@ -160,7 +161,7 @@ def spec_from_args(a) -> tuple[SpecConfig, str | None]:
     """The speculation flags as ``(SpecConfig, draft model)``; ``--speculative-config``
     (vLLM's JSON) sets what it names on top of the other flags."""
     flags = dict(num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max, ngram_min=a.ngram_min,
-                 draft_quantization=a.draft_quantization, tree_topk=a.tree_topk, tree_depth=a.tree_depth,
+                 draft_quantization=a.draft_quantization, draft_revision=a.draft_revision, tree_topk=a.tree_topk, tree_depth=a.tree_depth,
                  tree_nodes=a.tree_nodes, cost_model=a.cost_model)
     if a.speculative_config is None:
         return SpecConfig(method=a.method or ("draft" if a.draft else "none"), **flags), a.draft

@@ -25,7 +25,7 @@ METHODS = ("none", "draft", "ngram", "self", "hybrid")
 # vLLM's speculative_config, as SpecConfig.from_vllm reads it: its method names and keys
 VLLM_SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft"}
 VLLM_SPEC_KEYS = {"num_speculative_tokens": "num_draft_tokens", "prompt_lookup_max": "ngram_max",
-                  "prompt_lookup_min": "ngram_min"}
+                  "prompt_lookup_min": "ngram_min", "revision": "draft_revision"}
 BACKENDS = ("auto", "torch", "hf", "llamacpp")
 LOAD_FORMATS = ("auto", "dummy")  # the checkpoint's weights, or random ones of its shapes (vLLM's dummy)
 # generation_config.json keys a model's default sampling comes from, as SamplingParams fields
@@ -292,6 +292,7 @@ class SpecConfig:
     # int8 weights for the draft model (lossless: the target verifies every token).
     # auto = int8 when the draft runs on CPU in float32, where it is ~4x faster.
     draft_quantization: str = "auto"  # auto | none | int8
+    draft_revision: str | None = None  # a hub draft's branch, tag or commit (its tokenizer's too); None = main
     # token trees: up to tree_topk candidates per node (draft/self: the draft's top-k
     # children, EAGLE-2 style; ngram: several matches' continuations), tree_depth deep
     # (default k; with topk 1 it is the chain's length), at most tree_nodes draft nodes
@@ -329,7 +330,9 @@ class SpecConfig:
         ``model`` is given, as vLLM infers), ``model`` (the draft), ``num_speculative_tokens``
         (k), ``prompt_lookup_max`` / ``prompt_lookup_min`` (the n-gram sizes; one alone sets
         both, as vLLM's; neither keeps specdec's, 1 to 3, where vLLM's are 5 and 5), and any
-        other ``SpecConfig`` field by name (and ``draft_tensor_parallel_size`` 1)."""
+        ``revision`` (the draft's, on the hub), any other ``SpecConfig`` field by name, and
+        ``draft_tensor_parallel_size`` 1 and ``code_revision`` the draft's ``revision`` (its
+        code comes from the same snapshot)."""
         _check(isinstance(config, dict), f"speculative_config must be a JSON object, got {type(config).__name__}")
         own = {f.name for f in fields(SpecConfig)}
         out, draft = {}, config.get("model")
@@ -344,6 +347,13 @@ class SpecConfig:
             elif key == "draft_tensor_parallel_size":  # vLLM's examples give 1: the draft on one device
                 _check(value == 1, f"speculative_config: draft_tensor_parallel_size {value!r}: specdec runs the "
                                    "draft on one device; use 1")
+            elif key == "code_revision":
+                _check(value is None or value == config.get("revision"),
+                       f"speculative_config: code_revision {value!r}: a draft's code comes from its revision "
+                       f"({config.get('revision')!r}); give the same or leave it out")
+            elif key == "quantization":
+                _check(value is None, f"speculative_config: quantization {value!r} is not supported here; "
+                                      "specdec's draft_quantization takes auto, none or int8")
             elif key != "model":
                 raise ValueError(f"speculative_config: unknown key {key!r}; specdec reads method, model, "
                                  f"{', '.join(VLLM_SPEC_KEYS)} and SpecConfig's fields")

@@ -50,6 +50,8 @@ from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
     (lambda: SpecConfig.from_vllm({"method": "ngram", "lookahead": 2}), "unknown key 'lookahead'"),
     (lambda: SpecConfig.from_vllm({"model": "x", "draft_tensor_parallel_size": 2}), "draft on one device"),
     (lambda: SpecConfig.from_vllm([1]), "JSON object"),
+    (lambda: SpecConfig.from_vllm({"model": "x", "revision": "a", "code_revision": "b"}), "code_revision 'b'"),
+    (lambda: SpecConfig.from_vllm({"model": "x", "quantization": "fp8"}), "draft_quantization takes"),
 ])
 def test_config_errors(make, match):
     with pytest.raises(ValueError, match=match):
@@ -206,6 +208,8 @@ def test_vllm_porting_names(loaded):
     assert specdec.StructuredOutputsParams is specdec.GuidedDecodingParams is specdec.StructuredOutputs
     assert SpecConfig.from_vllm({"model": "d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}) == \
         (SpecConfig(method="draft", num_draft_tokens=3), "d")
+    assert SpecConfig.from_vllm({"model": "d", "revision": "v2", "code_revision": "v2", "quantization": None}) == \
+        (SpecConfig(method="draft", draft_revision="v2"), "d")
     llm = LLM(loaded("llama"), tensor_parallel_size=1, gpu_memory_utilization=0.5)
     outs = llm.generate([specdec.TextPrompt(prompt="abc"), specdec.TokensPrompt(prompt_token_ids=[5, 6, 7])], sp)
     outs += llm.generate("abc", sp)

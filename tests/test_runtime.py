@@ -607,7 +607,7 @@ def test_hub_downloads(tiny_dirs, monkeypatch):
     tokenizer alone."""
     import huggingface_hub
 
-    from specdec import LLM
+    from specdec import LLM, SpecConfig
     from specdec.runtime.loading import load_tokenizer, resolve
 
     calls, listing = [], []
@@ -640,3 +640,9 @@ def test_hub_downloads(tiny_dirs, monkeypatch):
     assert calls[-1] == ("org/tok", "v2", meta)
     LLM(str(tiny_dirs["llama"]), device="cpu", tokenizer="org/tok", revision="v2", tokenizer_revision="t1")
     assert calls[-1] == ("org/tok", "t1", meta)
+    listing = ["config.json", "model.safetensors"]  # a hub draft: at its own revision (vLLM's speculative_config)
+    LLM(str(tiny_dirs["llama"]), device="cpu", speculative_config={"model": "org/draft", "revision": "d1"})
+    assert calls[-1] == ("org/draft", "d1", meta | {"*.safetensors"})
+    with pytest.raises(ValueError, match="loaded already"):
+        LLM(str(tiny_dirs["llama"]), device="cpu", draft=LLM(str(tiny_dirs["llama"]), device="cpu").target,
+            speculative=SpecConfig(method="draft", draft_revision="d1"))
