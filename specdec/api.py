@@ -548,7 +548,8 @@ class LLM:
                                  generator=make_generator(draw, self.target.runtime.device),
                                  eos_ids=eos_ids, num_draft_tokens=num_draft_tokens,
                                  grammar=grammar and (grammar.copy() if i else grammar), bad_words_ids=bad_words,
-                                 min_tokens_ban=self.target.eos_ids | frozenset(sp.stop_token_ids)))
+                                 min_tokens_ban=self.target.eos_ids | frozenset(sp.stop_token_ids),
+                                 vocab_size=vocab))
         return seqs
 
     def _output(self, seqs: list[Sequence], prompt: str | None) -> RequestOutput:

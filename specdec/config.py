@@ -15,10 +15,12 @@ Every invalid value raises ``ValueError`` with a one-line message naming the fie
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
 import re
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, fields, replace
 
 METHODS = ("none", "draft", "ngram", "self", "hybrid")
@@ -59,6 +61,17 @@ def _check_types(config) -> None:
             ok = isinstance(value, types) and isinstance(value, bool) == (kind == "bool")
             _check(ok or (value is None and optional), f"{f.name} must be {what}{' or None' if optional else ''}, "
                                                        f"got {value!r}")
+
+
+def arity(f) -> int | None:
+    """How many arguments ``f`` takes, as vLLM counts a logits processor's: 3 = it takes the
+    prompt's ids first (None: its signature cannot be read, a builtin's, or it takes
+    ``*args``; it is called with two)."""
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return None if any(p.kind == p.VAR_POSITIONAL for p in params) else len(params)  # vLLM's count
 
 
 def _utf8(text: str) -> bool:
@@ -195,6 +208,10 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # vLLM's: False = token ids only (text "", logprobs without decoded tokens, no stop strings)
     detokenize: bool = True
+    # vLLM's (v0) per-request functions of the ids so far: ``f(output_ids, logits)`` or
+    # ``f(prompt_ids, output_ids, logits)`` -> logits ``[vocab]``, applied in turn to the
+    # target's raw logits before everything else (``sampling.processed_by_user``)
+    logits_processors: tuple[Callable, ...] = ()
     # vLLM's older name of structured_outputs (not kept as a field of its own)
     guided_decoding: InitVar[StructuredOutputs | dict | None] = None
 
@@ -222,6 +239,10 @@ class SamplingParams:
             object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
                "structured_outputs must be a StructuredOutputs (or a dict of its fields)")
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
+        _check(all(callable(f) and arity(f) in (2, 3, None) for f in self.logits_processors),
+               "logits_processors must be functions f(output_ids, logits) or f(prompt_ids, output_ids, logits) "
+               "returning the logits")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias or ()
         object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         _check(self.max_tokens is None or self.max_tokens >= 1,
@@ -274,10 +295,10 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Penalties, a logit bias, allowed token ids, bad words or min_tokens change the model's
-        logits (``sampling.process_logits``)."""
+        """Penalties, a logit bias, allowed token ids, bad words, min_tokens or logits processors
+        change the model's logits (``sampling.sequence_logits``)."""
         return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
-                or bool(self.bad_words))
+                or bool(self.bad_words) or bool(self.logits_processors))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import SamplingParams
+from .config import SamplingParams, arity
 from .structured import constrain
 
 if TYPE_CHECKING:
@@ -131,8 +131,11 @@ def sequence_logits(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[int
     rows, or a draft model's), row i following its output plus ``prefixes[i]``: the
     grammar's mask (``allowed``: its masks, when already computed; a row the mask would
     leave empty, in a draft vocabulary narrower than the target's, keeps its logits), then
-    ``process_logits``. The target and a draft model score alike, so the self-draft's
-    drafts are the target's own choices."""
+    ``process_logits``, after the request's own ``logits_processors`` (on rows of the target's
+    width only). The target and a draft model score alike, so the self-draft's drafts are
+    the target's own choices."""
+    if seq.sampling.logits_processors and rows.shape[-1] == (seq.vocab_size or rows.shape[-1]):
+        rows = processed_by_user(rows, seq, prefixes)
     if seq.grammar is not None:
         allowed = seq.grammar.allowed(prefixes) if allowed is None else allowed
         rows = unless_empty(constrain(rows, allowed[:, :rows.shape[-1]]), rows)
@@ -141,6 +144,30 @@ def sequence_logits(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[int
     return process_logits(rows, seq.sampling, seq.prompt_tensor, seq.output_ids, prefixes,
                           stop_ids=seq.eos_ids if seq.min_tokens_ban is None else seq.min_tokens_ban,
                           bad_words=seq.bad_words_ids)
+
+
+def processed_by_user(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[int]]) -> torch.Tensor:
+    """``seq``'s ``logits_processors`` (vLLM's) on ``rows [n, vocab]`` -> ``[n, vocab]``
+    (float32), row i following its output plus ``prefixes[i]``: each function in turn, given
+    lists of the ids before the row (the prompt's first when it takes three arguments) and
+    a copy of the row (changing it in place is fine: the raw logits stay, for logprobs); what
+    it returns is the row. With speculation a row may follow drafts that are then rejected,
+    and a draft model's rows are processed too, so a processor must depend on nothing but
+    the ids it is given."""
+    out = rows.float().clone()  # [n, vocab]
+    prompt = seq.ids[:seq.prompt_len]
+    takes_prompt = [arity(f) == 3 for f in seq.sampling.logits_processors]
+    for i, more in enumerate(prefixes):
+        row = out[i]  # [vocab]
+        for f, three in zip(seq.sampling.logits_processors, takes_prompt):
+            output = seq.output_ids + list(more)
+            row = f(list(prompt), output, row) if three else f(output, row)
+            if not (isinstance(row, torch.Tensor) and row.shape == out[i].shape):
+                raise ValueError(f"logits processor {f!r} returned {type(row).__name__} "
+                                 f"{tuple(getattr(row, 'shape', ()))}; it must return the logits, a tensor of "
+                                 f"shape [{out.shape[-1]}]")
+        out[i] = row
+    return out
 
 
 def unless_empty(logits: torch.Tensor, given: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,9 @@ class Sequence:
     min_tokens_ban: frozenset[int] | None = None
     # with ``sampling.stop``: the output's text as it grows, where stop strings are sought
     stop_text: IncrementalText | None = None
+    # the target's logits width: ``sampling.logits_processors`` skip rows of another (a
+    # narrower draft's); None: rows of any width
+    vocab_size: int | None = None
 
     @property
     def logprobs(self) -> int | None:
