@@ -1,9 +1,10 @@
 """specdec: lossless speculative decoding for Hugging Face causal LMs."""
 from .api import LLM, CompletionOutput, Logprob, RequestOutput, TextPrompt, TokensPrompt
-from .config import EngineConfig, SamplingParams, SpecConfig, StructuredOutputs
+from .async_llm import AsyncLLM, AsyncLLMEngine
+from .config import EngineConfig, RequestOutputKind, SamplingParams, SpecConfig, StructuredOutputs
 
 StructuredOutputsParams = GuidedDecodingParams = StructuredOutputs  # vLLM's names (current, and before 0.10.2)
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams", "StructuredOutputs",
+__all__ = ["LLM", "AsyncLLM", "AsyncLLMEngine", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams", "StructuredOutputs",
            "StructuredOutputsParams", "GuidedDecodingParams", "TextPrompt", "TokensPrompt", "SpecConfig", "EngineConfig"]
 __version__ = "0.1.0"

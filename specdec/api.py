@@ -552,8 +552,9 @@ class LLM:
                                  vocab_size=vocab))
         return seqs
 
-    def _output(self, seqs: list[Sequence], prompt: str | None) -> RequestOutput:
-        """The request's result from its completions' sequences."""
+    def _output(self, seqs: list[Sequence], prompt: str | None, request_id: str | None = None) -> RequestOutput:
+        """The request's result from its completions' sequences (``request_id``: default the
+        next of "0", "1", ...)."""
         first = seqs[0]
         prompt_ids = first.ids[:first.prompt_len]
         metrics = run_metrics([s.metrics for s in seqs], [(s.admitted, s.retired) for s in seqs if s.retired])
@@ -562,8 +563,8 @@ class LLM:
             prompt_logprobs = [None] + self._logprobs(prompt_ids[1:], first.prompt_token_logprobs,
                                                       first.sampling.detokenize)
         outputs = [self._completion(i, s) for i, s in enumerate(seqs)]
-        return RequestOutput(str(next(self._next_request)), prompt, prompt_ids, outputs, metrics.to_dict(),
-                             prompt_logprobs=prompt_logprobs)
+        return RequestOutput(request_id or str(next(self._next_request)), prompt, prompt_ids, outputs,
+                             metrics.to_dict(), prompt_logprobs=prompt_logprobs)
 
     def _completion(self, index: int, s: Sequence) -> CompletionOutput:
         sp = s.sampling

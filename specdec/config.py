@@ -22,6 +22,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, fields, replace
+from enum import IntEnum
 
 METHODS = ("none", "draft", "ngram", "self", "hybrid")
 # vLLM's speculative_config, as SpecConfig.from_vllm reads it: its method names and keys
@@ -156,6 +157,16 @@ def generation_defaults(directory) -> dict:
     return out
 
 
+class RequestOutputKind(IntEnum):
+    """What ``AsyncLLM.generate`` yields as a request runs (vLLM's): every output so far
+    (``CUMULATIVE``), only what is new since the last (``DELTA``), or the finished output
+    alone (``FINAL_ONLY``). ``LLM.generate`` returns finished outputs whatever it says."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops."""
@@ -212,6 +223,8 @@ class SamplingParams:
     # ``f(prompt_ids, output_ids, logits)`` -> logits ``[vocab]``, applied in turn to the
     # target's raw logits before everything else (``sampling.processed_by_user``)
     logits_processors: tuple[Callable, ...] = ()
+    # vLLM's: what AsyncLLM.generate yields (RequestOutputKind; LLM.generate: the final outputs)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # vLLM's older name of structured_outputs (not kept as a field of its own)
     guided_decoding: InitVar[StructuredOutputs | dict | None] = None
 
@@ -239,6 +252,9 @@ class SamplingParams:
             object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
                "structured_outputs must be a StructuredOutputs (or a dict of its fields)")
+        _check(self.output_kind in tuple(RequestOutputKind) and not isinstance(self.output_kind, bool),
+               f"output_kind must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY), got {self.output_kind!r}")
+        object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
         _check(all(callable(f) and arity(f) in (2, 3, None) for f in self.logits_processors),
                "logits_processors must be functions f(output_ids, logits) or f(prompt_ids, output_ids, logits) "
