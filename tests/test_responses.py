@@ -179,3 +179,21 @@ def test_refused_requests(server, body, param, words):
     error = r.json()["error"]
     assert r.status_code == (404 if param == "model" else 400) and error["param"] == param, error
     assert words in error["message"], error
+
+
+def test_streamed_logprobs_end_with_the_eos(loaded):
+    """A stream whose EOS comes alone (one token per step) gives its logprobs (its text never
+    comes) as the whole response does: in a last, empty text delta, and in the message's done
+    event and item."""
+    kw = dict(input=CLOSED, temperature=0, max_output_tokens=40, top_logprobs=1,
+              include=["message.output_text.logprobs"], extra_body=WORDS)
+    with BackgroundServer(create_app(LLM(loaded("llama")), served_model_name=MODEL, reasoning_parser="qwen3")) as srv:
+        plain = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        whole = plain.responses.create(model=MODEL, **kw)
+        evs = events(plain, **kw)
+    want = [lp.token for lp in whole.output[0].content[0].logprobs]
+    assert whole.status == "completed" and want[-1] == "</s>"  # the EOS
+    deltas = [lp.token for e in evs if e.type == "response.output_text.delta" for lp in e.logprobs]
+    [done] = [e for e in evs if e.type == "response.output_text.done"]
+    assert deltas == want and [lp.token for lp in done.logprobs] == want
+    assert [lp.token for lp in evs[-1].response.output[0].content[0].logprobs] == want

@@ -343,6 +343,10 @@ class ResponseShaper:
         if not done and open_ is None:  # an empty answer is still a message
             for line in start("message"):
                 yield line
+        if held and open_["kind"] == "message":  # the last tokens' (an EOS's): their text never came
+            open_["logprobs"] += held
+            yield self.event("response.output_text.delta", item_id=open_["id"], output_index=len(done),
+                             content_index=0, delta="", logprobs=held)
         for line in close():
             yield line
         status = self.status(finish_reason)
