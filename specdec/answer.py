@@ -31,12 +31,12 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1")
 THINK, END_THINK = "<think>", "</think>"
 
 
-def grammar_gate(tokenizer, prompt_ids: list[int]) -> tuple[int, ...]:
-    """The ids after which a thinking model's structured output starts (vLLM leaves the
-    reasoning free): ``</think>``'s, or none when the prompt already closed its last
-    ``<think>`` (Qwen3 with thinking turned off)."""
+def grammar_gate(tokenizer, prompt_ids: list[int]) -> str:
+    """The text after which a thinking model's structured output starts (vLLM leaves the
+    reasoning free): ``</think>``, or "" (from the start) when the prompt already closed its
+    last ``<think>`` (Qwen3 with thinking turned off)."""
     start, end = _think_ids(tokenizer)
-    return () if _last(prompt_ids, end) > _last(prompt_ids, start) else end
+    return "" if _last(prompt_ids, end) > _last(prompt_ids, start) else END_THINK
 
 
 def opens_reasoning(tokenizer, prompt_ids: list[int]) -> bool:

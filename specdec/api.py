@@ -535,7 +535,7 @@ class LLM:
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
         eos_ids = (frozenset() if sp.ignore_eos else self.target.eos_ids) | frozenset(sp.stop_token_ids)
-        gate = grammar_gate(self.tokenizer, ids) if reasoning and sp.structured_outputs else ()
+        gate = grammar_gate(self.tokenizer, ids) if reasoning and sp.structured_outputs else ""
         grammar = sp.structured_outputs and self.grammars.matcher(sp.structured_outputs, gate)
         bad_words = bad_words_ids(self.tokenizer, sp.bad_words)
         seqs = []

@@ -14,9 +14,10 @@ sampled output follows its distribution. A draft model drafts under the same mas
 stops before its first draft the grammar forbids (``Matcher.valid_prefix``).
 
 A thinking model's reasoning is left free (vLLM's rule with a reasoning parser): a matcher
-with a ``gate`` (the token ids of ``</think>``) allows everything until the output holds the
-gate, and the grammar starts after it. Rows before the gate, in the committed output or in
-a row's drafts, are unconstrained.
+with a ``gate`` (the text ``</think>``) allows everything until the output's text holds the
+gate, however its tokens spell it (the reasoning parser splits the text there too), and the
+grammar starts after the token that completes it. Rows before the gate, in the committed
+output or in a row's drafts, are unconstrained.
 """
 from __future__ import annotations
 
@@ -152,10 +153,10 @@ class Grammars:
         except Exception as e:  # noqa: BLE001 - reported when a request needs it
             log.debug("llguidance tokenizer not built: %s", e)
 
-    def matcher(self, so: StructuredOutputs, gate: tuple[int, ...] = ()) -> "Matcher":
+    def matcher(self, so: StructuredOutputs, gate: str = "") -> "Matcher":
         """A fresh matcher for one sequence (``ValueError`` naming the field when the
-        schema, regex or grammar is invalid); ``gate``: the grammar starts after these ids
-        (a reasoning's end), from the start when empty."""
+        schema, regex or grammar is invalid); ``gate``: the grammar starts after the output's
+        text holds this (a reasoning's end), from the start when empty."""
         import llguidance
 
         try:
@@ -174,21 +175,25 @@ class Grammars:
         matcher = on_big_stack(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0))
         if matcher.is_error():
             raise invalid(matcher.get_error())
-        return Matcher(matcher, self.vocab_size, self.eos_ids, gate)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        return Matcher(matcher, self.vocab_size, self.eos_ids, gate, decode)
 
 
 class Matcher:
     """One sequence's grammar state, at the end of its committed output between steps.
-    ``gate``: ids after which the grammar starts (empty once passed, or from the start)."""
+    ``gate``: text after which the grammar starts ("" once passed, or from the start), sought
+    in ``decode`` of the output's ids (special tokens kept, as the reasoning parser reads)."""
 
-    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int], gate: tuple[int, ...] = ()):
+    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int], gate: str = "", decode=None):
         self._m, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
         self._words = (vocab_size + 31) // 32  # the bitmask's int32 words per row
-        self.gate = tuple(gate)
-        self._tail: list[int] = []  # the output's last ids while the gate is closed (fewer than the gate's)
+        self.gate, self._decode = gate, decode
+        # the output's last ids while the gate is closed: a spelling of the gate ending in later
+        # tokens starts in these (each token spells one character of it at least)
+        self._tail: list[int] = []
 
     def copy(self) -> "Matcher":
-        twin = Matcher(self._m.deep_copy(), self.vocab_size, self.eos_ids, self.gate)
+        twin = Matcher(self._m.deep_copy(), self.vocab_size, self.eos_ids, self.gate, self._decode)
         twin._tail = list(self._tail)
         return twin
 
@@ -197,11 +202,11 @@ class Matcher:
         starts: 0 with the gate passed, None when ``tokens`` do not complete it."""
         if not self.gate:
             return 0
-        seq, g = self._tail + list(tokens), len(self.gate)
-        for end in range(g, len(seq) + 1):
-            if seq[end - g:end] == list(self.gate):
-                return end - len(self._tail)
-        return None
+        seq = self._tail + list(tokens)
+        if self.gate not in self._decode(seq):  # most rows: one decode
+            return None
+        return next(end - len(self._tail) for end in range(len(self._tail) + 1, len(seq) + 1)
+                    if self.gate in self._decode(seq[:end]))
 
     def allowed(self, paths: list[list[int]]) -> torch.Tensor:
         """``[rows, vocab]`` bool: the tokens the grammar allows after the committed output
@@ -266,7 +271,7 @@ class Matcher:
             seq = self._tail + list(tokens)
             self._tail = seq[max(0, len(seq) - len(self.gate) + 1):]
             return
-        self.gate, self._tail = (), []
+        self.gate, self._tail = "", []
         self._m.try_consume_tokens(tokens[j:])
 
 

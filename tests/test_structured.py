@@ -177,8 +177,7 @@ def test_gated_matcher_leaves_the_reasoning_free(loaded):
     llm = LLM(loaded("llama"))
     tok = llm.tokenizer
     a, b, x, dash, lt, gt = (tok.convert_tokens_to_ids(c) for c in "abx-<>")
-    gate = (lt, x, gt)
-    m = llm.grammars.matcher(StructuredOutputs(regex=REGEX), gate)
+    m = llm.grammars.matcher(StructuredOutputs(regex=REGEX), "<x>")
     plain = llm.grammars.matcher(StructuredOutputs(regex=REGEX))
     first = set(plain.allowed([[]])[0].nonzero()[:, 0].tolist())  # {a, b}
     rows = m.allowed([[], [x], [lt, x], [lt, x, gt], [lt, x, gt, a], [b, lt, x, gt, x]])
@@ -194,20 +193,22 @@ def test_gated_matcher_leaves_the_reasoning_free(loaded):
     twin = m.copy()
     assert m.allowed([[]])[0].all() and m.opens_after([gt]) == 1
     m.advance([gt, a])
-    assert m.gate == () and torch.equal(m.allowed([[]]), plain.allowed([[a]]))
+    assert m.gate == "" and torch.equal(m.allowed([[]]), plain.allowed([[a]]))
     assert twin.opens_after([gt]) == 1 and twin.allowed([[gt]])[0].nonzero()[:, 0].tolist() == sorted(first)
 
 
 def test_reasoning_then_grammar_under_speculation(loaded, monkeypatch):
-    """A request whose grammar waits for its reasoning's end (here the 4th token plain
+    """A request whose grammar waits for its reasoning's end (here a character plain
     decoding writes stands in for ``</think>``): the output up to that token is the free
     output's, the rest follows the regex, and every drafter gives plain decoding's tokens."""
     import specdec.api
 
     sp = SamplingParams(max_tokens=30, structured_outputs=StructuredOutputs(regex=REGEX))
     free = LLM(loaded("llama")).generate(PROMPTS[0], SamplingParams(max_tokens=30))[0].token_ids
-    gate = (free[3],)
-    monkeypatch.setattr(specdec.api, "grammar_gate", lambda tokenizer, ids: gate)
+    tok = loaded("llama").tokenizer
+    at = next(i for i in range(3, len(free)) if (t := tok.decode([free[i]])).isascii() and t.isprintable()
+              and t not in tok.decode(free[:i]))  # a character the free output writes first there
+    monkeypatch.setattr(specdec.api, "grammar_gate", lambda tokenizer, ids: tok.decode([free[at]]))
 
     def run(llm):
         seqs = llm.make_sequences(PROMPTS[0], sp, reasoning=True)
@@ -218,8 +219,8 @@ def test_reasoning_then_grammar_under_speculation(loaded, monkeypatch):
         return seqs[0].output_ids
 
     base = run(LLM(loaded("llama")))
-    cut = free.index(free[3]) + 1
-    assert base[:cut] == free[:cut] and re.fullmatch(REGEX, loaded("llama").tokenizer.decode(base[cut:-1]))
+    cut = at + 1
+    assert base[:cut] == free[:cut] and re.fullmatch(REGEX, tok.decode(base[cut:-1]))
     for method, draft, topk in [("self", None, 1), ("ngram", None, 1), ("draft", "draft", 1), ("self", None, 2)]:
         llm = LLM(loaded("llama"), draft=loaded(draft) if draft else None,
                   speculative=SpecConfig(method=method, num_draft_tokens=3, tree_topk=topk))
@@ -322,3 +323,50 @@ def test_structured_outputs_on_the_hf_fallback(loaded):
     for method in ("none", "ngram"):
         outs = LLM(loaded("llama", "hf"), speculative=SpecConfig(method=method, num_draft_tokens=3)).generate(PROMPTS, sp)
         assert [o.token_ids for o in outs] == ref, method
+
+
+def think_tokenizer():
+    """The tiny models' byte tokenizer with merges that spell ``</think>`` in 4 tokens ("</",
+    "th", "ink", ">", ids 258-261 in the models' padded rows) as well as in 8 bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"<s>": 256, "</s>": 257, "</": 258, "th": 259, "in": 260, "ink": 261})
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[("<", "/"), ("t", "h"), ("i", "n"), ("in", "k")]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("method", ["none", "self", "ngram"])
+def test_reasoning_end_spelled_any_way_opens_the_grammar(tiny_dirs, tmp_path, method):
+    """However the model spells ``</think>`` (its 4 merged tokens or its 8 bytes: the
+    reasoning parser splits the text at either), the grammar starts right after it."""
+    from specdec.answer import grammar_gate
+    from specdec.runtime import load_model
+
+    tok = think_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    llm = LLM(load_model(str(tiny_dirs["llama"]), device="cpu", tokenizer=str(tmp_path / "tok")),
+              speculative=SpecConfig(method=method, num_draft_tokens=3))
+    merged = tok.encode("</think>", add_special_tokens=False)
+    spelled = [tok.convert_tokens_to_ids(c) for c in "</think>"]
+    assert len(merged) == 4 and len(spelled) == 8 and tok.decode(spelled) == tok.decode(merged) == "</think>"
+    assert grammar_gate(tok, tok.encode("hi")) == "</think>"
+    def writing(spelling):  # a logits processor: the reasoning's end first, then the model's choice
+        def write(output, logits):
+            if len(output) < len(spelling):
+                logits = torch.full_like(logits, float("-inf")).index_fill(0, torch.tensor([spelling[len(output)]]), 0)
+            return logits
+        return write
+
+    for spelling in (merged, spelled):
+        sp = SamplingParams(max_tokens=16, structured_outputs=StructuredOutputs(regex="[0-9]{4}"),
+                            logits_processors=[writing(spelling)])
+        seqs = llm.make_sequences("a number?", sp, reasoning=True)
+        llm.engine.add(seqs[0])
+        while llm.engine.has_work:
+            llm.engine.step()
+        out = seqs[0].output_ids
+        assert out[:len(spelling)] == spelling and re.fullmatch("[0-9]{4}", tok.decode(out[len(spelling):-1])), out
