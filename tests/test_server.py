@@ -1100,6 +1100,10 @@ def test_chat_template_options(llm, client):
                                continue_final_message=True)[0]
     assert r.choices[0].message.content == ref.text
     assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    both = {"messages": messages, "continue_final_message": True, "add_generation_prompt": True}
+    for path in ("/v1/chat/completions", "/tokenize"):  # both asked for: a 400, as vLLM's
+        e = httpx.post(str(client.base_url).removesuffix("/v1/") + path, json={"model": MODEL, **both})
+        assert e.status_code == 400 and e.json()["error"]["param"] == "continue_final_message", path
 
 
 def test_prefix_reuse_in_usage(loaded):

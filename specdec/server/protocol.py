@@ -398,6 +398,12 @@ class _ChatTemplate(_Strict):
     def conversation(self) -> list[dict]:
         return [m.for_template() for m in self.messages]
 
+    def refuse_unsupported(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt and \
+                "add_generation_prompt" in self.model_fields_set:  # both asked for (vLLM's 400)
+            raise bad_request("cannot set both continue_final_message and add_generation_prompt to true: the "
+                              "last message is continued, not followed by a new one", "continue_final_message")
+
 
 class ChatCompletionRequest(_Request, _ChatTemplate):
     max_completion_tokens: int | None = None
@@ -409,6 +415,7 @@ class ChatCompletionRequest(_Request, _ChatTemplate):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        _ChatTemplate.refuse_unsupported(self)
         if self.tool_choice not in (None, "none") and not self.tools:
             raise bad_request("tool_choice needs tools", "tool_choice")
         if isinstance(self.tool_choice, NamedToolChoice) and self.named_function is None:
