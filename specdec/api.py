@@ -483,6 +483,9 @@ class LLM:
                 try:
                     while self.engine.has_work:
                         bar.update(len(self.engine.step()))
+                        failed = next((s.failure for s in seqs if s.failure is not None), None)
+                        if failed is not None:  # a request's logits processor raised: so does the call
+                            raise failed
                 except BaseException:  # an error or Ctrl-C: the engine drops these requests and stays usable
                     self.engine.fail(seqs)
                     raise

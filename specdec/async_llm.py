@@ -115,8 +115,8 @@ class AsyncLLM:
             left = len(reqs)
             while left:
                 i, u = await updates.get()
-                if u.error:
-                    raise RuntimeError(u.error)
+                if u.error:  # what the request's logits processor raised, else the engine's failure
+                    raise u.failure or RuntimeError(u.error)
                 delta = streams[i].add(u)
                 left -= bool(u.finish_reason)
                 if kind == RequestOutputKind.DELTA and (u.token_ids or delta or u.finish_reason):

@@ -139,7 +139,9 @@ class Engine:
         """Admit waiting sequences to free slots, prefill the next prompt chunks (a sequence
         whose prompt is complete commits its first token), and run one round for the
         sequences that had their first token before this step; return the finished ones. A
-        caller streaming after each step so sends a first token right after its prefill."""
+        caller streaming after each step so sends a first token right after its prefill. A
+        sequence whose logits processor raised (``Sequence.failure``) finishes with reason
+        "error"; the others go on."""
         self.steps += 1
         self._admit()
         live = [s for s in self.running if not s.finished]
@@ -147,6 +149,9 @@ class Engine:
         self._prefill([s for s in live if not s.num_output])
         if decoding:
             self._round(decoding)
+        for s in live:
+            if s.failure is not None:  # a logits processor raised: its rows went on unprocessed
+                s.finish_reason = "error"
         return self._retire()
 
     def _round(self, seqs: list[Sequence]) -> None:

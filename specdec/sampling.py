@@ -153,7 +153,11 @@ def processed_by_user(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[i
     a copy of the row (changing it in place is fine: the raw logits stay, for logprobs); what
     it returns is the row. With speculation a row may follow drafts that are then rejected,
     and a draft model's rows are processed too, so a processor must depend on nothing but
-    the ids it is given."""
+    the ids it is given. One that raises (or returns no such row) leaves the rows as given
+    and is kept as ``seq.failure``: the engine ends the request with finish reason "error"
+    after the step."""
+    if seq.failure is not None:  # one raised already: the request ends after this step
+        return rows
     out = rows.float().clone()  # [n, vocab]
     prompt = seq.ids[:seq.prompt_len]
     takes_prompt = [arity(f) == 3 for f in seq.sampling.logits_processors]
@@ -161,11 +165,15 @@ def processed_by_user(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[i
         row = out[i]  # [vocab]
         for f, three in zip(seq.sampling.logits_processors, takes_prompt):
             output = seq.output_ids + list(more)
-            row = f(list(prompt), output, row) if three else f(output, row)
-            if not (isinstance(row, torch.Tensor) and row.shape == out[i].shape):
-                raise ValueError(f"logits processor {f!r} returned {type(row).__name__} "
-                                 f"{tuple(getattr(row, 'shape', ()))}; it must return the logits, a tensor of "
-                                 f"shape [{out.shape[-1]}]")
+            try:
+                row = f(list(prompt), output, row) if three else f(output, row)
+                if not (isinstance(row, torch.Tensor) and row.shape == out[i].shape):
+                    raise ValueError(f"logits processor {f!r} returned {type(row).__name__} "
+                                     f"{tuple(getattr(row, 'shape', ()))}; it must return the logits, a tensor "
+                                     f"of shape [{out.shape[-1]}]")
+            except Exception as e:  # the user's code: this request fails (Sequence.failure), not the batch
+                seq.failure = e
+                return rows
         out[i] = row
     return out
 

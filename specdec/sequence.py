@@ -169,6 +169,9 @@ class Sequence:
     # the target's logits width: ``sampling.logits_processors`` skip rows of another (a
     # narrower draft's); None: rows of any width
     vocab_size: int | None = None
+    # what one of ``sampling.logits_processors`` raised (its rows went on unprocessed): the
+    # request ends at this step with finish reason "error", the others in the batch go on
+    failure: Exception | None = None
 
     @property
     def logprobs(self) -> int | None:

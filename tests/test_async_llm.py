@@ -140,3 +140,35 @@ def test_abort_leave_early_and_errors(loaded):
     run(main())
     with pytest.raises(ValueError, match="RequestOutputKind"):
         SamplingParams(output_kind="delta")
+
+
+def test_a_raising_logits_processor_fails_its_request_alone(loaded):
+    """A request whose logits processor raises (here after 5 tokens, on the draft's rows and
+    the target's) ends with that exception; the requests beside it in the batch go on and
+    give what they give alone. ``LLM.generate`` raises it too, and serves the next call."""
+    class Broken(Exception):
+        pass
+
+    def breaks(output, logits):
+        if len(output) >= 5:
+            raise Broken("no more")
+        return logits
+
+    llm = LLM(loaded("llama"), draft=loaded("noisy"), speculative=SpecConfig(method="draft", num_draft_tokens=3),
+              max_batch_size=3)
+    good = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = llm.generate(PROMPTS, good)
+
+    async def main():
+        with AsyncLLM(llm) as engine:
+            bad = asyncio.create_task(collect(engine, PROMPTS[0], SamplingParams(max_tokens=24, logits_processors=[breaks])))
+            outs = await asyncio.wait_for(asyncio.gather(*(collect(engine, p, good) for p in PROMPTS)), 60)
+            with pytest.raises(Broken, match="no more"):
+                await asyncio.wait_for(bad, 60)
+            return outs
+
+    outs = run(main())
+    assert [o[-1].token_ids for o in outs] == [w.token_ids for w in want]
+    with pytest.raises(Broken):
+        llm.generate(PROMPTS, [good, SamplingParams(max_tokens=24, logits_processors=[breaks]), good])
+    assert [o.token_ids for o in llm.generate(PROMPTS, good)] == [w.token_ids for w in want]

@@ -29,6 +29,7 @@ class Update:
     finish_reason: str | None = None  # set on the request's last update
     text: str | None = None  # final text where the engine cut it (a stop string; a stop token or EOS left out; else decode the ids)
     error: str | None = None  # the engine failed: the request ends without output
+    failure: Exception | None = None  # what the request's own code raised (a logits processor), if that was it
 
 
 class QueueFull(Exception):
@@ -189,7 +190,10 @@ class Scheduler:
             req.sent += len(new)
             if s.finished:
                 req.finished = True
-                if s.finish_reason != "error":
+                if s.failure is not None:  # its logits processor raised (the batch went on)
+                    req.push(Update([], finish_reason="error", error=f"{type(s.failure).__name__}: {s.failure}",
+                                    failure=s.failure))
+                elif s.finish_reason != "error":  # (a failed step's requests have their error update)
                     req.push(Update(new, lps, s.finish_reason, s.text))
                 m.success(s.finish_reason).inc()
                 m.e2e.observe(now - req.arrival)
