@@ -20,6 +20,7 @@ from .cost import DraftCost, Planner, forward_costs
 from .engine import Engine
 from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
+from .runtime.loading import quantization_of
 from .sampling import make_generator
 from .sequence import Sequence, TokenLogprobs, bad_words_ids, settled_text
 from .structured import Grammars
@@ -250,7 +251,8 @@ class LLM:
                  max_num_seqs: int | None = None, max_logprobs: int = EngineConfig.max_logprobs,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization,
                  enable_prefix_caching: bool | None = True, tokenizer: str | None = None, revision: str | None = None,
-                 trust_remote_code: bool = False, tokenizer_revision: str | None = None):
+                 trust_remote_code: bool = False, tokenizer_revision: str | None = None,
+                 quantization: str | None = None):
         if max_num_seqs is not None:  # vLLM's name
             if max_batch_size not in (EngineConfig.max_batch_size, max_num_seqs):
                 raise ValueError("give max_batch_size or max_num_seqs (vLLM's name), not both")
@@ -269,7 +271,7 @@ class LLM:
                          max_logprobs=max_logprobs, tensor_parallel_size=tensor_parallel_size,
                          gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
                          tokenizer=tokenizer, revision=revision, trust_remote_code=trust_remote_code,
-                         tokenizer_revision=tokenizer_revision)
+                         tokenizer_revision=tokenizer_revision, quantization=quantization)
         if c.threads is not None:  # process-wide, before loading: llama.cpp takes torch's count too
             torch.set_num_threads(c.threads)
         if c.generation_config not in ("auto", "vllm") and \
@@ -290,6 +292,11 @@ class LLM:
         self.target: LoadedModel = model if isinstance(model, LoadedModel) \
             else load_model(model, c.device, c.dtype, c.backend, revision=c.revision, tokenizer=c.tokenizer,
                             tokenizer_revision=c.tokenizer_revision, **loading)
+        if c.quantization is not None and c.quantization.lower() != quantization_of(self.target):
+            raise ValueError(f"quantization {c.quantization!r}: this checkpoint is "
+                             f"{quantization_of(self.target) or 'not quantized'}; specdec runs a checkpoint as it is "
+                             "quantized (GGUF, or its quantization_config) and quantizes nothing at load (a draft's "
+                             "int8 weights: draft_quantization)")
         self.draft: LoadedModel | None = None
         if uses_draft:
             from .vocab import require_compatible

@@ -26,6 +26,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                                        "(default: the model's own; e.g. the original model's beside a GGUF)")
     g.add_argument("--revision", help="the hub model's branch, tag or commit (default: main)")
     g.add_argument("--tokenizer-revision", help="a hub tokenizer's branch, tag or commit (default: --revision)")
+    g.add_argument("--quantization", "-q", help="the checkpoint's quantization, checked (vLLM's flag: gguf, gptq, awq, "
+                                                "...); specdec quantizes nothing at load (default: as it is)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="run the checkpoint's own Python code (config, tokenizer, model on transformers' "
                         "runtime) where its config.json names it in auto_map")
@@ -233,7 +235,8 @@ def make_llm(a):
                threads=a.threads, max_logprobs=a.max_logprobs,
                tensor_parallel_size=a.tensor_parallel_size, gpu_memory_utilization=a.gpu_memory_utilization,
                enable_prefix_caching=a.enable_prefix_caching, tokenizer=a.tokenizer, revision=a.revision,
-               trust_remote_code=a.trust_remote_code, tokenizer_revision=a.tokenizer_revision)
+               trust_remote_code=a.trust_remote_code, tokenizer_revision=a.tokenizer_revision,
+               quantization=a.quantization)
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:

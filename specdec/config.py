@@ -467,6 +467,10 @@ class EngineConfig:
     revision: str | None = None
     trust_remote_code: bool = False
     tokenizer_revision: str | None = None
+    # vLLM's: the checkpoint's quantization (gguf, or its quantization_config's quant_method:
+    # gptq, awq, bitsandbytes, ...); specdec runs a checkpoint as it is quantized and quantizes
+    # nothing at load, so a value is only checked against the checkpoint's; None = whatever it is
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -494,7 +498,7 @@ class EngineConfig:
                                                "each model on one device (no tensor parallelism); use 1")
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", True)
-        for name in ("tokenizer", "revision", "tokenizer_revision"):
+        for name in ("tokenizer", "revision", "tokenizer_revision", "quantization"):
             _check(getattr(self, name) != "", f"{name} must be None or a non-empty string")
         _check(0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -362,3 +362,20 @@ def test_unwritable_cache(tmp_path, tiny_dirs, monkeypatch, caplog):
         gguf_to_hf_dir(gguf, weights=False)
     monkeypatch.setenv("SPECDEC_CACHE", "")
     assert cache_root() == Path.home() / ".cache" / "specdec"
+
+
+def test_quantization_is_the_checkpoints(loaded):
+    """vLLM's ``quantization``: checked against the checkpoint's (gguf, or its
+    quantization_config's method); specdec quantizes nothing at load."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from specdec.runtime.loading import quantization_of
+
+    tiny = loaded("llama")
+    assert quantization_of(tiny) is None and LLM(tiny, quantization=None).generate("abc")[0].token_ids
+    with pytest.raises(ValueError, match="quantization 'fp8': this checkpoint is not quantized"):
+        LLM(tiny, quantization="fp8")
+    gptq = dataclasses.replace(tiny, config=SimpleNamespace(quantization_config={"quant_method": "gptq"}))
+    assert quantization_of(gptq) == "gptq"
+    assert quantization_of(dataclasses.replace(tiny, path=tiny.path / "model.gguf")) == "gguf"

@@ -58,6 +58,14 @@ def test_greedy_equal_to_plain(smol, plain_outputs, method, batch):
             b.metrics["target_forwards"] for b in plain_outputs) / 2
 
 
+def test_quantization_gguf(smol):
+    from specdec import LLM
+
+    assert LLM(smol, quantization="gguf").target is smol  # vLLM's keyword, the checkpoint's own
+    with pytest.raises(ValueError, match="this checkpoint is gguf"):
+        LLM(smol, quantization="awq")
+
+
 def test_demo_command(capsys):
     from specdec.cli import main
 

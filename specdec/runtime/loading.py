@@ -399,6 +399,16 @@ GGUF_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>
                   "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>")
 
 
+def quantization_of(m: LoadedModel) -> str | None:
+    """How ``m``'s checkpoint is quantized, in vLLM's words: "gguf" for a GGUF (on the torch
+    runtime dequantized), else its ``quantization_config``'s ``quant_method`` (None: not)."""
+    if m.path.suffix == ".gguf" or from_gguf(m.path):
+        return "gguf"
+    qc = getattr(m.config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return None if method is None else str(getattr(method, "value", method))
+
+
 def from_gguf(path: Path) -> bool:
     """Whether ``path`` is a GGUF's config and tokenizer (``gguf_to_hf_dir``'s)."""
     return path.resolve().parent == (cache_root() / "gguf").resolve()
