@@ -47,6 +47,23 @@ def opens_reasoning(tokenizer, prompt_ids: list[int]) -> bool:
     return _last(prompt_ids, start) > _last(prompt_ids, end)
 
 
+def reasoning_tokens(tokenizer, parser: "AnswerParser", ids: list[int]) -> int:
+    """How many of an answer's output ``ids`` are its reasoning, the tokens that spell
+    ``</think>`` included: none where ``parser`` finds no reasoning, all where it never ends."""
+    if parser.reasoning is None:
+        return 0
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    if parser.split_reasoning(text, final=True)[0] is None:
+        return 0
+    if END_THINK not in text:
+        return len(ids)
+    lo, hi = 1, len(ids)  # the fewest ids whose text holds </think>
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if END_THINK in tokenizer.decode(ids[:mid], skip_special_tokens=False) else (mid + 1, hi)
+    return lo
+
+
 def _think_ids(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The ids of ``<think>`` and of ``</think>``."""
     return tuple(tuple(tokenizer.encode(m, add_special_tokens=False)) for m in (THINK, END_THINK))

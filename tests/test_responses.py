@@ -95,6 +95,8 @@ def test_reasoning_and_function_calls(client):
     assert message.content[0].text == chat.content
     assert (call.name, call.arguments) == (chat.tool_calls[0].function.name, chat.tool_calls[0].function.arguments)
     assert call.call_id.startswith("call_") and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    thought = len(f"<think>\n{reasoning.content[0].text.strip()}\n</think>")  # byte tokens: one per character
+    assert r.usage.output_tokens_details.reasoning_tokens == thought < r.usage.output_tokens
     with client.responses.stream(model=MODEL, input=messages, **kw) as stream:
         streamed = list(stream)
         final = stream.get_final_response()
@@ -102,6 +104,7 @@ def test_reasoning_and_function_calls(client):
     assert "".join(e.delta for e in streamed if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
     assert "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta") == call.arguments
     assert final.output[2].name == "get_weather" and final.output[2].arguments == call.arguments
+    assert final.usage.output_tokens_details.reasoning_tokens == thought
     with client.responses.stream(model=MODEL, input=messages, include=["message.output_text.logprobs"], **kw) as stream:
         final = stream.get_final_response()  # logprobs of the reasoning's and the call's tokens open no message
     assert [(o.type, getattr(o, "name", None)) for o in final.output] == \

@@ -438,6 +438,8 @@ def test_reasoning_parser_on_the_server(loaded):
             r = client.chat.completions.create(model=MODEL, **kw).choices[0]
             reasoning = r.message.model_extra["reasoning_content"]
             assert 2 <= len(reasoning.strip()) <= 6 and "<think>" not in (r.message.content or "")
+            whole = client.chat.completions.create(model=MODEL, **kw)  # byte tokens: one per character
+            assert whole.usage.completion_tokens_details.reasoning_tokens == len(f"<think>\n{reasoning.strip()}\n</think>")
             text, rc, calls, finish = "", "", [], None
             for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
                 if chunk.choices:

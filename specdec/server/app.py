@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..answer import REASONING_PARSERS, AnswerParser, opens_reasoning
+from ..answer import REASONING_PARSERS, AnswerParser, opens_reasoning, reasoning_tokens
 from ..api import LLM, encode_prompt, vllm_logprobs
 from ..config import SamplingParams
 from ..sequence import output_text, settled_text
@@ -497,8 +497,13 @@ class _Output:
         prompt = sum(r.seq.prompt_len for r in firsts)
         output = 0 if self.req.prompt_only else sum(r.seq.num_output for r in self.sreqs)
         cached = sum(r.seq.metrics.cached_prompt_tokens for r in firsts)
-        return {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.parser is not None and self.parser.reasoning is not None:  # OpenAI's (and DeepSeek's) count
+            thought = 0 if self.req.prompt_only else \
+                sum(reasoning_tokens(self.api.tok, self.parser, r.seq.output_ids) for r in self.sreqs)
+            usage["completion_tokens_details"] = {"reasoning_tokens": thought}
+        return usage
 
     async def collect(self) -> dict:
         choices = [await self._collect(i, sreq) for i, sreq in enumerate(self.sreqs)]

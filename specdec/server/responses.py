@@ -171,7 +171,9 @@ def _usage(chat: dict | None) -> dict | None:
     return {"input_tokens": chat["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": chat.get("prompt_tokens_details", {}).get("cached_tokens", 0),
                                      "cache_write_tokens": 0},
-            "output_tokens": chat["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": chat["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": chat.get("completion_tokens_details", {}).get(
+                "reasoning_tokens", 0)},
             "total_tokens": chat["total_tokens"]}
 
 
