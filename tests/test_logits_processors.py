@@ -1,10 +1,9 @@
 """Per-request logits processors (vLLM's ``SamplingParams.logits_processors``): functions of
 the ids so far, applied to every row a request draws from or verifies against, each row with
 the drafts before it as output, so speculation stays lossless against the processed target."""
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
+from joint import exact_joint, joint_pvalue
 
 from specdec import LLM, SamplingParams, SpecConfig
 
@@ -63,19 +62,9 @@ def test_sampled_output_follows_the_processed_target(loaded, tiny_dirs):
     (chi-square at alpha 0.001 over 4096 completions each)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
     top_k, temperature, n = 3, 1.5, 4096
-
-    def probs(ids):
-        with torch.no_grad():
-            logits = step_up(ids[len(PROMPT):], model(torch.tensor([ids])).logits[0, -1]) / temperature
-        keep = logits >= logits.topk(top_k).values[-1]
-        return torch.where(keep, logits, float("-inf")).softmax(-1).double()
-
-    expected = {(): 1.0}
-    for _ in range(4):
-        expected = {path + (t,): w * float(pr[t]) for path, w in expected.items()
-                    for pr in [probs(PROMPT + list(path))] for t in pr.nonzero().flatten().tolist()}
+    expected = exact_joint(AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval(), PROMPT, 4, top_k,
+                           temperature, step_up)
     for spec in (SpecConfig(method="draft", num_draft_tokens=3),
                  SpecConfig(method="draft", num_draft_tokens=2, tree_topk=2, tree_nodes=3)):
         llm = LLM(loaded("llama"), draft=loaded("noisy"), speculative=spec, max_batch_size=64)
@@ -87,12 +76,7 @@ def test_sampled_output_follows_the_processed_target(loaded, tiny_dirs):
         drafted = sum(o.metrics["drafted_tokens"] for o in outs)
         accepted = sum(o.metrics["accepted_tokens"] for o in outs)
         assert 0.2 * drafted < accepted < 0.9 * drafted  # drafts accepted and rejected
-        cells = sorted(expected, key=expected.get)
-        obs = np.array([seen.count(c) for c in cells], dtype=float)
-        exp = np.array([expected[c] for c in cells]) * n
-        small = np.cumsum(exp) < 40  # the least likely paths pooled into one cell of >= 40 expected
-        obs, exp = np.append(obs[~small], obs[small].sum()), np.append(exp[~small], exp[small].sum())
-        assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA, spec
+        assert joint_pvalue(seen, expected) > ALPHA, spec
 
 
 def test_processor_calls_and_logprobs(loaded, tmp_path):

@@ -340,22 +340,13 @@ def test_model_tree_sampled_children_are_lossless(loaded, tiny_dirs):
     candidates, and a bonus) follow the target's exact joint distribution (chi-square at alpha
     0.001 over 6144 completions; top_k 4 at temperature 1.5, so q and p both spread; a
     draft resembling the target, so that children are accepted at every depth and rejected)."""
+    from joint import exact_joint, joint_pvalue
     from transformers import AutoModelForCausalLM
 
     top_k, temperature, n = 4, 1.5, 6144
-    model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
     prompt = [40, 41, 42, 43, 44]
-
-    def probs(ids):  # the target's processed next-token distribution after ``ids``
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1] / temperature
-        keep = logits >= logits.topk(top_k).values[-1]
-        return torch.where(keep, logits, float("-inf")).softmax(-1).double()
-
-    expected = {(): 1.0}
-    for _ in range(4):
-        expected = {path + (t,): w * float(pr[t]) for path, w in expected.items()
-                    for pr in [probs(prompt + list(path))] for t in pr.nonzero().flatten().tolist()}
+    expected = exact_joint(AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval(), prompt, 4, top_k,
+                           temperature)
     spec = SpecConfig(method="draft", num_draft_tokens=2, tree_topk=2, tree_nodes=3)
     llm = LLM(loaded("llama"), draft=loaded("noisy"), speculative=spec, max_batch_size=64)
     sps = [SamplingParams(max_tokens=4, temperature=temperature, top_k=top_k, seed=j * n // 64, n=n // 64, ignore_eos=True)
@@ -367,13 +358,7 @@ def test_model_tree_sampled_children_are_lossless(loaded, tiny_dirs):
     drafted, accepted = sum(x["drafted_tokens"] for x in m), sum(x["accepted_tokens"] for x in m)
     assert 0.2 * drafted < accepted < 0.8 * drafted  # children accepted and rejected
     assert sum(x["acceptance_by_depth"][1] > 0 for x in m) > 32
-    cells = sorted(expected, key=expected.get)
-    obs = np.array([seen.count(c) for c in cells], dtype=float)
-    exp = np.array([expected[c] for c in cells]) * n
-    small = np.cumsum(exp) < 40  # the least likely paths pooled into one cell of >= 40 expected
-    obs = np.append(obs[~small], obs[small].sum())
-    exp = np.append(exp[~small], exp[small].sum())
-    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > ALPHA
+    assert joint_pvalue(seen, expected) > ALPHA
 
 
 def test_tree_metrics_by_depth(loaded):
