@@ -568,13 +568,15 @@ class LLM:
         first = seqs[0]
         prompt_ids = first.ids[:first.prompt_len]
         metrics = run_metrics([s.metrics for s in seqs], [(s.admitted, s.retired) for s in seqs if s.retired])
-        prompt_logprobs = None
-        if first.sampling.prompt_logprobs is not None:
-            prompt_logprobs = [None] + self._logprobs(prompt_ids[1:], first.prompt_token_logprobs,
-                                                      first.sampling.detokenize)
         outputs = [self._completion(i, s) for i, s in enumerate(seqs)]
         return RequestOutput(request_id or str(next(self._next_request)), prompt, prompt_ids, outputs,
-                             metrics.to_dict(), prompt_logprobs=prompt_logprobs)
+                             metrics.to_dict(), prompt_logprobs=self._prompt_logprobs(first))
+
+    def _prompt_logprobs(self, seq: Sequence) -> list[dict[int, Logprob] | None] | None:
+        """``RequestOutput.prompt_logprobs`` of a prefilled sequence (None when not asked for)."""
+        if seq.sampling.prompt_logprobs is None:
+            return None
+        return [None] + self._logprobs(seq.ids[1:seq.prompt_len], seq.prompt_token_logprobs, seq.sampling.detokenize)
 
     def _completion(self, index: int, s: Sequence) -> CompletionOutput:
         sp = s.sampling

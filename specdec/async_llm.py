@@ -72,11 +72,14 @@ class AsyncLLM:
         rid = f"async-{next(self._ids)}" if request_id is None else str(request_id)
         if rid in self._running:
             raise ValueError(f"request id {rid!r} is running already")
-        loop = asyncio.get_running_loop()
-        text, seqs = await loop.run_in_executor(self._preparing, self._prepare, prompt, sp)
-        reqs = [ServerRequest(s, loop) for s in seqs]
-        self._running[rid] = reqs
+        self._running[rid] = reqs = []  # taken now: a second request with the id is refused while this one prepares
         try:
+            loop = asyncio.get_running_loop()
+            text, seqs = await loop.run_in_executor(self._preparing, self._prepare, prompt, sp)
+            if len(seqs) > self.scheduler.capacity:
+                raise ValueError(f"{len(seqs)} completions exceed what this engine holds at once "
+                                 f"({self.scheduler.capacity}: max_batch_size + max_queue)")
+            reqs += [ServerRequest(s, loop) for s in seqs]
             try:
                 self.scheduler.submit(reqs)
             except Closing:
@@ -112,26 +115,29 @@ class AsyncLLM:
         streams = [Streamed(self.llm, s.sampling) for s in seqs]
         ids = seqs[0].ids[:seqs[0].prompt_len]  # the prompt's
         try:
-            left = len(reqs)
+            left, prompt_logprobs, unsent = len(reqs), None, None
             while left:
                 i, u = await updates.get()
                 if u.error:  # what the request's logits processor raised, else the engine's failure
                     raise u.failure or RuntimeError(u.error)
                 delta = streams[i].add(u)
                 left -= bool(u.finish_reason)
-                if kind == RequestOutputKind.DELTA and (u.token_ids or delta or u.finish_reason):
-                    news = [CompletionOutput(i, delta, list(u.token_ids), u.finish_reason, streams[i].logprobs_since(u),
-                                             streams[i].cumulative_logprob, seqs[i].stop_reason)]
+                if prompt_logprobs is None and i == 0 and u.token_ids:  # prefilled: vLLM sends them first
+                    prompt_logprobs = self.llm._prompt_logprobs(seqs[0])
+                    unsent = prompt_logprobs
+                news = [CompletionOutput(i, delta, list(u.token_ids), u.finish_reason, streams[i].logprobs_since(u),
+                                         streams[i].cumulative_logprob, seqs[i].stop_reason)]
                 if not left:  # the whole result, as LLM.generate's (with DELTA, the last news)
                     final = self.llm._output(seqs, prompt, rid)
                     if kind == RequestOutputKind.DELTA:
-                        final.outputs = news
+                        final.outputs, final.prompt_logprobs = news, unsent
                     yield final
                 elif kind == RequestOutputKind.CUMULATIVE:
                     yield RequestOutput(rid, prompt, ids, [st.output(j) for j, st in enumerate(streams)], {},
-                                        finished=False)
+                                        finished=False, prompt_logprobs=prompt_logprobs)
                 elif kind == RequestOutputKind.DELTA and (u.token_ids or delta or u.finish_reason):
-                    yield RequestOutput(rid, prompt, ids, news, {}, finished=False)
+                    yield RequestOutput(rid, prompt, ids, news, {}, finished=False, prompt_logprobs=unsent)
+                    unsent = None
         finally:
             for task in pumps:
                 task.cancel()
@@ -149,7 +155,7 @@ class AsyncLLM:
             return
         self._closed = True
         self.scheduler.close()
-        self.scheduler.stop()
+        self.scheduler.stop(timeout=None)  # a step under way ends first: then the LLM is free again
         self._preparing.shutdown(wait=False)
         self.llm.serve(False)
 

@@ -150,7 +150,7 @@ class Engine:
         if decoding:
             self._round(decoding)
         for s in live:
-            if s.failure is not None:  # a logits processor raised: its rows went on unprocessed
+            if s.failure is not None:  # a logits processor raised on a row its tokens came from
                 s.finish_reason = "error"
         return self._retire()
 
@@ -247,15 +247,19 @@ class Engine:
         """Verify one sequence's draft (chain or tree) and keep only the accepted path's KV.
         Penalties and the grammar see, on each row, the drafts before it as output
         (``allowed``: the grammar's masks of the rows, when already computed)."""
+        failures: dict[int, Exception] = {}  # rows whose logits processor raised
         if s.sampling.processes_logits or s.grammar is not None:
             prefixes = d.tree.prefixes() if d.tree else [d.tokens[:j] for j in range(len(d.tokens) + 1)]
-            rows = sequence_logits(rows, s, prefixes, allowed)
+            rows = sequence_logits(rows, s, prefixes, allowed, failures)
         if d.tree is None:
             v = verify(d.tokens, d.q, rows, s.sampling, s.generator)
             self.cache.rewind(s.slot, len(s.ids) + v.num_accepted)
+            reached = range(v.num_accepted + 1)  # the rows the committed tokens came from
         else:
             v = verify_tree(d.tree, rows, s.sampling, s.generator)
             self.cache.keep(s.slot, len(s.ids) - 1, v.rows)  # path rows -> consecutive slots
+            reached = v.rows
+        s.failure = next((failures[r] for r in reached if r in failures), None)  # as plain decoding meets it
         return v
 
     def _admit(self) -> None:
@@ -322,7 +326,9 @@ class Engine:
                 row = rows[-1]
             if self.cache.lengths[s.slot] < s.prompt_len:
                 continue
-            scored = sequence_logits(row[None], s, [[]])  # [1, vocab]
+            failures: dict[int, Exception] = {}
+            scored = sequence_logits(row[None], s, [[]], failures=failures)  # [1, vocab]
+            s.failure = failures.get(0)
             token = verify([], None, scored, s.sampling, s.generator).tokens[0]  # no drafts: the first token, from p
             if s.logprobs is not None:
                 s.token_logprobs += token_logprobs(row[None], [token], s.logprobs)

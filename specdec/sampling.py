@@ -126,16 +126,16 @@ def process_logits(logits: torch.Tensor, sp: SamplingParams, prompt: list[int] |
 
 
 def sequence_logits(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[int]],
-                    allowed: torch.Tensor | None = None) -> torch.Tensor:
+                    allowed: torch.Tensor | None = None, failures: dict[int, Exception] | None = None) -> torch.Tensor:
     """The logits ``seq`` draws from on ``rows [n, vocab]`` (the target's verify or prefill
     rows, or a draft model's), row i following its output plus ``prefixes[i]``: the
     grammar's mask (``allowed``: its masks, when already computed; a row the mask would
     leave empty, in a draft vocabulary narrower than the target's, keeps its logits), then
     ``process_logits``, after the request's own ``logits_processors`` (on rows of the target's
-    width only). The target and a draft model score alike, so the self-draft's drafts are
-    the target's own choices."""
+    width only; ``failures``: see ``processed_by_user``). The target and a draft model score
+    alike, so the self-draft's drafts are the target's own choices."""
     if seq.sampling.logits_processors and rows.shape[-1] == (seq.vocab_size or rows.shape[-1]):
-        rows = processed_by_user(rows, seq, prefixes)
+        rows = processed_by_user(rows, seq, prefixes, failures)
     if seq.grammar is not None:
         allowed = seq.grammar.allowed(prefixes) if allowed is None else allowed
         rows = unless_empty(constrain(rows, allowed[:, :rows.shape[-1]]), rows)
@@ -146,34 +146,38 @@ def sequence_logits(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[int
                           bad_words=seq.bad_words_ids)
 
 
-def processed_by_user(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[int]]) -> torch.Tensor:
+def processed_by_user(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[int]],
+                      failures: dict[int, Exception] | None = None) -> torch.Tensor:
     """``seq``'s ``logits_processors`` (vLLM's) on ``rows [n, vocab]`` -> ``[n, vocab]``
     (float32), row i following its output plus ``prefixes[i]``: each function in turn, given
     lists of the ids before the row (the prompt's first when it takes three arguments) and
     a copy of the row (changing it in place is fine: the raw logits stay, for logprobs); what
     it returns is the row. With speculation a row may follow drafts that are then rejected,
     and a draft model's rows are processed too, so a processor must depend on nothing but
-    the ids it is given. One that raises (or returns no such row) leaves the rows as given
-    and is kept as ``seq.failure``: the engine ends the request with finish reason "error"
-    after the step."""
-    if seq.failure is not None:  # one raised already: the request ends after this step
-        return rows
+    the ids it is given. A row whose processor raises (or returns no such row, a nan, or no
+    finite logit) stays as given; with ``failures`` (the target's rows) the exception is
+    kept there by row: the engine fails the request only if verification reaches that row,
+    as plain decoding would have called the processor there (a draft's row: ignored)."""
     out = rows.float().clone()  # [n, vocab]
     prompt = seq.ids[:seq.prompt_len]
     takes_prompt = [arity(f) == 3 for f in seq.sampling.logits_processors]
     for i, more in enumerate(prefixes):
         row = out[i]  # [vocab]
-        for f, three in zip(seq.sampling.logits_processors, takes_prompt):
-            output = seq.output_ids + list(more)
-            try:
+        try:
+            for f, three in zip(seq.sampling.logits_processors, takes_prompt):
+                output = seq.output_ids + list(more)
                 row = f(list(prompt), output, row) if three else f(output, row)
                 if not (isinstance(row, torch.Tensor) and row.shape == out[i].shape):
                     raise ValueError(f"logits processor {f!r} returned {type(row).__name__} "
                                      f"{tuple(getattr(row, 'shape', ()))}; it must return the logits, a tensor "
                                      f"of shape [{out.shape[-1]}]")
-            except Exception as e:  # the user's code: this request fails (Sequence.failure), not the batch
-                seq.failure = e
-                return rows
+                if row.isnan().any() or not row.isfinite().any():
+                    raise ValueError(f"logits processor {f!r} returned logits with a nan or with no finite one "
+                                     "(no token to draw)")
+        except Exception as e:  # the user's code: this row (and so this request), not the batch
+            if failures is not None:
+                failures[i] = e
+            row = rows[i]
         out[i] = row
     return out
 

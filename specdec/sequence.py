@@ -169,8 +169,9 @@ class Sequence:
     # the target's logits width: ``sampling.logits_processors`` skip rows of another (a
     # narrower draft's); None: rows of any width
     vocab_size: int | None = None
-    # what one of ``sampling.logits_processors`` raised (its rows went on unprocessed): the
-    # request ends at this step with finish reason "error", the others in the batch go on
+    # what one of ``sampling.logits_processors`` raised on a row this step's tokens came from
+    # (as plain decoding would have met it): the request ends with finish reason "error" after
+    # the step, the others in the batch go on
     failure: Exception | None = None
 
     @property

@@ -172,3 +172,50 @@ def test_a_raising_logits_processor_fails_its_request_alone(loaded):
     with pytest.raises(Broken):
         llm.generate(PROMPTS, [good, SamplingParams(max_tokens=24, logits_processors=[breaks]), good])
     assert [o.token_ids for o in llm.generate(PROMPTS, good)] == [w.token_ids for w in want]
+
+
+def test_shutdown_duplicates_capacity_and_prompt_logprobs(loaded):
+    """A request still queued for the engine's thread when ``shutdown`` comes ends (abort)
+    instead of hanging; two requests started at once with one id: one is refused; more
+    completions than the engine holds are refused; prompt logprobs come with the first DELTA
+    output and every CUMULATIVE one, as vLLM's."""
+    import time
+
+    def slow(output, logits):
+        time.sleep(0.05)
+        return logits
+
+    llm = LLM(loaded("llama"), max_batch_size=1)
+
+    async def main():
+        engine = AsyncLLM(llm, max_queue=2)
+        first = engine.generate(PROMPTS[0], SamplingParams(max_tokens=300, ignore_eos=True, logits_processors=[slow]))
+        await anext(first)
+        queued = asyncio.create_task(collect(engine, PROMPTS[1], SamplingParams(max_tokens=5)))
+        await asyncio.sleep(0.01)  # prepared and handed to the engine's thread, mid-step
+        engine.shutdown()
+        last = [out async for out in first][-1]
+        outs = await asyncio.wait_for(queued, 30)
+        assert last.outputs[0].finish_reason == "abort" and outs[-1].outputs[0].finish_reason == "abort"
+
+        engine = AsyncLLM(llm, max_queue=2)
+        sp = SamplingParams(max_tokens=6, ignore_eos=True)
+        both = await asyncio.gather(collect(engine, PROMPTS[0], sp, "same"), collect(engine, PROMPTS[1], sp, "same"),
+                                    return_exceptions=True)
+        assert sorted(type(b).__name__ for b in both) == ["ValueError", "list"]
+        with pytest.raises(ValueError, match="4 completions exceed"):
+            await anext(engine.generate(PROMPTS[0], SamplingParams(max_tokens=4, n=4)))
+        kinds = {}
+        for kind in RequestOutputKind:
+            sp = SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=1, output_kind=kind)
+            kinds[kind] = await collect(engine, PROMPTS[0], sp)
+        engine.shutdown()
+        return kinds
+
+    kinds = run(main())
+    want = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=1))[0].prompt_logprobs
+    assert len(want) == len(llm.encode(PROMPTS[0])) and want[0] is None
+    assert all(o.prompt_logprobs == want for o in kinds[RequestOutputKind.CUMULATIVE])
+    delta = kinds[RequestOutputKind.DELTA]
+    assert delta[0].prompt_logprobs == want and all(o.prompt_logprobs is None for o in delta[1:])
+    assert [o.prompt_logprobs for o in kinds[RequestOutputKind.FINAL_ONLY]] == [want]

@@ -115,3 +115,46 @@ def test_processor_errors(processors, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(logits_processors=processors)
     assert SamplingParams(logits_processors=[max]).logits_processors == (max,)  # no signature: two arguments
+
+
+def test_rows_past_a_rejected_draft_do_not_fail_the_request(loaded, tmp_path):
+    """A processor that bans a token and checks that its output never holds it is handed, on
+    the verify rows after an n-gram (or narrow draft's) draft of that token, an output it
+    never allowed, and raises there; those rows are never reached (the draft is rejected), so
+    the request goes on as plain decoding does, with plain decoding's tokens."""
+    from tiny import make_tiny
+
+    from specdec.runtime import load_model
+
+    def no_a(output, logits):
+        assert 65 not in output, "a token it banned"
+        logits[65] = float("-inf")
+        if len(output) == 3:  # 66, which the prompt follows with 65
+            logits[66] = logits.max() + 1
+        return logits
+
+    prompt = {"prompt_token_ids": [65, 66] * 5 + [65]}
+    sp = SamplingParams(max_tokens=24, ignore_eos=True, logits_processors=[no_a])
+    want = LLM(loaded("llama")).generate(prompt, sp)[0].token_ids
+    narrow = load_model(str(make_tiny(tmp_path / "narrow", "llama", seed=31, layers=1, vocab=258)), device="cpu")
+    for method, draft in (("ngram", None), ("draft", narrow), ("hybrid", narrow)):
+        out = LLM(loaded("llama"), draft=draft, speculative=SpecConfig(method=method, num_draft_tokens=4)).generate(
+            prompt, sp)[0]
+        assert out.token_ids == want and out.metrics["drafted_tokens"] > out.metrics["accepted_tokens"], method
+
+
+def test_a_processor_leaving_no_token_fails_its_request(loaded):
+    """A row of nan (or of -inf only) from a processor is that request's error, raised by
+    ``generate`` at the step that draws from it (sampled or greedy)."""
+    def nan_at_3(output, logits):
+        return logits.fill_(float("nan")) if len(output) == 3 else logits
+
+    def none_left_at_3(output, logits):
+        return logits.fill_(float("-inf")) if len(output) == 3 else logits
+
+    llm = LLM(loaded("llama"), speculative=SpecConfig(method="self", num_draft_tokens=3))
+    for f in (nan_at_3, none_left_at_3):
+        for temperature in (0.0, 1.0):
+            with pytest.raises(ValueError, match="no token to draw"):
+                llm.generate("abc", SamplingParams(max_tokens=8, temperature=temperature, logits_processors=[f]))
+    assert len(llm.generate("abc", SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids) == 8

@@ -83,7 +83,9 @@ class Scheduler:
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """End the thread (its running and queued requests end with finish reason abort);
+        ``timeout``: seconds to wait for a step under way (None: as long as it takes)."""
         self._stop = True
         self.wake.set()
         if self.thread.is_alive():
@@ -139,6 +141,17 @@ class Scheduler:
         for req in list(self.active):  # shutting down
             self.engine.abort(req.seq)
         self._publish()
+        while True:  # requests that came after the last drain: they end unstarted
+            try:
+                kind, req = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add" and not req.finished:
+                req.seq.finish_reason = req.seq.finish_reason or "abort"
+                req.finished = True
+                req.push(Update([], finish_reason="abort"))
+                with self.lock:
+                    self.outstanding -= 1
 
     def _drain(self) -> None:
         while True:
