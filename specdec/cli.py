@@ -198,9 +198,13 @@ def structured_from_args(a) -> StructuredOutputs | None:
         if text is None or not text.startswith("@"):
             return text
         try:
-            return open(text[1:], encoding="utf-8").read()
+            text = open(text[1:], encoding="utf-8").read()
         except OSError as e:
             raise ValueError(f"cannot read {text[1:]!r}: {e.strerror}") from None
+        for end in ("\r\n", "\n"):  # an editor's final newline: not the value's
+            if text.endswith(end):
+                return text[:-len(end)]
+        return text
 
     choice = [value(c) for c in a.structured_choice] if a.structured_choice else None
     fields = dict(json=value(a.structured_json), regex=value(a.structured_regex), choice=choice,

@@ -323,9 +323,9 @@ def test_cli_structured_outputs(tmp_path, tiny_dirs):
     assert re.fullmatch("[ab]{3}-[0-9]{2}", row["text"]) and row["finish_reason"] == "stop"
     row = json.loads(run_cli(*common, "--structured-choice", "yes", "--structured-choice", "no").stdout)
     assert row["text"] in ("yes", "no")
-    (tmp_path / "yes.txt").write_text("yes")
+    (tmp_path / "yes.txt").write_text("yes\n")
     row = json.loads(run_cli(*common, "--structured-choice", f"@{tmp_path / 'yes.txt'}").stdout)
-    assert row["text"] == "yes"  # the file's text, not its path
+    assert row["text"] == "yes"  # the file's text (its final newline dropped), not its path
     (tmp_path / "g.lark").write_text('start: "(" /[0-9]{1,2}/ ")"')
     row = json.loads(run_cli(*common, "--structured-grammar", f"@{tmp_path / 'g.lark'}").stdout)
     assert re.fullmatch(r"\([0-9]{1,2}\)", row["text"])
