@@ -366,10 +366,10 @@ class SpecConfig:
         (``ngram``, ``draft_model``, or one of specdec's ``METHODS``; default ``draft`` when a
         ``model`` is given, as vLLM infers), ``model`` (the draft), ``num_speculative_tokens``
         (k), ``prompt_lookup_max`` / ``prompt_lookup_min`` (the n-gram sizes; one alone sets
-        both, as vLLM's; neither keeps specdec's, 1 to 3, where vLLM's are 5 and 5), and any
-        ``revision`` (the draft's, on the hub), any other ``SpecConfig`` field by name, and
-        ``draft_tensor_parallel_size`` 1 and ``code_revision`` the draft's ``revision`` (its
-        code comes from the same snapshot)."""
+        both, as vLLM's; neither keeps specdec's, 1 to 3, where vLLM's are 5 and 5),
+        ``revision`` (the hub draft's), any other ``SpecConfig`` field by name, and, as given
+        in vLLM's examples, ``draft_tensor_parallel_size`` 1, ``code_revision`` equal to
+        ``revision`` (a draft's code comes from the same snapshot) and ``quantization`` null."""
         _check(isinstance(config, dict), f"speculative_config must be a JSON object, got {type(config).__name__}")
         own = {f.name for f in fields(SpecConfig)}
         out, draft = {}, config.get("model")
@@ -498,6 +498,8 @@ class EngineConfig:
                                                "each model on one device (no tensor parallelism); use 1")
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", True)
+        _check(self.quantization is None or isinstance(self.quantization, str),
+               f"quantization must be None or a string, got {self.quantization!r}")
         for name in ("tokenizer", "revision", "tokenizer_revision", "quantization"):
             _check(getattr(self, name) != "", f"{name} must be None or a non-empty string")
         _check(0 < self.gpu_memory_utilization <= 1,
