@@ -22,9 +22,10 @@ Reasoning parsers (vLLM's names), for models that think between ``<think>`` and
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
-from .sequence import held_back
+from .sequence import held_back, ids_to_hold
 from .tools import TOOL_PARSERS, ToolCall, Tools, parse_required, required_partial
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
@@ -52,16 +53,11 @@ def reasoning_tokens(tokenizer, parser: "AnswerParser", ids: list[int]) -> int:
     ``</think>`` included: none where ``parser`` finds no reasoning, all where it never ends."""
     if parser.reasoning is None:
         return 0
-    text = tokenizer.decode(ids, skip_special_tokens=False)
-    if parser.split_reasoning(text, final=True)[0] is None:
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+    if parser.split_reasoning(decode(ids), final=True)[0] is None:
         return 0
-    if END_THINK not in text:
-        return len(ids)
-    lo, hi = 1, len(ids)  # the fewest ids whose text holds </think>
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if END_THINK in tokenizer.decode(ids[:mid], skip_special_tokens=False) else (mid + 1, hi)
-    return lo
+    end = ids_to_hold(decode, ids, END_THINK)
+    return len(ids) if end is None else end
 
 
 def _think_ids(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -292,9 +292,10 @@ class LLM:
         self.target: LoadedModel = model if isinstance(model, LoadedModel) \
             else load_model(model, c.device, c.dtype, c.backend, revision=c.revision, tokenizer=c.tokenizer,
                             tokenizer_revision=c.tokenizer_revision, **loading)
-        if c.quantization is not None and c.quantization.lower() != quantization_of(self.target):
+        found = quantization_of(self.target)
+        if c.quantization is not None and c.quantization.lower() != found:
             raise ValueError(f"quantization {c.quantization!r}: this checkpoint is "
-                             f"{quantization_of(self.target) or 'not quantized'}; specdec runs a checkpoint as it is "
+                             f"{found or 'not quantized'}; specdec runs a checkpoint as it is "
                              "quantized (GGUF, or its quantization_config) and quantizes nothing at load (a draft's "
                              "int8 weights: draft_quantization)")
         self.draft: LoadedModel | None = None

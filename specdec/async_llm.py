@@ -4,6 +4,7 @@ request streamed as ``RequestOutput``s while its tokens are verified."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,7 @@ from typing import AsyncIterator
 from .api import LLM, CompletionOutput, Prompt, RequestOutput, render_prompt
 from .config import RequestOutputKind, SamplingParams
 from .server.metrics import ServerMetrics
-from .server.scheduler import Closing, ServerRequest, Scheduler, Update
+from .server.scheduler import Closing, ServerRequest, Scheduler, Update, merged_updates
 from .server.text import TextStream
 
 
@@ -101,23 +102,12 @@ class AsyncLLM:
     async def _outputs(self, rid: str, prompt: str | None, reqs: list[ServerRequest],
                        kind: RequestOutputKind) -> AsyncIterator[RequestOutput]:
         """The request's outputs from its completions' updates, as ``kind`` says."""
-        updates: asyncio.Queue = asyncio.Queue()  # (completion, Update) from each of them
-
-        async def pump(i: int, req: ServerRequest) -> None:
-            while True:
-                u: Update = await req.queue.get()
-                updates.put_nowait((i, u))
-                if u.finish_reason or u.error:
-                    return
-
-        pumps = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
         seqs = [r.seq for r in reqs]
         streams = [Streamed(self.llm, s.sampling) for s in seqs]
         ids = seqs[0].ids[:seqs[0].prompt_len]  # the prompt's
-        try:
-            left, prompt_logprobs, unsent = len(reqs), None, None
-            while left:
-                i, u = await updates.get()
+        left, prompt_logprobs, unsent = len(reqs), None, None
+        async with contextlib.aclosing(merged_updates(reqs)) as updates:  # (completion, Update)
+            async for i, u in updates:
                 if u.error:  # what the request's logits processor raised, else the engine's failure
                     raise u.failure or RuntimeError(u.error)
                 delta = streams[i].add(u)
@@ -138,9 +128,6 @@ class AsyncLLM:
                 elif kind == RequestOutputKind.DELTA and (u.token_ids or delta or u.finish_reason):
                     yield RequestOutput(rid, prompt, ids, news, {}, finished=False, prompt_logprobs=unsent)
                     unsent = None
-        finally:
-            for task in pumps:
-                task.cancel()
 
     async def abort(self, request_id: str | list[str]) -> None:
         """End running requests (vLLM's): each one's stream ends with finish reason ``abort``."""

@@ -159,13 +159,13 @@ def processed_by_user(rows: torch.Tensor, seq: "Sequence", prefixes: list[list[i
     kept there by row: the engine fails the request only if verification reaches that row,
     as plain decoding would have called the processor there (a draft's row: ignored)."""
     out = rows.float().clone()  # [n, vocab]
-    prompt = seq.ids[:seq.prompt_len]
+    prompt, before = seq.ids[:seq.prompt_len], seq.output_ids
     takes_prompt = [arity(f) == 3 for f in seq.sampling.logits_processors]
     for i, more in enumerate(prefixes):
         row = out[i]  # [vocab]
         try:
             for f, three in zip(seq.sampling.logits_processors, takes_prompt):
-                output = seq.output_ids + list(more)
+                output = before + list(more)  # a list of its own for each call
                 row = f(list(prompt), output, row) if three else f(output, row)
                 if not (isinstance(row, torch.Tensor) and row.shape == out[i].shape):
                     raise ValueError(f"logits processor {f!r} returned {type(row).__name__} "

@@ -109,6 +109,19 @@ def held_back(text: str, markers) -> int:
     return hold
 
 
+def ids_to_hold(decode, ids: list[int], text: str, start: int = 0) -> int | None:
+    """The fewest leading ``ids``, more than ``start``, whose ``decode`` holds ``text`` (None:
+    all of them do not). A prefix's text is a prefix of the whole's, so holding only grows
+    with the ids: found by bisection."""
+    lo, hi = start + 1, len(ids)
+    if lo > hi or text not in decode(ids):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if text in decode(ids[:mid]) else (mid + 1, hi)
+    return lo
+
+
 def bad_words_ids(tokenizer, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
     """vLLM's reading of ``bad_words``: each word's tokens as written (leading spaces
     stripped) and with one leading space, the latter only where it tokenizes to as many

@@ -29,7 +29,7 @@ import threading
 import torch
 
 from .config import StructuredOutputs
-from .sequence import common_prefix
+from .sequence import common_prefix, ids_to_hold
 
 log = logging.getLogger("specdec.structured")
 _BITS = torch.arange(32, dtype=torch.int32)  # a bitmask word's bit positions (token j * 32 + b)
@@ -202,11 +202,9 @@ class Matcher:
         starts: 0 with the gate passed, None when ``tokens`` do not complete it."""
         if not self.gate:
             return 0
-        seq = self._tail + list(tokens)
-        if self.gate not in self._decode(seq):  # most rows: one decode
-            return None
-        return next(end - len(self._tail) for end in range(len(self._tail) + 1, len(seq) + 1)
-                    if self.gate in self._decode(seq[:end]))
+        # most rows: one decode, which does not hold the gate
+        end = ids_to_hold(self._decode, self._tail + list(tokens), self.gate, len(self._tail))
+        return None if end is None else end - len(self._tail)
 
     def allowed(self, paths: list[list[int]]) -> torch.Tensor:
         """``[rows, vocab]`` bool: the tokens the grammar allows after the committed output

@@ -10,6 +10,7 @@ its request; the scheduler frees its KV slots at the next engine step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import hmac
@@ -40,7 +41,7 @@ from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
                        TokenizeRequest, bad_request, model_not_found, parse)
 from .responses import CHAT_FIELDS, ResponseShaper, ResponsesRequest
-from .scheduler import Closing, QueueFull, Scheduler, ServerRequest, Update
+from .scheduler import Closing, QueueFull, Scheduler, ServerRequest, Update, merged_updates
 from .text import TextStream, TokenOffsets, prompt_offsets
 
 log = logging.getLogger("specdec.server")
@@ -569,27 +570,15 @@ class _Output:
     async def events(self):
         """Stream chunks: each choice's verified tokens as soon as they arrive (choices
         interleaved), each choice's finish reason last."""
-        updates: asyncio.Queue = asyncio.Queue()  # (choice, Update) from every completion
-
-        async def pump(i: int, sreq: ServerRequest) -> None:
-            while True:
-                u = await sreq.queue.get()
-                updates.put_nowait((i, u))
-                if u.finish_reason or u.error:
-                    return
-
-        pumps = [asyncio.create_task(pump(i, sreq)) for i, sreq in enumerate(self.sreqs)]
         streams = [TextStream(self.api.tok, sreq.seq.sampling) for sreq in self.sreqs]
-        try:
-            if self.chat:
-                for i in range(len(self.sreqs)):
-                    yield self.chunk(i, {"role": "assistant", "content": ""}, None, None)
-            running = len(self.sreqs)
-            echoed = [False] * len(self.sreqs)
-            # parsed answers: characters of reasoning and content sent, then of each call's arguments
-            shown = [[0, 0] for _ in self.sreqs]
-            while running:
-                i, u = await updates.get()
+        if self.chat:
+            for i in range(len(self.sreqs)):
+                yield self.chunk(i, {"role": "assistant", "content": ""}, None, None)
+        echoed = [False] * len(self.sreqs)
+        # parsed answers: characters of reasoning and content sent, then of each call's arguments
+        shown = [[0, 0] for _ in self.sreqs]
+        async with contextlib.aclosing(merged_updates(self.sreqs)) as updates:  # (choice, Update)
+            async for i, u in updates:
                 if u.error:
                     yield {"error": APIError(500, u.error, "server_error").body()["error"]}
                     return
@@ -601,7 +590,6 @@ class _Output:
                     yield self.chunk(i, echo.text, logprobs, None)
                 if self.req.prompt_only:  # echo with max_tokens 0: no output
                     if u.finish_reason:
-                        running -= 1
                         yield self.chunk(i, "", None, "length")
                     continue
                 stream = streams[i]
@@ -617,10 +605,6 @@ class _Output:
                         yield chunk
                 elif delta or logprobs or u.finish_reason:
                     yield self.chunk(i, {"content": delta} if self.chat else delta, logprobs, u.finish_reason)
-                running -= bool(u.finish_reason)
-        finally:
-            for task in pumps:
-                task.cancel()
         if self.req.include_usage:
             yield {**self.chunk(0, None, None, None), "choices": [], "usage": self.usage()}
 

@@ -32,6 +32,31 @@ class Update:
     failure: Exception | None = None  # what the request's own code raised (a logits processor), if that was it
 
 
+async def merged_updates(reqs: list["ServerRequest"]):
+    """``(i, update)`` for the updates of ``reqs[i]``, all of them in the order they come,
+    until each request has had its last (a finish reason or an error). Close it early with
+    ``contextlib.aclosing``, so that its readers stop at once."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, req: ServerRequest) -> None:
+        while True:
+            u = await req.queue.get()
+            merged.put_nowait((i, u))
+            if u.finish_reason or u.error:
+                return
+
+    pumps = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+    try:
+        left = len(reqs)
+        while left:
+            i, u = await merged.get()
+            left -= bool(u.finish_reason or u.error)
+            yield i, u
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
 class QueueFull(Exception):
     pass
 
