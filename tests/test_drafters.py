@@ -58,6 +58,24 @@ def test_lookup_equals_a_scan_of_every_position():
         assert lookup_branches(ids, k, n_max, n_min, branches) == distinct[:branches]
 
 
+def test_id_array_follows_the_ids():
+    """The n-gram drafter's numpy view of a sequence's ids: grown by each commit (past its
+    buffer too), converted afresh when the ids got shorter; the drafter's lookups through it
+    equal the lookups on the list."""
+    import random
+
+    from specdec.drafters.ngram import longest_match
+    rng = random.Random(0)
+    s, d = seq([rng.randrange(5) for _ in range(3)]), NgramDrafter(n_max=3, n_min=1)
+    for step in range(300):
+        if step % 50 == 49:
+            del s.ids[rng.randrange(1, len(s.ids)):]  # a stop string's cut
+        s.ids.extend(rng.randrange(5) for _ in range(rng.randrange(1, 9)))
+        assert s.id_array().tolist() == s.ids
+        assert d.propose([s], [4])[0].tokens == lookup(s.ids, 4, 3, 1)
+        assert d.context(s) == (longest_match(s.ids) or None)  # None: no match
+
+
 def test_ngram_drafter_budget_and_eos():
     d = NgramDrafter(n_max=2, n_min=1)
     s = seq([1, 2, 3, 4, 5, 1, 2])

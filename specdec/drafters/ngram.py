@@ -20,7 +20,7 @@ def match_starts(a: np.ndarray, n: int) -> np.ndarray:
     return starts
 
 
-def lookup(ids: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+def lookup(ids: list[int] | np.ndarray, k: int, n_max: int, n_min: int) -> list[int]:
     """Continuation (<= k tokens) of an earlier match of ``ids``' last n tokens, trying
     n from ``n_max`` down to ``n_min``; among matches of the same n the most recent one with a
     full k-token continuation wins, else the one with the longest (the oldest)."""
@@ -37,7 +37,7 @@ def lookup(ids: list[int], k: int, n_max: int, n_min: int) -> list[int]:
 MATCH_CAP = 32
 
 
-def longest_match(ids: list[int], cap: int = MATCH_CAP) -> int:
+def longest_match(ids: list[int] | np.ndarray, cap: int = MATCH_CAP) -> int:
     """The largest m <= cap such that ``ids``' last m tokens also occur earlier (0: the last
     token never occurred before)."""
     a = np.asarray(ids)  # [L]
@@ -53,13 +53,13 @@ def longest_match(ids: list[int], cap: int = MATCH_CAP) -> int:
     return m
 
 
-def lookup_branches(ids: list[int], k: int, n_max: int, n_min: int, branches: int) -> list[list[int]]:
+def lookup_branches(ids: list[int] | np.ndarray, k: int, n_max: int, n_min: int, branches: int) -> list[list[int]]:
     """Up to ``branches`` distinct continuations (<= k tokens) of earlier matches of the last
     n tokens: longest n first, most recent match first within an n."""
     a, L, found = np.asarray(ids), len(ids), []
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         for start in match_starts(a, n)[::-1].tolist():
-            cont = ids[start + n:start + n + k]
+            cont = a[start + n:start + n + k].tolist()
             if cont not in found:
                 found.append(cont)
                 if len(found) == branches:
@@ -80,12 +80,12 @@ class NgramDrafter:
         model's context: the length of the longest earlier match of the text's end
         (``cost.MatchAcceptance``). A long match means a copy in progress, and its drafts are
         accepted far more often than those of a 1-token match."""
-        m = longest_match(seq.ids, max(MATCH_CAP, self.n_min))  # >= n_min: the lookup matches
+        m = longest_match(seq.id_array(), max(MATCH_CAP, self.n_min))  # >= n_min: the lookup matches
         if m < self.n_min:
             return None
         if seq.grammar is not None:  # a first draft the grammar forbids: as no match
-            firsts = [lookup(seq.ids, 1, self.n_max, self.n_min)] if self.branches == 1 else \
-                lookup_branches(seq.ids, 1, self.n_max, self.n_min, self.branches)
+            firsts = [lookup(seq.id_array(), 1, self.n_max, self.n_min)] if self.branches == 1 else \
+                lookup_branches(seq.id_array(), 1, self.n_max, self.n_min, self.branches)
             if not any(f and seq.grammar.valid_prefix(f) for f in firsts):
                 return None
         return m
@@ -95,9 +95,9 @@ class NgramDrafter:
 
     def _draft(self, seq: Sequence, k: int) -> Draft:
         if self.branches == 1:  # stop drafting after an EOS draft
-            return Draft(cut_after_eos(lookup(seq.ids, k, self.n_max, self.n_min), seq.eos_ids))
+            return Draft(cut_after_eos(lookup(seq.id_array(), k, self.n_max, self.n_min), seq.eos_ids))
         paths = [cut_after_eos(p, seq.eos_ids)
-                 for p in lookup_branches(seq.ids, k, self.n_max, self.n_min, self.branches)]
+                 for p in lookup_branches(seq.id_array(), k, self.n_max, self.n_min, self.branches)]
         if seq.grammar is not None:  # each branch stops before its first draft the grammar forbids
             paths = [p[:seq.grammar.valid_prefix(p)] for p in paths]
             paths = [p for p in paths if p]
