@@ -212,8 +212,9 @@ class LLM:
 
     ``model`` / ``draft``: an HF model directory, a ``.gguf`` file, a hub id, or an already
     loaded ``LoadedModel`` (to share weights); ``model=None`` is the embedded default
-    (SmolLM2-135M-Instruct). ``speculative.method``: ``none``,
-    ``draft`` (needs ``draft``), ``ngram`` or ``self``. ``backend``: ``auto``, ``torch``,
+    (SmolLM2-135M-Instruct). ``speculative``: a ``SpecConfig``, its ``method``'s name alone
+    (``"ngram"``: the method's defaults) or a dict of its fields; ``method``: ``none``,
+    ``draft`` (needs ``draft``), ``ngram``, ``self`` or ``hybrid`` (needs ``draft``). ``backend``: ``auto``, ``torch``,
     ``hf`` or ``llamacpp`` (a .gguf on llama.cpp); ``draft_backend`` (default: ``backend``)
     for the draft model. ``repack``: llama.cpp's repacked CPU weights (``LlamaCppRuntime``).
     ``load_format="dummy"``: random weights of the checkpoints' shapes (``DummyWeights``; only
@@ -242,7 +243,7 @@ class LLM:
     """
 
     def __init__(self, model: str | LoadedModel | None = None, draft: str | LoadedModel | None = None,
-                 speculative: SpecConfig | None = None, device: str | None = None,
+                 speculative: SpecConfig | str | dict | None = None, device: str | None = None,
                  dtype: str | None = None, max_batch_size: int = 8, backend: str = "auto",
                  draft_backend: str | None = None, repack: bool = True, load_format: str = "auto",
                  chunked_prefill_size: int | None = None, max_model_len: int | None = None,
@@ -263,6 +264,13 @@ class LLM:
             speculative, draft = SpecConfig.from_vllm(speculative_config)
         if speculative is None:
             speculative = SpecConfig(method="draft" if draft else "none")
+        elif isinstance(speculative, str):  # a method's name: its defaults
+            speculative = SpecConfig(method=speculative)
+        elif isinstance(speculative, dict):  # SpecConfig's fields by name
+            speculative = SpecConfig(**speculative)
+        elif not isinstance(speculative, SpecConfig):
+            raise TypeError(f"speculative must be a SpecConfig, a method's name or a dict of SpecConfig's fields, "
+                            f"not {type(speculative).__name__}")
         self.spec = speculative
         c = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, backend=backend,
                          draft_backend=draft_backend, repack=repack, load_format=load_format,

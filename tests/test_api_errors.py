@@ -158,6 +158,14 @@ def test_vllm_speculative_config(loaded, tiny_dirs):
     assert theirs.spec == ours.spec and theirs.generate("abc", sp)[0].token_ids == ours.generate("abc", sp)[0].token_ids
     with pytest.raises(ValueError, match="not both"):
         LLM(loaded("llama"), speculative=SpecConfig(), speculative_config={"method": "ngram"})
+    # a method's name, or SpecConfig's fields as a dict (an AttributeError on 'str' before)
+    assert LLM(loaded("llama"), speculative="ngram").spec == SpecConfig(method="ngram")
+    assert LLM(loaded("llama"), speculative={"method": "self", "num_draft_tokens": 2}).spec == \
+        SpecConfig(method="self", num_draft_tokens=2)
+    with pytest.raises(ValueError, match="method"):
+        LLM(loaded("llama"), speculative="medusa")
+    with pytest.raises(TypeError, match="speculative must be"):
+        LLM(loaded("llama"), speculative=4)
     common = ("generate", "--model", str(tiny_dirs["llama"]), "--prompt", "abc abc abc", "--max-new-tokens", "12",
               "--ignore-eos", "--json")
     runs = [run_cli(*common, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'),
