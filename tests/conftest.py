@@ -21,6 +21,9 @@ def tiny_dirs(tmp_path_factory):
         "qwen3": make_tiny(root / "qwen3", "qwen3", seed=2),
         "mistral": make_tiny(root / "mistral", "mistral", seed=3),
         "windowed": make_tiny(root / "windowed", "mistral", seed=4, sliding_window=6),  # outputs span many windows
+        # Gemma 3's layers: a window on the first, a rope per layer type
+        "gemma3": make_tiny(root / "gemma3", "gemma3_text", seed=9, head_dim=16, sliding_window=6,
+                            query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"]),
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

@@ -58,7 +58,7 @@ def on_cuda(tiny_dirs):
     return get
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_logits_match_transformers_on_cuda(tiny_dirs, on_cuda, arch):
     from transformers import AutoModelForCausalLM
 

@@ -462,18 +462,19 @@ def test_conv_state_rewinds(tmp_path):
     assert [o.token_ids for o in outs[1:]] == alone
 
 
-@pytest.mark.parametrize("backend", ["torch", "hf"])
-def test_sliding_window_equal_to_transformers(loaded, tiny_dirs, backend):
-    """A sliding-window model (Mistral's, 6 tokens) decodes as transformers' model does, far
-    past the window, plain and under speculation (chains; trees on the torch runtime),
-    with prompt chunks kept for the next request (rewinds past the window: transformers'
-    own ``crop`` of a window layer keeps only the window)."""
+@pytest.mark.parametrize("name,backend", [("windowed", "torch"), ("windowed", "hf"), ("gemma3", "torch")])
+def test_sliding_window_equal_to_transformers(loaded, tiny_dirs, name, backend):
+    """A sliding-window model (Mistral's, 6 tokens on every layer; Gemma 3's on one of two)
+    decodes as transformers' model does, far past the window, plain and under speculation
+    (chains; trees on the torch runtime), with prompt chunks kept for the next request
+    (rewinds past the window: transformers' own ``crop`` of a window layer keeps only the
+    window)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["windowed"]).eval()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs[name]).eval()
     want = []
     for p in PROMPTS:  # greedy by whole forwards (generate's min_new_tokens would hide the eos)
-        ids = LLM(loaded("windowed")).encode(p)
+        ids = LLM(loaded(name)).encode(p)
         with torch.no_grad():
             for _ in range(40):
                 ids.append(hf(torch.tensor([ids])).logits[0, -1].argmax().item())
@@ -481,7 +482,7 @@ def test_sliding_window_equal_to_transformers(loaded, tiny_dirs, backend):
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     methods = [("none", 1), ("self", 1), ("ngram", 1)] + [("self", 2)] * (backend == "torch")
     for method, topk in methods:
-        llm = LLM(loaded("windowed", backend=backend), chunked_prefill_size=4, max_batch_size=3,
+        llm = LLM(loaded(name, backend=backend), chunked_prefill_size=4, max_batch_size=3,
                   speculative=SpecConfig(method=method, num_draft_tokens=3, tree_topk=topk))
         for _ in range(2):  # the second time from the prompt chunks the first left
             outs = llm.generate(PROMPTS, sp)

@@ -42,6 +42,18 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "qwen2-window-layer-1": ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=1)),
     "qwen2-window-unused": ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=2)),
     "qwen3-window": ("qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=0)),
+    # Gemma's family: norms of 1 + weight, scaled embeddings, tanh-gelu; Gemma 2's norms after
+    # attention and MLP, capped attention scores and logits, windows on every other layer;
+    # Gemma 3's q/k norms and a rope per layer type (the full layers' scaled)
+    "gemma": ("gemma", dict(head_dim=16)),
+    "gemma2-caps-window": ("gemma2", dict(head_dim=16, sliding_window=7, query_pre_attn_scalar=24,
+                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    "gemma3-rope-per-layer-window": ("gemma3_text", dict(
+        head_dim=16, sliding_window=7, query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
+    # the attention cap is in Gemma 3's config but transformers' model never applies it
+    "gemma3-caps": ("gemma3_text", dict(head_dim=16, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
 }
 
 
@@ -67,6 +79,27 @@ def test_config_variants_match_transformers(tmp_path, variant):
     ours = [rt.forward(cache, [0], [ids[0, a:b].tolist()])[0] for a, b in [(0, 11), (11, 30)] + [(i, i + 1) for i in range(30, 40)]]
     assert (torch.cat(ours) - ref).abs().max().item() < ATOL * ref.abs().max().item(), variant
     assert rt.max_context == 512  # a window does not bound the context
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3_text"])
+def test_bfloat16_logits_equal_transformers(tmp_path, arch):
+    """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
+    by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
+    bfloat16 (Llama's norms scale in bfloat16)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny
+
+    extra = dict(head_dim=16, sliding_window=7, query_pre_attn_scalar=24) if arch != "llama" else {}
+    path = make_tiny(tmp_path / arch, arch, seed=5, **extra)
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits[0].float()  # [24, vocab]
+    assert torch.equal(rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0], ref)
 
 
 def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
@@ -413,10 +446,11 @@ class EagerGraphs:
         return self.runtime._layers(cache, x)[:, :tokens]
 
 
-def test_graphed_forward_equals_eager(tiny_dirs):
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_graphed_forward_equals_eager(tiny_dirs, name):
     """The CUDA-graph branch of the forward (full-capacity masks, rows padded up to a graph's
-    size) gives eager decoding's greedy tokens under plain decoding, chains, n-gram and draft
-    trees, in batches and one by one."""
+    size; Gemma 3's window over them) gives eager decoding's greedy tokens under plain
+    decoding, chains, n-gram and draft trees, in batches and one by one."""
     from specdec.runtime.torch_llama import GRAPH_TOKEN_SIZES
 
     from specdec import LLM, SamplingParams, SpecConfig
@@ -424,8 +458,8 @@ def test_graphed_forward_equals_eager(tiny_dirs):
 
     prompts = ["Hello world, this is a test", "abc", "The quick brown fox. The quick brown"]
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
-    base = [o.token_ids for o in LLM(load_model(str(tiny_dirs["llama"]))).generate(prompts, sp)]
-    model = load_model(str(tiny_dirs["llama"]))
+    base = [o.token_ids for o in LLM(load_model(str(tiny_dirs[name]))).generate(prompts, sp)]
+    model = load_model(str(tiny_dirs[name]))
     model.runtime.graphs = graphs = EagerGraphs(model.runtime)
     for spec in (SpecConfig(), SpecConfig(method="self", num_draft_tokens=4),
                  SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3),

@@ -1,4 +1,4 @@
-"""Model runtimes: the torch Llama-family runtime, llama.cpp (GGUF) and the transformers fallback."""
+"""Model runtimes: the torch runtime (Llama and Gemma families), llama.cpp (GGUF) and the transformers fallback."""
 from .loading import LoadedModel, load_model
 
 __all__ = ["LoadedModel", "load_model"]

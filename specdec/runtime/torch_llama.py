@@ -1,4 +1,6 @@
-"""A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3).
+"""A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3) and
+Gemma's (Gemma, Gemma 2, Gemma 3's text models), whose layers differ from Llama's only in
+small ways (``Family``).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
 HF directory and GGUF tensors dequantized by transformers load the same way. The KV cache
@@ -22,7 +24,36 @@ from .. import disk_cache
 
 log = logging.getLogger(__name__)
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # HF model_type; biases and q/k norms come from the weights
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")  # HF model_type;
+# biases, q/k norms and Gemma 2/3's norms after attention and MLP come from the weights
+GEMMAS = ("gemma", "gemma2", "gemma3_text")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+@dataclass(frozen=True)
+class Family:
+    """Where a model's layers depart from Llama's (all as transformers computes them).
+    ``gemma``: norms scale by ``1 + weight``, in float32 (the weights are kept so), and the
+    embeddings by sqrt(hidden size) rounded to the model's dtype; ``attn_scale``: queries'
+    scale (Gemma's ``query_pre_attn_scalar ** -0.5``; None: ``head_dim ** -0.5``);
+    ``attn_softcap`` / ``final_softcap``: ``cap * tanh(x / cap)`` on attention scores (Gemma
+    2's) / the logits (Gemma 2's, Gemma 3's where set); ``activation``: the MLP's gate (``ACTIVATIONS``)."""
+
+    gemma: bool = False
+    attn_scale: float | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    activation: str = "silu"
+
+    @classmethod
+    def of(cls, config) -> "Family":
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if config.model_type not in GEMMAS:
+            return cls(activation=act)
+        return cls(gemma=True, attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
+                   # Gemma 3's config has the field too, but transformers' model never reads it
+                   attn_softcap=config.attn_logit_softcapping if config.model_type == "gemma2" else None,
+                   final_softcap=getattr(config, "final_logit_softcapping", None), activation=act)
 
 
 LINEAR_KINDS = ("dense", "onednn", "int8")
@@ -138,9 +169,32 @@ def pick_linear(device: torch.device, dtype: torch.dtype, quantize: bool = False
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's (scaled in the model's dtype), or with a float32 ``weight`` under a lower
+    precision Gemma's (scaled in float32, then cast): the same in float32."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (h * weight).to(x.dtype)
     return weight * h.to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
+              cap: float | None) -> torch.Tensor:
+    """``q [B, H, T, D]`` over ``k, v [B, KV, S, D]`` under ``mask [B, 1, T, S]`` (bool):
+    PyTorch's fused attention, or with capped scores (Gemma 2's, which it cannot do) the
+    product written out, softmax in float32 as transformers' eager attention has it."""
+    H, KV = q.shape[1], k.shape[1]
+    if cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=KV != H)
+    if KV != H:
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+    scores = softcap(q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5), cap)  # [B, H, T, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -328,6 +382,15 @@ class CudaGraphs:
 POSITIONAL_ROPE = ("default", "linear", "yarn", "llama3")  # tables that depend on the position alone
 
 
+def rope_types(config) -> dict[str | None, dict]:
+    """The rope parameters per layer type (Gemma 3's ``full_attention`` / ``sliding_attention``),
+    or ``{None: ...}`` for one set on every layer."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        return dict(params)
+    return {None: params}
+
+
 def unsupported(config) -> str | None:
     """Why the torch runtime cannot run ``config`` as transformers does (None: it can)."""
     if config.model_type not in ARCHS:
@@ -336,12 +399,16 @@ def unsupported(config) -> str | None:
     if quantized:  # GPTQ, AWQ, bitsandbytes, fp8...: packed weights transformers' quantizers unpack
         method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
         return f"the torch runtime reads unquantized checkpoints, not {getattr(method, 'value', method)!r} ones"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"the torch runtime supports the silu activation, not {config.hidden_act!r}"
-    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope not in POSITIONAL_ROPE:  # dynamic, longrope: rescaled by the whole sequence's length
-        return (f"the torch runtime supports rope types {', '.join(POSITIONAL_ROPE)}, not {rope!r} "
-                "(backend 'hf' runs transformers' own model)")
+    act = Family.of(config).activation
+    if act not in ACTIVATIONS:
+        return f"the torch runtime supports the {' and '.join(ACTIVATIONS)} activations, not {act!r}"
+    if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder
+        return "the torch runtime runs causal attention, not bidirectional"
+    for params in rope_types(config).values():
+        rope = params.get("rope_type", "default")
+        if rope not in POSITIONAL_ROPE:  # dynamic, longrope: rescaled by the whole sequence's length
+            return (f"the torch runtime supports rope types {', '.join(POSITIONAL_ROPE)}, not {rope!r} "
+                    "(backend 'hf' runs transformers' own model)")
     return None
 
 
@@ -349,7 +416,7 @@ def sliding_layers(config) -> tuple[int | None, list[bool]]:
     """``(window, which layers attend through it)``, as transformers reads the config: a query
     at position p sees keys past p - window. Mistral: every layer when ``sliding_window`` is
     set; Qwen2 / Qwen3: the layers ``layer_types`` names ``sliding_attention`` (none unless
-    ``use_sliding_window``); Llama: none."""
+    ``use_sliding_window``); Gemma 2 / 3: those ``layer_types`` names; Llama, Gemma: none."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if config.model_type == "llama" or not window or getattr(config, "use_sliding_window", True) is False:
@@ -366,7 +433,7 @@ def cat_or_none(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 class TorchLlama:
-    """Runtime for Llama-family checkpoints (see ``ARCHS``). ``cuda_graphs`` (default: on a
+    """Runtime for Llama- and Gemma-family checkpoints (see ``ARCHS``, ``Family``). ``cuda_graphs`` (default: on a
     CUDA device) replays small forwards as CUDA graphs (``CudaGraphs``)."""
 
     supports_masks = True
@@ -388,7 +455,9 @@ class TorchLlama:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
         self.max_context = config.max_position_embeddings
+        self.family = Family.of(config)
         self.window, sliding = sliding_layers(config)
+        types = getattr(config, "layer_types", None) or [None] * self.num_layers
         linear = linear or pick_linear(device, dtype)
         assert linear in LINEAR_KINDS, linear
         if multi_row is None:  # the verify-packed copy, when twice the weights fit in memory
@@ -402,7 +471,14 @@ class TorchLlama:
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
+        def norm(name: str) -> torch.Tensor | None:  # Gemma's: 1 + weight, kept in float32
+            if name not in weights or not self.family.gemma:
+                return opt(name)
+            return 1.0 + w(name).float()  # the weight as the model's dtype holds it, as transformers
+
         self.embed = w("model.embed_tokens.weight")
+        # Gemma's embeddings are scaled by sqrt(hidden), that factor rounded to the dtype first
+        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item() if self.family.gemma else None
         self.vocab_size = self.embed.shape[0]
         self.layers = []
         for i in range(self.num_layers):
@@ -410,19 +486,23 @@ class TorchLlama:
             a = pre + "self_attn."
             qkv_w = torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"])
             m = pre + "mlp."
+            sandwich = pre + "pre_feedforward_layernorm.weight" in weights  # Gemma 2/3: norms after, too
             self.layers.append({
-                "attn_norm": w(pre + "input_layernorm.weight"),
+                "attn_norm": norm(pre + "input_layernorm.weight"),
                 "qkv": Linear(qkv_w, cat_or_none([opt(a + f"{n}_proj.bias") for n in "qkv"]), linear, multi_row),
                 "o": Linear(w(a + "o_proj.weight"), opt(a + "o_proj.bias"), linear, multi_row),
-                "q_norm": opt(a + "q_norm.weight"),
-                "k_norm": opt(a + "k_norm.weight"),
-                "mlp_norm": w(pre + "post_attention_layernorm.weight"),
+                "q_norm": norm(a + "q_norm.weight"),
+                "k_norm": norm(a + "k_norm.weight"),
+                "post_attn_norm": norm(pre + "post_attention_layernorm.weight") if sandwich else None,
+                "mlp_norm": norm(pre + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
+                "post_mlp_norm": norm(pre + "post_feedforward_layernorm.weight") if sandwich else None,
                 "gate_up": Linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")]),
                                   cat_or_none([opt(m + "gate_proj.bias"), opt(m + "up_proj.bias")]), linear, multi_row),
                 "down": Linear(w(m + "down_proj.weight"), opt(m + "down_proj.bias"), linear, multi_row),
                 "sliding": sliding[i],
+                "rope": types[i] if types[i] in self.rope else None,  # its rope table's key
             })
-        self.norm = w("model.norm.weight")
+        self.norm = norm("model.norm.weight")
         head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed  # tied
         self.lm_head = Linear(head, None, linear, multi_row)
         if cuda_graphs and device.type != "cuda":
@@ -474,18 +554,21 @@ class TorchLlama:
         return statistics.median(times[True]) / statistics.median(times[False])
 
     def _init_rope(self, config) -> None:
+        """``rope``: layer type (None: every layer) -> (inverse frequencies ``[head_dim / 2]``,
+        the scale of cos and sin)."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        params = getattr(config, "rope_parameters", None) or {}
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-            d = self.head_dim
-            inv_freq, scale = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
-        else:
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
-        self.inv_freq = inv_freq.float().to(self.device)  # [head_dim / 2]
-        self.rope_scale = scale
+        self.rope = {}
+        for layer_type, params in rope_types(config).items():
+            rope_type = params.get("rope_type", "default")
+            if rope_type == "default":
+                base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+                d = self.head_dim
+                inv_freq, scale = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
+            else:
+                kw = {"layer_type": layer_type} if layer_type is not None else {}
+                inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kw)
+            self.rope[layer_type] = (inv_freq.float().to(self.device), scale)
 
     @property
     def speed_key(self) -> str:
@@ -554,13 +637,17 @@ class TorchLlama:
         it."""
         B, T = x.ids.shape
         S = x.mask.shape[-1]
-        freqs = x.pos[..., None].float() * self.inv_freq  # [B, T, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(self.dtype)[:, None]  # [B, 1, T, head_dim]
-        sin = (emb.sin() * self.rope_scale).to(self.dtype)[:, None]
+        rope = {}  # layer type -> (cos, sin) [B, 1, T, head_dim]
+        for layer_type, (inv_freq, scale) in self.rope.items():
+            freqs = x.pos[..., None].float() * inv_freq  # [B, T, head_dim/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            rope[layer_type] = ((emb.cos() * scale).to(self.dtype)[:, None], (emb.sin() * scale).to(self.dtype)[:, None])
 
         h = F.embedding(x.ids, self.embed)  # [B, T, hidden]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         H, KV, D = self.num_heads, self.kv_heads, self.head_dim
+        fam, act = self.family, ACTIVATIONS[self.family.activation]
         for li, L in enumerate(self.layers):
             a = rms_norm(h, L["attn_norm"], self.eps)
             qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D]
@@ -573,6 +660,7 @@ class TorchLlama:
                 k = rms_norm(k, L["k_norm"], self.eps)
             q = q.transpose(1, 2)  # [B, H, T, D]
             k = k.transpose(1, 2)  # [B, KV, T, D]
+            cos, sin = rope[L["rope"]]
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             kc, vc = cache.k[li], cache.v[li]  # [slots, KV, cap, D]
@@ -580,20 +668,20 @@ class TorchLlama:
             vc[x.slots[:, None], :, x.write] = v
             mask = x.sliding if L["sliding"] else x.mask
             if x.runs is not None:  # views of each run's cache rows [b1 - b0, KV, S, D]
-                parts = [F.scaled_dot_product_attention(q[b0:b1], kc[s0:s0 + b1 - b0, :, :S],
-                                                        vc[s0:s0 + b1 - b0, :, :S], attn_mask=mask[b0:b1],
-                                                        enable_gqa=KV != H) for b0, b1, s0 in x.runs]
+                parts = [attention(q[b0:b1], kc[s0:s0 + b1 - b0, :, :S], vc[s0:s0 + b1 - b0, :, :S], mask[b0:b1],
+                                   fam.attn_scale, fam.attn_softcap) for b0, b1, s0 in x.runs]
                 o = parts[0] if len(parts) == 1 else torch.cat(parts)
             else:  # a gathered copy [B, KV, S, D]
-                o = F.scaled_dot_product_attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], attn_mask=mask,
-                                                   enable_gqa=KV != H)
-            h = h + L["o"](o.transpose(1, 2).reshape(B, T, H * D))
+                o = attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], mask, fam.attn_scale, fam.attn_softcap)
+            o = L["o"](o.transpose(1, 2).reshape(B, T, H * D))  # [B, T, hidden]
+            h = h + (o if L["post_attn_norm"] is None else rms_norm(o, L["post_attn_norm"], self.eps))
             a = rms_norm(h, L["mlp_norm"], self.eps)
             gate, up = L["gate_up"](a).chunk(2, dim=-1)
-            h = h + L["down"](F.silu(gate) * up)
+            f = L["down"](act(gate) * up)
+            h = h + (f if L["post_mlp_norm"] is None else rms_norm(f, L["post_mlp_norm"], self.eps))
         if last is not None:
             h = h[torch.arange(B, device=h.device), last]  # [B, hidden]
-        logits = self.lm_head(rms_norm(h, self.norm, self.eps))
+        logits = softcap(self.lm_head(rms_norm(h, self.norm, self.eps)), fam.final_softcap)
         return logits.float() if to_float else logits
 
     def _mask(self, starts: list[int], S: int, T: int, chunk_masks, dev: torch.device) -> torch.Tensor:
