@@ -42,6 +42,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "qwen2-window-layer-1": ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=1)),
     "qwen2-window-unused": ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=2)),
     "qwen3-window": ("qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=0)),
+    # Phi-3's fused projections, Granite's multipliers, SmolLM3's layers without rope
+    "phi3-window": ("phi3", dict(sliding_window=7, pad_token_id=0)),
+    "granite-multipliers": ("granite", dict(embedding_multiplier=3.0, attention_multiplier=0.3,
+                                            residual_multiplier=0.5, logits_scaling=2.5)),
+    "smollm3-no-rope-layer": ("smollm3", dict(no_rope_layers=[1, 0], pad_token_id=0)),
     # Gemma's family: norms of 1 + weight, scaled embeddings, tanh-gelu; Gemma 2's norms after
     # attention and MLP, capped attention scores and logits, windows on every other layer;
     # Gemma 3's q/k norms and a rope per layer type (the full layers' scaled)
@@ -81,7 +86,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
     assert rt.max_context == 512  # a window does not bound the context
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "granite", "gemma2", "gemma3_text"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -92,7 +97,9 @@ def test_bfloat16_logits_equal_transformers(tmp_path, arch):
 
     from tiny import make_tiny
 
-    extra = dict(head_dim=16, sliding_window=7, query_pre_attn_scalar=24) if arch != "llama" else {}
+    extra = {"llama": {}, "granite": dict(embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.5,
+                                          logits_scaling=2.5)}.get(arch, dict(head_dim=16, sliding_window=7,
+                                                                              query_pre_attn_scalar=24))
     path = make_tiny(tmp_path / arch, arch, seed=5, **extra)
     rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.bfloat16)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
@@ -121,6 +128,12 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     assert "gpt2" in unsupported(AutoConfig.for_model("gpt2"))
     assert "gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="gelu"))
     assert "not 'awq' ones" in unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "awq"}))
+    assert "partial_rotary_factor" in unsupported(AutoConfig.for_model("phi3", partial_rotary_factor=0.75))
+    assert "bidirectional" in unsupported(AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True))
+    per_type = AutoConfig.for_model("gemma3_text", rope_parameters={  # each layer type's rope is checked
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    assert "'dynamic'" in unsupported(per_type)
     model = load_model(str(path), device="cpu")
     assert isinstance(model.runtime, HFRuntime)
     with pytest.raises(ValueError, match="rope types"):

@@ -1,6 +1,6 @@
-"""A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3) and
-Gemma's (Gemma, Gemma 2, Gemma 3's text models), whose layers differ from Llama's only in
-small ways (``Family``).
+"""A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
+Granite, SmolLM3) and Gemma's (Gemma, Gemma 2, Gemma 3's text models), whose layers differ
+from Llama's only in small ways (``Family``).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
 HF directory and GGUF tensors dequantized by transformers load the same way. The KV cache
@@ -24,8 +24,9 @@ from .. import disk_cache
 
 log = logging.getLogger(__name__)
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")  # HF model_type;
-# biases, q/k norms and Gemma 2/3's norms after attention and MLP come from the weights
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2",
+         "gemma3_text")  # HF model_type; biases, q/k norms, Phi-3's fused projections and Gemma
+# 2/3's norms after attention and MLP come from the weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -33,24 +34,36 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 @dataclass(frozen=True)
 class Family:
     """Where a model's layers depart from Llama's (all as transformers computes them).
-    ``gemma``: norms scale by ``1 + weight``, in float32 (the weights are kept so), and the
-    embeddings by sqrt(hidden size) rounded to the model's dtype; ``attn_scale``: queries'
-    scale (Gemma's ``query_pre_attn_scalar ** -0.5``; None: ``head_dim ** -0.5``);
-    ``attn_softcap`` / ``final_softcap``: ``cap * tanh(x / cap)`` on attention scores (Gemma
-    2's) / the logits (Gemma 2's, Gemma 3's where set); ``activation``: the MLP's gate (``ACTIVATIONS``)."""
+    ``gemma``: norms scale by ``1 + weight``, in float32 (the weights are kept so);
+    ``embed_scale``: the embeddings' factor (Gemma's sqrt(hidden size) rounded to the model's
+    dtype, Granite's ``embedding_multiplier``); ``attn_scale``: queries' scale (Gemma's
+    ``query_pre_attn_scalar ** -0.5``, Granite's ``attention_multiplier``; None:
+    ``head_dim ** -0.5``); ``residual_scale``: what attention's and the MLP's outputs are
+    scaled by before the residual sum (Granite's); ``logits_divisor``: Granite's
+    ``logits_scaling``; ``attn_softcap`` / ``final_softcap``: ``cap * tanh(x / cap)`` on
+    attention scores (Gemma 2's) / the logits (Gemma 2's, Gemma 3's where set);
+    ``activation``: the MLP's gate (``ACTIVATIONS``)."""
 
     gemma: bool = False
+    embed_scale: float | None = None
     attn_scale: float | None = None
+    residual_scale: float | None = None
+    logits_divisor: float | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
     activation: str = "silu"
 
     @classmethod
-    def of(cls, config) -> "Family":
+    def of(cls, config, dtype: torch.dtype = torch.float32) -> "Family":
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if config.model_type == "granite":
+            return cls(embed_scale=config.embedding_multiplier, attn_scale=config.attention_multiplier,
+                       residual_scale=config.residual_multiplier, logits_divisor=config.logits_scaling,
+                       activation=act)
         if config.model_type not in GEMMAS:
             return cls(activation=act)
-        return cls(gemma=True, attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
+        return cls(gemma=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
+                   attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
                    # Gemma 3's config has the field too, but transformers' model never reads it
                    attn_softcap=config.attn_logit_softcapping if config.model_type == "gemma2" else None,
                    final_softcap=getattr(config, "final_logit_softcapping", None), activation=act)
@@ -409,6 +422,8 @@ def unsupported(config) -> str | None:
         if rope not in POSITIONAL_ROPE:  # dynamic, longrope: rescaled by the whole sequence's length
             return (f"the torch runtime supports rope types {', '.join(POSITIONAL_ROPE)}, not {rope!r} "
                     "(backend 'hf' runs transformers' own model)")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:  # Phi-4-mini's
+            return "the torch runtime rotates whole heads, not a part (partial_rotary_factor)"
     return None
 
 
@@ -455,9 +470,10 @@ class TorchLlama:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
         self.max_context = config.max_position_embeddings
-        self.family = Family.of(config)
+        self.family = Family.of(config, dtype)
         self.window, sliding = sliding_layers(config)
         types = getattr(config, "layer_types", None) or [None] * self.num_layers
+        rotates = getattr(config, "no_rope_layers", None) or [1] * self.num_layers  # SmolLM3's: 0 = no rope
         linear = linear or pick_linear(device, dtype)
         assert linear in LINEAR_KINDS, linear
         if multi_row is None:  # the verify-packed copy, when twice the weights fit in memory
@@ -476,15 +492,16 @@ class TorchLlama:
                 return opt(name)
             return 1.0 + w(name).float()  # the weight as the model's dtype holds it, as transformers
 
+        def fused(names: str, parts: str) -> torch.Tensor:  # Phi-3's fused projection, else the parts'
+            return w(names) if names in weights else torch.cat([w(p) for p in parts.split()])
+
         self.embed = w("model.embed_tokens.weight")
-        # Gemma's embeddings are scaled by sqrt(hidden), that factor rounded to the dtype first
-        self.embed_scale = torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item() if self.family.gemma else None
         self.vocab_size = self.embed.shape[0]
         self.layers = []
         for i in range(self.num_layers):
             pre = f"model.layers.{i}."
             a = pre + "self_attn."
-            qkv_w = torch.cat([w(a + f"{n}_proj.weight") for n in "qkv"])
+            qkv_w = fused(a + "qkv_proj.weight", " ".join(a + f"{n}_proj.weight" for n in "qkv"))
             m = pre + "mlp."
             sandwich = pre + "pre_feedforward_layernorm.weight" in weights  # Gemma 2/3: norms after, too
             self.layers.append({
@@ -496,11 +513,12 @@ class TorchLlama:
                 "post_attn_norm": norm(pre + "post_attention_layernorm.weight") if sandwich else None,
                 "mlp_norm": norm(pre + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
                 "post_mlp_norm": norm(pre + "post_feedforward_layernorm.weight") if sandwich else None,
-                "gate_up": Linear(torch.cat([w(m + "gate_proj.weight"), w(m + "up_proj.weight")]),
+                "gate_up": Linear(fused(m + "gate_up_proj.weight", f"{m}gate_proj.weight {m}up_proj.weight"),
                                   cat_or_none([opt(m + "gate_proj.bias"), opt(m + "up_proj.bias")]), linear, multi_row),
                 "down": Linear(w(m + "down_proj.weight"), opt(m + "down_proj.bias"), linear, multi_row),
                 "sliding": sliding[i],
                 "rope": types[i] if types[i] in self.rope else None,  # its rope table's key
+                "rotates": bool(rotates[i]),
             })
         self.norm = norm("model.norm.weight")
         head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed  # tied
@@ -643,11 +661,11 @@ class TorchLlama:
             emb = torch.cat((freqs, freqs), dim=-1)
             rope[layer_type] = ((emb.cos() * scale).to(self.dtype)[:, None], (emb.sin() * scale).to(self.dtype)[:, None])
 
-        h = F.embedding(x.ids, self.embed)  # [B, T, hidden]
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
-        H, KV, D = self.num_heads, self.kv_heads, self.head_dim
         fam, act = self.family, ACTIVATIONS[self.family.activation]
+        h = F.embedding(x.ids, self.embed)  # [B, T, hidden]
+        if fam.embed_scale is not None:
+            h = h * fam.embed_scale
+        H, KV, D = self.num_heads, self.kv_heads, self.head_dim
         for li, L in enumerate(self.layers):
             a = rms_norm(h, L["attn_norm"], self.eps)
             qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D]
@@ -660,9 +678,10 @@ class TorchLlama:
                 k = rms_norm(k, L["k_norm"], self.eps)
             q = q.transpose(1, 2)  # [B, H, T, D]
             k = k.transpose(1, 2)  # [B, KV, T, D]
-            cos, sin = rope[L["rope"]]
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            if L["rotates"]:
+                cos, sin = rope[L["rope"]]
+                q = q * cos + rotate_half(q) * sin
+                k = k * cos + rotate_half(k) * sin
             kc, vc = cache.k[li], cache.v[li]  # [slots, KV, cap, D]
             kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
             vc[x.slots[:, None], :, x.write] = v
@@ -674,15 +693,23 @@ class TorchLlama:
             else:  # a gathered copy [B, KV, S, D]
                 o = attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], mask, fam.attn_scale, fam.attn_softcap)
             o = L["o"](o.transpose(1, 2).reshape(B, T, H * D))  # [B, T, hidden]
-            h = h + (o if L["post_attn_norm"] is None else rms_norm(o, L["post_attn_norm"], self.eps))
+            h = h + self._residual(o, L["post_attn_norm"])
             a = rms_norm(h, L["mlp_norm"], self.eps)
             gate, up = L["gate_up"](a).chunk(2, dim=-1)
-            f = L["down"](act(gate) * up)
-            h = h + (f if L["post_mlp_norm"] is None else rms_norm(f, L["post_mlp_norm"], self.eps))
+            h = h + self._residual(L["down"](act(gate) * up), L["post_mlp_norm"])
         if last is not None:
             h = h[torch.arange(B, device=h.device), last]  # [B, hidden]
         logits = softcap(self.lm_head(rms_norm(h, self.norm, self.eps)), fam.final_softcap)
+        if fam.logits_divisor is not None:
+            logits = logits / fam.logits_divisor
         return logits.float() if to_float else logits
+
+    def _residual(self, out: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+        """What attention's or the MLP's ``out`` adds to the residual stream: normed after
+        (Gemma 2/3) or scaled (Granite) where the family says so."""
+        if post_norm is not None:
+            out = rms_norm(out, post_norm, self.eps)
+        return out if self.family.residual_scale is None else out * self.family.residual_scale
 
     def _mask(self, starts: list[int], S: int, T: int, chunk_masks, dev: torch.device) -> torch.Tensor:
         """``[B, 1, T, S]`` bool. Row b's chunk mask ``[n_b, m_b]`` covers its last ``m_b``
