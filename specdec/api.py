@@ -22,7 +22,7 @@ from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
 from .runtime.loading import quantization_of
 from .sampling import make_generator
-from .sequence import Sequence, TokenLogprobs, bad_words_ids, settled_text
+from .sequence import Sequence, TokenLogprobs, bad_words_ids, settled_text, text_context
 from .structured import Grammars
 
 # prompt tokens per step by default, by device type (others: cuda's). Measured on Qwen2.5-Coder-1.5B
@@ -557,6 +557,7 @@ class LLM:
         gate = grammar_gate(self.tokenizer, ids) if reasoning and sp.structured_outputs else ""
         grammar = sp.structured_outputs and self.grammars.matcher(sp.structured_outputs, gate)
         bad_words = bad_words_ids(self.tokenizer, sp.bad_words)
+        context = text_context(self.tokenizer, ids) if sp.detokenize else ()
         seqs = []
         for i in range(sp.n):
             seed = None if sp.seed is None else (sp.seed + i) % 2 ** 64
@@ -568,7 +569,7 @@ class LLM:
                                  eos_ids=eos_ids, num_draft_tokens=num_draft_tokens,
                                  grammar=grammar and (grammar.copy() if i else grammar), bad_words_ids=bad_words,
                                  min_tokens_ban=self.target.eos_ids | frozenset(sp.stop_token_ids),
-                                 vocab_size=vocab))
+                                 vocab_size=vocab, text_context=context))
         return seqs
 
     def _output(self, seqs: list[Sequence], prompt: str | None, request_id: str | None = None) -> RequestOutput:
@@ -590,7 +591,7 @@ class LLM:
     def _completion(self, index: int, s: Sequence) -> CompletionOutput:
         sp = s.sampling
         text = "" if not sp.detokenize else s.text if s.text is not None else \
-            settled_text(self.tokenizer, s.output_ids, sp)
+            settled_text(self.tokenizer, s.output_ids, sp, s.text_context)
         if s.logprobs is None:
             return CompletionOutput(index, text, s.output_ids, s.finish_reason, stop_reason=s.stop_reason)
         return CompletionOutput(index, text, s.output_ids, s.finish_reason,

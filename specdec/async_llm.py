@@ -103,7 +103,7 @@ class AsyncLLM:
                        kind: RequestOutputKind) -> AsyncIterator[RequestOutput]:
         """The request's outputs from its completions' updates, as ``kind`` says."""
         seqs = [r.seq for r in reqs]
-        streams = [Streamed(self.llm, s.sampling) for s in seqs]
+        streams = [Streamed(self.llm, s.sampling, s.text_context) for s in seqs]
         ids = seqs[0].ids[:seqs[0].prompt_len]  # the prompt's
         left, prompt_logprobs, unsent = len(reqs), None, None
         async with contextlib.aclosing(merged_updates(reqs)) as updates:  # (completion, Update)
@@ -160,9 +160,9 @@ class Streamed:
     """One completion's output so far, from its updates: token ids, the text that is safe to
     show (``TextStream``) and its logprobs in vLLM's form."""
 
-    def __init__(self, llm: LLM, sp: SamplingParams):
+    def __init__(self, llm: LLM, sp: SamplingParams, context: tuple[int, ...] = ()):
         self.llm, self.sp = llm, sp
-        self.text = TextStream(llm.tokenizer, sp) if sp.detokenize else None
+        self.text = TextStream(llm.tokenizer, sp, context) if sp.detokenize else None
         self.ids: list[int] = []
         self.logprobs: list | None = [] if sp.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if sp.logprobs is not None else None

@@ -387,7 +387,7 @@ class Engine:
             if last in sp.stop_token_ids and (sp.ignore_eos or last not in self.target.eos_ids):
                 s.stop_reason = last  # vLLM's: a stop token, not the model's EOS
             if not sp.include_stop_str_in_output and sp.detokenize:  # the token is not in the text (vLLM's rule)
-                s.text = settled_text(self.target.tokenizer, s.output_ids[:-1], sp)
+                s.text = settled_text(self.target.tokenizer, s.output_ids[:-1], sp, s.text_context)
         elif s.remaining == 0:
             s.finish_reason = "length"
         if s.grammar is not None:
@@ -407,7 +407,7 @@ class Engine:
         if not sp.stop:
             return None
         if s.stop_text is None:
-            s.stop_text = IncrementalText(self.target.tokenizer, sp)
+            s.stop_text = IncrementalText(self.target.tokenizer, sp, s.text_context)
         text, out = s.stop_text, s.output_ids
         for m in range(len(text.ids) + 1, after + 1):  # it holds the output before this round's
             seen = len(text.text)

@@ -15,11 +15,34 @@ if TYPE_CHECKING:
     from .structured import Matcher
 
 
-def output_text(tokenizer, ids: list[int], sp: SamplingParams) -> str:
-    """The text of output ``ids``, special tokens left out unless ``sp`` keeps them. As in
-    vLLM, a slow (Python) tokenizer with added tokens (specials among them) decodes the runs
-    between them apart, joined by a space with ``sp.spaces_between_special_tokens`` (by
-    nothing without); a fast one decodes the whole, as it is."""
+def output_text(tokenizer, ids: list[int], sp: SamplingParams, context: tuple[int, ...] | list[int] = ()) -> str:
+    """The text of output ``ids``, special tokens left out unless ``sp`` keeps them, as it
+    reads after ``context`` (the prompt's last tokens, ``text_context``): what ``ids`` add to
+    the decoding of ``context``. So a SentencePiece tokenizer that strips the text's leading
+    space (Llama 2's, Mistral's) keeps the first output token's, as vLLM's detokenizer, primed
+    with the prompt, does. As in vLLM, a slow (Python) tokenizer with added tokens (specials
+    among them) decodes the runs between them apart, joined by a space with
+    ``sp.spaces_between_special_tokens`` (by nothing without); a fast one decodes the whole."""
+    if context:
+        base, whole = _decoded(tokenizer, list(context), sp), _decoded(tokenizer, list(context) + list(ids), sp)
+        if whole.startswith(base):
+            return whole[len(base):]
+    return _decoded(tokenizer, ids, sp)
+
+
+def text_context(tokenizer, prompt_ids: list[int]) -> tuple[int, ...]:
+    """The prompt's last tokens an output's text is decoded after (``output_text``), as vLLM
+    primes its detokenizer: the fewest of the last 4 to 23 whose text holds no incomplete
+    character, else the last 23 (a prompt of at most 4 tokens: all of them)."""
+    if len(prompt_ids) <= 4:
+        return tuple(prompt_ids)
+    for n in range(4, min(len(prompt_ids), 23) + 1):
+        if "\ufffd" not in tokenizer.decode(prompt_ids[-n:]):
+            return tuple(prompt_ids[-n:])
+    return tuple(prompt_ids[-23:])
+
+
+def _decoded(tokenizer, ids: list[int], sp: SamplingParams) -> str:
     added = {} if getattr(tokenizer, "is_fast", True) else tokenizer.get_added_vocab()
     if not added:
         return tokenizer.decode(ids, skip_special_tokens=sp.skip_special_tokens)
@@ -61,15 +84,16 @@ def cut_after_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
     return tokens
 
 
-def settled_text(tokenizer, ids: list[int], sp: SamplingParams) -> str:
-    """The text of output ``ids`` (``output_text``) as an incremental detokenizer has it
-    (vLLM's): the last tokens, while their text ends in an incomplete character (U+FFFD until
-    its last byte comes), wait for the rest, and are left out if it never comes."""
+def settled_text(tokenizer, ids: list[int], sp: SamplingParams, context: tuple[int, ...] | list[int] = ()) -> str:
+    """The text of output ``ids`` after ``context`` (``output_text``) as an incremental
+    detokenizer has it (vLLM's): the last tokens, while their text ends in an incomplete
+    character (U+FFFD until its last byte comes), wait for the rest, and are left out if it
+    never comes."""
     m = len(ids)
-    text = output_text(tokenizer, ids, sp)
+    text = output_text(tokenizer, ids, sp, context)
     while text.endswith("\ufffd") and m:
         m -= 1
-        text = output_text(tokenizer, ids[:m], sp)
+        text = output_text(tokenizer, ids[:m], sp, context)
     return text
 
 
@@ -77,10 +101,12 @@ class IncrementalText:
     """Output text grown as tokens come, as vLLM's incremental detokenizer grows it: what new
     tokens add to the decoding of the few before them (a window from the previous emission
     point, so the cost per token does not grow with the output); while that window's text
-    ends in an incomplete character (U+FFFD), the tokens wait for the rest."""
+    ends in an incomplete character (U+FFFD), the tokens wait for the rest. The first window
+    reads after ``context`` (the prompt's last tokens, ``text_context``), as vLLM's does."""
 
-    def __init__(self, tokenizer, sp: SamplingParams):
+    def __init__(self, tokenizer, sp: SamplingParams, context: tuple[int, ...] | list[int] = ()):
         self.tok, self.sp = tokenizer, sp
+        self.context = list(context)
         self.ids: list[int] = []
         self.prefix = 0  # window start (token index)
         self.read = 0  # tokens whose text is in self.text
@@ -89,8 +115,9 @@ class IncrementalText:
     def add(self, ids: list[int]) -> str:
         """Feed the next ``ids``; the text they add to ``text`` (none while a character waits)."""
         self.ids.extend(ids)
-        before = output_text(self.tok, self.ids[self.prefix:self.read], self.sp)
-        window = output_text(self.tok, self.ids[self.prefix:], self.sp)
+        head = self.context if self.prefix == 0 else []
+        before = output_text(self.tok, head + self.ids[self.prefix:self.read], self.sp)
+        window = output_text(self.tok, head + self.ids[self.prefix:], self.sp)
         if len(window) <= len(before) or window.endswith("\ufffd"):
             return ""
         self.text += window[len(before):]
@@ -180,6 +207,8 @@ class Sequence:
     min_tokens_ban: frozenset[int] | None = None
     # with ``sampling.stop``: the output's text as it grows, where stop strings are sought
     stop_text: IncrementalText | None = None
+    # the prompt's last tokens the output's text is decoded after (``text_context``)
+    text_context: tuple[int, ...] = ()
     # the target's logits width: ``sampling.logits_processors`` skip rows of another (a
     # narrower draft's); None: rows of any width
     vocab_size: int | None = None

@@ -307,7 +307,8 @@ def test_stop_strings_sought_in_the_new_text_only(loaded, monkeypatch):
 
     decoded = []
     real = specdec.sequence.output_text
-    monkeypatch.setattr(specdec.sequence, "output_text", lambda tok, ids, sp: decoded.append(len(ids)) or real(tok, ids, sp))
+    monkeypatch.setattr(specdec.sequence, "output_text",
+                        lambda tok, ids, sp, context=(): decoded.append(len(ids)) or real(tok, ids, sp, context))
     n = 200
     o = spec(loaded, "llama", "self", k=4).generate("abc", SamplingParams(max_tokens=n, ignore_eos=True, stop=["@@@"]))[0]
     assert len(o.token_ids) == n and sum(decoded) < 10 * n  # the whole output each step: 37 n
@@ -336,6 +337,37 @@ def test_draft_narrower_than_the_target(loaded, tmp_path):
     want = LLM(loaded("llama")).generate(prompt, sp)[0].token_ids
     got = LLM(loaded("llama"), draft=narrow, speculative=SpecConfig(method="draft", num_draft_tokens=3)).generate(prompt, sp)[0]
     assert list(got.token_ids) == list(want) and 262 in want
+
+
+@pytest.mark.parametrize("method", ["none", "self"])
+def test_text_read_after_the_prompt(tmp_path, method):
+    """With a tokenizer that strips the text's first space (SentencePiece's, Llama 2's), the
+    output's text is what it adds to the prompt's last tokens, as vLLM's primed detokenizer
+    has it: the first token's space stays, a stop string can be met at the first token, and a
+    stream's pieces, text offsets and an echo add up to the same text."""
+    from tiny import make_tiny, metaspace_tokenizer
+
+    from specdec.runtime import load_model
+    from specdec.server.text import TextStream, TokenOffsets
+
+    tok = metaspace_tokenizer()
+    model = load_model(str(make_tiny(tmp_path / "m", "llama", seed=3, vocab=len(tok), tokenizer=tok)), device="cpu")
+    llm = LLM(model, speculative=SpecConfig(method=method, num_draft_tokens=3))
+    word = tok.convert_tokens_to_ids("▁world")
+    sp = dict(max_tokens=4, allowed_token_ids=[word, tok.convert_tokens_to_ids("▁cat")])
+    out = llm.generate("Hello world", SamplingParams(**sp))[0]
+    prompt = tok.decode(out.prompt_token_ids, skip_special_tokens=True)
+    assert out.text.startswith(" ") and prompt + out.text == tok.decode(out.prompt_token_ids + out.token_ids,
+                                                                     skip_special_tokens=True)
+    first = tok.decode(out.token_ids[:1])  # " world" or " cat" as decoded alone: without its space
+    stopped = llm.generate("Hello world", SamplingParams(**sp, stop=[" " + first]))[0].outputs[0]
+    assert (stopped.text, len(stopped.token_ids), stopped.stop_reason) == ("", 1, " " + first)
+    context = llm.make_sequences(out.prompt, SamplingParams())[0].text_context
+    stream = TextStream(tok, SamplingParams(), context)
+    assert "".join(stream.add([t]) for t in out.token_ids) == out.text
+    offsets = TokenOffsets(tok, SamplingParams(), 0, context).add(out.token_ids)
+    assert [out.text[a:b] for a, b in zip(offsets, offsets[1:] + [len(out.text)])] == \
+        [tok.convert_ids_to_tokens(t).replace("▁", " ") for t in out.token_ids]
 
 
 def test_special_tokens_in_text(loaded):

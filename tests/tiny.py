@@ -27,6 +27,26 @@ def byte_tokenizer(swap: bool = False):
     return fast
 
 
+def metaspace_tokenizer():
+    """A SentencePiece-style fast tokenizer, as Llama 2's and Mistral's: spaces are "▁", the
+    text gets one in front, and decoding strips the text's first space; a few whole words
+    ("▁world"...) and single characters. Its size: ``len(tok)`` (under ``VOCAB``)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["▁Hello", "▁world", "▁the", "▁cat"]
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "▁", *"abcdefghijklmnopqrstuvwxyzH,."])}
+    merges = []
+    for word in words:  # each word merged left to right
+        for end in range(2, len(word) + 1):
+            merges.append((word[:end - 1], word[end - 1]))
+            vocab.setdefault(word[:end], len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
 def char_tokenizer(chars, **kw):
     """A slow (Python) tokenizer: one token per character of ``chars``, '?' (when there)
     for any other; ``kw`` go to ``PreTrainedTokenizer`` (bos/eos tokens...)."""
@@ -60,14 +80,15 @@ def char_tokenizer(chars, **kw):
 
 
 def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, std: float = 0.2,
-              swap_tokens: bool = False, vocab: int = VOCAB, **config) -> Path:
+              swap_tokens: bool = False, vocab: int = VOCAB, tokenizer=None, **config) -> Path:
     """Write a tiny random ``arch`` checkpoint to ``path``. A large init std gives peaked
     logits, so greedy decoding has no near-ties that fp rounding could flip. ``vocab``: the
     embedding's rows (fewer than ``VOCAB``: a draft narrower than the targets); ``config``:
-    more config fields (``mlp_bias``, ``sliding_window``, ``rope_parameters``...)."""
+    more config fields (``mlp_bias``, ``sliding_window``, ``rope_parameters``...);
+    ``tokenizer``: another than ``byte_tokenizer``'s."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    tok = byte_tokenizer(swap=swap_tokens)
+    tok = tokenizer or byte_tokenizer(swap=swap_tokens)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

@@ -471,8 +471,8 @@ class _Output:
         # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>"
         self.token_text = (lambda t: f"token_id:{t}") if req.return_tokens_as_token_ids else api.token_text
         # completions' logprobs: each choice's output tokens' text_offset, after its echoed prompt
-        self.offsets = [TokenOffsets(api.tok, sreq.seq.sampling, len(echoes[i].text) if echoes else 0)
-                        for i, sreq in enumerate(sreqs)]
+        self.offsets = [TokenOffsets(api.tok, sreq.seq.sampling, len(echoes[i].text) if echoes else 0,
+                                     sreq.seq.text_context) for i, sreq in enumerate(sreqs)]
         self.pending: list[list] = [[] for _ in sreqs]  # streamed completions' (id, logprobs, offset) not sent yet
         self.streamed = [0] * len(sreqs)  # tokens each choice's stream has received
         # a chat answer with reasoning or tool calls to read: split into parts (answer.py)
@@ -532,7 +532,7 @@ class _Output:
             lps += u.logprobs
             if u.finish_reason:
                 break
-        text = u.text if u.text is not None else settled_text(self.api.tok, ids, sreq.seq.sampling)
+        text = u.text if u.text is not None else settled_text(self.api.tok, ids, sreq.seq.sampling, sreq.seq.text_context)
         finish_reason = u.finish_reason
         if self.req.prompt_only:  # echo with max_tokens 0: no output
             text, ids, lps, finish_reason = "", [], [], "length"
@@ -570,7 +570,7 @@ class _Output:
     async def events(self):
         """Stream chunks: each choice's verified tokens as soon as they arrive (choices
         interleaved), each choice's finish reason last."""
-        streams = [TextStream(self.api.tok, sreq.seq.sampling) for sreq in self.sreqs]
+        streams = [TextStream(self.api.tok, sreq.seq.sampling, sreq.seq.text_context) for sreq in self.sreqs]
         if self.chat:
             for i in range(len(self.sreqs)):
                 yield self.chunk(i, {"role": "assistant", "content": ""}, None, None)

@@ -16,8 +16,8 @@ class TextStream(IncrementalText):
     finishes the request as soon as a stop completes).
     """
 
-    def __init__(self, tokenizer, sp: SamplingParams = SamplingParams()):
-        super().__init__(tokenizer, sp)
+    def __init__(self, tokenizer, sp: SamplingParams = SamplingParams(), context: tuple[int, ...] = ()):
+        super().__init__(tokenizer, sp, context)
         self.sent = 0  # characters of self.text already sent
 
     def add(self, ids: list[int]) -> str:
@@ -35,7 +35,7 @@ class TextStream(IncrementalText):
         text. ``final_text`` is the engine's (cut before a stop string), or None to decode
         every id. (Not ``add``: the last tokens may complete a stop string.)"""
         self.ids.extend(ids)
-        final = final_text if final_text is not None else settled_text(self.tok, self.ids, self.sp)
+        final = final_text if final_text is not None else settled_text(self.tok, self.ids, self.sp, self.context)
         sent = self.text[:self.sent]
         if not final.startswith(sent):  # cannot happen with a prefix-stable tokenizer
             return ""
@@ -52,10 +52,10 @@ class TokenOffsets:
 
     CONTEXT = 4  # tokens decoded before each one
 
-    def __init__(self, tokenizer, sp: SamplingParams, start: int = 0):
+    def __init__(self, tokenizer, sp: SamplingParams, start: int = 0, context: tuple[int, ...] = ()):
         self.tok, self.sp = tokenizer, sp
         self.pos = start  # where the next token's text starts
-        self.context: list[int] = []
+        self.context: list[int] = list(context[-self.CONTEXT:])  # the first reads after the prompt's (``text_context``)
 
     def _length(self, ids: list[int]) -> int:
         """Characters of ``ids``' text, an unfinished character at its end left out."""
