@@ -176,6 +176,34 @@ def test_recurrent_states_decode_without_drafts(tmp_path):
     with pytest.raises(ValueError, match="'minimax' keeps its state outside"):  # at load, not at the first forward
         LLM(str(make_tiny(tmp_path / "minimax", "minimax", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                           layer_types=["linear_attention", "full_attention"])))
+    with pytest.raises(ValueError, match="'xlstm' keeps its state outside.*DynamicCache cannot hold it"):  # takes a
+        # cache argument, and failed deep in transformers at the first forward
+        LLM(str(make_tiny(tmp_path / "xlstm", "xlstm", embedding_dim=64, num_heads=4, num_blocks=2, mode="inference")))
+
+
+def test_fallback_gives_positions_and_reads_the_context(tmp_path):
+    """On transformers' model the forwards get their tokens' positions: Bamba's attention
+    layers counted from 0 at every forward without them (its plain decoding differed from
+    transformers' own after a few tokens). The context comes from where a config keeps it: a
+    multimodal config's text_config, MPT's max_seq_len."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec import LLM, SamplingParams
+    from specdec.runtime.hf import context_window
+
+    from tiny import make_tiny
+
+    path = make_tiny(tmp_path / "bamba", "bamba", mamba_d_state=8, mamba_n_heads=8, mamba_d_head=16,
+                     attn_layer_indices=[1], mamba_chunk_size=16, pad_token_id=None)
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    llm = LLM(str(path))
+    for prompt in ("The quick brown fox", "abc"):
+        ids = llm.encode(prompt)
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False, min_new_tokens=20)[0, len(ids):]
+        assert llm.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids == want.tolist()
+    assert context_window(AutoConfig.for_model("gemma3", text_config={"max_position_embeddings": 128})) == 128
+    assert context_window(AutoConfig.for_model("mpt", max_seq_len=32)) == 32
+    assert context_window(AutoConfig.for_model("gpt2", n_positions=64)) == 64
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -443,6 +471,13 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
         load_model(str(path), backend="llamacpp", load_format="dummy")
     with pytest.raises(ValueError, match="unknown load_format"):
         load_model(str(path), load_format="zeros")
+    from transformers import AutoConfig
+
+    from specdec.runtime.loading import DummyWeights
+    gpt2 = DummyWeights(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    # norms by their module, not their name: GPT-2's ln_* (zeros made every logit equal)
+    assert all(gpt2[n].eq(1).all() for n in ("transformer.ln_f.weight", "transformer.h.0.ln_1.weight"))
+    assert gpt2["transformer.ln_f.bias"].eq(0).all()
 
 
 class EagerGraphs:

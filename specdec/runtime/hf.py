@@ -23,6 +23,10 @@ class HFCache:
         self.config = config
         self.caches = [self._make() for _ in range(num_slots)]
         self.lengths = [0] * num_slots
+        # for a model that recomputes its cache past its longrope switch (``HFRuntime.recompute_at``):
+        # each slot's tokens, and whether its rows were computed with the long factors
+        self.ids: list[list[int]] = [[] for _ in range(num_slots)]
+        self.long = [False] * num_slots
 
     def _make(self):
         from transformers import DynamicCache
@@ -36,8 +40,10 @@ class HFCache:
 
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         n = self.lengths[slot] - length
+        del self.ids[slot][length:]
         if length == 0:
             self.caches[slot] = self._make()
+            self.long[slot] = False
         elif n:
             for layer in self.caches[slot].layers:
                 if any(getattr(layer, "is_recurrent_states_initialized", {}).values()):
@@ -63,6 +69,7 @@ class HFCache:
         """``dst`` holds ``src``'s first ``length`` rows (and nothing after them)."""
         self.caches[dst] = copy.deepcopy(self.caches[src])
         self.lengths[dst] = self.lengths[src]
+        self.ids[dst], self.long[dst] = list(self.ids[src]), self.long[src]
         self.rewind(dst, length)
 
 
@@ -76,6 +83,22 @@ def longrope_switch(config) -> int | None:
           if p.get("rope_type") == "longrope" and p.get("original_max_position_embeddings")]
     return min(at) if at else None
 
+
+def context_window(config) -> int:
+    """The tokens a model's positions reach: its text model's ``max_position_embeddings``
+    (a multimodal config keeps it in ``text_config``), else the older names (MPT's
+    ``max_seq_len``, Whisper's decoder's ``max_target_positions``, GPT-2's ``n_positions``);
+    2^20 where none is named."""
+    text = config.get_text_config(decoder=True)
+    for cfg in (text, config):
+        for name in ("max_position_embeddings", "max_seq_len", "max_target_positions", "n_positions"):
+            value = getattr(cfg, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return 1 << 20
+
+
+RECOMPUTES_PAST_SWITCH = ("phi3", "phimoe", "phi4_multimodal")  # see HFRuntime.recompute_at
 
 # models that keep their state in their own modules, shared by all sequences (transformers'
 # cache holds none of it)
@@ -98,16 +121,25 @@ class HFRuntime:
         # (Not one that takes neither by name: GPT-1, RWKV, XLNet pass on **kwargs, and would
         # drop a cache given so, each forward then seeing none of the tokens before it)
         self.cache_name = next((n for n in ("cache", "past_key_values") if n in takes), None)
-        if self.cache_name is None or cfg.model_type in OWN_STATE:
+        # transformers' own list of models whose state a DynamicCache cannot hold (xLSTM's
+        # rnn_state, Reformer's...): they take a cache argument and fail at the first forward
+        own_state = not getattr(type(self.model), "_supports_default_dynamic_cache", lambda: True)()
+        if self.cache_name is None or own_state or cfg.model_type in OWN_STATE:
+            why = "its forward takes no cache / past_key_values argument" if self.cache_name is None else \
+                "transformers' DynamicCache cannot hold it"
             raise ValueError(f"{cfg.model_type!r} keeps its state outside transformers' cache, where specdec "
-                             "holds each sequence's (its forward takes no cache / past_key_values argument); "
-                             "it cannot run here")
+                             f"holds each sequence's ({why}); it cannot run here")
         # a recurrent state (Mamba, Qwen3-Next...) cannot go back to an earlier length:
         # nothing drafts against it, and no finished prompt is reused (transformers refuses
         # assisted generation for such models too)
         self.rewinds = not getattr(self.model, "_is_stateful", False)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        self.max_context = getattr(cfg, "max_position_embeddings", None) or 1 << 20
+        self.max_context = context_window(cfg)
+        # the positions of a forward's tokens, given: a model that works them out itself may
+        # count from 0 every forward (Bamba's); not for rope over several axes (mrope's 3-D
+        # positions, which the model derives itself)
+        rope = getattr(cfg.get_text_config(decoder=True), "rope_parameters", None) or {}
+        self.give_positions = "position_ids" in takes and "mrope_section" not in rope
         # longrope: plain decoding takes the short factors for a token before the switch and
         # the long ones after it, and a whole prompt's forward takes one set for all of it; so
         # a decoding forward is cut at the switch, a prompt goes whole, and no prompt's rows
@@ -116,6 +148,10 @@ class HFRuntime:
         # the first as a new prompt
         self.switch = longrope_switch(cfg)
         longrope = self.switch is not None and self.switch < self.max_context
+        # Phi-3's family (its prepare_inputs_for_generation) drops the cache when a sequence first
+        # passes original_max_position_embeddings and computes it all again, with the long factors
+        self.recompute_at = cfg.original_max_position_embeddings if longrope and \
+            cfg.model_type in RECOMPUTES_PAST_SWITCH and hasattr(cfg, "original_max_position_embeddings") else None
         self.whole_prompts = longrope or not self.rewinds
         self.reuses_prefixes = not self.whole_prompts  # a cropped DynamicCache keeps the rows before the cut
         # transformers computes the output layer for the last row only when asked (a prompt's
@@ -143,9 +179,8 @@ class HFRuntime:
             pieces = [toks[:cut], toks[cut:]] if 0 < cut < len(toks) else [toks]
             rows = []
             for piece in pieces:
-                ids = torch.tensor([piece], device=self.device)  # [1, n]
-                given = {self.cache_name: cache.caches[slot]}
-                rows.append(self.model(input_ids=ids, use_cache=True, **given, **keep).logits[0])
+                rows.append(self._forward(cache, slot, piece, keep))
+                cache.ids[slot] += piece
                 cache.lengths[slot] += len(piece)
             logits = torch.cat(rows)  # [n, vocab], or the last pieces' last rows
             if last_only:
@@ -153,3 +188,21 @@ class HFRuntime:
             else:
                 out[b, : len(toks)] = logits
         return out[:, 0] if last_only else out
+
+    def _forward(self, cache: HFCache, slot: int, piece: list[int], keep: dict) -> torch.Tensor:
+        """Logits ``[len(piece), vocab]`` (or the last row's, by ``keep``) of ``piece`` after
+        ``slot``'s rows. Past ``recompute_at`` as transformers' Phi-3 decodes: the piece that
+        first goes past it is computed with every token before it, afresh (the long factors
+        for all); a slot rewound back to it or before gets its rows again with the short ones."""
+        start, prefix = cache.lengths[slot], []
+        if self.recompute_at is not None:
+            long = start + len(piece) > self.recompute_at  # the factors this forward takes
+            if start and long != cache.long[slot]:  # the slot's rows have the other set
+                prefix, start, cache.caches[slot] = cache.ids[slot][:start], 0, cache._make()
+            cache.long[slot] = long
+        ids = torch.tensor([prefix + piece], device=self.device)  # [1, n]
+        given = {self.cache_name: cache.caches[slot]}
+        if self.give_positions:
+            given["position_ids"] = torch.arange(start, start + ids.shape[1], device=self.device)[None]
+        logits = self.model(input_ids=ids, use_cache=True, **given, **keep).logits[0]
+        return logits if keep else logits[len(prefix):]

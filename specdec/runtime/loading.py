@@ -321,8 +321,9 @@ class _PickleFile:
 class DummyWeights(Mapping):
     """Random weights with the names and shapes of the transformers model of ``config``, as
     vLLM's ``load_format="dummy"``: speed and memory as the real checkpoint's, without it.
-    Matrices are drawn from N(0, ``config.initializer_range``), norm weights are 1 and biases
-    0 (transformers' own initialisation), each tensor from its own generator seeded by its
+    Matrices are drawn from N(0, ``config.initializer_range``), norm weights are 1 (those of
+    every module whose class is a norm, GPT-2's ``ln_1`` too: zeros made every logit equal) and
+    biases 0, each tensor from its own generator seeded by its
     name, so every load of the same config on the same device gets the same values (the
     torch runtime and transformers' model alike). Tied input and output embeddings stay tied
     (no ``lm_head.weight``). Tensors are float32 on ``device``, made on access."""
@@ -335,13 +336,16 @@ class DummyWeights(Mapping):
         tied = getattr(config, "tie_word_embeddings", False)
         self._shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()
                         if not (tied and name == "lm_head.weight")}
+        self._norms = {f"{m}.weight" for m, module in skeleton.named_modules()
+                       if "norm" in type(module).__name__.lower()}  # LayerNorm, LlamaRMSNorm...
         self.std = getattr(config, "initializer_range", 0.02)
         self.device, self.seed = torch.device(device), seed
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shape = self._shapes[name]
         if len(shape) == 1:
-            return (torch.ones if "norm" in name else torch.zeros)(shape, device=self.device)
+            norm = name in self._norms or ("norm" in name and name.endswith("weight"))
+            return (torch.ones if norm else torch.zeros)(shape, device=self.device)
         g = torch.Generator(device=self.device).manual_seed(self.seed + zlib.crc32(name.encode()))
         return torch.randn(shape, generator=g, device=self.device) * self.std
 
