@@ -37,6 +37,7 @@ GENERATION_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "t
                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
+MAX_COMPLETIONS = 16384  # the most n (vLLM's VLLM_MAX_N_SEQUENCES)
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a temperature in (0, this) is raised to it (logits / t overflow)
 
 # device forms EngineConfig takes (torch's names; None = cuda if available, else cpu)
@@ -178,7 +179,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off; drop tokens less likely than min_p x the top one (vLLM's, before top-k/p)
-    seed: int | None = None
+    seed: int | None = None  # -1: None, a fresh seed (vLLM's)
     stop: tuple[str, ...] = ()  # stop strings; the text is cut before them
     # tokens that end the output like an EOS (with ignore_eos too); kept in token_ids, not in the text
     stop_token_ids: tuple[int, ...] = ()
@@ -200,7 +201,7 @@ class SamplingParams:
     # OpenAI's logit_bias: added to a token's logit before the penalties, as vLLM (-100..100; a dict
     # {token id: bias} is kept as sorted pairs)
     logit_bias: tuple[tuple[int, float], ...] = ()
-    n: int = 1  # completions of the prompt (with a seed, completion i draws from seed + i)
+    n: int = 1  # completions of the prompt (with a seed, completion i draws from seed + i); 1 when greedy (vLLM's)
     # the target's log-probability of each output token, with this many most likely
     # alternatives (0 = the chosen token's only; -1 = the whole vocabulary; None = off; at most
     # the LLM's max_logprobs, 20 by default); from the raw logits, as vLLM's
@@ -293,7 +294,10 @@ class SamplingParams:
             _check(-2 <= value <= 2, f"{name} must be in [-2, 2] (0 = off), got {value}")
         _check(all(isinstance(t, int) and t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias),
                "logit_bias must map token ids (integers >= 0) to biases in [-100, 100]")
-        _check(self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(1 <= self.n <= MAX_COMPLETIONS, f"n must be an integer in [1, {MAX_COMPLETIONS}], got {self.n!r}")
+        _check(self.n == 1 or not self.greedy, f"n must be 1 when using greedy sampling, got {self.n}")  # vLLM's
+        if self.seed == -1:  # vLLM's: a random seed
+            object.__setattr__(self, "seed", None)
         _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1,
                f"truncate_prompt_tokens must be -1 or an integer >= 1 (or None = off), got {self.truncate_prompt_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -49,7 +49,7 @@ def token_logprobs(rows: torch.Tensor, tokens: list[int], num_top: int) -> list[
         return []
     lp = torch.log_softmax(rows.float(), dim=-1)  # [n, vocab]
     chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.long)]  # [n]
-    ranks = (lp > chosen[:, None]).sum(-1) + 1  # [n]
+    ranks = (lp >= chosen[:, None]).sum(-1)  # [n] vLLM's: tokens at least as likely, itself included
     if num_top:
         top = lp.topk(min(num_top, lp.shape[-1]), dim=-1)
         alts = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]

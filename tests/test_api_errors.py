@@ -23,6 +23,8 @@ from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
     (lambda: SamplingParams(top_p=None), "top_p must be a number, got None"),
     (lambda: SamplingParams(max_tokens=True), "max_tokens must be an integer or None, got True"),
     (lambda: SamplingParams(n=2.0), "n must be an integer, got 2.0"),
+    (lambda: SamplingParams(n=2), "n must be 1 when using greedy sampling, got 2"),  # vLLM's
+    (lambda: SamplingParams(n=16385, temperature=1.0), r"n must be an integer in \[1, 16384\], got 16385"),
     (lambda: SamplingParams(ignore_eos=1), "ignore_eos must be true or false, got 1"),
     (lambda: SamplingParams(logprobs="3"), "logprobs must be an integer or None"),
     (lambda: SpecConfig(method="ngram", num_draft_tokens="4"), "num_draft_tokens must be an integer, got '4'"),
@@ -209,8 +211,9 @@ def test_vllm_porting_names(loaded):
 
     import specdec
 
-    sp = SamplingParams(max_tokens=4, ignore_eos=True, n=2)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, n=2, temperature=1.0, seed=3)
     assert sp.clone() == sp and sp.clone() is not sp
+    assert SamplingParams(seed=-1).seed is None  # vLLM's: a fresh seed
     with pytest.raises(dataclasses.FrozenInstanceError):
         sp.max_tokens = 8
     assert specdec.StructuredOutputsParams is specdec.GuidedDecodingParams is specdec.StructuredOutputs

@@ -204,7 +204,7 @@ def test_shutdown_duplicates_capacity_and_prompt_logprobs(loaded):
                                     return_exceptions=True)
         assert sorted(type(b).__name__ for b in both) == ["ValueError", "list"]
         with pytest.raises(ValueError, match="4 completions exceed"):
-            await anext(engine.generate(PROMPTS[0], SamplingParams(max_tokens=4, n=4)))
+            await anext(engine.generate(PROMPTS[0], SamplingParams(max_tokens=4, n=4, temperature=1.0)))
         kinds = {}
         for kind in RequestOutputKind:
             sp = SamplingParams(max_tokens=6, ignore_eos=True, prompt_logprobs=1, output_kind=kind)

@@ -437,28 +437,26 @@ def test_hf_fallback_backend_equal(loaded):
         assert [o.token_ids for o in outs] == [b.token_ids for b in base], method
 
 
-def test_longrope_equal_to_transformers(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_longrope_equal_to_transformers(tmp_path, arch):
     """transformers' longrope (Phi-3.5's) takes its short or long factors for a whole forward,
     by its last position: a verify forward crossing the switch is cut there, and prompts go
-    whole, so every drafter decodes as transformers' own one-token steps do, on both sides
-    of the switch (16)."""
+    whole, so every drafter decodes as transformers' own ``generate`` does, on both sides of
+    the switch (16). Phi-3's model also drops its cache where a sequence first passes the
+    switch and computes it all again with the long factors (and so does specdec, and again
+    with the short ones for a slot rewound back before it)."""
     from tiny import make_tiny
-    from transformers import AutoModelForCausalLM, DynamicCache
+    from transformers import AutoModelForCausalLM
 
     rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
                 short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
-    target = make_tiny(tmp_path / "target", "llama", seed=3, rope_parameters=rope)
+    extra = dict(original_max_position_embeddings=16, pad_token_id=0) if arch == "phi3" else {}
+    target = make_tiny(tmp_path / "target", arch, seed=3, rope_parameters=rope, **extra)
     draft = make_tiny(tmp_path / "draft", "llama", seed=7, layers=1)
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
     prompts = [list(range(70, 82)), list(range(70, 90))]  # 12 and 20 tokens: before and past the switch
-    want = []
-    for ids in prompts:  # transformers' greedy decoding: the prompt in one forward, then a token each
-        cache, ids, out = DynamicCache(config=hf.config), torch.tensor([ids]), []
-        with torch.no_grad():
-            for _ in range(30):
-                out.append(hf(input_ids=ids, cache=cache, use_cache=True).logits[0, -1].argmax().item())
-                ids = torch.tensor([[out[-1]]])
-        want.append(out)
+    want = [hf.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
     sp = SamplingParams(max_tokens=30, ignore_eos=True)
     for method, k in [("none", 1), ("self", 4), ("ngram", 4), ("draft", 4)]:
         llm = LLM(str(target), draft=str(draft) if method == "draft" else None,
@@ -605,7 +603,7 @@ def test_run_metrics(loaded):
         assert sum(o.metrics["time_split_s"].values()) <= o.metrics["wall_s"] <= run["wall_s"]
     queued = spec(loaded, "llama", "ngram", k=4, max_batch_size=1)
     start = time.perf_counter()
-    four = queued.generate(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True, n=4))[0].metrics
+    four = queued.generate(PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True, n=4, temperature=1.0))[0].metrics
     took = time.perf_counter() - start
     assert 0.7 * took <= four["wall_s"] <= took and sum(four["time_split_s"].values()) <= four["wall_s"]
     catching = LLM(loaded("llama"), draft=loaded("draft"), chunked_prefill_size=8,
@@ -733,7 +731,7 @@ def test_penalties_stay_lossless(loaded, tiny_dirs):
 
 def test_n_completions_and_logprobs(loaded):
     """``SamplingParams(n=...)``: completion i of a seeded request is the n=1 request with
-    seed + i (under speculation too); greedy completions are all the plain output.
+    seed + i (under speculation too); greedy ones are refused (vLLM's: they would all be the same).
     ``logprobs=N``: the target's log-probability and rank of each output token (the same
     as one full forward over prompt + output), the N most likely tokens, and their sum."""
     sp = SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)
@@ -748,9 +746,11 @@ def test_n_completions_and_logprobs(loaded):
             assert len({tuple(c.token_ids) for c in o.outputs}) > 1  # the seeds differ
             assert o.metrics["generated_tokens"] == 36 and o.prompt_token_ids == llm.encode(prompt)
     base = plain(loaded, "llama", PROMPTS[:1])[0]
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling"):
+        SamplingParams(max_tokens=N, n=2)
     greedy = spec(loaded, "llama", "ngram").generate(PROMPTS[0], SamplingParams(max_tokens=N, ignore_eos=True,
-                                                                                n=2, logprobs=3))[0]
-    assert [c.token_ids for c in greedy.outputs] == [base.token_ids] * 2
+                                                                                logprobs=3))[0]
+    assert greedy.outputs[0].token_ids == base.token_ids
     llm = LLM(loaded("llama"))
     ids = llm.encode(PROMPTS[0])
     rt = llm.target.runtime
@@ -988,11 +988,21 @@ def test_chat_template_override(loaded):
         llm.tokenizer.chat_template = saved
 
 
+def test_logprob_ranks_count_ties_as_vllm():
+    """A token's rank counts the tokens at least as likely, itself included (vLLM's): of two
+    tied tokens each ranks 2, as bfloat16 logits often tie."""
+    from specdec.engine import token_logprobs
+
+    rows = torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, 2.0]])
+    assert [e.rank for e in token_logprobs(rows, [0, 1], 0)] == [2, 2]
+    assert [e.rank for e in token_logprobs(rows, [1, 2], 0)] == [2, 1]
+
+
 def test_request_output_as_vllm(loaded):
     """``RequestOutput`` as vLLM's: ``request_id`` a distinct str per request, ``prompt`` the
     prompt's text (None for token ids); ``sampling_params`` any sequence of them, one per prompt."""
     llm = LLM(loaded("llama"))
-    sp = SamplingParams(max_tokens=4, ignore_eos=True, n=2)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True, n=2, temperature=1.0)
     outs = llm.generate(["abc", {"prompt": "def"}, {"prompt_token_ids": [100, 101]}], sp)
     assert [o.prompt for o in outs] == ["abc", "def", None]
     assert all(isinstance(o.request_id, str) for o in outs) and len({o.request_id for o in outs}) == 3
@@ -1095,15 +1105,15 @@ def test_prefix_reuse(loaded):
     assert scored.metrics["cached_prompt_tokens"] == 0 and len(scored.prompt_logprobs) == len(scored.prompt_token_ids)
     off, on = (spec(loaded, "llama", "self", k=3, chunked_prefill_size=size, max_batch_size=2, enable_prefix_caching=c)
                for c in (False, None))  # None: vLLM's default, on
-    greedy = SamplingParams(max_tokens=10, ignore_eos=True, n=2)
+    greedy = SamplingParams(max_tokens=10, ignore_eos=True)
     for llm in (off, on):
-        llm.generate(first, greedy)
+        llm.generate([first] * 2, greedy)  # both slots
     drafter = off.engine.drafters["self"]
     assert not off.engine.retained and not off.engine.shares_chunks
     assert drafter.cached_ids == [[], []] and not drafter.can_copy
-    a, b = (llm.generate(longer[0], greedy)[0] for llm in (off, on))
-    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
-    assert a.metrics["cached_prompt_tokens"] == 0 < b.metrics["cached_prompt_tokens"]
+    a, b = (llm.generate([longer[0]] * 2, greedy) for llm in (off, on))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert sum(o.metrics["cached_prompt_tokens"] for o in a) == 0 < sum(o.metrics["cached_prompt_tokens"] for o in b)
 
 
 def test_n_completions_share_the_draft_prefill(loaded, monkeypatch):
@@ -1114,7 +1124,7 @@ def test_n_completions_share_the_draft_prefill(loaded, monkeypatch):
     runtime = loaded("draft").runtime
     forward = runtime.forward
 
-    def run(share: bool, chunk: int | None = None):
+    def run(share: bool, chunk: int | None = None, copies: int = 1):
         llm = LLM(loaded("llama"), draft=loaded("draft"), speculative=SpecConfig(method="draft", num_draft_tokens=3),
                   chunked_prefill_size=chunk)
         drafter, fed = llm.engine.drafters["draft"], []
@@ -1127,8 +1137,8 @@ def test_n_completions_share_the_draft_prefill(loaded, monkeypatch):
             return forward(cache, slots, tokens, **kw)
 
         monkeypatch.setattr(runtime, "forward", counting)
-        out = llm.generate(PROMPTS[2], sp)[0]
-        return [c.token_ids for c in out.outputs], fed, len(out.prompt_token_ids)
+        outs = llm.generate([PROMPTS[2]] * copies, sp)  # n completions, or the prompt in several requests
+        return [c.token_ids for o in outs for c in o.outputs], fed, len(outs[0].prompt_token_ids)
 
     shared, fed, n = run(True)
     alone, fed_alone, _ = run(False)
@@ -1138,10 +1148,11 @@ def test_n_completions_share_the_draft_prefill(loaded, monkeypatch):
     assert sum(fed_alone) - sum(fed) == 3 * (n + 1) - (n + 1) - 2
     # in chunks of 16 the 2nd and 3rd completion run a step behind the 1st and copy what it
     # fed; they then draft sooner, which changes which rounds draw what (a sampled answer is
-    # the same only in distribution), so greedy here: every answer is the target's own
-    sp = SamplingParams(max_tokens=10, n=3, ignore_eos=True)
-    shared, fed, n = run(True, 16)
-    alone, fed_alone, _ = run(False, 16)
+    # the same only in distribution), so greedy here (3 requests: greedy n > 1 is refused, as
+    # vLLM's): every answer is the target's own
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    shared, fed, n = run(True, 16, copies=3)
+    alone, fed_alone, _ = run(False, 16, copies=3)
     target = LLM(loaded("llama")).generate(PROMPTS[2], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
     assert shared == alone == [target] * 3
     assert sum(fed_alone) - sum(fed) > n  # most of two prompts

@@ -239,9 +239,10 @@ class _Request(_Strict):
         return None
 
     def _logit_bias(self) -> dict[int, float]:
-        """OpenAI's ``{"token id": bias}``."""
+        """OpenAI's ``{"token id": bias}``, each bias clamped into [-100, 100] as vLLM's server
+        clamps it (OpenAI's range; a nan stays, for the library's check to refuse)."""
         try:
-            return {int(t): b for t, b in (self.logit_bias or {}).items()}
+            return {int(t): b if b != b else min(100.0, max(-100.0, b)) for t, b in (self.logit_bias or {}).items()}
         except ValueError:
             raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
 
