@@ -144,7 +144,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--truncate-prompt-tokens", type=int, default=None, metavar="N",
                    help="keep only each prompt's last N tokens (-1: as many as the context window holds; vLLM's)")
     g.add_argument("-n", "--n", type=int, default=SamplingParams.n,
-                   help="completions per prompt (with --seed S, completion i draws from S + i; default 1)")
+                   help="completions per prompt (with --seed S, completion i draws from S + i; default 1; 1 when greedy)")
     g.add_argument("--logprobs", type=int, metavar="N",
                    help="with --json: each output token's log-probability under the target and the N "
                         "most likely alternatives (0 = the chosen token's only)")
