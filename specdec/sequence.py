@@ -22,9 +22,11 @@ def output_text(tokenizer, ids: list[int], sp: SamplingParams, context: tuple[in
     space (Llama 2's, Mistral's) keeps the first output token's, as vLLM's detokenizer, primed
     with the prompt, does. As in vLLM, a slow (Python) tokenizer with added tokens (specials
     among them) decodes the runs between them apart, joined by a space with
-    ``sp.spaces_between_special_tokens`` (by nothing without); a fast one decodes the whole."""
+    ``sp.spaces_between_special_tokens`` (by nothing without); a fast one decodes the whole.
+    A prompt that ends inside a character: the output's text starts where the prompt's last
+    complete character ends (its first tokens may complete that character)."""
     if context:
-        base, whole = _decoded(tokenizer, list(context), sp), _decoded(tokenizer, list(context) + list(ids), sp)
+        base, whole = settled_text(tokenizer, list(context), sp), _decoded(tokenizer, list(context) + list(ids), sp)
         if whole.startswith(base):
             return whole[len(base):]
     return _decoded(tokenizer, ids, sp)
@@ -32,14 +34,15 @@ def output_text(tokenizer, ids: list[int], sp: SamplingParams, context: tuple[in
 
 def text_context(tokenizer, prompt_ids: list[int]) -> tuple[int, ...]:
     """The prompt's last tokens an output's text is decoded after (``output_text``), as vLLM
-    primes its detokenizer: the fewest of the last 4 to 23 whose text holds no incomplete
-    character, else the last 23 (a prompt of at most 4 tokens: all of them)."""
+    primes its detokenizer: the fewest of the last 4 to 23 whose text (special tokens left
+    out) holds no incomplete character, else the whole prompt (one that ends inside a
+    character; a prompt of at most 4 tokens: all of it)."""
     if len(prompt_ids) <= 4:
         return tuple(prompt_ids)
     for n in range(4, min(len(prompt_ids), 23) + 1):
-        if "\ufffd" not in tokenizer.decode(prompt_ids[-n:]):
+        if "\ufffd" not in tokenizer.decode(prompt_ids[-n:], skip_special_tokens=True):
             return tuple(prompt_ids[-n:])
-    return tuple(prompt_ids[-23:])
+    return tuple(prompt_ids)
 
 
 def _decoded(tokenizer, ids: list[int], sp: SamplingParams) -> str:
@@ -94,7 +97,7 @@ def settled_text(tokenizer, ids: list[int], sp: SamplingParams, context: tuple[i
     while text.endswith("\ufffd") and m:
         m -= 1
         text = output_text(tokenizer, ids[:m], sp, context)
-    return text
+    return "" if text.endswith("\ufffd") else text  # none settled (m = 0)
 
 
 class IncrementalText:
@@ -107,6 +110,7 @@ class IncrementalText:
     def __init__(self, tokenizer, sp: SamplingParams, context: tuple[int, ...] | list[int] = ()):
         self.tok, self.sp = tokenizer, sp
         self.context = list(context)
+        self.base = settled_text(tokenizer, self.context, sp)  # what the output's text comes after
         self.ids: list[int] = []
         self.prefix = 0  # window start (token index)
         self.read = 0  # tokens whose text is in self.text
@@ -116,7 +120,7 @@ class IncrementalText:
         """Feed the next ``ids``; the text they add to ``text`` (none while a character waits)."""
         self.ids.extend(ids)
         head = self.context if self.prefix == 0 else []
-        before = output_text(self.tok, head + self.ids[self.prefix:self.read], self.sp)
+        before = self.base if self.read == 0 else output_text(self.tok, head + self.ids[self.prefix:self.read], self.sp)
         window = output_text(self.tok, head + self.ids[self.prefix:], self.sp)
         if len(window) <= len(before) or window.endswith("\ufffd"):
             return ""

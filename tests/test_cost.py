@@ -348,6 +348,9 @@ def test_forward_costs_are_measured_once_and_cached(loaded, cost_cache, monkeypa
         raise AssertionError("measured again")
 
     monkeypatch.setattr("specdec.cost.measure", fail)
+    # (a forward timed now under less load than the curve's: measured again, by design, and
+    # tested below; not this test's subject, and it made it fail on a busy machine)
+    monkeypatch.setattr("specdec.cost.measured_under_load", lambda runtime, cached: False)
     assert forward_costs(model, 2).seconds == first.seconds[:2]
 
 

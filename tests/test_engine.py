@@ -370,6 +370,30 @@ def test_text_read_after_the_prompt(tmp_path, method):
         [tok.convert_ids_to_tokens(t).replace("▁", " ") for t in out.token_ids]
 
 
+def test_text_after_a_prompt_that_ends_inside_a_character():
+    """A prompt whose ids end inside a character (2 of the 3 bytes of 中): the output's text
+    starts where the prompt's last whole character ends, as vLLM's detokenizer (primed with
+    the whole prompt then) has it: an output completing the character begins with it, in the
+    final text and in a stream's pieces alike; one that does not, with U+FFFD."""
+    from tiny import byte_tokenizer
+
+    from specdec.sequence import IncrementalText, text_context
+    from specdec.server.text import TextStream
+
+    tok, sp = byte_tokenizer(), SamplingParams()
+    han = tok.encode("中", add_special_tokens=False)
+    prompt = tok.encode("hello world ", add_special_tokens=False) + han[:2]
+    context = text_context(tok, prompt)
+    assert list(context) == prompt  # no whole suffix of 4..23 tokens: all of it
+    for out, want in ((han[2:] + tok.encode("xyz", add_special_tokens=False), "中xyz"),
+                      (tok.encode("xyz", add_special_tokens=False), "\ufffdxyz")):
+        assert settled_text(tok, out, sp, context) == want
+        stream = TextStream(tok, sp, context)
+        assert "".join(stream.add([t]) for t in out) + stream.finish([], None) == want
+    text = IncrementalText(tok, sp, context)  # the stop-string search's text: 中 at the first token
+    assert text.add(han[2:]) == "中"
+
+
 def test_special_tokens_in_text(loaded):
     """The EOS or stop token that ends a request is not in its text (vLLM's rule), unless
     ``include_stop_str_in_output``; EOS, a special token, then shows only with
