@@ -59,6 +59,14 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})),
     # the attention cap is in Gemma 3's config but transformers' model never applies it
     "gemma3-caps": ("gemma3_text", dict(head_dim=16, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
+    # fields an architecture's model does not read: no window off for Gemma 2 / SmolLM3, no
+    # layer types for Phi-3, no logit cap for Gemma, no hidden_activation for Granite
+    "gemma2-window-flag-unread": ("gemma2", dict(head_dim=16, sliding_window=5, use_sliding_window=False)),
+    "smollm3-window-flag-unread": ("smollm3", dict(pad_token_id=0, sliding_window=5, use_sliding_window=False,
+                                                   layer_types=["sliding_attention", "full_attention"])),
+    "phi3-layer-types-unread": ("phi3", dict(pad_token_id=0, sliding_window=5, layer_types=["full_attention"] * 2)),
+    "gemma-cap-unread": ("gemma", dict(head_dim=16, final_logit_softcapping=3.0)),
+    "granite-activation-unread": ("granite", dict(hidden_activation="gelu_pytorch_tanh")),
 }
 
 

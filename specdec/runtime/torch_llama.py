@@ -55,7 +55,8 @@ class Family:
 
     @classmethod
     def of(cls, config, dtype: torch.dtype = torch.float32) -> "Family":
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        gemma23 = config.model_type in ("gemma2", "gemma3_text")  # the fields only their models read
+        act = (config.hidden_activation if gemma23 else None) or getattr(config, "hidden_act", "silu")
         if config.model_type == "granite":
             return cls(embed_scale=config.embedding_multiplier, attn_scale=config.attention_multiplier,
                        residual_scale=config.residual_multiplier, logits_divisor=config.logits_scaling,
@@ -66,7 +67,7 @@ class Family:
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
                    # Gemma 3's config has the field too, but transformers' model never reads it
                    attn_softcap=config.attn_logit_softcapping if config.model_type == "gemma2" else None,
-                   final_softcap=getattr(config, "final_logit_softcapping", None), activation=act)
+                   final_softcap=config.final_logit_softcapping if gemma23 else None, activation=act)
 
 
 LINEAR_KINDS = ("dense", "onednn", "int8")
@@ -428,15 +429,18 @@ def unsupported(config) -> str | None:
 
 
 def sliding_layers(config) -> tuple[int | None, list[bool]]:
-    """``(window, which layers attend through it)``, as transformers reads the config: a query
-    at position p sees keys past p - window. Mistral: every layer when ``sliding_window`` is
-    set; Qwen2 / Qwen3: the layers ``layer_types`` names ``sliding_attention`` (none unless
-    ``use_sliding_window``); Gemma 2 / 3: those ``layer_types`` names; Llama, Gemma: none."""
-    n = config.num_hidden_layers
+    """``(window, which layers attend through it)``, as each architecture's transformers
+    model reads its config: a query at position p sees keys past p - window. Mistral, Phi-3:
+    every layer when ``sliding_window`` is set; Qwen2 / Qwen3: the layers ``layer_types``
+    names ``sliding_attention``, none unless ``use_sliding_window``; Gemma 2 / 3, SmolLM3:
+    those ``layer_types`` names (whatever ``use_sliding_window`` says); Llama, Gemma, Granite:
+    none."""
+    n, kind = config.num_hidden_layers, config.model_type
     window = getattr(config, "sliding_window", None)
-    if config.model_type == "llama" or not window or getattr(config, "use_sliding_window", True) is False:
+    if kind in ("llama", "gemma", "granite") or not window or \
+            (kind in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False)):
         return None, [False] * n
-    types = getattr(config, "layer_types", None)
+    types = None if kind in ("mistral", "phi3") else getattr(config, "layer_types", None)
     sliding = [t == "sliding_attention" for t in types] if types else [True] * n
     return (window if any(sliding) else None), sliding
 
