@@ -534,13 +534,14 @@ def test_sliding_window_equal_to_transformers(loaded, tiny_dirs, name, backend):
                 ids.append(hf(torch.tensor([ids])).logits[0, -1].argmax().item())
         want.append(ids[-40:])
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
-    methods = [("none", 1), ("self", 1), ("ngram", 1)] + [("self", 2)] * (backend == "torch")
-    for method, topk in methods:
+    # trees: 3 deep, and 8 deep, past the window (a node's row is past its position there)
+    methods = [("none", 1, 3), ("self", 1, 3), ("ngram", 1, 3)] + [("self", 2, 3), ("self", 2, 8)] * (backend == "torch")
+    for method, topk, k in methods:
         llm = LLM(loaded(name, backend=backend), chunked_prefill_size=4, max_batch_size=3,
-                  speculative=SpecConfig(method=method, num_draft_tokens=3, tree_topk=topk))
+                  speculative=SpecConfig(method=method, num_draft_tokens=k, tree_topk=topk))
         for _ in range(2):  # the second time from the prompt chunks the first left
             outs = llm.generate(PROMPTS, sp)
-            assert [o.token_ids for o in outs] == want, (method, topk)
+            assert [o.token_ids for o in outs] == want, (method, topk, k)
         assert max(o.metrics["cached_prompt_tokens"] for o in outs) > 0
 
 

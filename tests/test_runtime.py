@@ -325,6 +325,36 @@ def test_chunk_mask_and_positions(loaded):
     torch.testing.assert_close(out[1], b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["mistral", "gemma3_text"])
+def test_tree_deeper_than_the_window(tmp_path, arch):
+    """A tree path deeper than a sliding window (3) after a branch: its nodes' rows lie past
+    their positions, and each sees only the ancestors within the window by position, as a
+    chain of the path's tokens does; the draft model's depth-by-depth feed (earlier depths
+    cached) alike."""
+    from transformers import AutoConfig
+
+    from specdec.runtime.loading import Weights
+    from specdec.tree import DraftTree
+
+    from tiny import make_tiny
+
+    extra = dict(head_dim=16, layer_types=["sliding_attention", "full_attention"]) if arch != "mistral" else {}
+    path = make_tiny(tmp_path / arch, arch, seed=5, sliding_window=3, **extra)
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
+    prefix, tree = [10, 20, 30, 40, 50, 60], DraftTree([70, 71, 72, 73, 74, 75, 76], [-1, 0, 0, 2, 3, 4, 5])
+    on_path = [0, 2, 3, 4, 5, 6]  # 70, then 72 (row 2, position 1) and its chain
+    chain = rt.forward(rt.new_cache(1), [0], [prefix + [tree.tokens[r] for r in on_path]])[0, len(prefix):]
+    cache = rt.new_cache(1)
+    rt.forward(cache, [0], [prefix])
+    whole = rt.forward(cache, [0], [tree.tokens], positions=[tree.positions(len(prefix))], chunk_masks=[tree.mask()])[0]
+    assert (whole[on_path] - chain).abs().max().item() < ATOL
+    cache.rewind(0, len(prefix))
+    mask, pos = tree.mask(), tree.positions(len(prefix))
+    fed = [rt.forward(cache, [0], [tree.tokens[a:b]], positions=[pos[a:b]], chunk_masks=[mask[a:b, :b]])[0]
+           for a, b in ((0, 3), (3, 5), (5, 7))]  # the later pieces see the earlier ones cached
+    assert (torch.cat(fed)[on_path] - chain).abs().max().item() < ATOL
+
+
 def test_int8_linear_close_but_not_exact():
     """int8 (draft-only) linears: about 1% error per product, never used for a target."""
     from specdec.runtime.torch_llama import Linear

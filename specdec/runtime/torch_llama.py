@@ -640,15 +640,12 @@ class TorchLlama:
             if positions is not None and positions[b] is not None:
                 pos[b, : len(positions[b])] = torch.tensor(positions[b])
         where = torch.device("cpu") if keys is not None else self.device
-        mask = self._mask(starts, keys or max(starts) + T, T, chunk_masks, where)  # [B, 1, T, S]
-        sliding = None
-        if self.window is not None:  # key j (its position, or past it for a tree's) is past p - window
-            key = torch.arange(mask.shape[-1], device=where)  # [S]
-            sliding = (mask & (key > pos.to(where)[:, None, :, None] - self.window)).to(self.device)
+        mask, sliding = self._mask(starts, keys or max(starts) + T, T, chunk_masks, where, pos.to(where))
         slots = list(slots)
         packed = torch.cat([ids.flatten(), pos.flatten(), write.flatten(), torch.tensor(slots)]).to(self.device)
         ids, pos, write, slots_ = packed.split([B * T, B * T, B * T, B])
-        return _Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device), sliding,
+        return _Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device),
+                      None if sliding is None else sliding.to(self.device),
                       None if keys is not None else slot_runs(slots, mask.shape[-1]))
 
     def _layers(self, cache: KVCache, x: "_Batch", last: torch.Tensor | None = None,
@@ -715,12 +712,19 @@ class TorchLlama:
             out = rms_norm(out, post_norm, self.eps)
         return out if self.family.residual_scale is None else out * self.family.residual_scale
 
-    def _mask(self, starts: list[int], S: int, T: int, chunk_masks, dev: torch.device) -> torch.Tensor:
-        """``[B, 1, T, S]`` bool. Row b's chunk mask ``[n_b, m_b]`` covers its last ``m_b``
-        keys: the ``m_b - n_b`` cached keys before the chunk (a draft tree's earlier depths)
-        and the chunk itself; every key before those is the committed prefix, always seen.
-        No mask: causal over the chunk (``m_b = n_b``). ``starts``: each row's cached tokens;
-        built on ``dev``."""
+    def _mask(self, starts: list[int], S: int, T: int, chunk_masks, dev: torch.device,
+              pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[B, 1, T, S]`` bool, and with a sliding window the same with only the keys within
+        it (None without). Row b's chunk mask ``[n_b, m_b]`` covers its last ``m_b`` keys: the
+        ``m_b - n_b`` cached keys before the chunk (a draft tree's earlier depths) and the
+        chunk itself; every key before those is the committed prefix, always seen. No mask:
+        causal over the chunk (``m_b = n_b``). ``starts``: each row's cached tokens; ``pos
+        [B, T]``: the new tokens' positions; built on ``dev``.
+
+        Within the window a key's position is not its row for a tree's nodes (a node's row is
+        past its depth's): a token sees its ancestors there, a chain whose positions end at
+        its own, so the key with ``a`` seen keys after it is ``a`` positions back. A committed
+        key's position is its row."""
         B = len(starts)
         tails = [0] * B
         if chunk_masks is not None:
@@ -741,6 +745,13 @@ class TorchLlama:
                 window[b, pad, t + pad] = True
         start = torch.tensor([n - t for n, t in zip(starts, tails)], device=dev)  # [B]
         rel = torch.arange(S, device=dev)[None, :] - start[:, None]  # [B, S] key index in the window
-        seen = window.gather(2, rel.clamp(0, M - 1)[:, None, :].expand(B, T, S))
+        at = rel.clamp(0, M - 1)[:, None, :].expand(B, T, S)
+        seen = window.gather(2, at)
         seen &= ((rel >= 0) & (rel < M))[:, None, :]
-        return ((rel < 0)[:, None, :] | seen)[:, None]
+        mask = (rel < 0)[:, None, :] | seen  # [B, T, S]
+        if self.window is None:
+            return mask[:, None], None
+        after = window.flip(-1).cumsum(-1).flip(-1) - window.long()  # [B, T, M] keys seen after each
+        key = torch.arange(S, device=dev)[None, None, :]
+        near = torch.where((rel >= 0)[:, None, :], after.gather(2, at) < self.window, key > pos[:, :, None] - self.window)
+        return mask[:, None], (mask & near)[:, None]
