@@ -57,7 +57,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                    help="auto (default): float32 on cpu, bfloat16 on cuda")
     g.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="torch = specdec's own runtime (Llama, Mistral, Qwen2/3, Phi-3, Granite, SmolLM3, Gemma 1-3), "
+                   help="torch = specdec's own runtime (Llama, Mistral, Qwen2/3, Phi-3, Granite, SmolLM3, Gemma, Gemma 2, "
+                        "Gemma 3's text models), "
                         "hf = transformers' model, "
                         "llamacpp = llama.cpp on a .gguf (pip install 'specdec[llamacpp]'); "
                         "auto picks torch when the architecture allows")

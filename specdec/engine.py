@@ -378,7 +378,7 @@ class Engine:
         stop = self._stop_string(s, before + len(kept) - hit_eos)  # an EOS ends its step first
         if stop is not None:
             end, s.text, s.stop_reason = stop
-            del s.ids[s.prompt_len + end:]
+            s.cut(s.prompt_len + end)
             kept, hit_eos = kept[: end - before], False
             s.finish_reason = "stop"
         elif hit_eos:

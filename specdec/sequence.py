@@ -224,15 +224,19 @@ class Sequence:
     _array: np.ndarray | None = field(default=None, repr=False, compare=False)
     _array_len: int = field(default=0, repr=False, compare=False)
 
+    def cut(self, length: int) -> None:
+        """Keep the first ``length`` ids (a stop string's cut); ``id_array`` follows."""
+        del self.ids[length:]
+        self._array_len = min(self._array_len, length)
+
     def id_array(self) -> np.ndarray:
         """``ids`` as a numpy array ``[len(ids)]`` (a view: read it before ``ids`` change),
         kept beside the list and grown by what was committed since the last call: the n-gram
         drafter reads the whole context every step, and converting a 16k-token list costs
-        ~0.3 ms each time (a few percent of a GPU step). Ids only grow while a request runs; a
-        shorter list (a stop string cut it) is converted afresh."""
-        n, have = len(self.ids), self._array_len
-        if self._array is None or n < have:
-            self._array, have = np.empty(max(2 * n, 64), dtype=np.int64), 0
+        ~0.3 ms each time (a few percent of a GPU step). Ids only grow, but for ``cut``."""
+        n, have = len(self.ids), min(self._array_len, len(self.ids))  # (a cut not through ``cut``)
+        if self._array is None:
+            self._array = np.empty(max(2 * n, 64), dtype=np.int64)
         elif n > len(self._array):
             grown = np.empty(2 * n, dtype=np.int64)
             grown[:have] = self._array[:have]

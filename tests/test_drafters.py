@@ -60,8 +60,8 @@ def test_lookup_equals_a_scan_of_every_position():
 
 def test_id_array_follows_the_ids():
     """The n-gram drafter's numpy view of a sequence's ids: grown by each commit (past its
-    buffer too), converted afresh when the ids got shorter; the drafter's lookups through it
-    equal the lookups on the list."""
+    buffer too), and after a cut (``Sequence.cut``) by what follows it, a cut by 2 then 3 more
+    included; the drafter's lookups through it equal the lookups on the list."""
     import random
 
     from specdec.drafters.ngram import longest_match
@@ -69,8 +69,9 @@ def test_id_array_follows_the_ids():
     s, d = seq([rng.randrange(5) for _ in range(3)]), NgramDrafter(n_max=3, n_min=1)
     for step in range(300):
         if step % 50 == 49:
-            del s.ids[rng.randrange(1, len(s.ids)):]  # a stop string's cut
-        s.ids.extend(rng.randrange(5) for _ in range(rng.randrange(1, 9)))
+            s.cut(rng.randrange(1, len(s.ids)) if step % 100 == 49 else len(s.ids) - 2)  # a stop string's
+            # cut, far back or by 2 (then 3 or more ids come: past the buffer's old length)
+        s.ids.extend(rng.randrange(5) for _ in range(rng.randrange(3 if step % 50 == 49 else 1, 9)))
         assert s.id_array().tolist() == s.ids
         assert d.propose([s], [4])[0].tokens == lookup(s.ids, 4, 3, 1)
         assert d.context(s) == (longest_match(s.ids) or None)  # None: no match

@@ -211,7 +211,6 @@ def test_fallback_gives_positions_and_reads_the_context(tmp_path):
         assert llm.generate(prompt, SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids == want.tolist()
     assert context_window(AutoConfig.for_model("gemma3", text_config={"max_position_embeddings": 128})) == 128
     assert context_window(AutoConfig.for_model("mpt", max_seq_len=32)) == 32
-    assert context_window(AutoConfig.for_model("gpt2", n_positions=64)) == 64
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .torch_llama import rope_types
+
 
 class HFCache:
     """A ``DynamicCache`` per slot. Sliding-window layers (Mistral, Gemma 2/3...) keep their
@@ -77,21 +79,18 @@ def longrope_switch(config) -> int | None:
     """Where transformers' longrope (Phi-3.5, Phi-4-mini) switches from its short factors to its
     long ones: it picks them for a whole forward, long when the forward reaches
     ``original_max_position_embeddings`` (per layer type too); None without longrope."""
-    params = getattr(config, "rope_parameters", None) or {}
-    parts = [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]
-    at = [p["original_max_position_embeddings"] for p in parts
+    at = [p["original_max_position_embeddings"] for p in rope_types(config).values()
           if p.get("rope_type") == "longrope" and p.get("original_max_position_embeddings")]
     return min(at) if at else None
 
 
 def context_window(config) -> int:
     """The tokens a model's positions reach: its text model's ``max_position_embeddings``
-    (a multimodal config keeps it in ``text_config``), else the older names (MPT's
-    ``max_seq_len``, Whisper's decoder's ``max_target_positions``, GPT-2's ``n_positions``);
-    2^20 where none is named."""
+    (a multimodal config keeps it in ``text_config``), else an older name (MPT's
+    ``max_seq_len``, Whisper's decoder's ``max_target_positions``); 2^20 where none is named."""
     text = config.get_text_config(decoder=True)
     for cfg in (text, config):
-        for name in ("max_position_embeddings", "max_seq_len", "max_target_positions", "n_positions"):
+        for name in ("max_position_embeddings", "max_seq_len", "max_target_positions"):
             value = getattr(cfg, name, None)
             if isinstance(value, int) and value > 0:
                 return value
@@ -156,8 +155,7 @@ class HFRuntime:
         self.reuses_prefixes = not self.whole_prompts  # a cropped DynamicCache keeps the rows before the cut
         # transformers computes the output layer for the last row only when asked (a prompt's
         # other rows would cost a [prompt, vocab] product for nothing)
-        self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(self.model.forward).parameters \
-            else {}
+        self.keep_last = {"logits_to_keep": 1} if "logits_to_keep" in takes else {}
 
     @property
     def speed_key(self) -> str:

@@ -640,7 +640,7 @@ class TorchLlama:
             if positions is not None and positions[b] is not None:
                 pos[b, : len(positions[b])] = torch.tensor(positions[b])
         where = torch.device("cpu") if keys is not None else self.device
-        mask, sliding = self._mask(starts, keys or max(starts) + T, T, chunk_masks, where, pos.to(where))
+        mask, sliding = self._mask(starts, keys or max(starts) + T, T, chunk_masks, where, pos)
         slots = list(slots)
         packed = torch.cat([ids.flatten(), pos.flatten(), write.flatten(), torch.tensor(slots)]).to(self.device)
         ids, pos, write, slots_ = packed.split([B * T, B * T, B * T, B])
@@ -719,12 +719,11 @@ class TorchLlama:
         ``m_b - n_b`` cached keys before the chunk (a draft tree's earlier depths) and the
         chunk itself; every key before those is the committed prefix, always seen. No mask:
         causal over the chunk (``m_b = n_b``). ``starts``: each row's cached tokens; ``pos
-        [B, T]``: the new tokens' positions; built on ``dev``.
+        [B, T]`` (host): the new tokens' positions; built on ``dev``.
 
-        Within the window a key's position is not its row for a tree's nodes (a node's row is
-        past its depth's): a token sees its ancestors there, a chain whose positions end at
-        its own, so the key with ``a`` seen keys after it is ``a`` positions back. A committed
-        key's position is its row."""
+        A key's position is its row, but for a tree's nodes (a node's row is past its depth's):
+        a token sees its ancestors there, a chain whose positions end at its own, so within a
+        row's chunk mask the key with ``a`` seen keys after it is ``a`` positions back."""
         B = len(starts)
         tails = [0] * B
         if chunk_masks is not None:
@@ -745,13 +744,17 @@ class TorchLlama:
                 window[b, pad, t + pad] = True
         start = torch.tensor([n - t for n, t in zip(starts, tails)], device=dev)  # [B]
         rel = torch.arange(S, device=dev)[None, :] - start[:, None]  # [B, S] key index in the window
-        at = rel.clamp(0, M - 1)[:, None, :].expand(B, T, S)
-        seen = window.gather(2, at)
+        seen = window.gather(2, rel.clamp(0, M - 1)[:, None, :].expand(B, T, S))
         seen &= ((rel >= 0) & (rel < M))[:, None, :]
         mask = (rel < 0)[:, None, :] | seen  # [B, T, S]
         if self.window is None:
             return mask[:, None], None
+        key = torch.arange(S, device=dev)  # [S]
+        sliding = mask & (key > pos.to(dev)[:, :, None] - self.window)  # [B, T, S]
         after = window.flip(-1).cumsum(-1).flip(-1) - window.long()  # [B, T, M] keys seen after each
-        key = torch.arange(S, device=dev)[None, None, :]
-        near = torch.where((rel >= 0)[:, None, :], after.gather(2, at) < self.window, key > pos[:, :, None] - self.window)
-        return mask[:, None], (mask & near)[:, None]
+        for b in range(B):  # a chunk mask's keys: by the keys seen after them
+            if chunk_masks is not None and chunk_masks[b] is not None:
+                lo = starts[b] - tails[b]
+                hi = min(lo + M, S)
+                sliding[b, :, lo:hi] = mask[b, :, lo:hi] & (after[b, :, :hi - lo] < self.window)
+        return mask[:, None], sliding[:, None]

@@ -307,7 +307,7 @@ class _API:
             try:
                 seqs += self.llm.make_sequences({"prompt_token_ids": ids}, sp, num_draft_tokens=req.num_draft_tokens,
                                                 reasoning=chat and self.reasoning_parser is not None,
-                                                cap_max_tokens=default)
+                                                cap_max_tokens=default, tokenizer=self.prepare_tok)
             except ValueError as e:
                 raise bad_request(str(e), req.field_of(str(e))) from None
             if not chat and req.echo:
