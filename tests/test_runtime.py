@@ -117,6 +117,39 @@ def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     assert torch.equal(rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0], ref)
 
 
+def test_multimodal_gemma3_text_model(tmp_path):
+    """A Gemma 3 checkpoint with a vision tower (4B and up) runs its text model on the torch
+    runtime: logits equal transformers' multimodal model's on text (bit for bit, float32 and
+    bfloat16), greedy output under speculation equal to transformers' runtime's, its eos read
+    from the text config (it failed to load before), random weights as on transformers'."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec import LLM, SamplingParams, SpecConfig
+    from specdec.runtime import load_model
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny, make_tiny_gemma3_multimodal
+
+    path = make_tiny_gemma3_multimodal(tmp_path / "gemma3", seed=3)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), dtype)
+        with torch.no_grad():
+            ref = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()(input_ids=ids).logits[0].float()
+        assert torch.equal(rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0], ref), dtype
+    model = load_model(str(path))
+    assert isinstance(model.runtime, TorchLlama) and 257 in model.eos_ids
+    draft = make_tiny(tmp_path / "draft", "gemma3_text", seed=4, layers=1, head_dim=16, query_pre_attn_scalar=24)
+    sp, prompts = SamplingParams(max_tokens=24, ignore_eos=True), ["hello hello world", "abcabc"]
+    want = [o.token_ids for o in LLM(load_model(str(path), backend="hf")).generate(prompts, sp)]
+    for kw in (dict(speculative="self"), dict(draft=str(draft)),
+               dict(speculative=SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3))):
+        assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
+    dummy = [load_model(str(path), backend=b, load_format="dummy").runtime for b in ("torch", "hf")]
+    logits = [rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0] for rt in dummy]
+    assert (logits[0] - logits[1]).abs().max().item() < ATOL
+
+
 def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     """Rotary scalings that depend on the whole sequence's length (longrope, dynamic) are not
     the torch runtime's: ``auto`` loads them on transformers' own model, ``torch`` refuses."""

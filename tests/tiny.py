@@ -109,6 +109,32 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
     return path
 
 
+def make_tiny_gemma3_multimodal(path: Path, seed: int = 0) -> Path:
+    """A tiny Gemma 3 checkpoint of the 4B-and-up kind: a vision tower beside the text model
+    (``model_type`` ``gemma3``, weights under ``language_model.model.``, eos in the text
+    config), windows on one layer of two."""
+    from transformers import AutoModelForCausalLM, Gemma3Config
+
+    tok = byte_tokenizer()
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=6,
+                query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"], initializer_range=0.2,
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+                          boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def noisy_copy(src: Path, path: Path, noise: float, seed: int = 0) -> Path:
     """A draft that resembles the checkpoint at ``src`` (each weight plus gaussian noise of
     ``noise`` times its tensor's std): its q overlaps the target's p without equalling it."""

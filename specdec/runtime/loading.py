@@ -277,7 +277,7 @@ class Weights(Mapping):
                     self._where[name] = handle
             if files:
                 self._names = {n: n for n in self._where}
-                if not any(n.startswith("model.") for n in self._where):  # saved from the base model
+                if any(n.startswith(("embed_tokens.", "layers.")) for n in self._where):  # saved from the base model
                     self._names = {n if n.startswith("lm_head.") else f"model.{n}": n for n in self._where}
                 return
         raise ValueError(f"no weights in {path}: neither .safetensors nor pytorch_model*.bin files")
@@ -425,7 +425,8 @@ def eos_ids_of(path: Path, config, tokenizer) -> frozenset[int]:
     completion, as it does in llama.cpp and in the model's original generation config)."""
     from transformers import GenerationConfig
 
-    eos = [config.eos_token_id, tokenizer.eos_token_id]
+    eos = [getattr(c, "eos_token_id", None) for c in (config, config.get_text_config(decoder=True))]  # a multimodal
+    eos.append(tokenizer.eos_token_id)  # config (Gemma 3's) keeps it in its text config
     if (path / "generation_config.json").is_file():
         eos.append(GenerationConfig.from_pretrained(path).eos_token_id)
     if from_gguf(path):

@@ -1,6 +1,7 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-Granite, SmolLM3) and Gemma's (Gemma, Gemma 2, Gemma 3's text models), whose layers differ
-from Llama's only in small ways (``Family``).
+Granite, SmolLM3) and Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's
+multimodal checkpoints: ``text_model``), whose layers differ from Llama's only in small
+ways (``Family``).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
 HF directory and GGUF tensors dequantized by transformers load the same way. The KV cache
@@ -28,6 +29,40 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "ge
          "gemma3_text")  # HF model_type; biases, q/k norms, Phi-3's fused projections and Gemma
 # 2/3's norms after attention and MLP come from the weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
+# multimodal checkpoints whose text model is one of ARCHS: its weights' prefixes (as saved and
+# on the hub; transformers' own module names)
+MULTIMODAL = {"gemma3": ("language_model.model.", "model.language_model.")}
+
+
+class TextWeights:
+    """A multimodal checkpoint's text model's weights under a text model's names (``model.*``,
+    ``lm_head.weight``); the vision tower's are never read."""
+
+    def __init__(self, weights, prefix: str, head: str):
+        self.weights, self.prefix, self.head = weights, prefix, head
+
+    def _name(self, name: str) -> str:
+        return self.head if name == "lm_head.weight" else self.prefix + name.removeprefix("model.")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights[self._name(name)]
+
+    def __contains__(self, name: str) -> bool:
+        return self._name(name) in self.weights
+
+
+def text_model(config, weights=None):
+    """``(config, weights)`` of the text model the torch runtime runs: a multimodal
+    checkpoint's (Gemma 3 4B and up: ``text_config``, ``TextWeights``; text prompts only), else
+    as given."""
+    if config.model_type not in MULTIMODAL:
+        return config, weights
+    if weights is not None:
+        prefix = next((p for p in MULTIMODAL[config.model_type] if p + "embed_tokens.weight" in weights),
+                      MULTIMODAL[config.model_type][0])
+        head = next((h for h in ("language_model.lm_head.weight", "lm_head.weight") if h in weights), "")
+        weights = TextWeights(weights, prefix, head)
+    return config.get_text_config(decoder=True), weights
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -407,6 +442,7 @@ def rope_types(config) -> dict[str | None, dict]:
 
 def unsupported(config) -> str | None:
     """Why the torch runtime cannot run ``config`` as transformers does (None: it can)."""
+    config, _ = text_model(config)
     if config.model_type not in ARCHS:
         return f"the torch runtime supports {', '.join(ARCHS)}, not {config.model_type!r}"
     quantized = getattr(config, "quantization_config", None)
@@ -467,6 +503,7 @@ class TorchLlama:
         reason = unsupported(config)
         if reason:
             raise ValueError(reason)
+        config, weights = text_model(config, weights)
         self.device, self.dtype = device, dtype
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
