@@ -564,10 +564,11 @@ class EagerGraphs:
         return self.runtime._layers(cache, x)[:, :tokens]
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
-def test_graphed_forward_equals_eager(tiny_dirs, name):
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2-caps-window", "granite-multipliers"])
+def test_graphed_forward_equals_eager(tiny_dirs, tmp_path, name):
     """The CUDA-graph branch of the forward (full-capacity masks, rows padded up to a graph's
-    size; Gemma 3's window over them) gives eager decoding's greedy tokens under plain
+    size; Gemma 3's window, Gemma 2's capped attention written out and Granite's multipliers
+    in it) gives eager decoding's greedy tokens under plain
     decoding, chains, n-gram and draft trees, in batches and one by one."""
     from specdec.runtime.torch_llama import GRAPH_TOKEN_SIZES
 
@@ -576,8 +577,11 @@ def test_graphed_forward_equals_eager(tiny_dirs, name):
 
     prompts = ["Hello world, this is a test", "abc", "The quick brown fox. The quick brown"]
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
-    base = [o.token_ids for o in LLM(load_model(str(tiny_dirs[name]))).generate(prompts, sp)]
-    model = load_model(str(tiny_dirs[name]))
+    from tiny import make_tiny
+
+    path = tiny_dirs[name] if name in tiny_dirs else make_tiny(tmp_path / name, VARIANTS[name][0], **VARIANTS[name][1])
+    base = [o.token_ids for o in LLM(load_model(str(path))).generate(prompts, sp)]
+    model = load_model(str(path))
     model.runtime.graphs = graphs = EagerGraphs(model.runtime)
     for spec in (SpecConfig(), SpecConfig(method="self", num_draft_tokens=4),
                  SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3),
