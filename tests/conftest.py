@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import make_tiny, noisy_copy  # noqa: E402
+from tiny import MOE, make_tiny, noisy_copy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +24,10 @@ def tiny_dirs(tmp_path_factory):
         # Gemma 3's layers: a window on the first, a rope per layer type
         "gemma3": make_tiny(root / "gemma3", "gemma3_text", seed=9, head_dim=16, sliding_window=6,
                             query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"]),
+        # mixtures of experts: Qwen2-MoE's shared expert beside 4 routed ones, then a dense
+        # layer; Mixtral's window of 6 on every layer
+        "qwen2moe": make_tiny(root / "qwen2moe", "qwen2_moe", seed=10, **MOE["qwen2_moe"], mlp_only_layers=[1]),
+        "mixtral": make_tiny(root / "mixtral", "mixtral", seed=11, **MOE["mixtral"], sliding_window=6),
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

@@ -4,6 +4,8 @@ import torch
 
 from specdec.runtime.torch_llama import TorchLlama
 
+from tiny import MOE
+
 ATOL = 1e-4  # fp32 logits, tiny random models
 
 
@@ -67,6 +69,16 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "phi3-layer-types-unread": ("phi3", dict(pad_token_id=0, sliding_window=5, layer_types=["full_attention"] * 2)),
     "gemma-cap-unread": ("gemma", dict(head_dim=16, final_logit_softcapping=3.0)),
     "granite-activation-unread": ("granite", dict(hidden_activation="gelu_pytorch_tanh")),
+    # mixtures of experts (tiny.MOE): Mixtral's renormalised top 2 of 4 with a window on every
+    # layer; Qwen2-MoE's shared expert under its gate, a dense layer (mlp_only_layers), or
+    # experts on every other layer (decoder_sparse_step) renormalised; Qwen3-MoE's top 2 of 8
+    "mixtral-window": ("mixtral", dict(**MOE["mixtral"], sliding_window=7)),
+    "qwen2moe-shared-expert-dense-layer": ("qwen2_moe", dict(**MOE["qwen2_moe"], mlp_only_layers=[1])),
+    "qwen2moe-sparse-step-renormalised": ("qwen2_moe", dict(MOE["qwen2_moe"], decoder_sparse_step=2,
+                                                            norm_topk_prob=True, num_experts_per_tok=3)),
+    "qwen3moe": ("qwen3_moe", MOE["qwen3_moe"]),
+    "qwen3moe-window-not-renormalised": ("qwen3_moe", dict(MOE["qwen3_moe"], norm_topk_prob=False,
+                                                           use_sliding_window=True, sliding_window=7)),
 }
 
 
@@ -94,11 +106,13 @@ def test_config_variants_match_transformers(tmp_path, variant):
     assert rt.max_context == 512  # a window does not bound the context
 
 
-@pytest.mark.parametrize("arch", ["llama", "granite", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "granite", "gemma2", "gemma3_text", "mixtral-window",
+                                  "qwen2moe-shared-expert-dense-layer", "qwen3moe"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
-    bfloat16 (Llama's norms scale in bfloat16)."""
+    bfloat16 (Llama's norms scale in bfloat16); Mixtral's routing weights stay float32, the
+    Qwens' are cast to bfloat16 before they weight the experts' outputs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specdec.runtime.loading import Weights
@@ -108,6 +122,8 @@ def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     extra = {"llama": {}, "granite": dict(embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.5,
                                           logits_scaling=2.5)}.get(arch, dict(head_dim=16, sliding_window=7,
                                                                               query_pre_attn_scalar=24))
+    if arch in VARIANTS:
+        arch, extra = VARIANTS[arch]
     path = make_tiny(tmp_path / arch, arch, seed=5, **extra)
     rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.bfloat16)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
@@ -550,6 +566,35 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
     assert gpt2["transformer.ln_f.bias"].eq(0).all()
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe"])
+def test_experts_under_transformers_own_names(tiny_dirs, tmp_path, name):
+    """A checkpoint saves one tensor per expert and projection (Mixtral's ``w1``/``w3``/``w2``);
+    transformers' model fuses them (``mlp.experts.gate_up_proj``), and those names come
+    from dummy weights and converted GGUFs: both load to the same logits, and dummy weights
+    give the torch runtime transformers' logits."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from specdec.runtime import load_model
+
+    fused = tmp_path / "fused"
+    shutil.copytree(tiny_dirs[name], fused)
+    state = AutoModelForCausalLM.from_pretrained(tiny_dirs[name]).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    save_file({k: v.contiguous() for k, v in state.items()}, str(fused / "model.safetensors"))
+    ids = list(range(40, 57))
+    logits = []
+    for path, fmt, backend in ((tiny_dirs[name], "auto", "torch"), (fused, "auto", "torch"),
+                               (fused, "dummy", "torch"), (fused, "dummy", "hf")):
+        rt = load_model(str(path), backend=backend, load_format=fmt).runtime
+        logits.append(rt.forward(rt.new_cache(1), [0], [ids])[0])  # [17, vocab]
+    assert torch.equal(logits[0], logits[1])
+    assert (logits[2] - logits[3]).abs().max().item() < ATOL
+    assert not torch.equal(logits[1], logits[2])
+
+
 class EagerGraphs:
     """Stands in for ``CudaGraphs`` on the CPU: the graphed branch of ``forward`` (inputs over
     the cache's whole capacity, logits of every row, the last rows picked after), with the
@@ -564,11 +609,11 @@ class EagerGraphs:
         return self.runtime._layers(cache, x)[:, :tokens]
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2-caps-window", "granite-multipliers"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2-caps-window", "granite-multipliers", "qwen2moe"])
 def test_graphed_forward_equals_eager(tiny_dirs, tmp_path, name):
     """The CUDA-graph branch of the forward (full-capacity masks, rows padded up to a graph's
-    size; Gemma 3's window, Gemma 2's capped attention written out and Granite's multipliers
-    in it) gives eager decoding's greedy tokens under plain
+    size; Gemma 3's window, Gemma 2's capped attention written out, Granite's multipliers and
+    Qwen2-MoE's experts, padding rows routed too, in it) gives eager decoding's greedy tokens under plain
     decoding, chains, n-gram and draft trees, in batches and one by one."""
     from specdec.runtime.torch_llama import GRAPH_TOKEN_SIZES
 

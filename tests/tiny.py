@@ -7,6 +7,12 @@ import torch
 
 SPECIALS = ["<s>", "</s>"]  # ids 256, 257: bos, eos
 VOCAB = 256 + len(SPECIALS) + 6  # a few padded rows the tokenizer never emits
+MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields)
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+}
 
 
 def byte_tokenizer(swap: bool = False):
@@ -93,7 +99,7 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   initializer_range=std, tie_word_embeddings=False)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         common["head_dim"] = 16
     config = AutoConfig.for_model(arch, **{**common, **config})
     torch.manual_seed(seed)

@@ -1,7 +1,7 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-Granite, SmolLM3) and Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's
-multimodal checkpoints: ``text_model``), whose layers differ from Llama's only in small
-ways (``Family``).
+Granite, SmolLM3), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``Experts``) and
+Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
+``text_model``), whose layers differ from Llama's only in small ways (``Family``).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
 HF directory and GGUF tensors dequantized by transformers load the same way. The KV cache
@@ -25,9 +25,10 @@ from .. import disk_cache
 
 log = logging.getLogger(__name__)
 
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")  # their MLPs (some, or all) are ``Experts``
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2",
-         "gemma3_text")  # HF model_type; biases, q/k norms, Phi-3's fused projections and Gemma
-# 2/3's norms after attention and MLP come from the weights
+         "gemma3_text") + MOE_ARCHS  # HF model_type; biases, q/k norms, Phi-3's fused projections
+# and Gemma 2/3's norms after attention and MLP come from the weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # multimodal checkpoints whose text model is one of ARCHS: its weights' prefixes (as saved and
@@ -103,6 +104,100 @@ class Family:
                    # Gemma 3's config has the field too, but transformers' model never reads it
                    attn_softcap=config.attn_logit_softcapping if config.model_type == "gemma2" else None,
                    final_softcap=config.final_logit_softcapping if gemma23 else None, activation=act)
+
+
+def moe_layers(config) -> list[bool]:
+    """Which layers' MLP is ``Experts``, as each architecture's transformers model places them:
+    Mixtral's every layer; Qwen2-MoE's and Qwen3-MoE's every ``decoder_sparse_step``-th but
+    those in ``mlp_only_layers`` (a dense MLP)."""
+    n, kind = config.num_hidden_layers, config.model_type
+    if kind not in MOE_ARCHS:
+        return [False] * n
+    if kind == "mixtral":
+        return [True] * n
+    dense = set(config.mlp_only_layers or [])
+    return [i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+            for i in range(n)]
+
+
+grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm from torch 2.10
+
+
+def grouped_mm_graphable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``grouped_mm`` runs without a host sync, so that a CUDA graph can hold it:
+    PyTorch's CUTLASS kernel, for bfloat16 on Hopper and Blackwell GPUs; elsewhere it loops
+    over the groups on the host (``offs.cpu()``)."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+class Experts:
+    """A sparse mixture-of-experts MLP (Mixtral's, Qwen2-MoE's, Qwen3-MoE's) as transformers'
+    grouped experts compute it. A router's softmax picks ``top_k`` experts per token (their
+    weights renormalised to sum 1 where ``renormalize``); the token-expert pairs, sorted by
+    expert, go through one grouped product per projection (``F.grouped_mm``: no shape that
+    depends on the routing, so a CUDA graph holds it where ``grouped_mm_graphable``); each token sums its
+    experts' outputs, weighted. Mixtral keeps the routing weights in float32
+    (``float_weights``), the Qwens cast them to the model's dtype. Qwen2-MoE's shared expert
+    is the layer's dense MLP (``TorchLlama._mlp``)."""
+
+    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
+                 renormalize: bool, float_weights: bool, activation: str):
+        self.router = router  # [experts, hidden]
+        self.gate_up = gate_up  # [experts, 2 * inter, hidden]: each expert's gate rows, then its up rows
+        self.down = down  # [experts, hidden, inter]
+        self.top_k, self.renormalize, self.float_weights = top_k, renormalize, float_weights
+        self.act = ACTIVATIONS[activation]
+
+    @classmethod
+    def load(cls, config, weights, layer: str, device: torch.device, dtype: torch.dtype) -> "Experts":
+        """Layer ``layer``'s (``"model.layers.{i}."``) from a checkpoint as saved (one tensor
+        per expert and projection: ``experts.{e}.gate_proj.weight``..., Mixtral's
+        ``block_sparse_moe.experts.{e}.w1.weight``...) or under transformers' own names (its
+        experts fused: ``mlp.experts.gate_up_proj``; dummy weights, converted GGUFs), each
+        tensor copied once into the stacked ones on ``device``."""
+        mixtral = config.model_type == "mixtral"
+        if layer + "mlp.experts.gate_up_proj" in weights:
+            block, names = "mlp.", [["experts.gate_up_proj"], ["experts.down_proj"]]
+        else:
+            block, gate, up, down = ("block_sparse_moe.", "w1", "w3", "w2") if mixtral else \
+                ("mlp.", "gate_proj", "up_proj", "down_proj")
+            e = [f"experts.{i}." for i in range(config.num_local_experts if mixtral else config.num_experts)]
+            names = [[[x + gate + ".weight", x + up + ".weight"] for x in e], [[x + down + ".weight"] for x in e]]
+
+        def stacked(parts: list) -> torch.Tensor:  # [experts, rows, cols]: the fused tensor, or each expert's rows
+            if isinstance(parts[0], str):
+                return weights[layer + block + parts[0]].to(device=device, dtype=dtype, copy=True)
+            tensors = [[weights[layer + block + n] for n in expert] for expert in parts]
+            out = torch.empty(len(tensors), sum(len(t) for t in tensors[0]), tensors[0][0].shape[1], device=device,
+                              dtype=dtype)
+            for e, expert in enumerate(tensors):
+                torch.cat([t.to(device=device, dtype=dtype) for t in expert], out=out[e])
+            return out
+
+        router = weights[layer + block + "gate.weight"].to(device=device, dtype=dtype, copy=True)
+        return cls(router, stacked(names[0]), stacked(names[1]), config.num_experts_per_tok,
+                   renormalize=mixtral or config.norm_topk_prob, float_weights=mixtral,
+                   activation=Family.of(config).activation)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [N, hidden]
+        N, k, E = flat.shape[0], self.top_k, self.router.shape[0]
+        logits = F.linear(flat, self.router)  # [N, experts]
+        weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(k, dim=-1)  # [N, k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.float_weights:
+            weights = weights.to(logits.dtype)
+        expert, order = chosen.flatten().sort()  # [N k] pairs, grouped by expert
+        counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+            0, expert, torch.ones_like(expert, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)  # [experts] where each expert's pairs end
+        gate, up = grouped_mm(flat[order // k], self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        out = grouped_mm(self.act(gate) * up, self.down.transpose(1, 2), offs=ends)  # [N k, hidden]
+        out = out * weights.flatten()[order, None]
+        by_token = torch.empty_like(out)
+        by_token[order] = out  # back in token order
+        return by_token.view(N, k, -1).sum(dim=1).to(x.dtype).view_as(x)
 
 
 LINEAR_KINDS = ("dense", "onednn", "int8")
@@ -188,13 +283,15 @@ MULTI_ROW_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
 
 
 def linear_bytes(config) -> int:
-    """fp32 bytes of a Llama-family model's linear weights (from its config)."""
-    h, layers = config.hidden_size, config.num_hidden_layers
-    heads = config.num_attention_heads
+    """fp32 bytes of a model's ``Linear`` weights (from its config): attention's, the dense
+    MLPs' (a MoE layer's shared expert's: Qwen2-MoE's) and the head; not ``Experts``'."""
+    h, heads = config.hidden_size, config.num_attention_heads
     d = getattr(config, "head_dim", None) or h // heads
     kv = config.num_key_value_heads or heads
-    per_layer = (heads * d + 2 * kv * d) * h + h * heads * d + 3 * h * config.intermediate_size
-    return 4 * (layers * per_layer + config.vocab_size * h)
+    shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    mlp = sum(shared if moe else config.intermediate_size for moe in moe_layers(config))
+    attention = config.num_hidden_layers * ((heads * d + 2 * kv * d) * h + h * heads * d)
+    return 4 * (attention + 3 * h * mlp + config.vocab_size * h)
 
 
 def mem_available() -> int:
@@ -473,17 +570,18 @@ def unsupported(config) -> str | None:
 
 def sliding_layers(config) -> tuple[int | None, list[bool]]:
     """``(window, which layers attend through it)``, as each architecture's transformers
-    model reads its config: a query at position p sees keys past p - window. Mistral, Phi-3:
-    every layer when ``sliding_window`` is set; Qwen2 / Qwen3: the layers ``layer_types``
+    model reads its config: a query at position p sees keys past p - window. Mistral, Phi-3,
+    Mixtral, Qwen3-MoE: every layer when ``sliding_window`` is set (Qwen3-MoE's config drops it
+    unless ``use_sliding_window``); Qwen2 / Qwen3 / Qwen2-MoE: the layers ``layer_types``
     names ``sliding_attention``, none unless ``use_sliding_window``; Gemma 2 / 3, SmolLM3:
     those ``layer_types`` names (whatever ``use_sliding_window`` says); Llama, Gemma, Granite:
     none."""
     n, kind = config.num_hidden_layers, config.model_type
     window = getattr(config, "sliding_window", None)
     if kind in ("llama", "gemma", "granite") or not window or \
-            (kind in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False)):
+            (kind in ("qwen2", "qwen3", "qwen2_moe") and not getattr(config, "use_sliding_window", False)):
         return None, [False] * n
-    types = None if kind in ("mistral", "phi3") else getattr(config, "layer_types", None)
+    types = None if kind in ("mistral", "phi3", "mixtral", "qwen3_moe") else getattr(config, "layer_types", None)
     sliding = [t == "sliding_attention" for t in types] if types else [True] * n
     return (window if any(sliding) else None), sliding
 
@@ -495,8 +593,9 @@ def cat_or_none(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
 
 
 class TorchLlama:
-    """Runtime for Llama- and Gemma-family checkpoints (see ``ARCHS``, ``Family``). ``cuda_graphs`` (default: on a
-    CUDA device) replays small forwards as CUDA graphs (``CudaGraphs``)."""
+    """Runtime for Llama- and Gemma-family checkpoints and mixtures of experts (see ``ARCHS``,
+    ``Family``, ``Experts``). ``cuda_graphs`` (default: on a CUDA device; for experts, where
+    ``grouped_mm_graphable``) replays small forwards as CUDA graphs (``CudaGraphs``)."""
 
     supports_masks = True
     batch_layout = "padded"
@@ -543,14 +642,22 @@ class TorchLlama:
         def fused(names: str, parts: str) -> torch.Tensor:  # Phi-3's fused projection, else the parts'
             return w(names) if names in weights else torch.cat([w(p) for p in parts.split()])
 
+        def mlp(m: str) -> tuple[Linear | None, Linear | None]:  # a dense MLP's (or a shared expert's) or none
+            if m + "down_proj.weight" not in weights:
+                return None, None
+            return (Linear(fused(m + "gate_up_proj.weight", f"{m}gate_proj.weight {m}up_proj.weight"),
+                           cat_or_none([opt(m + "gate_proj.bias"), opt(m + "up_proj.bias")]), linear, multi_row),
+                    Linear(w(m + "down_proj.weight"), opt(m + "down_proj.bias"), linear, multi_row))
+
         self.embed = w("model.embed_tokens.weight")
         self.vocab_size = self.embed.shape[0]
         self.layers = []
-        for i in range(self.num_layers):
+        for i, moe in enumerate(moe_layers(config)):
             pre = f"model.layers.{i}."
             a = pre + "self_attn."
             qkv_w = fused(a + "qkv_proj.weight", " ".join(a + f"{n}_proj.weight" for n in "qkv"))
-            m = pre + "mlp."
+            m = pre + ("mlp.shared_expert." if moe else "mlp.")
+            gate_up, down = mlp(m)
             sandwich = pre + "pre_feedforward_layernorm.weight" in weights  # Gemma 2/3: norms after, too
             self.layers.append({
                 "attn_norm": norm(pre + "input_layernorm.weight"),
@@ -561,9 +668,10 @@ class TorchLlama:
                 "post_attn_norm": norm(pre + "post_attention_layernorm.weight") if sandwich else None,
                 "mlp_norm": norm(pre + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
                 "post_mlp_norm": norm(pre + "post_feedforward_layernorm.weight") if sandwich else None,
-                "gate_up": Linear(fused(m + "gate_up_proj.weight", f"{m}gate_proj.weight {m}up_proj.weight"),
-                                  cat_or_none([opt(m + "gate_proj.bias"), opt(m + "up_proj.bias")]), linear, multi_row),
-                "down": Linear(w(m + "down_proj.weight"), opt(m + "down_proj.bias"), linear, multi_row),
+                "gate_up": gate_up,  # the dense MLP, or beside the experts Qwen2-MoE's shared expert
+                "down": down,
+                "shared_gate": opt(pre + "mlp.shared_expert_gate.weight") if moe else None,  # [1, hidden]
+                "experts": Experts.load(config, weights, pre, device, dtype) if moe else None,
                 "sliding": sliding[i],
                 "rope": types[i] if types[i] in self.rope else None,  # its rope table's key
                 "rotates": bool(rotates[i]),
@@ -573,14 +681,15 @@ class TorchLlama:
         self.lm_head = Linear(head, None, linear, multi_row)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
-        use_graphs = device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        graphable = not any(layer["experts"] for layer in self.layers) or grouped_mm_graphable(device, dtype)
+        use_graphs = device.type == "cuda" and graphable if cuda_graphs is None else cuda_graphs
         self.graphs = CudaGraphs(self) if use_graphs else None
         self.one_row_packed = all(lin.multi is not None for lin in self._linears()) and self._packed_one_row_pays()
         for lin in self._linears():  # if so, the packed copy serves every product, the other goes
             lin.pack_one_row(self.one_row_packed, free=True)
 
     def _linears(self) -> list[Linear]:
-        return [layer[n] for layer in self.layers for n in ("qkv", "o", "gate_up", "down")] + [self.lm_head]
+        return [layer[n] for layer in self.layers for n in ("qkv", "o", "gate_up", "down") if layer[n]] + [self.lm_head]
 
     def _packed_one_row_pays(self) -> bool:
         """Whether a one-token forward (plain decoding) through the verify-packed weights costs
@@ -706,7 +815,7 @@ class TorchLlama:
             emb = torch.cat((freqs, freqs), dim=-1)
             rope[layer_type] = ((emb.cos() * scale).to(self.dtype)[:, None], (emb.sin() * scale).to(self.dtype)[:, None])
 
-        fam, act = self.family, ACTIVATIONS[self.family.activation]
+        fam = self.family
         h = F.embedding(x.ids, self.embed)  # [B, T, hidden]
         if fam.embed_scale is not None:
             h = h * fam.embed_scale
@@ -739,15 +848,26 @@ class TorchLlama:
                 o = attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], mask, fam.attn_scale, fam.attn_softcap)
             o = L["o"](o.transpose(1, 2).reshape(B, T, H * D))  # [B, T, hidden]
             h = h + self._residual(o, L["post_attn_norm"])
-            a = rms_norm(h, L["mlp_norm"], self.eps)
-            gate, up = L["gate_up"](a).chunk(2, dim=-1)
-            h = h + self._residual(L["down"](act(gate) * up), L["post_mlp_norm"])
+            h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])
         if last is not None:
             h = h[torch.arange(B, device=h.device), last]  # [B, hidden]
         logits = softcap(self.lm_head(rms_norm(h, self.norm, self.eps)), fam.final_softcap)
         if fam.logits_divisor is not None:
             logits = logits / fam.logits_divisor
         return logits.float() if to_float else logits
+
+    def _mlp(self, L: dict, a: torch.Tensor) -> torch.Tensor:
+        """A layer's MLP over ``a [B, T, hidden]``: dense, experts, or experts beside a shared
+        expert under a sigmoid gate (Qwen2-MoE's)."""
+        out = None
+        if L["gate_up"] is not None:
+            gate, up = L["gate_up"](a).chunk(2, dim=-1)
+            out = L["down"](ACTIVATIONS[self.family.activation](gate) * up)
+            if L["shared_gate"] is not None:
+                out = torch.sigmoid(F.linear(a, L["shared_gate"])) * out
+        if L["experts"] is not None:
+            out = L["experts"](a) if out is None else L["experts"](a) + out
+        return out
 
     def _residual(self, out: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
         """What attention's or the MLP's ``out`` adds to the residual stream: normed after
