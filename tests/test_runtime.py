@@ -166,6 +166,52 @@ def test_multimodal_gemma3_text_model(tmp_path):
     assert (logits[0] - logits[1]).abs().max().item() < ATOL
 
 
+@pytest.mark.parametrize("kind", ["mistral3", "llava"])
+def test_vision_language_text_model(tmp_path, kind):
+    """Mistral 3's and LLaVA's checkpoints (no causal LMs in transformers: its hf runtime
+    cannot run them) run their text model on the torch runtime: logits equal transformers'
+    image-text-to-text model's on text (bit for bit, float32 and bfloat16), greedy output
+    under speculation equal to its argmax, a window on Mistral 3's layers, dummy weights."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from specdec import LLM, SamplingParams, SpecConfig
+    from specdec.runtime import load_model
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny_vision_language
+
+    path = make_tiny_vision_language(tmp_path / kind, kind, seed=3, **({"sliding_window": 6} if kind == "mistral3" else {}))
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), dtype)
+        hf = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval()
+        with torch.no_grad():
+            ref = hf(input_ids=ids).logits[0].float()
+        assert torch.equal(rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0], ref), dtype
+    model = load_model(str(path))
+    assert isinstance(model.runtime, TorchLlama) and 257 in model.eos_ids
+    hf = AutoModelForImageTextToText.from_pretrained(path).eval()
+    sp, prompts = SamplingParams(max_tokens=20, ignore_eos=True), ["hello hello world", "abcabc"]
+    want = []
+    for p in prompts:  # greedy by whole forwards
+        seq = LLM(model).encode(p)
+        with torch.no_grad():
+            for _ in range(20):
+                seq.append(hf(input_ids=torch.tensor([seq])).logits[0, -1].argmax().item())
+        want.append(seq[-20:])
+    for kw in (dict(), dict(speculative="self"), dict(speculative=SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3))):
+        assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
+    dummy = load_model(str(path), load_format="dummy").runtime
+    assert dummy.forward(dummy.new_cache(1), [0], [ids[0].tolist()])[0].std().item() > 0.1
+    with pytest.raises(ValueError, match=f"no causal LM for '{kind}' .* use backend 'torch' or 'auto'"):
+        load_model(str(path), backend="hf")
+    import json  # a processor's chat template (LLaVA's), where the tokenizer has none
+
+    (path / "chat_template.jinja").unlink()
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": "{% for m in messages %}<{{ m.content }}>{% endfor %}"}))
+    assert LLM(load_model(str(path))).chat([{"role": "user", "content": "hi"}], sp)[0].prompt == "<hi>"
+
+
 def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     """Rotary scalings that depend on the whole sequence's length (longrope, dynamic) are not
     the torch runtime's: ``auto`` loads them on transformers' own model, ``torch`` refuses."""

@@ -141,6 +141,31 @@ def make_tiny_gemma3_multimodal(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def make_tiny_vision_language(path: Path, kind: str, seed: int = 0, **text) -> Path:
+    """A tiny multimodal checkpoint that is no causal LM in transformers (an image-text-to-text
+    model): ``mistral3`` (Mistral Small 3.1 and up: a Mistral text model, Pixtral vision) or
+    ``llava`` (a Llama text model, CLIP vision); ``text``: more text config fields."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    tok = byte_tokenizer()
+    text = dict(model_type="mistral" if kind == "mistral3" else "llama", vocab_size=VOCAB, hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, initializer_range=0.2, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **text)
+    vision = dict(model_type="pixtral" if kind == "mistral3" else "clip_vision_model", hidden_size=32,
+                  intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    config = AutoConfig.for_model(kind, text_config=text, vision_config=vision, image_token_index=VOCAB - 1)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def noisy_copy(src: Path, path: Path, noise: float, seed: int = 0) -> Path:
     """A draft that resembles the checkpoint at ``src`` (each weight plus gaussian noise of
     ``noise`` times its tensor's std): its q overlaps the target's p without equalling it."""

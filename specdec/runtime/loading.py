@@ -330,10 +330,13 @@ class DummyWeights(Mapping):
     (no ``lm_head.weight``). Tensors are float32 on ``device``, made on access."""
 
     def __init__(self, config, device: torch.device | str = "cpu", seed: int = 0):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
+            try:
+                skeleton = AutoModelForCausalLM.from_config(config)
+            except ValueError:  # a multimodal model that is no causal LM (Mistral 3, LLaVA)
+                skeleton = AutoModelForImageTextToText.from_config(config)
         tied = getattr(config, "tie_word_embeddings", False)
         self._shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()
                         if not (tied and name == "lm_head.weight")}
@@ -520,7 +523,16 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
         raise ValueError(f"int8 draft quantization needs the torch runtime; {config.model_type!r} "
                          "runs on the transformers fallback")
     else:
-        runtime = HFRuntime(path, dev, dt, load_format, trust_remote_code)
+        try:
+            runtime = HFRuntime(path, dev, dt, load_format, trust_remote_code)
+        except ValueError as e:  # transformers' image-text-to-text models (Mistral 3, LLaVA...)
+            if "Unrecognized configuration class" not in str(e):
+                raise
+            why = unsupported(config)
+            raise ValueError(f"transformers has no causal LM for {config.model_type!r} checkpoints, so its runtime "
+                             "cannot run this one; " + (f"nor can specdec's ({why})" if why else
+                                                         "specdec's runs its text model: use backend 'torch' or 'auto'")
+                             ) from None
     return LoadedModel(str(model or DEFAULT_MODEL_FILE), path, runtime, tok, eos_ids, config)
 
 
@@ -582,13 +594,18 @@ def load_tokenizer(model: str | None, trust_remote_code: bool = False, revision:
 
 
 def _tokenizer_at(where: Path, name: str, trust_remote_code: bool = False):
-    """transformers' tokenizer of the directory ``where`` (``name``: what the user gave)."""
+    """transformers' tokenizer of the directory ``where`` (``name``: what the user gave), with
+    the processor's chat template (``chat_template.json``: LLaVA's...) where it has none."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e):
             raise ValueError(f"the tokenizer of {name!r} comes with its own Python code; to run it, pass "
                              "trust_remote_code=True (--trust-remote-code)") from None
         raise ValueError(f"no tokenizer in {name!r} ({str(e).strip().splitlines()[0]})") from None
+    processor = where / "chat_template.json"
+    if not getattr(tok, "chat_template", None) and processor.is_file():
+        tok.chat_template = json.loads(processor.read_text()).get("chat_template")
+    return tok

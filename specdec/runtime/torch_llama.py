@@ -31,9 +31,10 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "ge
 # and Gemma 2/3's norms after attention and MLP come from the weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-# multimodal checkpoints whose text model is one of ARCHS: its weights' prefixes (as saved and
-# on the hub; transformers' own module names)
-MULTIMODAL = {"gemma3": ("language_model.model.", "model.language_model.")}
+# multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
+# Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
+# module names)
+MULTIMODAL = dict.fromkeys(("gemma3", "mistral3", "llava"), ("language_model.model.", "model.language_model."))
 
 
 class TextWeights:
@@ -55,8 +56,8 @@ class TextWeights:
 
 def text_model(config, weights=None):
     """``(config, weights)`` of the text model the torch runtime runs: a multimodal
-    checkpoint's (Gemma 3 4B and up: ``text_config``, ``TextWeights``; text prompts only), else
-    as given."""
+    checkpoint's (``MULTIMODAL``: Gemma 3 4B and up, Mistral 3, LLaVA; ``text_config``,
+    ``TextWeights``; text prompts only), else as given."""
     if config.model_type not in MULTIMODAL:
         return config, weights
     if weights is not None:
