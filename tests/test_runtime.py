@@ -79,6 +79,13 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "qwen3moe": ("qwen3_moe", MOE["qwen3_moe"]),
     "qwen3moe-window-not-renormalised": ("qwen3_moe", dict(MOE["qwen3_moe"], norm_topk_prob=False,
                                                            use_sliding_window=True, sliding_window=7)),
+    # GPT-OSS: attention sinks, a window on every other layer, the softmax of the top k router
+    # logits (router biases), clamped swiglu experts with biases, gate and up interleaved;
+    # yarn past its original context, gate and up clamped (a low limit)
+    "gptoss-sinks-window": ("gpt_oss", dict(MOE["gpt_oss"], sliding_window=7)),
+    "gptoss-yarn-clamped": ("gpt_oss", dict(MOE["gpt_oss"], num_local_experts=8, num_experts_per_tok=3, swiglu_limit=0.3, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
 }
 
 
@@ -107,12 +114,13 @@ def test_config_variants_match_transformers(tmp_path, variant):
 
 
 @pytest.mark.parametrize("arch", ["llama", "granite", "gemma2", "gemma3_text", "mixtral-window",
-                                  "qwen2moe-shared-expert-dense-layer", "qwen3moe"])
+                                  "qwen2moe-shared-expert-dense-layer", "qwen3moe", "gptoss-sinks-window"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
-    bfloat16 (Llama's norms scale in bfloat16); Mixtral's routing weights stay float32, the
-    Qwens' are cast to bfloat16 before they weight the experts' outputs."""
+    bfloat16 (Llama's norms scale in bfloat16; GPT-OSS's in float32 by the weight as bfloat16
+    holds it); Mixtral's routing weights stay float32, the Qwens' are cast to bfloat16 before
+    they weight the experts' outputs; GPT-OSS's sinks and its softmax in bfloat16."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specdec.runtime.loading import Weights
@@ -612,7 +620,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
     assert gpt2["transformer.ln_f.bias"].eq(0).all()
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss"])
 def test_experts_under_transformers_own_names(tiny_dirs, tmp_path, name):
     """A checkpoint saves one tensor per expert and projection (Mixtral's ``w1``/``w3``/``w2``);
     transformers' model fuses them (``mlp.experts.gate_up_proj``), and those names come
@@ -641,6 +649,39 @@ def test_experts_under_transformers_own_names(tiny_dirs, tmp_path, name):
     assert not torch.equal(logits[1], logits[2])
 
 
+def test_gpt_oss_mxfp4_experts(tmp_path):
+    """GPT-OSS as released, its experts in MXFP4, dequantized at load: the logits equal the
+    torch runtime's and transformers' on the checkpoint holding transformers' own
+    dequantization of them (``convert_moe_packed_tensors``), float32 and bfloat16."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from specdec.runtime import load_model
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny, mxfp4_copy
+
+    src = make_tiny(tmp_path / "gptoss", "gpt_oss", seed=5, **VARIANTS["gptoss-sinks-window"][1])
+    quantized = mxfp4_copy(src, tmp_path / "mxfp4")
+    reference = mxfp4_copy(src, tmp_path / "dequantized")
+    tensors = load_file(str(reference / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("_blocks")]:
+        base = name.removesuffix("_blocks")
+        tensors[base] = convert_moe_packed_tensors(tensors.pop(name), tensors.pop(base + "_scales"), dtype=torch.float32)
+    save_file(tensors, str(reference / "model.safetensors"))
+    (reference / "config.json").write_text((src / "config.json").read_text())
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = [rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0] for rt in (
+            TorchLlama(AutoConfig.from_pretrained(p), Weights(p), torch.device("cpu"), dtype) for p in (quantized, reference))]
+        with torch.no_grad():
+            ref = AutoModelForCausalLM.from_pretrained(reference, dtype=dtype).eval()(ids).logits[0].float()
+        assert torch.equal(logits[0], logits[1]) and torch.equal(logits[1], ref), dtype
+    model = load_model(str(quantized))
+    assert isinstance(model.runtime, TorchLlama)
+
+
 class EagerGraphs:
     """Stands in for ``CudaGraphs`` on the CPU: the graphed branch of ``forward`` (inputs over
     the cache's whole capacity, logits of every row, the last rows picked after), with the
@@ -655,7 +696,8 @@ class EagerGraphs:
         return self.runtime._layers(cache, x)[:, :tokens]
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2-caps-window", "granite-multipliers", "qwen2moe"])
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2-caps-window", "granite-multipliers", "qwen2moe",
+                                  "gptoss-sinks-window"])
 def test_graphed_forward_equals_eager(tiny_dirs, tmp_path, name):
     """The CUDA-graph branch of the forward (full-capacity masks, rows padded up to a graph's
     size; Gemma 3's window, Gemma 2's capped attention written out, Granite's multipliers and

@@ -12,6 +12,8 @@ MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=48),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                    layer_types=["sliding_attention", "full_attention"]),
 }
 
 
@@ -99,7 +101,7 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   initializer_range=std, tie_word_embeddings=False)
-    if arch in ("qwen3", "qwen3_moe"):
+    if arch in ("qwen3", "qwen3_moe", "gpt_oss"):
         common["head_dim"] = 16
     config = AutoConfig.for_model(arch, **{**common, **config})
     torch.manual_seed(seed)
@@ -163,6 +165,33 @@ def make_tiny_vision_language(path: Path, kind: str, seed: int = 0, **text) -> P
                 p.copy_(1 + 0.1 * torch.randn_like(p))
     model.save_pretrained(path)
     tok.save_pretrained(path)
+    return path
+
+
+def mxfp4_copy(src: Path, path: Path) -> Path:
+    """The GPT-OSS checkpoint at ``src`` with its experts in MXFP4, as released: each group of
+    32 weights (along a projection's input) as 4-bit E2M1 codes (``*_blocks``, two per byte,
+    the low one first) times a power of two (``*_scales``, biased by 127), out before in."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    shutil.copytree(src, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name).float().transpose(1, 2)  # [experts, out, in]
+        groups = w.reshape(*w.shape[:2], -1, 32)  # [experts, out, G, 32]
+        exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp_min(1e-30) / 6.0))  # [experts, out, G]
+        codes = ((groups / torch.exp2(exp)[..., None])[..., None] - values).abs().argmin(-1)  # [experts, out, G, 32]
+        codes = codes.to(torch.uint8).reshape(*groups.shape[:3], 16, 2)
+        tensors[name + "_blocks"] = codes[..., 0] | (codes[..., 1] << 4)
+        tensors[name + "_scales"] = (exp + 127).to(torch.uint8)
+    save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (path / "config.json").write_text(json.dumps(config))
     return path
 
 

@@ -1,5 +1,5 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-Granite, SmolLM3), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: ``Experts``) and
+Granite, SmolLM3), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS: ``Experts``) and
 Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``).
 
@@ -25,7 +25,7 @@ from .. import disk_cache
 
 log = logging.getLogger(__name__)
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")  # their MLPs (some, or all) are ``Experts``
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")  # their MLPs (some, or all) are ``Experts``
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2",
          "gemma3_text") + MOE_ARCHS  # HF model_type; biases, q/k norms, Phi-3's fused projections
 # and Gemma 2/3's norms after attention and MLP come from the weights
@@ -79,7 +79,9 @@ class Family:
     scaled by before the residual sum (Granite's); ``logits_divisor``: Granite's
     ``logits_scaling``; ``attn_softcap`` / ``final_softcap``: ``cap * tanh(x / cap)`` on
     attention scores (Gemma 2's) / the logits (Gemma 2's, Gemma 3's where set);
-    ``activation``: the MLP's gate (``ACTIVATIONS``)."""
+    ``activation``: the MLP's gate (``ACTIVATIONS``); ``float_norms``: the norm's product in
+    float32, then cast (GPT-OSS's, as Gemma's without the 1 +; its weights as the model's
+    dtype holds them, but for a float16 model, which transformers keeps them float32 for)."""
 
     gemma: bool = False
     embed_scale: float | None = None
@@ -89,6 +91,7 @@ class Family:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     activation: str = "silu"
+    float_norms: bool = False
 
     @classmethod
     def of(cls, config, dtype: torch.dtype = torch.float32) -> "Family":
@@ -99,7 +102,7 @@ class Family:
                        residual_scale=config.residual_multiplier, logits_divisor=config.logits_scaling,
                        activation=act)
         if config.model_type not in GEMMAS:
-            return cls(activation=act)
+            return cls(activation=act, float_norms=config.model_type == "gpt_oss")
         return cls(gemma=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
                    # Gemma 3's config has the field too, but transformers' model never reads it
@@ -109,12 +112,12 @@ class Family:
 
 def moe_layers(config) -> list[bool]:
     """Which layers' MLP is ``Experts``, as each architecture's transformers model places them:
-    Mixtral's every layer; Qwen2-MoE's and Qwen3-MoE's every ``decoder_sparse_step``-th but
-    those in ``mlp_only_layers`` (a dense MLP)."""
+    Mixtral's and GPT-OSS's every layer; Qwen2-MoE's and Qwen3-MoE's every
+    ``decoder_sparse_step``-th but those in ``mlp_only_layers`` (a dense MLP)."""
     n, kind = config.num_hidden_layers, config.model_type
     if kind not in MOE_ARCHS:
         return [False] * n
-    if kind == "mixtral":
+    if kind in ("mixtral", "gpt_oss"):
         return [True] * n
     dense = set(config.mlp_only_layers or [])
     return [i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
@@ -131,31 +134,90 @@ def grouped_mm_graphable(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
-class Experts:
-    """A sparse mixture-of-experts MLP (Mixtral's, Qwen2-MoE's, Qwen3-MoE's) as transformers'
-    grouped experts compute it. A router's softmax picks ``top_k`` experts per token (their
-    weights renormalised to sum 1 where ``renormalize``); the token-expert pairs, sorted by
-    expert, go through one grouped product per projection (``F.grouped_mm``: no shape that
-    depends on the routing, so a CUDA graph holds it where ``grouped_mm_graphable``); each token sums its
-    experts' outputs, weighted. Mixtral keeps the routing weights in float32
-    (``float_weights``), the Qwens cast them to the model's dtype. Qwen2-MoE's shared expert
-    is the layer's dense MLP (``TorchLlama._mlp``)."""
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 by code
 
-    def __init__(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int,
-                 renormalize: bool, float_weights: bool, activation: str):
-        self.router = router  # [experts, hidden]
-        self.gate_up = gate_up  # [experts, 2 * inter, hidden]: each expert's gate rows, then its up rows
-        self.down = down  # [experts, hidden, inter]
-        self.top_k, self.renormalize, self.float_weights = top_k, renormalize, float_weights
-        self.act = ACTIVATIONS[activation]
+
+def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 weights (GPT-OSS's experts) dequantized: ``blocks [..., rows, G, 16]`` (uint8, two
+    4-bit codes per byte, the low one first) and ``scales [..., rows, G]`` (each group of 32
+    values' power of two, biased by 127) -> ``[..., rows, G * 32]``, exact in bfloat16."""
+    table = torch.tensor(FP4_VALUES, device=device, dtype=torch.float32)
+    blocks, scales = blocks.to(device), scales.to(device)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., rows, G, 32]
+    values = torch.ldexp(table[codes], scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).to(dtype)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a router's logits pick ``top_k`` experts and weight them, and the experts' gated
+    activation, as each architecture's transformers model does. Mixtral and the Qwens: the
+    top k of the softmax (scaled to sum 1 where ``renormalize``: Mixtral's always, the
+    Qwens' ``norm_topk_prob``; weights in float32 where ``float_weights``, Mixtral's, else the
+    model's dtype), ``activation(gate) * up``; GPT-OSS (``gpt_oss``): the softmax of the top k
+    logits, in the model's dtype, and ``(up + 1) * gate * sigmoid(alpha * gate)`` with gate
+    and up clamped at ``limit``."""
+
+    top_k: int
+    renormalize: bool = False
+    float_weights: bool = False
+    activation: str = "silu"
+    gpt_oss: bool = False
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @classmethod
+    def of(cls, config) -> "Routing":
+        kind = config.model_type
+        if kind == "gpt_oss":
+            return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+        return cls(config.num_experts_per_tok, renormalize=kind == "mixtral" or config.norm_topk_prob,
+                   float_weights=kind == "mixtral", activation=Family.of(config).activation)
+
+    def weights(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, experts)`` ``[N, top_k]`` of router ``logits [N, experts]``."""
+        if self.gpt_oss:
+            top, chosen = logits.topk(self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype), chosen
+        weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.float_weights else weights.to(logits.dtype)), chosen
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not self.gpt_oss:
+            return ACTIVATIONS[self.activation](gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+class Experts:
+    """A sparse mixture-of-experts MLP (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, GPT-OSS's) as
+    transformers' grouped experts compute it: the router picks and weights experts per token
+    (``Routing``); the token-expert pairs, sorted by expert, go through one grouped product
+    per projection (``F.grouped_mm``: no shape that depends on the routing, so a CUDA graph
+    holds it where ``grouped_mm_graphable``); each token sums its experts' outputs, weighted.
+    Qwen2-MoE's shared expert is the layer's dense MLP (``TorchLlama._mlp``). Weights are
+    ``[experts, in, out]`` (``grouped_mm``'s), the gate's columns before the up ones; biases
+    (GPT-OSS's) ``[experts, out]``."""
+
+    def __init__(self, routing: Routing, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *,
+                 router_bias: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None):
+        self.routing = routing
+        self.router, self.router_bias = router, router_bias  # [experts, hidden], [experts]
+        self.gate_up, self.gate_up_bias = gate_up, gate_up_bias  # [experts, hidden, 2 * inter], [experts, 2 * inter]
+        self.down, self.down_bias = down, down_bias  # [experts, inter, hidden], [experts, hidden]
 
     @classmethod
     def load(cls, config, weights, layer: str, device: torch.device, dtype: torch.dtype) -> "Experts":
         """Layer ``layer``'s (``"model.layers.{i}."``) from a checkpoint as saved (one tensor
         per expert and projection: ``experts.{e}.gate_proj.weight``..., Mixtral's
-        ``block_sparse_moe.experts.{e}.w1.weight``...) or under transformers' own names (its
-        experts fused: ``mlp.experts.gate_up_proj``; dummy weights, converted GGUFs), each
-        tensor copied once into the stacked ones on ``device``."""
+        ``block_sparse_moe.experts.{e}.w1.weight``...; GPT-OSS's fused, in MXFP4 or not) or
+        under transformers' own names (its experts fused: ``mlp.experts.gate_up_proj``; dummy
+        weights, converted GGUFs), each tensor copied once into the stacked ones on ``device``."""
+        if config.model_type == "gpt_oss":
+            return cls._load_gpt_oss(config, weights, layer + "mlp.", device, dtype)
         mixtral = config.model_type == "mixtral"
         if layer + "mlp.experts.gate_up_proj" in weights:
             block, names = "mlp.", [["experts.gate_up_proj"], ["experts.down_proj"]]
@@ -165,7 +227,7 @@ class Experts:
             e = [f"experts.{i}." for i in range(config.num_local_experts if mixtral else config.num_experts)]
             names = [[[x + gate + ".weight", x + up + ".weight"] for x in e], [[x + down + ".weight"] for x in e]]
 
-        def stacked(parts: list) -> torch.Tensor:  # [experts, rows, cols]: the fused tensor, or each expert's rows
+        def stacked(parts: list) -> torch.Tensor:  # [experts, out, in]: the fused tensor, or each expert's rows
             if isinstance(parts[0], str):
                 return weights[layer + block + parts[0]].to(device=device, dtype=dtype, copy=True)
             tensors = [[weights[layer + block + n] for n in expert] for expert in parts]
@@ -176,25 +238,43 @@ class Experts:
             return out
 
         router = weights[layer + block + "gate.weight"].to(device=device, dtype=dtype, copy=True)
-        return cls(router, stacked(names[0]), stacked(names[1]), config.num_experts_per_tok,
-                   renormalize=mixtral or config.norm_topk_prob, float_weights=mixtral,
-                   activation=Family.of(config).activation)
+        return cls(Routing.of(config), router, stacked(names[0]).transpose(1, 2), stacked(names[1]).transpose(1, 2))
+
+    @classmethod
+    def _load_gpt_oss(cls, config, weights, mlp: str, device: torch.device, dtype: torch.dtype) -> "Experts":
+        """GPT-OSS's: ``experts.gate_up_proj [experts, hidden, 2 * inter]`` (gate and up columns
+        interleaved: they are put in halves) and ``down_proj [experts, inter, hidden]``, or as
+        released, in MXFP4 (``*_blocks``, ``*_scales``, out before in), biases beside them."""
+        def get(name: str) -> torch.Tensor:
+            return weights[mlp + name].to(device=device, dtype=dtype, copy=True)
+
+        def projection(name: str) -> torch.Tensor:  # [experts, in, out]
+            if mlp + f"experts.{name}_blocks" in weights:
+                blocks, scales = weights[mlp + f"experts.{name}_blocks"], weights[mlp + f"experts.{name}_scales"]
+                return torch.stack([mxfp4(blocks[e], scales[e], device, dtype) for e in range(len(blocks))]
+                                   ).transpose(1, 2)
+            return get(f"experts.{name}")
+
+        gate_up, gate_up_bias = projection("gate_up_proj"), get("experts.gate_up_proj_bias")
+        halves = torch.cat([torch.arange(0, gate_up.shape[-1], 2), torch.arange(1, gate_up.shape[-1], 2)]).to(device)
+        return cls(Routing.of(config), get("router.weight"), gate_up[..., halves].contiguous(),
+                   projection("down_proj").contiguous(), router_bias=get("router.bias"),
+                   gate_up_bias=gate_up_bias[:, halves].contiguous(), down_bias=get("experts.down_proj_bias"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N, hidden]
-        N, k, E = flat.shape[0], self.top_k, self.router.shape[0]
-        logits = F.linear(flat, self.router)  # [N, experts]
-        weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(k, dim=-1)  # [N, k]
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not self.float_weights:
-            weights = weights.to(logits.dtype)
+        N, k, E = flat.shape[0], self.routing.top_k, self.router.shape[0]
+        weights, chosen = self.routing.weights(F.linear(flat, self.router, self.router_bias))  # [N, k]
         expert, order = chosen.flatten().sort()  # [N k] pairs, grouped by expert
         counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
             0, expert, torch.ones_like(expert, dtype=torch.int32))
         ends = counts.cumsum(0, dtype=torch.int32)  # [experts] where each expert's pairs end
-        gate, up = grouped_mm(flat[order // k], self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        out = grouped_mm(self.act(gate) * up, self.down.transpose(1, 2), offs=ends)  # [N k, hidden]
+        h = grouped_mm(flat[order // k], self.gate_up, offs=ends)  # [N k, 2 inter]
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[expert]
+        out = grouped_mm(self.routing.glu(*h.chunk(2, dim=-1)), self.down, offs=ends)  # [N k, hidden]
+        if self.down_bias is not None:
+            out = out + self.down_bias[expert]
         out = out * weights.flatten()[order, None]
         by_token = torch.empty_like(out)
         by_token[order] = out  # back in token order
@@ -330,18 +410,24 @@ def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
-              cap: float | None) -> torch.Tensor:
+              cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """``q [B, H, T, D]`` over ``k, v [B, KV, S, D]`` under ``mask [B, 1, T, S]`` (bool):
-    PyTorch's fused attention, or with capped scores (Gemma 2's, which it cannot do) the
-    product written out, softmax in float32 as transformers' eager attention has it."""
+    PyTorch's fused attention, or where it cannot the product written out as transformers'
+    eager attention has it: capped scores (Gemma 2's; softmax in float32) or a sink per head
+    (GPT-OSS's ``sinks [H]``: a logit beside the keys' that takes a share of the softmax
+    and no value; softmax in the model's dtype)."""
     H, KV = q.shape[1], k.shape[1]
-    if cap is None:
+    if cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=KV != H)
     if KV != H:
         k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
     scores = softcap(q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5), cap)  # [B, H, T, S]
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    scores = torch.cat([scores, sinks[None, :, None, None].expand(*scores.shape[:3], 1)], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values  # [B, H, T, S + 1]
+    return torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(v.dtype) @ v
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -551,8 +637,9 @@ def unsupported(config) -> str | None:
     config, _ = text_model(config)
     if config.model_type not in ARCHS:
         return f"the torch runtime supports {', '.join(ARCHS)}, not {config.model_type!r}"
-    if getattr(config, "quantization_config", None):  # GPTQ, AWQ, bitsandbytes, fp8...: packed weights
-        # transformers' quantizers unpack
+    if getattr(config, "quantization_config", None) and (config.model_type, quant_method(config)) != ("gpt_oss", "mxfp4"):
+        # GPTQ, AWQ, bitsandbytes, fp8...: packed weights transformers' quantizers unpack (GPT-OSS's MXFP4
+        # experts are dequantized at load: ``mxfp4``)
         return f"the torch runtime reads unquantized checkpoints, not {quant_method(config)!r} ones"
     act = Family.of(config).activation
     if act not in ACTIVATIONS:
@@ -574,7 +661,7 @@ def sliding_layers(config) -> tuple[int | None, list[bool]]:
     model reads its config: a query at position p sees keys past p - window. Mistral, Phi-3,
     Mixtral, Qwen3-MoE: every layer when ``sliding_window`` is set (Qwen3-MoE's config drops it
     unless ``use_sliding_window``); Qwen2 / Qwen3 / Qwen2-MoE: the layers ``layer_types``
-    names ``sliding_attention``, none unless ``use_sliding_window``; Gemma 2 / 3, SmolLM3:
+    names ``sliding_attention``, none unless ``use_sliding_window``; Gemma 2 / 3, SmolLM3, GPT-OSS:
     those ``layer_types`` names (whatever ``use_sliding_window`` says); Llama, Gemma, Granite:
     none."""
     n, kind = config.num_hidden_layers, config.model_type
@@ -635,9 +722,11 @@ class TorchLlama:
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
-        def norm(name: str) -> torch.Tensor | None:  # Gemma's: 1 + weight, kept in float32
-            if name not in weights or not self.family.gemma:
+        def norm(name: str) -> torch.Tensor | None:  # Gemma's: 1 + weight, kept in float32 (GPT-OSS's: weight)
+            if name not in weights or not (self.family.gemma or self.family.float_norms):
                 return opt(name)
+            if self.family.float_norms:  # transformers keeps them in float32 for a float16 model only
+                return (weights[name] if dtype == torch.float16 else w(name)).to(device=device, dtype=torch.float32)
             return 1.0 + w(name).float()  # the weight as the model's dtype holds it, as transformers
 
         def fused(names: str, parts: str) -> torch.Tensor:  # Phi-3's fused projection, else the parts'
@@ -665,6 +754,7 @@ class TorchLlama:
                 "qkv": Linear(qkv_w, cat_or_none([opt(a + f"{n}_proj.bias") for n in "qkv"]), linear, multi_row),
                 "o": Linear(w(a + "o_proj.weight"), opt(a + "o_proj.bias"), linear, multi_row),
                 "q_norm": norm(a + "q_norm.weight"),
+                "sinks": opt(a + "sinks"),  # [H] GPT-OSS's
                 "k_norm": norm(a + "k_norm.weight"),
                 "post_attn_norm": norm(pre + "post_attention_layernorm.weight") if sandwich else None,
                 "mlp_norm": norm(pre + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
@@ -843,10 +933,11 @@ class TorchLlama:
             mask = x.sliding if L["sliding"] else x.mask
             if x.runs is not None:  # views of each run's cache rows [b1 - b0, KV, S, D]
                 parts = [attention(q[b0:b1], kc[s0:s0 + b1 - b0, :, :S], vc[s0:s0 + b1 - b0, :, :S], mask[b0:b1],
-                                   fam.attn_scale, fam.attn_softcap) for b0, b1, s0 in x.runs]
+                                   fam.attn_scale, fam.attn_softcap, L["sinks"]) for b0, b1, s0 in x.runs]
                 o = parts[0] if len(parts) == 1 else torch.cat(parts)
             else:  # a gathered copy [B, KV, S, D]
-                o = attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], mask, fam.attn_scale, fam.attn_softcap)
+                o = attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], mask, fam.attn_scale, fam.attn_softcap,
+                              L["sinks"])
             o = L["o"](o.transpose(1, 2).reshape(B, T, H * D))  # [B, T, hidden]
             h = h + self._residual(o, L["post_attn_norm"])
             h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])
