@@ -139,6 +139,22 @@ def rewritten_gguf(path, kv=(), tensors=()):
     return path
 
 
+def test_gguf_without_the_models_tensors_is_refused(tmp_path, monkeypatch):
+    """A GGUF whose tensors transformers' reader does not map onto its model (a Mixtral GGUF:
+    architecture "llama", its experts as ``ffn_*_exps``) is refused, naming a missing tensor;
+    it ran with untouched (random) MLPs on transformers' runtime and failed in the first
+    forward on the torch runtime."""
+    import numpy as np
+
+    from specdec.runtime.loading import gguf_to_hf_dir
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    path = rewritten_gguf(tmp_path / "experts.gguf", tensors=[("blk.0.ffn_gate_exps.weight",
+                                                               np.zeros((4, 16, 16), np.float32))])
+    with pytest.raises(ValueError, match=r"finds no value for \d+ tensors of a 'llama' model .*backend='llamacpp'"):
+        gguf_to_hf_dir(path)
+
+
 def test_gguf_rope_scaling_reaches_the_config(tmp_path):
     """transformers' GGUF reader drops a GGUF's rope scaling: Llama 3.1-3.3's per-frequency
     factors (``rope_freqs``, llama.cpp's converter's) come back as their ``llama3``

@@ -620,6 +620,23 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
     assert gpt2["transformer.ln_f.bias"].eq(0).all()
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "llama"])
+def test_weight_bytes_from_the_config(tiny_dirs, name):
+    """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
+    head) and of the experts, read from the config before loading (whether a verify-packed
+    copy of the linears fits in memory beside them), are the model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.runtime.torch_llama import expert_bytes, linear_bytes
+
+    config = AutoConfig.from_pretrained(tiny_dirs[name])
+    params = dict(AutoModelForCausalLM.from_config(config).named_parameters())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n and p.dim() == 3)
+    linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n and "embed" not in n
+                  and not n.endswith(("mlp.gate.weight", "router.weight", "shared_expert_gate.weight")))
+    assert (expert_bytes(config), linear_bytes(config)) == (4 * experts, 4 * linears)
+
+
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss"])
 def test_experts_under_transformers_own_names(tiny_dirs, tmp_path, name):
     """A checkpoint saves one tensor per expert and projection (Mixtral's ``w1``/``w3``/``w2``);

@@ -220,6 +220,11 @@ def gguf_to_hf_dir(gguf: Path, weights: bool = True) -> Path:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
         tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+        tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+        missing = sorted(set(skeleton.state_dict()) - set(tensors) - tied)
+        if missing:  # e.g. a Mixtral GGUF (architecture "llama", its experts as ffn_*_exps): no MLP weights
+            raise ValueError(f"{gguf.name}: transformers' GGUF reader finds no value for {len(missing)} tensors of a "
+                             f"{config.model_type!r} model (e.g. {missing[0]!r}); run it with backend='llamacpp'")
     tokenizer = gguf_tokenizer(gguf)
     tmp = out.with_name(out.name + ".tmp")
     eos = sorted({i for i in (config.eos_token_id, tokenizer.eos_token_id) if i is not None})

@@ -375,6 +375,13 @@ def linear_bytes(config) -> int:
     return 4 * (attention + 3 * h * mlp + config.vocab_size * h)
 
 
+def expert_bytes(config) -> int:
+    """fp32 bytes of a model's ``Experts`` (from its config; 0 without)."""
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0
+    return 4 * sum(moe_layers(config)) * experts * 3 * config.hidden_size * inter
+
+
 def mem_available() -> int:
     try:
         for line in open("/proc/meminfo"):
@@ -711,8 +718,8 @@ class TorchLlama:
         rotates = getattr(config, "no_rope_layers", None) or [1] * self.num_layers  # SmolLM3's: 0 = no rope
         linear = linear or pick_linear(device, dtype)
         assert linear in LINEAR_KINDS, linear
-        if multi_row is None:  # the verify-packed copy, when twice the weights fit in memory
-            multi_row = linear == "onednn" and 2 * linear_bytes(config) < 0.75 * mem_available()
+        if multi_row is None:  # the verify-packed copy, when the weights and it fit in memory
+            multi_row = linear == "onednn" and 2 * linear_bytes(config) + expert_bytes(config) < 0.75 * mem_available()
         self.multi_row = multi_row
         self._init_rope(config)
 
@@ -732,8 +739,8 @@ class TorchLlama:
         def fused(names: str, parts: str) -> torch.Tensor:  # Phi-3's fused projection, else the parts'
             return w(names) if names in weights else torch.cat([w(p) for p in parts.split()])
 
-        def mlp(m: str) -> tuple[Linear | None, Linear | None]:  # a dense MLP's (or a shared expert's) or none
-            if m + "down_proj.weight" not in weights:
+        def mlp(m: str, moe: bool) -> tuple[Linear | None, Linear | None]:  # a dense MLP's, a shared expert's or none
+            if moe and m + "down_proj.weight" not in weights:
                 return None, None
             return (Linear(fused(m + "gate_up_proj.weight", f"{m}gate_proj.weight {m}up_proj.weight"),
                            cat_or_none([opt(m + "gate_proj.bias"), opt(m + "up_proj.bias")]), linear, multi_row),
@@ -747,7 +754,7 @@ class TorchLlama:
             a = pre + "self_attn."
             qkv_w = fused(a + "qkv_proj.weight", " ".join(a + f"{n}_proj.weight" for n in "qkv"))
             m = pre + ("mlp.shared_expert." if moe else "mlp.")
-            gate_up, down = mlp(m)
+            gate_up, down = mlp(m, moe)
             sandwich = pre + "pre_feedforward_layernorm.weight" in weights  # Gemma 2/3: norms after, too
             self.layers.append({
                 "attn_norm": norm(pre + "input_layernorm.weight"),
