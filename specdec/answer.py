@@ -19,23 +19,62 @@ Reasoning parsers (vLLM's names), for models that think between ``<think>`` and
   reasoning. Without that start tag there is no reasoning.
 * ``deepseek_r1``: the template opens ``<think>`` in the prompt, so the answer starts inside
   the reasoning (a leading ``<think>`` is dropped); without ``</think>`` it is all reasoning.
+* ``openai_gptoss``: GPT-OSS's harmony messages (``harmony_messages``): the ``analysis``
+  channel's are the reasoning, the ``final`` channel's the content, and those addressed
+  ``to=functions.NAME`` the tool calls (whatever ``--tool-call-parser`` says). The answer is
+  decoded with its special tokens, which spell the messages' frames.
 """
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field
 
 from .sequence import held_back, ids_to_hold
 from .tools import TOOL_PARSERS, ToolCall, Tools, parse_required, required_partial
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+HARMONY = "openai_gptoss"
+REASONING_PARSERS = ("qwen3", "deepseek_r1", HARMONY)
 THINK, END_THINK = "<think>", "</think>"
+# GPT-OSS's harmony frames: [<|start|>role]<|channel|>name[ to=recipient][ <|constrain|>format]<|message|>body<end>
+MESSAGE, HARMONY_STARTS, HARMONY_ENDS = "<|message|>", ("<|channel|>", "<|start|>"), ("<|end|>", "<|return|>", "<|call|>")
+FINAL_GATE = "<|channel|>final<|message|>"
 
 
-def grammar_gate(tokenizer, prompt_ids: list[int]) -> str:
+@dataclass(frozen=True)
+class HarmonyMessage:
+    channel: str | None
+    recipient: str | None  # "functions.get_weather": a tool call
+    body: str  # so far, where ``end`` is None
+    end: int | None  # where its end marker ends in the text (None: not written yet)
+
+
+def harmony_messages(text: str) -> list[HarmonyMessage] | None:
+    """The harmony messages of an answer, the last perhaps unfinished (its header complete);
+    None where the text does not begin with a harmony frame (nor can it yet: an empty list)."""
+    if not text.startswith(HARMONY_STARTS):
+        return [] if any(m.startswith(text) for m in HARMONY_STARTS) else None
+    messages, pos = [], 0
+    while (start := text.find(MESSAGE, pos)) >= 0:
+        header, body = text[pos:start], start + len(MESSAGE)
+        ends = [(i, m) for m in HARMONY_ENDS if (i := text.find(m, body)) >= 0]
+        end = min(ends) if ends else None
+        channel = re.search(r"<\|channel\|>\s*([\w-]+)", header)
+        recipient = re.search(r"\bto=([^\s<]+)", header)
+        messages.append(HarmonyMessage(channel and channel.group(1), recipient and recipient.group(1),
+                                       text[body:end[0] if end else len(text)], end and end[0] + len(end[1])))
+        if end is None:
+            break
+        pos = messages[-1].end
+    return messages
+
+
+def grammar_gate(tokenizer, prompt_ids: list[int], parser: str = "qwen3") -> str:
     """The text after which a thinking model's structured output starts (vLLM leaves the
     reasoning free): ``</think>``, or "" (from the start) when the prompt already closed its
-    last ``<think>`` (Qwen3 with thinking turned off)."""
+    last ``<think>`` (Qwen3 with thinking turned off); GPT-OSS's: the final channel's frame."""
+    if parser == HARMONY:
+        return FINAL_GATE
     start, end = _think_ids(tokenizer)
     return "" if _last(prompt_ids, end) > _last(prompt_ids, start) else END_THINK
 
@@ -54,7 +93,14 @@ def reasoning_tokens(tokenizer, parser: "AnswerParser", ids: list[int]) -> int:
     if parser.reasoning is None:
         return 0
     decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
-    if parser.split_reasoning(decode(ids), final=True)[0] is None:
+    text = decode(ids)
+    if parser.reasoning == HARMONY:  # through the last analysis message's end marker
+        analysis = [m for m in harmony_messages(text) or [] if m.channel == "analysis"]
+        if not analysis:
+            return 0
+        end = analysis[-1].end and ids_to_hold(decode, ids, text[:analysis[-1].end])
+        return len(ids) if end is None else end
+    if parser.split_reasoning(text, final=True)[0] is None:
         return 0
     end = ids_to_hold(decode, ids, END_THINK)
     return len(ids) if end is None else end
@@ -117,6 +163,8 @@ class AnswerParser:
 
     def view(self, text: str, final: bool = False) -> Answer:
         """The parts of an answer whose text so far is ``text`` (all of it when ``final``)."""
+        if self.reasoning == HARMONY:
+            return self._harmony_view(text, final)
         reasoning, rest = self.split_reasoning(text, final)
         mode = self.tool_mode
         if final:
@@ -149,6 +197,30 @@ class AnswerParser:
                 calls = parser.partial(answer[min(starts, default=0):], self.tool_names)
                 calls = calls if self.parallel else calls[:1]
         return Answer(reasoning, rest, calls)
+
+    def _harmony_view(self, text: str, final: bool) -> Answer:
+        """GPT-OSS's answer: reasoning from the analysis channel, content from the final one,
+        calls from the messages to ``functions.*`` (for any tool mode; a named function's
+        only); text that is no harmony message is content. A partial view holds back what
+        could begin an end marker."""
+        messages = harmony_messages(text)
+        if messages is None:
+            return Answer(None, text if final else text[:len(text) - held_back(text, (MESSAGE,))])
+        reasoning, content, calls = [], [], []
+        for m in messages:
+            body = m.body if final or m.end is not None else m.body[:len(m.body) - held_back(m.body, HARMONY_ENDS)]
+            name = (m.recipient or "").removeprefix("functions.")
+            if m.recipient and m.recipient.startswith("functions.") and self.tool_mode and \
+                    (self.tool_mode != "function" or name == self.function):
+                calls.append(ToolCall(name, body))
+            elif m.channel == "analysis":
+                reasoning.append(body)
+            elif m.channel == "final" or (m.channel == "commentary" and not m.recipient):  # a preamble
+                content.append(body)
+        joined = "\n".join(content)
+        if final and (reasoning or calls):  # nothing but reasoning and calls: no content
+            joined = joined or None
+        return Answer("\n".join(reasoning) if reasoning else None, joined, calls if self.parallel else calls[:1])
 
     def finish_reason(self, answer: Answer, finish_reason: str) -> str:
         """OpenAI's finish reason after tool calls is "tool_calls", except for a named function."""

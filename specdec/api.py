@@ -509,14 +509,15 @@ class LLM:
             return [self._output(group, text) for group, (text, _) in zip(groups, rendered)]
 
     def make_sequences(self, prompt: Prompt, sp: SamplingParams, *,
-                       num_draft_tokens: int | None = None, reasoning: bool = False,
+                       num_draft_tokens: int | None = None, reasoning: str | None = None,
                        cap_max_tokens: bool = False, tokenizer=None) -> list[Sequence]:
         """``sp.n`` validated ``Sequence``s for ``Engine.add``, one per completion
         (``ValueError`` on bad input); with a seed, completion i draws from ``sp.seed + i``.
         ``cap_max_tokens``: a ``max_tokens`` past the context window is cut to what it leaves
         (a default's), instead of refused (a request's own).
-        ``num_draft_tokens``: cap k for this request. ``reasoning``: a thinking model's
-        answer, whose structured output starts after its reasoning (``grammar_gate``).
+        ``num_draft_tokens``: cap k for this request. ``reasoning``: the reasoning parser of
+        a thinking model's answer, whose structured output starts after its reasoning
+        (``grammar_gate``).
         ``tokenizer``: a copy of the target's for a thread of its own (the server's), which
         decodes here instead of the engine's."""
         tok = tokenizer or self.tokenizer
@@ -557,7 +558,7 @@ class LLM:
         if num_draft_tokens is not None and not (isinstance(num_draft_tokens, int) and num_draft_tokens >= 0):
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {num_draft_tokens!r}")
         eos_ids = (frozenset() if sp.ignore_eos else self.target.eos_ids) | frozenset(sp.stop_token_ids)
-        gate = grammar_gate(tok, ids) if reasoning and sp.structured_outputs else ""
+        gate = grammar_gate(tok, ids, reasoning) if reasoning and sp.structured_outputs else ""
         grammar = sp.structured_outputs and self.grammars.matcher(sp.structured_outputs, gate)
         bad_words = bad_words_ids(tok, sp.bad_words)
         context = text_context(tok, ids) if sp.detokenize else ()

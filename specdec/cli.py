@@ -469,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "qwen3_coder = <tool_call><function=f><parameter=a>1</parameter>... (Qwen3-Coder)")
     h.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="return a thinking model's <think>...</think> as reasoning_content (qwen3: the answer "
-                        "opens <think>; deepseek_r1: the prompt does)")
+                        "opens <think>; deepseek_r1: the prompt does; openai_gptoss: GPT-OSS's harmony analysis "
+                        "channel, its final channel the content, its messages to functions.* the tool calls)")
     h.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                    help="a Jinja chat template (a file, or the template itself) for chat requests instead of "
                         "the tokenizer's (vLLM's)")

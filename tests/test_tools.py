@@ -286,10 +286,16 @@ ANSWERS = [
     "no tags at all <tool_call> {broken",
     "<thi",
     '{"name": "search", "arguments": {"q": "x"}}; {"name": "search", "arguments": {}}\n\nThat finds x.',
+    # GPT-OSS's harmony: analysis, a preamble, a call; analysis, then the final answer
+    '<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.'
+    '<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+    '{"city": "Paris"}<|call|>',
+    "<|channel|>analysis<|message|>Two <|e|> parts.<|end|><|start|>assistant<|channel|>final<|message|>It is 3.<|return|>",
 ]
 
 
-@pytest.mark.parametrize("reasoning, opened", [(None, False), ("qwen3", False), ("qwen3", True), ("deepseek_r1", False)])
+@pytest.mark.parametrize("reasoning, opened", [(None, False), ("qwen3", False), ("qwen3", True), ("deepseek_r1", False),
+                                               ("openai_gptoss", False)])
 @pytest.mark.parametrize("tool_mode", [None, "auto"])
 def test_answer_views_only_grow(reasoning, opened, tool_mode):
     """For every prefix of an answer, each part of the partial view (reasoning, content) is a
@@ -303,6 +309,34 @@ def test_answer_views_only_grow(reasoning, opened, tool_mode):
             part = parser.view(text[:n])
             assert (final.reasoning or "").startswith(part.reasoning or ""), (text, n)
             assert (final.content or "").startswith(part.content), (text, n)
+            assert len(part.calls) <= len(final.calls) and all(
+                f.name == c.name and f.arguments.startswith(c.arguments) for c, f in zip(part.calls, final.calls))
+
+
+def test_harmony_answers():
+    """openai_gptoss: GPT-OSS's harmony messages as reasoning (analysis), content (final, and
+    a commentary preamble) and calls (messages to functions.*, in any tool mode; a named
+    function's only); a frame's markers never leak into the parts; text without frames is
+    content; the reasoning tokens run through the analysis message's <|end|>."""
+    from specdec.answer import AnswerParser, reasoning_tokens
+
+    parse = AnswerParser("openai_gptoss", "auto", NAMES)
+    a = parse.view(ANSWERS[-2], final=True)
+    assert (a.reasoning, a.content) == ("Need weather.", "Checking.")
+    assert [(c.name, json.loads(c.arguments)) for c in a.calls] == [("get_weather", {"city": "Paris"})]
+    assert parse.finish_reason(a, "stop") == "tool_calls"
+    assert AnswerParser("openai_gptoss").view(ANSWERS[-2], final=True).calls == []  # no tools asked for
+    assert AnswerParser("openai_gptoss", "function", NAMES, "search").view(ANSWERS[-2], final=True).calls == []
+    b = AnswerParser("openai_gptoss").view(ANSWERS[-1], final=True)
+    assert (b.reasoning, b.content, b.calls) == ("Two <|e|> parts.", "It is 3.", [])
+    assert AnswerParser("openai_gptoss").view("<|channel|>analysis<|message|>only", final=True).content is None
+    assert AnswerParser("openai_gptoss").view("plain text", final=True).content == "plain text"
+    part = AnswerParser("openai_gptoss").view(ANSWERS[-1][:ANSWERS[-1].index("3.") + 4])  # "It is 3.<|"
+    assert part.content == "It is 3." and part.reasoning == "Two <|e|> parts."
+    tok = __import__("tiny").byte_tokenizer()  # a token per character
+    ids = tok.encode(ANSWERS[-1], add_special_tokens=False)
+    assert reasoning_tokens(tok, parse, ids) == ANSWERS[-1].index("<|end|>") + len("<|end|>")
+    assert reasoning_tokens(tok, parse, tok.encode("plain", add_special_tokens=False)) == 0
 
 
 CALL_ANSWERS = [  # (tool mode, answer), or (tool mode and parser, answer)
@@ -452,6 +486,52 @@ def test_reasoning_parser_on_the_server(loaded):
             assert calls == [c.function.name for c in r.message.tool_calls or []]
     with pytest.raises(ValueError, match="reasoning_parser"):
         create_app(LLM(loaded("llama")), reasoning_parser="o1")
+
+
+def test_harmony_reasoning_parser_on_the_server(loaded, monkeypatch):
+    """--reasoning-parser openai_gptoss: a harmony answer (forced by a regex here, from the
+    first token: its gate is taken away) comes back as reasoning_content, content and a tool
+    call, the same streamed, its reasoning tokens counted through the analysis message's end;
+    a structured output waits for the final channel's frame, which the tiny model never
+    writes."""
+    import specdec.api
+
+    gate = specdec.api.grammar_gate
+    assert gate(None, [], "openai_gptoss") == "<|channel|>final<|message|>"
+    monkeypatch.setattr(specdec.api, "grammar_gate", lambda *a: "")
+    frame = re.escape("<|channel|>analysis<|message|>") + "[a-z]{2,6}" + re.escape("<|end|><|start|>assistant<|channel|>")
+    answer, call = r"final<\|message\|>Hi [a-z]{1,4}", r'commentary to=functions\.search <\|constrain\|>json<\|message\|>\{"q": "x"\}'
+    with ngram_server(loaded, reasoning_parser="openai_gptoss", enable_auto_tool_choice=True,
+                      tool_call_parser="hermes") as client:
+        for tools in (None, TOOLS):
+            regex = frame + (call if tools else answer)
+            kw = dict(messages=MESSAGES, temperature=0, max_tokens=200, extra_body={"structured_outputs": {"regex": regex}},
+                      **({"tools": tools} if tools else {}))
+            whole = client.chat.completions.create(model=MODEL, **kw)
+            r = whole.choices[0]
+            reasoning = r.message.model_extra["reasoning_content"]
+            assert 2 <= len(reasoning) <= 6 and "<|" not in (r.message.content or "")
+            assert whole.usage.completion_tokens_details.reasoning_tokens == \
+                len(f"<|channel|>analysis<|message|>{reasoning}<|end|>")
+            if tools:
+                assert [(c.function.name, json.loads(c.function.arguments)) for c in r.message.tool_calls] == \
+                    [("search", {"q": "x"})] and r.finish_reason == "tool_calls" and r.message.content is None
+            else:
+                assert r.message.content.startswith("Hi ") and not r.message.tool_calls
+            rc, text, calls = "", "", []
+            for chunk in client.chat.completions.create(model=MODEL, stream=True, **kw):
+                if chunk.choices:
+                    delta = chunk.choices[0].delta
+                    text += delta.content or ""
+                    rc += (delta.model_extra or {}).get("reasoning_content") or ""
+                    calls += [c.function.name for c in delta.tool_calls or [] if c.function.name]
+            assert (rc, text or None) == (reasoning, r.message.content)
+            assert calls == [c.function.name for c in r.message.tool_calls or []]
+        monkeypatch.setattr(specdec.api, "grammar_gate", gate)
+        fmt = {"structured_outputs": {"regex": "[0-9]{4}"}}  # gated: the tiny model never writes the final frame
+        free = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12)
+        gated = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12, extra_body=fmt)
+        assert gated.choices[0].message.content == free.choices[0].message.content
 
 
 @pytest.mark.parametrize("parser, regex", [

@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..answer import REASONING_PARSERS, AnswerParser, opens_reasoning, reasoning_tokens
+from ..answer import HARMONY, REASONING_PARSERS, AnswerParser, opens_reasoning, reasoning_tokens
 from ..api import LLM, encode_prompt, vllm_logprobs
 from ..config import SamplingParams
 from ..sequence import output_text, settled_text
@@ -59,7 +59,7 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
     with a ``tool_call_parser`` (``tools.TOOL_PARSERS``: hermes, llama3_json, mistral,
     pythonic, qwen3_coder) lets chat requests with tools have the model
     decide whether to call them (vLLM's flags); required and named tool choices need neither.
-    ``reasoning_parser`` (``qwen3``, ``deepseek_r1``) returns a thinking model's reasoning as
+    ``reasoning_parser`` (``qwen3``, ``deepseek_r1``, ``openai_gptoss``) returns a thinking model's reasoning as
     ``reasoning_content``, apart from the content (``answer.py``). ``chat_template``: a Jinja
     template for chats instead of the tokenizer's (vLLM's ``--chat-template``); a request's own
     ``chat_template`` is taken only with ``trust_request_chat_template``, as vLLM."""
@@ -302,11 +302,12 @@ class _API:
             if req.prompt_only:
                 max_tokens = 1  # one token is generated, then left out of the response
             sp = req.sampling(max_tokens, self.llm.sampling_defaults)
-            if chat and req.tool_mode == "auto" and TOOL_PARSERS[self.tool_call_parser].special:
+            if chat and ((req.tool_mode == "auto" and TOOL_PARSERS[self.tool_call_parser].special)
+                         or self.reasoning_parser == HARMONY):
                 sp = replace(sp, skip_special_tokens=False)  # the parser reads its special-token markers
             try:
                 seqs += self.llm.make_sequences({"prompt_token_ids": ids}, sp, num_draft_tokens=req.num_draft_tokens,
-                                                reasoning=chat and self.reasoning_parser is not None,
+                                                reasoning=self.reasoning_parser if chat else None,
                                                 cap_max_tokens=default, tokenizer=self.prepare_tok)
             except ValueError as e:
                 raise bad_request(str(e), req.field_of(str(e))) from None
