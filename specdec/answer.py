@@ -31,48 +31,23 @@ import re
 from dataclasses import dataclass, field
 
 from .sequence import held_back, ids_to_hold
-from .tools import TOOL_PARSERS, ToolCall, Tools, parse_required, required_partial
+from .tools import (HARMONY_ENDS, MESSAGE, TOOL_PARSERS, ToolCall, Tools, harmony_messages, parse_required,
+                    required_partial)
 
 HARMONY = "openai_gptoss"
 REASONING_PARSERS = ("qwen3", "deepseek_r1", HARMONY)
 THINK, END_THINK = "<think>", "</think>"
-# GPT-OSS's harmony frames: [<|start|>role]<|channel|>name[ to=recipient][ <|constrain|>format]<|message|>body<end>
-MESSAGE, HARMONY_STARTS, HARMONY_ENDS = "<|message|>", ("<|channel|>", "<|start|>"), ("<|end|>", "<|return|>", "<|call|>")
-FINAL_GATE = "<|channel|>final<|message|>"
+# the final channel's frame, perhaps with a format (<|channel|>final <|constrain|>json<|message|>): what a
+# structured output starts after (a gate of at most structured.GATE_SPAN characters)
+FINAL_GATE = re.compile(r"<\|channel\|>final[^<]{0,32}(?:<\|constrain\|>[^<]{0,32})?<\|message\|>")
 
 
-@dataclass(frozen=True)
-class HarmonyMessage:
-    channel: str | None
-    recipient: str | None  # "functions.get_weather": a tool call
-    body: str  # so far, where ``end`` is None
-    end: int | None  # where its end marker ends in the text (None: not written yet)
-
-
-def harmony_messages(text: str) -> list[HarmonyMessage] | None:
-    """The harmony messages of an answer, the last perhaps unfinished (its header complete);
-    None where the text does not begin with a harmony frame (nor can it yet: an empty list)."""
-    if not text.startswith(HARMONY_STARTS):
-        return [] if any(m.startswith(text) for m in HARMONY_STARTS) else None
-    messages, pos = [], 0
-    while (start := text.find(MESSAGE, pos)) >= 0:
-        header, body = text[pos:start], start + len(MESSAGE)
-        ends = [(i, m) for m in HARMONY_ENDS if (i := text.find(m, body)) >= 0]
-        end = min(ends) if ends else None
-        channel = re.search(r"<\|channel\|>\s*([\w-]+)", header)
-        recipient = re.search(r"\bto=([^\s<]+)", header)
-        messages.append(HarmonyMessage(channel and channel.group(1), recipient and recipient.group(1),
-                                       text[body:end[0] if end else len(text)], end and end[0] + len(end[1])))
-        if end is None:
-            break
-        pos = messages[-1].end
-    return messages
-
-
-def grammar_gate(tokenizer, prompt_ids: list[int], parser: str = "qwen3") -> str:
+def grammar_gate(tokenizer, prompt_ids: list[int], parser: str = "qwen3") -> "str | re.Pattern":
     """The text after which a thinking model's structured output starts (vLLM leaves the
     reasoning free): ``</think>``, or "" (from the start) when the prompt already closed its
-    last ``<think>`` (Qwen3 with thinking turned off); GPT-OSS's: the final channel's frame."""
+    last ``<think>`` (Qwen3 with thinking turned off); GPT-OSS's: the final channel's frame
+    (``FINAL_GATE``), so that tool choices "required" and a named function write their calls
+    as the final message (``AnswerParser`` reads them there)."""
     if parser == HARMONY:
         return FINAL_GATE
     start, end = _think_ids(tokenizer)
@@ -201,12 +176,14 @@ class AnswerParser:
     def _harmony_view(self, text: str, final: bool) -> Answer:
         """GPT-OSS's answer: reasoning from the analysis channel, content from the final one,
         calls from the messages to ``functions.*`` (for any tool mode; a named function's
-        only); text that is no harmony message is content. A partial view holds back what
-        could begin an end marker."""
+        only) and, for tool choices "required" and a named function, from the final message
+        (where their grammar puts them: ``grammar_gate``); text that is no harmony message is
+        content. A partial view holds back what could begin an end marker."""
         messages = harmony_messages(text)
         if messages is None:
             return Answer(None, text if final else text[:len(text) - held_back(text, (MESSAGE,))])
-        reasoning, content, calls = [], [], []
+        forced = self.tool_mode in ("required", "function")  # the final message is the calls
+        reasoning, content, calls, final_text = [], [], [], []
         for m in messages:
             body = m.body if final or m.end is not None else m.body[:len(m.body) - held_back(m.body, HARMONY_ENDS)]
             name = (m.recipient or "").removeprefix("functions.")
@@ -215,8 +192,20 @@ class AnswerParser:
                 calls.append(ToolCall(name, body))
             elif m.channel == "analysis":
                 reasoning.append(body)
+            elif m.channel == "final" and forced:
+                final_text.append(body)
             elif m.channel == "final" or (m.channel == "commentary" and not m.recipient):  # a preamble
                 content.append(body)
+        if final_text:
+            written = "\n".join(final_text)
+            if self.tool_mode == "function":
+                calls.append(ToolCall(self.function, written))
+            elif not final:
+                calls += required_partial(written)
+            else:
+                parsed = parse_required(written)
+                calls += parsed
+                content += [] if parsed else [written]  # not calls after all: content
         joined = "\n".join(content)
         if final and (reasoning or calls):  # nothing but reasoning and calls: no content
             joined = joined or None

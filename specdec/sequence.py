@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -141,16 +142,20 @@ def held_back(text: str, markers) -> int:
     return hold
 
 
-def ids_to_hold(decode, ids: list[int], text: str, start: int = 0) -> int | None:
-    """The fewest leading ``ids``, more than ``start``, whose ``decode`` holds ``text`` (None:
-    all of them do not). A prefix's text is a prefix of the whole's, so holding only grows
-    with the ids: found by bisection."""
+def ids_to_hold(decode, ids: list[int], text: "str | re.Pattern", start: int = 0) -> int | None:
+    """The fewest leading ``ids``, more than ``start``, whose ``decode`` holds ``text`` (or a
+    match of the pattern ``text``; None: all of them do not). A prefix's text is a prefix of
+    the whole's, so holding only grows with the ids: found by bisection."""
+    def holds(n: int) -> bool:
+        s = decode(ids[:n])
+        return text in s if isinstance(text, str) else text.search(s) is not None
+
     lo, hi = start + 1, len(ids)
-    if lo > hi or text not in decode(ids):
+    if lo > hi or not holds(hi):
         return None
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if text in decode(ids[:mid]) else (mid + 1, hi)
+        lo, hi = (lo, mid) if holds(mid) else (mid + 1, hi)
     return lo
 
 

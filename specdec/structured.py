@@ -14,7 +14,7 @@ sampled output follows its distribution. A draft model drafts under the same mas
 stops before its first draft the grammar forbids (``Matcher.valid_prefix``).
 
 A thinking model's reasoning is left free (vLLM's rule with a reasoning parser): a matcher
-with a ``gate`` (the text ``</think>``) allows everything until the output's text holds the
+with a ``gate`` (the text ``</think>``, or a pattern: GPT-OSS's final channel frame) allows everything until the output's text holds the
 gate, however its tokens spell it (the reasoning parser splits the text there too), and the
 grammar starts after the token that completes it. Rows before the gate, in the committed
 output or in a row's drafts, are unconstrained.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import threading
 
 import torch
@@ -32,6 +33,7 @@ from .config import StructuredOutputs
 from .sequence import common_prefix, ids_to_hold
 
 log = logging.getLogger("specdec.structured")
+GATE_SPAN = 128  # characters a pattern gate's match may span (GPT-OSS's final channel frame: answer.FINAL_GATE)
 _BITS = torch.arange(32, dtype=torch.int32)  # a bitmask word's bit positions (token j * 32 + b)
 
 # llguidance's grammar formats by StructuredOutputs kind (json_object: any JSON object)
@@ -153,10 +155,10 @@ class Grammars:
         except Exception as e:  # noqa: BLE001 - reported when a request needs it
             log.debug("llguidance tokenizer not built: %s", e)
 
-    def matcher(self, so: StructuredOutputs, gate: str = "") -> "Matcher":
+    def matcher(self, so: StructuredOutputs, gate: "str | re.Pattern" = "") -> "Matcher":
         """A fresh matcher for one sequence (``ValueError`` naming the field when the
         schema, regex or grammar is invalid); ``gate``: the grammar starts after the output's
-        text holds this (a reasoning's end), from the start when empty."""
+        text holds this (a reasoning's end) or a match of it, from the start when empty."""
         import llguidance
 
         try:
@@ -181,10 +183,11 @@ class Grammars:
 
 class Matcher:
     """One sequence's grammar state, at the end of its committed output between steps.
-    ``gate``: text after which the grammar starts ("" once passed, or from the start), sought
-    in ``decode`` of the output's ids (special tokens kept, as the reasoning parser reads)."""
+    ``gate``: text after which the grammar starts ("" once passed, or from the start), or a
+    pattern whose match (at most ``GATE_SPAN`` characters) it starts after, sought in
+    ``decode`` of the output's ids (special tokens kept, as the reasoning parser reads)."""
 
-    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int], gate: str = "", decode=None):
+    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int], gate: "str | re.Pattern" = "", decode=None):
         self._m, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
         self._words = (vocab_size + 31) // 32  # the bitmask's int32 words per row
         self.gate, self._decode = gate, decode
@@ -267,7 +270,8 @@ class Matcher:
         j = self.opens_after(tokens)
         if j is None:
             seq = self._tail + list(tokens)
-            self._tail = seq[max(0, len(seq) - len(self.gate) + 1):]
+            span = len(self.gate) if isinstance(self.gate, str) else GATE_SPAN
+            self._tail = seq[max(0, len(seq) - span + 1):]
             return
         self.gate, self._tail = "", []
         self._m.try_consume_tokens(tokens[j:])

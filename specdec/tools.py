@@ -572,6 +572,52 @@ JSON_STARTS = ("{", "[", "`")
 CALL_FENCES = ("```json", "```\n", "```{", "```[", "``` ")  # how a fenced bare call may open
 
 
+# GPT-OSS's harmony frames: [<|start|>role][ to=recipient]<|channel|>name[ to=recipient][ <|constrain|>format]
+# <|message|>body<end>; an answer starts after the prompt's <|start|>assistant, so perhaps with the recipient
+MESSAGE, HARMONY_ENDS = "<|message|>", ("<|end|>", "<|return|>", "<|call|>")
+HARMONY_STARTS = ("<|channel|>", "<|start|>", " to=", "to=")
+@dataclass(frozen=True)
+class HarmonyMessage:
+    channel: str | None
+    recipient: str | None  # "functions.get_weather": a tool call
+    body: str  # so far, where ``end`` is None
+    end: int | None  # where its end marker ends in the text (None: not written yet)
+
+
+def harmony_messages(text: str) -> list[HarmonyMessage] | None:
+    """The harmony messages of an answer, the last perhaps unfinished (its header complete);
+    None where the text does not begin with a harmony frame (nor can it yet: an empty list)."""
+    if not text.startswith(HARMONY_STARTS):
+        return [] if any(m.startswith(text) for m in HARMONY_STARTS) else None
+    messages, pos = [], 0
+    while (start := text.find(MESSAGE, pos)) >= 0:
+        header, body = text[pos:start], start + len(MESSAGE)
+        ends = [(i, m) for m in HARMONY_ENDS if (i := text.find(m, body)) >= 0]
+        end = min(ends) if ends else None
+        channel = re.search(r"<\|channel\|>\s*([\w-]+)", header)
+        recipient = re.search(r"\bto=([^\s<]+)", header)
+        messages.append(HarmonyMessage(channel and channel.group(1), recipient and recipient.group(1),
+                                       text[body:end[0] if end else len(text)], end and end[0] + len(end[1])))
+        if end is None:
+            break
+        pos = messages[-1].end
+    return messages
+
+
+def parse_openai(text: str, names: Tools = frozenset()) -> Parsed:
+    """GPT-OSS's calls (vLLM's ``openai`` parser): its harmony messages addressed to
+    ``functions.NAME``, the message their arguments; the content is its final message (and
+    preambles). With ``--reasoning-parser openai_gptoss`` (which ``openai`` turns on), the
+    answer's view reads them the same way (``AnswerParser``)."""
+    messages = harmony_messages(text)
+    if messages is None:
+        return text, []
+    calls = [ToolCall(m.recipient.removeprefix("functions."), m.body) for m in messages
+             if (m.recipient or "").startswith("functions.")]
+    content = "\n".join(m.body for m in messages if not m.recipient and m.channel in ("final", "commentary"))
+    return content or None, calls
+
+
 @dataclass(frozen=True)
 class ToolParser:
     """How one model family writes its calls: ``parse(text, names) -> (content, calls)``;
@@ -604,6 +650,7 @@ TOOL_PARSERS = {
     "mistral": ToolParser(parse_mistral, (MISTRAL,), JSON_STARTS, special=True, partial=mistral_partial),
     "pythonic": ToolParser(parse_pythonic, (PYTHON_START,), ("[",), special=True),
     "qwen3_coder": ToolParser(parse_qwen3_coder, (HERMES,), (), partial=qwen3_coder_partial),
+    "openai": ToolParser(parse_openai, HARMONY_STARTS[:2], (), special=True),
 }
 # vLLM's other names for the same formats
 TOOL_PARSERS.update(llama4_json=TOOL_PARSERS["llama3_json"], llama4_pythonic=TOOL_PARSERS["pythonic"],

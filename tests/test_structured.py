@@ -208,10 +208,10 @@ def test_reasoning_then_grammar_under_speculation(loaded, monkeypatch):
     tok = loaded("llama").tokenizer
     at = next(i for i in range(3, len(free)) if (t := tok.decode([free[i]])).isascii() and t.isprintable()
               and t not in tok.decode(free[:i]))  # a character the free output writes first there
-    monkeypatch.setattr(specdec.api, "grammar_gate", lambda tokenizer, ids: tok.decode([free[at]]))
+    monkeypatch.setattr(specdec.api, "grammar_gate", lambda tokenizer, ids, parser: tok.decode([free[at]]))
 
     def run(llm):
-        seqs = llm.make_sequences(PROMPTS[0], sp, reasoning=True)
+        seqs = llm.make_sequences(PROMPTS[0], sp, reasoning="qwen3")
         for s in seqs:
             llm.engine.add(s)
         while llm.engine.has_work:
@@ -364,7 +364,7 @@ def test_reasoning_end_spelled_any_way_opens_the_grammar(tiny_dirs, tmp_path, me
     for spelling in (merged, spelled):
         sp = SamplingParams(max_tokens=16, structured_outputs=StructuredOutputs(regex="[0-9]{4}"),
                             logits_processors=[writing(spelling)])
-        seqs = llm.make_sequences("a number?", sp, reasoning=True)
+        seqs = llm.make_sequences("a number?", sp, reasoning="qwen3")
         llm.engine.add(seqs[0])
         while llm.engine.has_work:
             llm.engine.step()

@@ -291,6 +291,7 @@ ANSWERS = [
     '<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
     '{"city": "Paris"}<|call|>',
     "<|channel|>analysis<|message|>Two <|e|> parts.<|end|><|start|>assistant<|channel|>final<|message|>It is 3.<|return|>",
+    ' to=functions.search<|channel|>commentary json<|message|>{"q": "x"}',  # the recipient first, no <|call|> (EOS)
 ]
 
 
@@ -321,22 +322,61 @@ def test_harmony_answers():
     from specdec.answer import AnswerParser, reasoning_tokens
 
     parse = AnswerParser("openai_gptoss", "auto", NAMES)
-    a = parse.view(ANSWERS[-2], final=True)
+    a = parse.view(ANSWERS[-3], final=True)
     assert (a.reasoning, a.content) == ("Need weather.", "Checking.")
     assert [(c.name, json.loads(c.arguments)) for c in a.calls] == [("get_weather", {"city": "Paris"})]
     assert parse.finish_reason(a, "stop") == "tool_calls"
-    assert AnswerParser("openai_gptoss").view(ANSWERS[-2], final=True).calls == []  # no tools asked for
-    assert AnswerParser("openai_gptoss", "function", NAMES, "search").view(ANSWERS[-2], final=True).calls == []
-    b = AnswerParser("openai_gptoss").view(ANSWERS[-1], final=True)
+    assert AnswerParser("openai_gptoss").view(ANSWERS[-3], final=True).calls == []  # no tools asked for
+    named = AnswerParser("openai_gptoss", "function", NAMES, "search")
+    assert named.view(ANSWERS[-3], final=True).calls == []
+    c = parse.view(ANSWERS[-1], final=True)  # the recipient in the role section
+    assert [(x.name, x.arguments) for x in c.calls] == [("search", '{"q": "x"}')] and c.content is None
+    # required and named tool choices: their grammar writes the calls as the final message
+    final = "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>final <|constrain|>json<|message|>"
+    d = AnswerParser("openai_gptoss", "required", NAMES).view(final + '[{"name": "search", "parameters": {"q": "y"}}]', True)
+    assert [(x.name, json.loads(x.arguments)) for x in d.calls] == [("search", {"q": "y"})] and d.content is None
+    e = named.view(final + '{"q": "z"}', final=True)
+    assert [(x.name, x.arguments) for x in e.calls] == [("search", '{"q": "z"}')] and e.content is None
+    assert AnswerParser("openai_gptoss", "required", NAMES).view(final + "no calls", final=True).content == "no calls"
+    b = AnswerParser("openai_gptoss").view(ANSWERS[-2], final=True)
     assert (b.reasoning, b.content, b.calls) == ("Two <|e|> parts.", "It is 3.", [])
     assert AnswerParser("openai_gptoss").view("<|channel|>analysis<|message|>only", final=True).content is None
     assert AnswerParser("openai_gptoss").view("plain text", final=True).content == "plain text"
-    part = AnswerParser("openai_gptoss").view(ANSWERS[-1][:ANSWERS[-1].index("3.") + 4])  # "It is 3.<|"
+    part = AnswerParser("openai_gptoss").view(ANSWERS[-2][:ANSWERS[-2].index("3.") + 4])  # "It is 3.<|"
     assert part.content == "It is 3." and part.reasoning == "Two <|e|> parts."
     tok = __import__("tiny").byte_tokenizer()  # a token per character
-    ids = tok.encode(ANSWERS[-1], add_special_tokens=False)
-    assert reasoning_tokens(tok, parse, ids) == ANSWERS[-1].index("<|end|>") + len("<|end|>")
+    ids = tok.encode(ANSWERS[-2], add_special_tokens=False)
+    assert reasoning_tokens(tok, parse, ids) == ANSWERS[-2].index("<|end|>") + len("<|end|>")
     assert reasoning_tokens(tok, parse, tok.encode("plain", add_special_tokens=False)) == 0
+    assert TOOL_PARSERS["openai"].parse(ANSWERS[-3], NAMES)[0] == "Checking."  # vLLM's name, the same reading
+
+
+HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>", "<|constrain|>"]
+
+
+def test_harmony_gate_opens_after_the_final_frame(tmp_path):
+    """A structured output under openai_gptoss starts after the final channel's frame, with
+    or without a format (``final <|constrain|>json``), its markers special tokens as GPT-OSS's
+    tokenizer has them; not after the analysis frame."""
+    from specdec.answer import grammar_gate
+    from specdec.config import StructuredOutputs
+    from specdec.runtime import load_model
+
+    from tiny import MOE, VOCAB, byte_tokenizer, make_tiny
+
+    tok = byte_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    llm = LLM(load_model(str(make_tiny(tmp_path / "gptoss", "gpt_oss", vocab=VOCAB + 8, tokenizer=tok,
+                                       **MOE["gpt_oss"]))))
+    gate = grammar_gate(llm.tokenizer, [], "openai_gptoss")
+    analysis = "<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>"
+    for header, opens in (("final<|message|>", True), ("final <|constrain|>json<|message|>", True),
+                          ("commentary<|message|>", False)):
+        ids = llm.tokenizer.encode(analysis + header, add_special_tokens=False)
+        assert len(ids) < len(analysis + header)  # the frames are single tokens
+        m = llm.grammars.matcher(StructuredOutputs(regex="[0-9]{4}"), gate)
+        assert (m.opens_after(ids) == len(ids)) is opens, header
+        assert m.allowed([ids])[0].sum().item() == (10 if opens else llm.target.runtime.vocab_size), header
 
 
 CALL_ANSWERS = [  # (tool mode, answer), or (tool mode and parser, answer)
@@ -497,7 +537,6 @@ def test_harmony_reasoning_parser_on_the_server(loaded, monkeypatch):
     import specdec.api
 
     gate = specdec.api.grammar_gate
-    assert gate(None, [], "openai_gptoss") == "<|channel|>final<|message|>"
     monkeypatch.setattr(specdec.api, "grammar_gate", lambda *a: "")
     frame = re.escape("<|channel|>analysis<|message|>") + "[a-z]{2,6}" + re.escape("<|end|><|start|>assistant<|channel|>")
     answer, call = r"final<\|message\|>Hi [a-z]{1,4}", r'commentary to=functions\.search <\|constrain\|>json<\|message\|>\{"q": "x"\}'
@@ -532,6 +571,12 @@ def test_harmony_reasoning_parser_on_the_server(loaded, monkeypatch):
         free = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12)
         gated = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=12, extra_body=fmt)
         assert gated.choices[0].message.content == free.choices[0].message.content
+    # harmony is read without the flag for a GPT-OSS model and with vLLM's tool parser "openai"
+    for llm, options in ((LLM(loaded("gptoss")), {}), (LLM(loaded("llama")), dict(enable_auto_tool_choice=True,
+                                                                                    tool_call_parser="openai"))):
+        with BackgroundServer(create_app(llm, served_model_name=MODEL, **options)) as srv:
+            r = client_of(srv).chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)
+            assert "reasoning_content" in r.choices[0].message.model_extra and r.choices[0].message.content
 
 
 @pytest.mark.parametrize("parser, regex", [

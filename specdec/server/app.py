@@ -57,16 +57,21 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
     """An app serving ``llm``: at most ``llm``'s max_batch_size requests run at once and
     ``max_queue`` more wait; beyond that a request gets 429. ``enable_auto_tool_choice``
     with a ``tool_call_parser`` (``tools.TOOL_PARSERS``: hermes, llama3_json, mistral,
-    pythonic, qwen3_coder) lets chat requests with tools have the model
+    pythonic, qwen3_coder, openai) lets chat requests with tools have the model
     decide whether to call them (vLLM's flags); required and named tool choices need neither.
     ``reasoning_parser`` (``qwen3``, ``deepseek_r1``, ``openai_gptoss``) returns a thinking model's reasoning as
-    ``reasoning_content``, apart from the content (``answer.py``). ``chat_template``: a Jinja
+    ``reasoning_content``, apart from the content (``answer.py``); a GPT-OSS model's answers,
+    and those of any model with tool parser ``openai``, are read as harmony messages
+    (``openai_gptoss``) unless another is given, as vLLM reads them. ``chat_template``: a Jinja
     template for chats instead of the tokenizer's (vLLM's ``--chat-template``); a request's own
     ``chat_template`` is taken only with ``trust_request_chat_template``, as vLLM."""
     if enable_auto_tool_choice and tool_call_parser not in PARSERS:
         raise ValueError(f"enable_auto_tool_choice needs a tool_call_parser: {', '.join(PARSERS)}")
     if reasoning_parser not in (None, *REASONING_PARSERS):
         raise ValueError(f"unknown reasoning_parser {reasoning_parser!r}; choose {', '.join(REASONING_PARSERS)}")
+    if reasoning_parser is None and (getattr(llm.target.config, "model_type", None) == "gpt_oss" or
+                                     (enable_auto_tool_choice and tool_call_parser == "openai")):
+        reasoning_parser = HARMONY
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     if max_request_bytes < 1:
