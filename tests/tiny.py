@@ -14,6 +14,8 @@ MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                     layer_types=["sliding_attention", "full_attention"]),
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=1,
+                     first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, layers=3),
 }
 
 
@@ -101,7 +103,7 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   initializer_range=std, tie_word_embeddings=False)
-    if arch in ("qwen3", "qwen3_moe", "gpt_oss"):
+    if arch in ("qwen3", "qwen3_moe", "gpt_oss", "glm4_moe"):
         common["head_dim"] = 16
     config = AutoConfig.for_model(arch, **{**common, **config})
     torch.manual_seed(seed)
@@ -112,6 +114,9 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(std * torch.randn_like(p))
+        for name, b in model.named_buffers():  # GLM-4.5's router correction
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(std * torch.randn_like(b))
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

@@ -1,5 +1,5 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-Granite, SmolLM3), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS: ``Experts``) and
+Granite, SmolLM3), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5: ``Experts``) and
 Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``).
 
@@ -25,11 +25,12 @@ from .. import disk_cache
 
 log = logging.getLogger(__name__)
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")  # their MLPs (some, or all) are ``Experts``
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe")  # their MLPs (some, or all) are ``Experts``
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2",
          "gemma3_text") + MOE_ARCHS  # HF model_type; biases, q/k norms, Phi-3's fused projections
 # and Gemma 2/3's norms after attention and MLP come from the weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
+PARTIAL_ROTARY = ("phi3", "glm4_moe")  # whose transformers model rotates a part of each head where the config says
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
@@ -112,16 +113,24 @@ class Family:
 
 def moe_layers(config) -> list[bool]:
     """Which layers' MLP is ``Experts``, as each architecture's transformers model places them:
-    Mixtral's and GPT-OSS's every layer; Qwen2-MoE's and Qwen3-MoE's every
-    ``decoder_sparse_step``-th but those in ``mlp_only_layers`` (a dense MLP)."""
+    Mixtral's and GPT-OSS's every layer; GLM-4.5's from ``first_k_dense_replace`` on;
+    Qwen2-MoE's and Qwen3-MoE's every ``decoder_sparse_step``-th but those in
+    ``mlp_only_layers`` (a dense MLP)."""
     n, kind = config.num_hidden_layers, config.model_type
     if kind not in MOE_ARCHS:
         return [False] * n
     if kind in ("mixtral", "gpt_oss"):
         return [True] * n
+    if kind == "glm4_moe":
+        return [i >= config.first_k_dense_replace for i in range(n)]
     dense = set(config.mlp_only_layers or [])
     return [i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
             for i in range(n)]
+
+
+def num_experts(config) -> int:
+    """The routed experts of a mixture's layer (0 without)."""
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0
 
 
 grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm from torch 2.10
@@ -156,7 +165,10 @@ class Routing:
     Qwens' ``norm_topk_prob``; weights in float32 where ``float_weights``, Mixtral's, else the
     model's dtype), ``activation(gate) * up``; GPT-OSS (``gpt_oss``): the softmax of the top k
     logits, in the model's dtype, and ``(up + 1) * gate * sigmoid(alpha * gate)`` with gate
-    and up clamped at ``limit``."""
+    and up clamped at ``limit``; GLM-4.5 (``sigmoid``): the router in float32
+    (``float_router``), sigmoid scores, the top k of those plus a correction bias among the
+    ``top_groups`` best of ``groups`` groups of experts (each group by its best two), their
+    scores renormalised and times ``scale``, in float32."""
 
     top_k: int
     renormalize: bool = False
@@ -165,20 +177,45 @@ class Routing:
     gpt_oss: bool = False
     alpha: float = 1.702
     limit: float = 7.0
+    sigmoid: bool = False
+    float_router: bool = False
+    groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0
 
     @classmethod
     def of(cls, config) -> "Routing":
         kind = config.model_type
         if kind == "gpt_oss":
             return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+        if kind == "glm4_moe":
+            return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, float_weights=True,
+                       activation=Family.of(config).activation, sigmoid=True, float_router=True,
+                       groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor)
         return cls(config.num_experts_per_tok, renormalize=kind == "mixtral" or config.norm_topk_prob,
                    float_weights=kind == "mixtral", activation=Family.of(config).activation)
 
-    def weights(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights, experts)`` ``[N, top_k]`` of router ``logits [N, experts]``."""
+    def weights(self, logits: torch.Tensor, correction: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, experts)`` ``[N, top_k]`` of router ``logits [N, experts]`` (``correction
+        [experts]``: GLM-4.5's bias on the scores that choose)."""
         if self.gpt_oss:
             top, chosen = logits.topk(self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype), chosen
+        if self.sigmoid:
+            scores = logits.sigmoid()  # [N, experts]
+            choice = scores if correction is None else scores + correction
+            if self.groups > 1:
+                N, E = choice.shape
+                by_group = choice.view(N, self.groups, E // self.groups)
+                best = by_group.topk(2, dim=-1)[0].sum(dim=-1).topk(self.top_groups, dim=-1, sorted=False)[1]
+                keep = torch.zeros(N, self.groups, dtype=torch.bool, device=logits.device).scatter_(1, best, True)
+                choice = choice.masked_fill(~keep[..., None].expand_as(by_group).reshape(N, E), float("-inf"))
+            chosen = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, chosen)
+            if self.renormalize:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return weights * self.scale, chosen
         weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -203,9 +240,10 @@ class Experts:
 
     def __init__(self, routing: Routing, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *,
                  router_bias: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
-                 down_bias: torch.Tensor | None = None):
+                 down_bias: torch.Tensor | None = None, correction: torch.Tensor | None = None):
         self.routing = routing
         self.router, self.router_bias = router, router_bias  # [experts, hidden], [experts]
+        self.correction = correction  # [experts] float32: GLM-4.5's bias on the scores that choose
         self.gate_up, self.gate_up_bias = gate_up, gate_up_bias  # [experts, hidden, 2 * inter], [experts, 2 * inter]
         self.down, self.down_bias = down, down_bias  # [experts, inter, hidden], [experts, hidden]
 
@@ -224,7 +262,7 @@ class Experts:
         else:
             block, gate, up, down = ("block_sparse_moe.", "w1", "w3", "w2") if mixtral else \
                 ("mlp.", "gate_proj", "up_proj", "down_proj")
-            e = [f"experts.{i}." for i in range(config.num_local_experts if mixtral else config.num_experts)]
+            e = [f"experts.{i}." for i in range(num_experts(config))]
             names = [[[x + gate + ".weight", x + up + ".weight"] for x in e], [[x + down + ".weight"] for x in e]]
 
         def stacked(parts: list) -> torch.Tensor:  # [experts, out, in]: the fused tensor, or each expert's rows
@@ -237,8 +275,13 @@ class Experts:
                 torch.cat([t.to(device=device, dtype=dtype) for t in expert], out=out[e])
             return out
 
-        router = weights[layer + block + "gate.weight"].to(device=device, dtype=dtype, copy=True)
-        return cls(Routing.of(config), router, stacked(names[0]).transpose(1, 2), stacked(names[1]).transpose(1, 2))
+        routing = Routing.of(config)
+        router = weights[layer + block + "gate.weight"].to(
+            device=device, dtype=torch.float32 if routing.float_router else dtype, copy=True)
+        correction = layer + block + "gate.e_score_correction_bias"
+        return cls(routing, router, stacked(names[0]).transpose(1, 2), stacked(names[1]).transpose(1, 2),
+                   correction=weights[correction].to(device=device, dtype=torch.float32, copy=True)
+                   if correction in weights else None)
 
     @classmethod
     def _load_gpt_oss(cls, config, weights, mlp: str, device: torch.device, dtype: torch.dtype) -> "Experts":
@@ -264,7 +307,8 @@ class Experts:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N, hidden]
         N, k, E = flat.shape[0], self.routing.top_k, self.router.shape[0]
-        weights, chosen = self.routing.weights(F.linear(flat, self.router, self.router_bias))  # [N, k]
+        logits = F.linear(flat.float() if self.routing.float_router else flat, self.router, self.router_bias)
+        weights, chosen = self.routing.weights(logits, self.correction)  # [N, k]
         expert, order = chosen.flatten().sort()  # [N k] pairs, grouped by expert
         counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
             0, expert, torch.ones_like(expert, dtype=torch.int32))
@@ -365,11 +409,12 @@ MULTI_ROW_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
 
 def linear_bytes(config) -> int:
     """fp32 bytes of a model's ``Linear`` weights (from its config): attention's, the dense
-    MLPs' (a MoE layer's shared expert's: Qwen2-MoE's) and the head; not ``Experts``'."""
+    MLPs' (a MoE layer's shared experts': Qwen2-MoE's, GLM-4.5's) and the head; not ``Experts``'."""
     h, heads = config.hidden_size, config.num_attention_heads
     d = getattr(config, "head_dim", None) or h // heads
     kv = config.num_key_value_heads or heads
-    shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    shared = getattr(config, "shared_expert_intermediate_size", 0) or \
+        (getattr(config, "n_shared_experts", 0) or 0) * (getattr(config, "moe_intermediate_size", 0) or 0)
     mlp = sum(shared if moe else config.intermediate_size for moe in moe_layers(config))
     attention = config.num_hidden_layers * ((heads * d + 2 * kv * d) * h + h * heads * d)
     return 4 * (attention + 3 * h * mlp + config.vocab_size * h)
@@ -378,8 +423,7 @@ def linear_bytes(config) -> int:
 def expert_bytes(config) -> int:
     """fp32 bytes of a model's ``Experts`` (from its config; 0 without)."""
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0
-    return 4 * sum(moe_layers(config)) * experts * 3 * config.hidden_size * inter
+    return 4 * sum(moe_layers(config)) * num_experts(config) * 3 * config.hidden_size * inter
 
 
 def mem_available() -> int:
@@ -440,6 +484,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x [B, heads, T, head_dim]``: its first ``cos.shape[-1]``
+    dimensions rotate (rotate-half), the rest pass (a partial rotary factor)."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    part = x[..., :r]
+    return torch.cat([part * cos + rotate_half(part) * sin, x[..., r:]], dim=-1)
 
 
 class KVCache:
@@ -658,8 +712,8 @@ def unsupported(config) -> str | None:
         if rope not in POSITIONAL_ROPE:  # dynamic, longrope: rescaled by the whole sequence's length
             return (f"the torch runtime supports rope types {', '.join(POSITIONAL_ROPE)}, not {rope!r} "
                     "(backend 'hf' runs transformers' own model)")
-        if params.get("partial_rotary_factor", 1.0) != 1.0:  # Phi-4-mini's
-            return "the torch runtime rotates whole heads, not a part (partial_rotary_factor)"
+        if params.get("partial_rotary_factor", 1.0) != 1.0 and config.model_type not in PARTIAL_ROTARY:
+            return f"the torch runtime rotates a part of each head for {', '.join(PARTIAL_ROTARY)} only"
     return None
 
 
@@ -753,7 +807,8 @@ class TorchLlama:
             pre = f"model.layers.{i}."
             a = pre + "self_attn."
             qkv_w = fused(a + "qkv_proj.weight", " ".join(a + f"{n}_proj.weight" for n in "qkv"))
-            m = pre + ("mlp.shared_expert." if moe else "mlp.")
+            m = pre + "mlp." + (("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in weights
+                                  else "shared_expert.") if moe else "")
             gate_up, down = mlp(m, moe)
             sandwich = pre + "pre_feedforward_layernorm.weight" in weights  # Gemma 2/3: norms after, too
             self.layers.append({
@@ -827,8 +882,9 @@ class TorchLlama:
         return statistics.median(times[True]) / statistics.median(times[False])
 
     def _init_rope(self, config) -> None:
-        """``rope``: layer type (None: every layer) -> (inverse frequencies ``[head_dim / 2]``,
-        the scale of cos and sin)."""
+        """``rope``: layer type (None: every layer) -> (inverse frequencies ``[rotated / 2]``,
+        the scale of cos and sin); ``rotated``: each head's first dimensions that rotate, all
+        but where ``partial_rotary_factor`` says (``PARTIAL_ROTARY``)."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         self.rope = {}
@@ -836,7 +892,7 @@ class TorchLlama:
             rope_type = params.get("rope_type", "default")
             if rope_type == "default":
                 base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-                d = self.head_dim
+                d = int(self.head_dim * params.get("partial_rotary_factor", 1.0))
                 inv_freq, scale = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
             else:
                 kw = {"layer_type": layer_type} if layer_type is not None else {}
@@ -932,8 +988,7 @@ class TorchLlama:
             k = k.transpose(1, 2)  # [B, KV, T, D]
             if L["rotates"]:
                 cos, sin = rope[L["rope"]]
-                q = q * cos + rotate_half(q) * sin
-                k = k * cos + rotate_half(k) * sin
+                q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             kc, vc = cache.k[li], cache.v[li]  # [slots, KV, cap, D]
             kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
             vc[x.slots[:, None], :, x.write] = v
