@@ -180,7 +180,7 @@ class AnswerParser:
         (where their grammar puts them: ``grammar_gate``); text that is no harmony message is
         content. A partial view holds back what could begin an end marker."""
         messages = harmony_messages(text)
-        if messages is None:
+        if messages is None or (final and not messages):  # no frame (a final one that only began like one)
             return Answer(None, text if final else text[:len(text) - held_back(text, (MESSAGE,))])
         forced = self.tool_mode in ("required", "function")  # the final message is the calls
         reasoning, content, calls, final_text = [], [], [], []

@@ -1,9 +1,11 @@
 """The Python API: ``LLM(...).generate(prompts, SamplingParams(...))``, in the spirit of vLLM."""
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
+import re
 import threading
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, replace
@@ -142,18 +144,43 @@ def encode_prompt(tok, prompt: Prompt, chat: dict | None = None) -> list[int]:
     return render_prompt(tok, prompt, chat)[1]
 
 
-def text_messages(messages: list[dict]) -> list[dict]:
+@functools.lru_cache(maxsize=16)
+def content_parts(template: str) -> bool:
+    """Whether a chat template reads a message's content as OpenAI's parts (it loops over
+    ``message['content']``, as LLaVA's does; vLLM's "openai" content format), not as text."""
+    import jinja2
+    from jinja2 import nodes
+
+    template = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", template)  # transformers' own tag
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return False
+
+    def is_content(node) -> bool:
+        while isinstance(node, nodes.Filter):  # message['content'] | selectattr(...)
+            node = node.node
+        return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content") \
+            or (isinstance(node, nodes.Getattr) and node.attr == "content")
+
+    return any(is_content(loop.iter) for loop in tree.find_all(nodes.For))
+
+
+def text_messages(messages: list[dict], parts: bool = False) -> list[dict]:
     """Chat messages as templates take them (vLLM's): OpenAI's content parts (``[{"type":
     "text", "text": ...}, ...]``) as text, a part per line (other parts, images..., are
-    refused); an assistant's ``tool_calls`` with their JSON ``arguments`` as objects (templates
+    refused), or with ``parts`` (a template that reads parts: ``content_parts``) text as one
+    part; an assistant's ``tool_calls`` with their JSON ``arguments`` as objects (templates
     write them with ``tojson``), and its ``content`` "" where it has none."""
     out = []
     for m in messages:
-        parts = m.get("content")
-        if isinstance(parts, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in parts):
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
                 raise ValueError("a message's content parts must be text: {'type': 'text', 'text': ...}")
-            m = {**m, "content": "\n".join(p["text"] for p in parts)}
+            m = {**m, "content": content if parts else "\n".join(p["text"] for p in content)}
+        elif parts and isinstance(content, str):
+            m = {**m, "content": [{"type": "text", "text": content}]}
         if m.get("tool_calls"):
             m = {**m, "content": m.get("content") or "", "tool_calls": [
                 {**c, "function": {**c["function"], "arguments": json_or_text(c["function"].get("arguments"))}}
@@ -193,7 +220,8 @@ def render_prompt(tok, prompt: Prompt, chat: dict | None = None) -> tuple[str | 
         options = {"add_generation_prompt": True, **(chat or {})}
         if options.get("continue_final_message"):  # the last (assistant) message is continued
             options["add_generation_prompt"] = False
-        text = tok.apply_chat_template(text_messages(prompt), tokenize=False, **options)
+        parts = content_parts(options.get("chat_template") or tok.chat_template)
+        text = tok.apply_chat_template(text_messages(prompt, parts), tokenize=False, **options)
         ids = tok(text, add_special_tokens=False)["input_ids"]
     elif isinstance(prompt, str):
         if not prompt:

@@ -467,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(Qwen2.5, Hermes); llama3_json = {\"name\": ..., \"parameters\": ...} (Llama 3.1-4); "
                         "mistral = [TOOL_CALLS]...; pythonic = [f(a=1), g(b='x')] (Llama 3.2, 4); "
                         "qwen3_coder = <tool_call><function=f><parameter=a>1</parameter>... (Qwen3-Coder); "
-                        "openai = GPT-OSS's harmony messages to functions.* (turns on --reasoning-parser openai_gptoss)")
+                        "openai = GPT-OSS's harmony messages to functions.* (with --enable-auto-tool-choice, turns on "
+                        "--reasoning-parser openai_gptoss)")
     h.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
                    help="return a thinking model's <think>...</think> as reasoning_content (qwen3: the answer "
                         "opens <think>; deepseek_r1: the prompt does; openai_gptoss: GPT-OSS's harmony analysis "

@@ -14,10 +14,11 @@ sampled output follows its distribution. A draft model drafts under the same mas
 stops before its first draft the grammar forbids (``Matcher.valid_prefix``).
 
 A thinking model's reasoning is left free (vLLM's rule with a reasoning parser): a matcher
-with a ``gate`` (the text ``</think>``, or a pattern: GPT-OSS's final channel frame) allows everything until the output's text holds the
-gate, however its tokens spell it (the reasoning parser splits the text there too), and the
-grammar starts after the token that completes it. Rows before the gate, in the committed
-output or in a row's drafts, are unconstrained.
+with a ``gate`` (the text ``</think>``, or a pattern: GPT-OSS's final channel frame) allows
+everything until the output's text holds the gate, however its tokens spell it (the
+reasoning parser splits the text there too), and the grammar starts after the token that
+completes it. Rows before the gate, in the committed output or in a row's drafts, are
+unconstrained.
 """
 from __future__ import annotations
 

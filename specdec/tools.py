@@ -607,15 +607,12 @@ def harmony_messages(text: str) -> list[HarmonyMessage] | None:
 def parse_openai(text: str, names: Tools = frozenset()) -> Parsed:
     """GPT-OSS's calls (vLLM's ``openai`` parser): its harmony messages addressed to
     ``functions.NAME``, the message their arguments; the content is its final message (and
-    preambles). With ``--reasoning-parser openai_gptoss`` (which ``openai`` turns on), the
-    answer's view reads them the same way (``AnswerParser``)."""
-    messages = harmony_messages(text)
-    if messages is None:
-        return text, []
-    calls = [ToolCall(m.recipient.removeprefix("functions."), m.body) for m in messages
-             if (m.recipient or "").startswith("functions.")]
-    content = "\n".join(m.body for m in messages if not m.recipient and m.channel in ("final", "commentary"))
-    return content or None, calls
+    preambles): the answer as ``--reasoning-parser openai_gptoss`` reads it (which ``openai``
+    with auto tool choice turns on)."""
+    from .answer import HARMONY, AnswerParser
+
+    answer = AnswerParser(HARMONY, "auto", names).view(text, final=True)
+    return answer.content, answer.calls
 
 
 @dataclass(frozen=True)

@@ -140,19 +140,28 @@ def rewritten_gguf(path, kv=(), tensors=()):
 
 
 def test_gguf_without_the_models_tensors_is_refused(tmp_path, monkeypatch):
-    """A GGUF whose tensors transformers' reader does not map onto its model (a Mixtral GGUF:
-    architecture "llama", its experts as ``ffn_*_exps``) is refused, naming a missing tensor;
-    it ran with untouched (random) MLPs on transformers' runtime and failed in the first
-    forward on the torch runtime."""
-    import numpy as np
+    """A GGUF whose tensors transformers' reader does not all map onto its model is refused,
+    naming a missing tensor. A Mixtral GGUF (architecture "llama", its experts as
+    ``ffn_*_exps``) reads so: every tensor but the MLPs'; it ran with untouched (random)
+    MLPs on transformers' runtime and failed in the first forward on the torch runtime. Here
+    the embedded GGUF's reading loses its MLPs the same way."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
 
-    from specdec.runtime.loading import gguf_to_hf_dir
+    from specdec.runtime.loading import default_model_path, gguf_to_hf_dir
+
+    read = gguf_utils.load_gguf_checkpoint
+
+    def without_mlps(*args, **kwargs):
+        out = read(*args, **kwargs)
+        if "tensors" in out:
+            out["tensors"] = {k: v for k, v in out["tensors"].items() if ".mlp." not in k}
+        return out
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
-    path = rewritten_gguf(tmp_path / "experts.gguf", tensors=[("blk.0.ffn_gate_exps.weight",
-                                                               np.zeros((4, 16, 16), np.float32))])
-    with pytest.raises(ValueError, match=r"finds no value for \d+ tensors of a 'llama' model .*backend='llamacpp'"):
-        gguf_to_hf_dir(path)
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", without_mlps)
+    with pytest.raises(ValueError, match=r"finds no value for 90 tensors of a 'llama' model \(e\.g\. 'model\.layers\.0\.mlp\."
+                                         r"down_proj\.weight'\); run it with backend='llamacpp'"):
+        gguf_to_hf_dir(__import__("pathlib").Path(default_model_path()))
 
 
 def test_gguf_rope_scaling_reaches_the_config(tmp_path):

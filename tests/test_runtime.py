@@ -226,9 +226,14 @@ def test_vision_language_text_model(tmp_path, kind):
         load_model(str(path), backend="hf")
     import json  # a processor's chat template (LLaVA's), where the tokenizer has none
 
-    (path / "chat_template.jinja").unlink()
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": "{% for m in messages %}<{{ m.content }}>{% endfor %}"}))
-    assert LLM(load_model(str(path))).chat([{"role": "user", "content": "hi"}], sp)[0].prompt == "<hi>"
+    (path / "chat_template.jinja").unlink()  # one that reads content parts only (LLaVA's kind), in transformers' tags
+    template = ("{% for m in messages %}{{ m['role'] }}:{% for part in m['content'] | selectattr('type', 'equalto', "
+                "'text') %}{% generation %} {{ part['text'] }}{% endgeneration %}{% endfor %};{% endfor %}")
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    llm = LLM(load_model(str(path)))
+    for content in ("hi", [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]):
+        want = "user: hi;" if isinstance(content, str) else "user: hi there;"
+        assert llm.chat([{"role": "user", "content": content}], sp)[0].prompt == want, content
 
 
 def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):

@@ -182,7 +182,9 @@ def mxfp4_copy(src: Path, path: Path) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    values = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    from specdec.runtime.torch_llama import FP4_VALUES
+
+    values = torch.tensor(FP4_VALUES)
     shutil.copytree(src, path)
     tensors = load_file(str(path / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:

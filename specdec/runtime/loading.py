@@ -92,7 +92,7 @@ def _from_hub(repo_id: str, weights: bool = True, revision: str | None = None, c
 
 
 # bumped when gguf_to_hf_dir's output changes, so that directories made before are made again
-GGUF_CONVERSION = 2  # 2: rope scaling (gguf_rope)
+GGUF_CONVERSION = 3  # 2: rope scaling (gguf_rope); 3: refused where tensors are missing
 LLAMA3_ROPE = (1.0, 4.0, 8192)  # Llama 3.1-3.3's low / high frequency factors and original context
 
 

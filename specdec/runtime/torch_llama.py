@@ -138,7 +138,8 @@ grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm
 
 def grouped_mm_graphable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``grouped_mm`` runs without a host sync, so that a CUDA graph can hold it:
-    PyTorch's CUTLASS kernel, for bfloat16 on Hopper and Blackwell GPUs; elsewhere it loops
+    PyTorch's CUTLASS kernel, for bfloat16 on Hopper and data-centre Blackwell GPUs (compute
+    capability 9.x and 10.x); elsewhere it loops
     over the groups on the host (``offs.cpu()``)."""
     return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
@@ -189,7 +190,7 @@ class Routing:
         if kind == "gpt_oss":
             return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
         if kind == "glm4_moe":
-            return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, float_weights=True,
+            return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob,
                        activation=Family.of(config).activation, sigmoid=True, float_router=True,
                        groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor)
         return cls(config.num_experts_per_tok, renormalize=kind == "mixtral" or config.norm_topk_prob,
@@ -229,12 +230,13 @@ class Routing:
 
 
 class Experts:
-    """A sparse mixture-of-experts MLP (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, GPT-OSS's) as
+    """A sparse mixture-of-experts MLP (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, GPT-OSS's, GLM-4.5's) as
     transformers' grouped experts compute it: the router picks and weights experts per token
     (``Routing``); the token-expert pairs, sorted by expert, go through one grouped product
     per projection (``F.grouped_mm``: no shape that depends on the routing, so a CUDA graph
     holds it where ``grouped_mm_graphable``); each token sums its experts' outputs, weighted.
-    Qwen2-MoE's shared expert is the layer's dense MLP (``TorchLlama._mlp``). Weights are
+    Qwen2-MoE's gated shared expert and GLM-4.5's shared experts are the layer's dense MLP
+    (``TorchLlama._mlp``). Weights are
     ``[experts, in, out]`` (``grouped_mm``'s), the gate's columns before the up ones; biases
     (GPT-OSS's) ``[experts, out]``."""
 
@@ -698,7 +700,8 @@ def unsupported(config) -> str | None:
     config, _ = text_model(config)
     if config.model_type not in ARCHS:
         return f"the torch runtime supports {', '.join(ARCHS)}, not {config.model_type!r}"
-    if getattr(config, "quantization_config", None) and (config.model_type, quant_method(config)) != ("gpt_oss", "mxfp4"):
+    mxfp4_experts = (config.model_type, quant_method(config)) == ("gpt_oss", "mxfp4")
+    if getattr(config, "quantization_config", None) and not mxfp4_experts:
         # GPTQ, AWQ, bitsandbytes, fp8...: packed weights transformers' quantizers unpack (GPT-OSS's MXFP4
         # experts are dequantized at load: ``mxfp4``)
         return f"the torch runtime reads unquantized checkpoints, not {quant_method(config)!r} ones"
@@ -741,6 +744,53 @@ def cat_or_none(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
     return torch.cat(biases) if all(b is not None for b in biases) else None
 
 
+class CheckpointReader:
+    """A checkpoint's tensors as the runtime holds them: copies on its device in its dtype
+    (nothing may pin a memory-mapped file), norms as its ``Family`` keeps them, projections
+    as ``Linear`` of its kind."""
+
+    def __init__(self, weights, device: torch.device, dtype: torch.dtype, family: Family, linear: str,
+                 multi_row: bool):
+        self.weights, self.device, self.dtype, self.family = weights, device, dtype, family
+        self.kind, self.multi_row = linear, multi_row
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.weights[name].to(device=self.device, dtype=self.dtype, copy=True)
+
+    def opt(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if name in self.weights else None
+
+    def norm(self, name: str) -> torch.Tensor | None:
+        """A norm's weight: Gemma's as 1 + weight in float32, GPT-OSS's in float32 (both as the
+        model's dtype holds them, as transformers; GPT-OSS's exact for a float16 model, which
+        transformers keeps them float32 for)."""
+        if name not in self.weights or not (self.family.gemma or self.family.float_norms):
+            return self.opt(name)
+        if self.family.float_norms:
+            exact = self.dtype == torch.float16
+            return (self.weights[name] if exact else self.get(name)).to(device=self.device, dtype=torch.float32)
+        return 1.0 + self.get(name).float()
+
+    def fused(self, name: str, parts: list[str]) -> torch.Tensor:
+        """Phi-3's fused projection, else its parts' weights one after another."""
+        return self.get(name) if name in self.weights else torch.cat([self.get(p) for p in parts])
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        return Linear(weight, bias, self.kind, self.multi_row)
+
+    def mlp(self, prefix: str, optional: bool = False) -> tuple[Linear | None, Linear | None]:
+        """``(gate_up, down)`` of the gated MLP under ``prefix`` (``None, None`` where it is
+        ``optional`` and absent: a mixture's layer without shared experts)."""
+        if optional and prefix + "down_proj.weight" not in self.weights:
+            return None, None
+        gate_up = self.fused(prefix + "gate_up_proj.weight", [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
+        biases = cat_or_none([self.opt(prefix + "gate_proj.bias"), self.opt(prefix + "up_proj.bias")])
+        return self.linear(gate_up, biases), self.linear(self.get(prefix + "down_proj.weight"), self.opt(prefix + "down_proj.bias"))
+
+
 class TorchLlama:
     """Runtime for Llama- and Gemma-family checkpoints and mixtures of experts (see ``ARCHS``,
     ``Family``, ``Experts``). ``cuda_graphs`` (default: on a CUDA device; for experts, where
@@ -777,61 +827,38 @@ class TorchLlama:
         self.multi_row = multi_row
         self._init_rope(config)
 
-        def w(name: str) -> torch.Tensor:  # a copy: nothing may pin a memory-mapped file
-            return weights[name].to(device=device, dtype=dtype, copy=True)
-
-        def opt(name: str) -> torch.Tensor | None:
-            return w(name) if name in weights else None
-
-        def norm(name: str) -> torch.Tensor | None:  # Gemma's: 1 + weight, kept in float32 (GPT-OSS's: weight)
-            if name not in weights or not (self.family.gemma or self.family.float_norms):
-                return opt(name)
-            if self.family.float_norms:  # transformers keeps them in float32 for a float16 model only
-                return (weights[name] if dtype == torch.float16 else w(name)).to(device=device, dtype=torch.float32)
-            return 1.0 + w(name).float()  # the weight as the model's dtype holds it, as transformers
-
-        def fused(names: str, parts: str) -> torch.Tensor:  # Phi-3's fused projection, else the parts'
-            return w(names) if names in weights else torch.cat([w(p) for p in parts.split()])
-
-        def mlp(m: str, moe: bool) -> tuple[Linear | None, Linear | None]:  # a dense MLP's, a shared expert's or none
-            if moe and m + "down_proj.weight" not in weights:
-                return None, None
-            return (Linear(fused(m + "gate_up_proj.weight", f"{m}gate_proj.weight {m}up_proj.weight"),
-                           cat_or_none([opt(m + "gate_proj.bias"), opt(m + "up_proj.bias")]), linear, multi_row),
-                    Linear(w(m + "down_proj.weight"), opt(m + "down_proj.bias"), linear, multi_row))
-
-        self.embed = w("model.embed_tokens.weight")
+        r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row)
+        self.embed = r.get("model.embed_tokens.weight")
         self.vocab_size = self.embed.shape[0]
         self.layers = []
         for i, moe in enumerate(moe_layers(config)):
             pre = f"model.layers.{i}."
             a = pre + "self_attn."
-            qkv_w = fused(a + "qkv_proj.weight", " ".join(a + f"{n}_proj.weight" for n in "qkv"))
-            m = pre + "mlp." + (("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in weights
-                                  else "shared_expert.") if moe else "")
-            gate_up, down = mlp(m, moe)
-            sandwich = pre + "pre_feedforward_layernorm.weight" in weights  # Gemma 2/3: norms after, too
+            shared = ("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in r else "shared_expert.") \
+                if moe else ""  # GLM-4.5's, Qwen2-MoE's
+            gate_up, down = r.mlp(pre + "mlp." + shared, optional=moe)
+            sandwich = pre + "pre_feedforward_layernorm.weight" in r  # Gemma 2/3: norms after, too
             self.layers.append({
-                "attn_norm": norm(pre + "input_layernorm.weight"),
-                "qkv": Linear(qkv_w, cat_or_none([opt(a + f"{n}_proj.bias") for n in "qkv"]), linear, multi_row),
-                "o": Linear(w(a + "o_proj.weight"), opt(a + "o_proj.bias"), linear, multi_row),
-                "q_norm": norm(a + "q_norm.weight"),
-                "sinks": opt(a + "sinks"),  # [H] GPT-OSS's
-                "k_norm": norm(a + "k_norm.weight"),
-                "post_attn_norm": norm(pre + "post_attention_layernorm.weight") if sandwich else None,
-                "mlp_norm": norm(pre + ("pre_feedforward_layernorm.weight" if sandwich else "post_attention_layernorm.weight")),
-                "post_mlp_norm": norm(pre + "post_feedforward_layernorm.weight") if sandwich else None,
-                "gate_up": gate_up,  # the dense MLP, or beside the experts Qwen2-MoE's shared expert
+                "attn_norm": r.norm(pre + "input_layernorm.weight"),
+                "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]),
+                                cat_or_none([r.opt(a + f"{n}_proj.bias") for n in "qkv"])),
+                "o": r.linear(r.get(a + "o_proj.weight"), r.opt(a + "o_proj.bias")),
+                "q_norm": r.norm(a + "q_norm.weight"),
+                "sinks": r.opt(a + "sinks"),  # [H] GPT-OSS's
+                "k_norm": r.norm(a + "k_norm.weight"),
+                "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich else None,
+                "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm") + ".weight"),
+                "post_mlp_norm": r.norm(pre + "post_feedforward_layernorm.weight") if sandwich else None,
+                "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
                 "down": down,
-                "shared_gate": opt(pre + "mlp.shared_expert_gate.weight") if moe else None,  # [1, hidden]
+                "shared_gate": r.opt(pre + "mlp.shared_expert_gate.weight") if moe else None,  # [1, hidden]
                 "experts": Experts.load(config, weights, pre, device, dtype) if moe else None,
                 "sliding": sliding[i],
                 "rope": types[i] if types[i] in self.rope else None,  # its rope table's key
                 "rotates": bool(rotates[i]),
             })
-        self.norm = norm("model.norm.weight")
-        head = w("lm_head.weight") if "lm_head.weight" in weights else self.embed  # tied
-        self.lm_head = Linear(head, None, linear, multi_row)
+        self.norm = r.norm("model.norm.weight")
+        self.lm_head = r.linear(r.get("lm_head.weight") if "lm_head.weight" in r else self.embed, None)  # tied
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         graphable = not any(layer["experts"] for layer in self.layers) or grouped_mm_graphable(device, dtype)

@@ -61,7 +61,7 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
     decide whether to call them (vLLM's flags); required and named tool choices need neither.
     ``reasoning_parser`` (``qwen3``, ``deepseek_r1``, ``openai_gptoss``) returns a thinking model's reasoning as
     ``reasoning_content``, apart from the content (``answer.py``); a GPT-OSS model's answers,
-    and those of any model with tool parser ``openai``, are read as harmony messages
+    and with auto tool choice by tool parser ``openai`` any model's, are read as harmony messages
     (``openai_gptoss``) unless another is given, as vLLM reads them. ``chat_template``: a Jinja
     template for chats instead of the tokenizer's (vLLM's ``--chat-template``); a request's own
     ``chat_template`` is taken only with ``trust_request_chat_template``, as vLLM."""
