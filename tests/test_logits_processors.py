@@ -156,5 +156,6 @@ def test_a_processor_leaving_no_token_fails_its_request(loaded):
     for f in (nan_at_3, none_left_at_3):
         for temperature in (0.0, 1.0):
             with pytest.raises(ValueError, match="no token to draw"):
-                llm.generate("abc", SamplingParams(max_tokens=8, temperature=temperature, logits_processors=[f]))
+                llm.generate("abc", SamplingParams(max_tokens=8, temperature=temperature, ignore_eos=True,
+                                                    logits_processors=[f]))
     assert len(llm.generate("abc", SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids) == 8
