@@ -57,7 +57,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                    help="auto (default): float32 on cpu, bfloat16 on cuda")
     g.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="torch = specdec's own runtime (Llama, Mistral, Qwen2/3, Phi-3, Granite, SmolLM3, Gemma, Gemma 2, "
+                   help="torch = specdec's own runtime (Llama, Mistral, Qwen2/3, Phi-3, Granite, SmolLM3, GLM-4, Gemma, Gemma 2, "
                         "Gemma 3, Mixtral, Qwen2/3-MoE, GPT-OSS, GLM-4.5), "
                         "hf = transformers' model, "
                         "llamacpp = llama.cpp on a .gguf (pip install 'specdec[llamacpp]'); "

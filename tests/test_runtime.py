@@ -91,6 +91,8 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
                                                  topk_group=1, norm_topk_prob=False, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
         "partial_rotary_factor": 0.5})),
+    # GLM-4: rotary pairs interleaved on half of each head, norms after attention and the MLP
+    "glm4-interleaved-partial-rope": ("glm4", dict(head_dim=16, attention_bias=True, pad_token_id=0)),
     "phi3-partial-rotary": ("phi3", dict(pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                            "partial_rotary_factor": 0.5})),
     "gptoss-yarn-clamped": ("gpt_oss", dict(MOE["gpt_oss"], num_local_experts=8, num_experts_per_tok=3, swiglu_limit=0.3, rope_parameters={
@@ -125,7 +127,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
 
 @pytest.mark.parametrize("arch", ["llama", "granite", "gemma2", "gemma3_text", "mixtral-window",
                                   "qwen2moe-shared-expert-dense-layer", "qwen3moe", "gptoss-sinks-window",
-                                  "glm45-groups-shared"])
+                                  "glm45-groups-shared", "glm4-interleaved-partial-rope"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -255,7 +257,7 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     assert "gpt2" in unsupported(AutoConfig.for_model("gpt2"))
     assert "gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="gelu"))
     assert "not 'awq' ones" in unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "awq"}))
-    assert "a part of each head for phi3, glm4_moe only" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
+    assert "a part of each head for phi3, glm4, glm4_moe only" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
     assert "bidirectional" in unsupported(AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True))
     per_type = AutoConfig.for_model("gemma3_text", rope_parameters={  # each layer type's rope is checked
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
@@ -730,7 +732,7 @@ class EagerGraphs:
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2-caps-window", "granite-multipliers", "qwen2moe",
-                                  "gptoss-sinks-window", "glm45-groups-shared"])
+                                  "gptoss-sinks-window", "glm45-groups-shared", "glm4-interleaved-partial-rope"])
 def test_graphed_forward_equals_eager(tiny_dirs, tmp_path, name):
     """The CUDA-graph branch of the forward (full-capacity masks, rows padded up to a graph's
     size; Gemma 3's window, Gemma 2's capped attention written out, Granite's multipliers and

@@ -1,5 +1,5 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-Granite, SmolLM3), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5: ``Experts``) and
+Granite, SmolLM3, GLM-4), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5: ``Experts``) and
 Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``).
 
@@ -26,11 +26,11 @@ from .. import disk_cache
 log = logging.getLogger(__name__)
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe")  # their MLPs (some, or all) are ``Experts``
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "gemma", "gemma2",
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "glm4", "gemma", "gemma2",
          "gemma3_text") + MOE_ARCHS  # HF model_type; biases, q/k norms, Phi-3's fused projections
 # and Gemma 2/3's norms after attention and MLP come from the weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
-PARTIAL_ROTARY = ("phi3", "glm4_moe")  # whose transformers model rotates a part of each head where the config says
+PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe")  # whose transformers model rotates a part of each head where the config says
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
@@ -80,7 +80,8 @@ class Family:
     scaled by before the residual sum (Granite's); ``logits_divisor``: Granite's
     ``logits_scaling``; ``attn_softcap`` / ``final_softcap``: ``cap * tanh(x / cap)`` on
     attention scores (Gemma 2's) / the logits (Gemma 2's, Gemma 3's where set);
-    ``activation``: the MLP's gate (``ACTIVATIONS``); ``float_norms``: the norm's product in
+    ``activation``: the MLP's gate (``ACTIVATIONS``); ``interleaved_rope``: rotary pairs are
+    neighbouring dimensions, not halves (GLM-4's); ``float_norms``: the norm's product in
     float32, then cast (GPT-OSS's, as Gemma's without the 1 +; its weights as the model's
     dtype holds them, but for a float16 model, which transformers keeps them float32 for)."""
 
@@ -92,6 +93,7 @@ class Family:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     activation: str = "silu"
+    interleaved_rope: bool = False
     float_norms: bool = False
 
     @classmethod
@@ -103,7 +105,8 @@ class Family:
                        residual_scale=config.residual_multiplier, logits_divisor=config.logits_scaling,
                        activation=act)
         if config.model_type not in GEMMAS:
-            return cls(activation=act, float_norms=config.model_type == "gpt_oss")
+            return cls(activation=act, float_norms=config.model_type == "gpt_oss",
+                       interleaved_rope=config.model_type == "glm4")
         return cls(gemma=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
                    # Gemma 3's config has the field too, but transformers' model never reads it
@@ -488,14 +491,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """``rotate_half`` for rotary pairs of neighbouring dimensions (GLM-4's interleaved rope)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotary embedding of ``x [B, heads, T, head_dim]``: its first ``cos.shape[-1]``
-    dimensions rotate (rotate-half), the rest pass (a partial rotary factor)."""
-    r = cos.shape[-1]
+    dimensions rotate (as halves, or ``interleaved`` as neighbouring pairs), the rest pass (a
+    partial rotary factor)."""
+    r, turn = cos.shape[-1], (rotate_pairs if interleaved else rotate_half)
     if r == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + turn(x) * sin
     part = x[..., :r]
-    return torch.cat([part * cos + rotate_half(part) * sin, x[..., r:]], dim=-1)
+    return torch.cat([part * cos + turn(part) * sin, x[..., r:]], dim=-1)
 
 
 class KVCache:
@@ -726,11 +735,11 @@ def sliding_layers(config) -> tuple[int | None, list[bool]]:
     Mixtral, Qwen3-MoE: every layer when ``sliding_window`` is set (Qwen3-MoE's config drops it
     unless ``use_sliding_window``); Qwen2 / Qwen3 / Qwen2-MoE: the layers ``layer_types``
     names ``sliding_attention``, none unless ``use_sliding_window``; Gemma 2 / 3, SmolLM3, GPT-OSS:
-    those ``layer_types`` names (whatever ``use_sliding_window`` says); Llama, Gemma, Granite:
-    none."""
+    those ``layer_types`` names (whatever ``use_sliding_window`` says); Llama, Gemma, Granite,
+    GLM-4: none."""
     n, kind = config.num_hidden_layers, config.model_type
     window = getattr(config, "sliding_window", None)
-    if kind in ("llama", "gemma", "granite") or not window or \
+    if kind in ("llama", "gemma", "granite", "glm4") or not window or \
             (kind in ("qwen2", "qwen3", "qwen2_moe") and not getattr(config, "use_sliding_window", False)):
         return None, [False] * n
     types = None if kind in ("mistral", "phi3", "mixtral", "qwen3_moe") else getattr(config, "layer_types", None)
@@ -838,6 +847,7 @@ class TorchLlama:
                 if moe else ""  # GLM-4.5's, Qwen2-MoE's
             gate_up, down = r.mlp(pre + "mlp." + shared, optional=moe)
             sandwich = pre + "pre_feedforward_layernorm.weight" in r  # Gemma 2/3: norms after, too
+            glm4 = pre + "post_self_attn_layernorm.weight" in r  # GLM-4's norms after, named its way
             self.layers.append({
                 "attn_norm": r.norm(pre + "input_layernorm.weight"),
                 "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]),
@@ -846,9 +856,11 @@ class TorchLlama:
                 "q_norm": r.norm(a + "q_norm.weight"),
                 "sinks": r.opt(a + "sinks"),  # [H] GPT-OSS's
                 "k_norm": r.norm(a + "k_norm.weight"),
-                "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich else None,
+                "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich else
+                r.norm(pre + "post_self_attn_layernorm.weight") if glm4 else None,
                 "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm") + ".weight"),
-                "post_mlp_norm": r.norm(pre + "post_feedforward_layernorm.weight") if sandwich else None,
+                "post_mlp_norm": r.norm(pre + ("post_feedforward_layernorm" if sandwich else "post_mlp_layernorm") + ".weight")
+                if sandwich or glm4 else None,
                 "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
                 "down": down,
                 "shared_gate": r.opt(pre + "mlp.shared_expert_gate.weight") if moe else None,  # [1, hidden]
@@ -993,7 +1005,7 @@ class TorchLlama:
         rope = {}  # layer type -> (cos, sin) [B, 1, T, head_dim]
         for layer_type, (inv_freq, scale) in self.rope.items():
             freqs = x.pos[..., None].float() * inv_freq  # [B, T, head_dim/2]
-            emb = torch.cat((freqs, freqs), dim=-1)
+            emb = freqs.repeat_interleave(2, dim=-1) if self.family.interleaved_rope else torch.cat((freqs, freqs), dim=-1)
             rope[layer_type] = ((emb.cos() * scale).to(self.dtype)[:, None], (emb.sin() * scale).to(self.dtype)[:, None])
 
         fam = self.family
@@ -1015,7 +1027,7 @@ class TorchLlama:
             k = k.transpose(1, 2)  # [B, KV, T, D]
             if L["rotates"]:
                 cos, sin = rope[L["rope"]]
-                q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+                q, k = rotate(q, cos, sin, fam.interleaved_rope), rotate(k, cos, sin, fam.interleaved_rope)
             kc, vc = cache.k[li], cache.v[li]  # [slots, KV, cap, D]
             kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
             vc[x.slots[:, None], :, x.write] = v
