@@ -200,3 +200,28 @@ def test_streamed_logprobs_end_with_the_eos(loaded):
     [done] = [e for e in evs if e.type == "response.output_text.done"]
     assert deltas == want and [lp.token for lp in done.logprobs] == want
     assert [lp.token for lp in evs[-1].response.output[0].content[0].logprobs] == want
+
+
+def test_harmony_reasoning_and_message(loaded, monkeypatch):
+    """A GPT-OSS model's answer (harmony messages, forced by a regex here from the first
+    token: its gate is taken away) comes back as a reasoning item and a message, the same
+    streamed, its reasoning tokens through the analysis message's <|end|>."""
+    import re
+
+    import specdec.api
+
+    monkeypatch.setattr(specdec.api, "grammar_gate", lambda *a: "")
+    regex = re.escape("<|channel|>analysis<|message|>") + "[a-z]{2,6}" + \
+        re.escape("<|end|><|start|>assistant<|channel|>final<|message|>") + "Hi [a-z]{1,4}"
+    kw = dict(input="hello", temperature=0, max_output_tokens=200, extra_body={"structured_outputs": {"regex": regex}})
+    with BackgroundServer(create_app(LLM(loaded("gptoss")), served_model_name=MODEL)) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.responses.create(model=MODEL, **kw)
+        evs = events(client, **kw)
+    reasoning, message = r.output
+    thought = reasoning.content[0].text
+    assert reasoning.type == "reasoning" and 2 <= len(thought) <= 6 and message.content[0].text.startswith("Hi ")
+    assert r.usage.output_tokens_details.reasoning_tokens == len(f"<|channel|>analysis<|message|>{thought}<|end|>")
+    streamed = "".join(e.delta for e in evs if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in evs if e.type == "response.output_text.delta")
+    assert (streamed, text) == (thought, message.content[0].text)
