@@ -187,12 +187,13 @@ def test_multimodal_gemma3_text_model(tmp_path):
     assert (logits[0] - logits[1]).abs().max().item() < ATOL
 
 
-@pytest.mark.parametrize("kind", ["mistral3", "llava"])
+@pytest.mark.parametrize("kind", ["mistral3", "llava", "qwen2_5_vl", "qwen3_vl"])
 def test_vision_language_text_model(tmp_path, kind):
-    """Mistral 3's and LLaVA's checkpoints (no causal LMs in transformers: its hf runtime
-    cannot run them) run their text model on the torch runtime: logits equal transformers'
-    image-text-to-text model's on text (bit for bit, float32 and bfloat16), greedy output
-    under speculation equal to its argmax, a window on Mistral 3's layers, dummy weights."""
+    """Mistral 3's, LLaVA's, Qwen2.5-VL's and Qwen3-VL's checkpoints (no causal LMs in
+    transformers: its hf runtime cannot run them) run their text model on the torch runtime:
+    logits equal transformers' image-text-to-text model's on text (bit for bit, float32 and
+    bfloat16; the Qwens' multimodal rope on text alone), greedy output under speculation
+    equal to its argmax, a window on Mistral 3's layers, dummy weights."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from specdec import LLM, SamplingParams, SpecConfig

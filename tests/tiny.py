@@ -148,26 +148,44 @@ def make_tiny_gemma3_multimodal(path: Path, seed: int = 0) -> Path:
     return path
 
 
+VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the model's own)
+    "mistral3": (dict(model_type="mistral"), dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                 num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
+                 dict(image_token_index=VOCAB - 1)),
+    "llava": (dict(model_type="llama"), dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+              num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14), dict(image_token_index=VOCAB - 1)),
+    # multimodal rope in sections (interleaved for Qwen3-VL), biases on Qwen2.5-VL's q/k/v, q/k norms on Qwen3-VL's
+    "qwen2_5_vl": (dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+                   dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),
+                   dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3)),
+    "qwen3_vl": (dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3],
+                                                    "mrope_interleaved": True}),
+                 dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),
+                 dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3)),
+}
+
+
 def make_tiny_vision_language(path: Path, kind: str, seed: int = 0, **text) -> Path:
     """A tiny multimodal checkpoint that is no causal LM in transformers (an image-text-to-text
-    model): ``mistral3`` (Mistral Small 3.1 and up: a Mistral text model, Pixtral vision) or
-    ``llava`` (a Llama text model, CLIP vision); ``text``: more text config fields."""
+    model, ``VISION_LANGUAGE``): ``mistral3`` (Mistral Small 3.1 and up: a Mistral text model,
+    Pixtral vision), ``llava`` (a Llama text model, CLIP vision), ``qwen2_5_vl`` (saved with its
+    text model under ``model.``, as released) or ``qwen3_vl``; ``text``: more text config fields."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     tok = byte_tokenizer()
-    text = dict(model_type="mistral" if kind == "mistral3" else "llama", vocab_size=VOCAB, hidden_size=64,
-                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=512, initializer_range=0.2, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **text)
-    vision = dict(model_type="pixtral" if kind == "mistral3" else "clip_vision_model", hidden_size=32,
-                  intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
-    config = AutoConfig.for_model(kind, text_config=text, vision_config=vision, image_token_index=VOCAB - 1)
+    own_text, vision, own = VISION_LANGUAGE[kind]
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **own_text, **text)
+    config = AutoConfig.for_model(kind, text_config=text, vision_config=vision, **own)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias") and "language_model" in name:
+                p.copy_(0.2 * torch.randn_like(p))
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

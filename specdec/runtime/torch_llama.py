@@ -26,8 +26,9 @@ from .. import disk_cache
 log = logging.getLogger(__name__)
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe")  # their MLPs (some, or all) are ``Experts``
+QWEN_VL_TEXT = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}  # as the text models they are, on text alone
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "glm4", "gemma", "gemma2",
-         "gemma3_text") + MOE_ARCHS  # HF model_type; biases, q/k norms, Phi-3's fused projections
+         "gemma3_text") + MOE_ARCHS + tuple(QWEN_VL_TEXT)  # HF model_type; biases, q/k norms, Phi-3's fused projections
 # and Gemma 2/3's norms after attention and MLP come from the weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe")  # whose transformers model rotates a part of each head where the config says
@@ -36,6 +37,9 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
 MULTIMODAL = dict.fromkeys(("gemma3", "mistral3", "llava"), ("language_model.model.", "model.language_model."))
+# Qwen2.5-VL's and Qwen3-VL's (their multimodal rope, on text alone, is the text model's: its three
+# position streams are equal); Qwen2.5-VL's released checkpoints keep the text model under "model."
+MULTIMODAL.update(dict.fromkeys(("qwen2_5_vl", "qwen3_vl"), ("model.language_model.", "language_model.model.", "model.")))
 
 
 class TextWeights:
@@ -57,7 +61,7 @@ class TextWeights:
 
 def text_model(config, weights=None):
     """``(config, weights)`` of the text model the torch runtime runs: a multimodal
-    checkpoint's (``MULTIMODAL``: Gemma 3 4B and up, Mistral 3, LLaVA; ``text_config``,
+    checkpoint's (``MULTIMODAL``: Gemma 3 4B and up, Mistral 3, LLaVA, Qwen2.5-VL, Qwen3-VL; ``text_config``,
     ``TextWeights``; text prompts only), else as given."""
     if config.model_type not in MULTIMODAL:
         return config, weights
@@ -740,7 +744,7 @@ def sliding_layers(config) -> tuple[int | None, list[bool]]:
     n, kind = config.num_hidden_layers, config.model_type
     window = getattr(config, "sliding_window", None)
     if kind in ("llama", "gemma", "granite", "glm4") or not window or \
-            (kind in ("qwen2", "qwen3", "qwen2_moe") and not getattr(config, "use_sliding_window", False)):
+            (kind in ("qwen2", "qwen3", "qwen2_moe", *QWEN_VL_TEXT) and not getattr(config, "use_sliding_window", False)):
         return None, [False] * n
     types = None if kind in ("mistral", "phi3", "mixtral", "qwen3_moe") else getattr(config, "layer_types", None)
     sliding = [t == "sliding_attention" for t in types] if types else [True] * n
