@@ -576,6 +576,8 @@ CALL_FENCES = ("```json", "```\n", "```{", "```[", "``` ")  # how a fenced bare 
 # <|message|>body<end>; an answer starts after the prompt's <|start|>assistant, so perhaps with the recipient
 MESSAGE, HARMONY_ENDS = "<|message|>", ("<|end|>", "<|return|>", "<|call|>")
 HARMONY_STARTS = ("<|channel|>", "<|start|>", " to=", "to=")
+
+
 @dataclass(frozen=True)
 class HarmonyMessage:
     channel: str | None

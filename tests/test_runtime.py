@@ -165,9 +165,9 @@ def test_multimodal_gemma3_text_model(tmp_path):
     from specdec.runtime import load_model
     from specdec.runtime.loading import Weights
 
-    from tiny import make_tiny, make_tiny_gemma3_multimodal
+    from tiny import make_tiny, make_tiny_vision_language
 
-    path = make_tiny_gemma3_multimodal(tmp_path / "gemma3", seed=3)
+    path = make_tiny_vision_language(tmp_path / "gemma3", "gemma3", seed=3)
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     for dtype in (torch.float32, torch.bfloat16):
         rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), dtype)

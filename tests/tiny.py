@@ -122,33 +122,14 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
     return path
 
 
-def make_tiny_gemma3_multimodal(path: Path, seed: int = 0) -> Path:
-    """A tiny Gemma 3 checkpoint of the 4B-and-up kind: a vision tower beside the text model
-    (``model_type`` ``gemma3``, weights under ``language_model.model.``, eos in the text
-    config), windows on one layer of two."""
-    from transformers import AutoModelForCausalLM, Gemma3Config
-
-    tok = byte_tokenizer()
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=6,
-                query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"], initializer_range=0.2,
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=0)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
-                          boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(0.1 * torch.randn_like(p))
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the model's own)
+    # Gemma 3's 4B and up: windows on one layer of two, eos in the text config, tied embeddings
+    "gemma3": (dict(model_type="gemma3_text", head_dim=16, sliding_window=6, query_pre_attn_scalar=24, pad_token_id=0,
+                    layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True),
+               dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                    patch_size=14),
+               dict(mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3,
+                    eoi_token_index=VOCAB - 2)),
     "mistral3": (dict(model_type="mistral"), dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
                  num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
                  dict(image_token_index=VOCAB - 1)),
@@ -166,24 +147,28 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
 
 
 def make_tiny_vision_language(path: Path, kind: str, seed: int = 0, **text) -> Path:
-    """A tiny multimodal checkpoint that is no causal LM in transformers (an image-text-to-text
-    model, ``VISION_LANGUAGE``): ``mistral3`` (Mistral Small 3.1 and up: a Mistral text model,
-    Pixtral vision), ``llava`` (a Llama text model, CLIP vision), ``qwen2_5_vl`` (saved with its
-    text model under ``model.``, as released) or ``qwen3_vl``; ``text``: more text config fields."""
+    """A tiny multimodal checkpoint (an image-text-to-text model, ``VISION_LANGUAGE``):
+    ``gemma3`` (the 4B-and-up kind, weights under ``language_model.model.``, which transformers
+    also loads as a causal LM), or one that is no causal LM in transformers: ``mistral3``
+    (Mistral Small 3.1 and up: a Mistral text model, Pixtral vision), ``llava`` (a Llama text
+    model, CLIP vision), ``qwen2_5_vl`` (saved with its text model under ``model.``, as
+    released) or ``qwen3_vl``; ``text``: more text config fields."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     tok = byte_tokenizer()
     own_text, vision, own = VISION_LANGUAGE[kind]
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id, tie_word_embeddings=False, **own_text, **text)
+    text = {**dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False),
+            **own_text, **text}
+    gemma = kind == "gemma3"  # its norms scale by 1 + weight: weights near 0
     config = AutoConfig.for_model(kind, text_config=text, vision_config=vision, **own)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
             elif name.endswith("bias") and "language_model" in name:
                 p.copy_(0.2 * torch.randn_like(p))
     model.save_pretrained(path)

@@ -1,6 +1,6 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-Granite, SmolLM3, GLM-4), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5: ``Experts``) and
-Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
+Granite, SmolLM3, GLM-4), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS,
+GLM-4.5: ``Experts``) and Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
@@ -26,9 +26,9 @@ from .. import disk_cache
 log = logging.getLogger(__name__)
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe")  # their MLPs (some, or all) are ``Experts``
-QWEN_VL_TEXT = {"qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}  # as the text models they are, on text alone
+QWEN_VL_TEXT = ("qwen2_5_vl_text", "qwen3_vl_text")  # Qwen2 and Qwen3 on text alone (text_model)
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "glm4", "gemma", "gemma2",
-         "gemma3_text") + MOE_ARCHS + tuple(QWEN_VL_TEXT)  # HF model_type; biases, q/k norms, Phi-3's fused projections
+         "gemma3_text") + MOE_ARCHS + QWEN_VL_TEXT  # HF model_type; biases, q/k norms, Phi-3's fused projections
 # and Gemma 2/3's norms after attention and MLP come from the weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe")  # whose transformers model rotates a part of each head where the config says
@@ -146,8 +146,7 @@ grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm
 def grouped_mm_graphable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``grouped_mm`` runs without a host sync, so that a CUDA graph can hold it:
     PyTorch's CUTLASS kernel, for bfloat16 on Hopper and data-centre Blackwell GPUs (compute
-    capability 9.x and 10.x); elsewhere it loops
-    over the groups on the host (``offs.cpu()``)."""
+    capability 9.x and 10.x); elsewhere it loops over the groups on the host (``offs.cpu()``)."""
     return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
@@ -237,15 +236,15 @@ class Routing:
 
 
 class Experts:
-    """A sparse mixture-of-experts MLP (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, GPT-OSS's, GLM-4.5's) as
-    transformers' grouped experts compute it: the router picks and weights experts per token
-    (``Routing``); the token-expert pairs, sorted by expert, go through one grouped product
-    per projection (``F.grouped_mm``: no shape that depends on the routing, so a CUDA graph
-    holds it where ``grouped_mm_graphable``); each token sums its experts' outputs, weighted.
-    Qwen2-MoE's gated shared expert and GLM-4.5's shared experts are the layer's dense MLP
-    (``TorchLlama._mlp``). Weights are
-    ``[experts, in, out]`` (``grouped_mm``'s), the gate's columns before the up ones; biases
-    (GPT-OSS's) ``[experts, out]``."""
+    """A sparse mixture-of-experts MLP (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, GPT-OSS's,
+    GLM-4.5's) as transformers' grouped experts compute it: the router picks and weights
+    experts per token (``Routing``); the token-expert pairs, sorted by expert, go through one
+    grouped product per projection (``F.grouped_mm``: no shape that depends on the routing,
+    so a CUDA graph holds it where ``grouped_mm_graphable``); each token sums its experts'
+    outputs, weighted. Qwen2-MoE's gated shared expert and GLM-4.5's shared experts are the
+    layer's dense MLP (``TorchLlama._mlp``). Weights are ``[experts, in, out]``
+    (``grouped_mm``'s), the gate's columns before the up ones; biases (GPT-OSS's)
+    ``[experts, out]``."""
 
     def __init__(self, routing: Routing, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *,
                  router_bias: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
@@ -265,30 +264,30 @@ class Experts:
         weights, converted GGUFs), each tensor copied once into the stacked ones on ``device``."""
         if config.model_type == "gpt_oss":
             return cls._load_gpt_oss(config, weights, layer + "mlp.", device, dtype)
-        mixtral = config.model_type == "mixtral"
-        if layer + "mlp.experts.gate_up_proj" in weights:
-            block, names = "mlp.", [["experts.gate_up_proj"], ["experts.down_proj"]]
-        else:
-            block, gate, up, down = ("block_sparse_moe.", "w1", "w3", "w2") if mixtral else \
-                ("mlp.", "gate_proj", "up_proj", "down_proj")
-            e = [f"experts.{i}." for i in range(num_experts(config))]
-            names = [[[x + gate + ".weight", x + up + ".weight"] for x in e], [[x + down + ".weight"] for x in e]]
-
-        def stacked(parts: list) -> torch.Tensor:  # [experts, out, in]: the fused tensor, or each expert's rows
-            if isinstance(parts[0], str):
-                return weights[layer + block + parts[0]].to(device=device, dtype=dtype, copy=True)
-            tensors = [[weights[layer + block + n] for n in expert] for expert in parts]
+        def stacked(names: list[list[str]]) -> torch.Tensor:  # [experts, out, in]: each expert's tensors' rows
+            tensors = [[weights[n] for n in expert] for expert in names]
             out = torch.empty(len(tensors), sum(len(t) for t in tensors[0]), tensors[0][0].shape[1], device=device,
                               dtype=dtype)
             for e, expert in enumerate(tensors):
                 torch.cat([t.to(device=device, dtype=dtype) for t in expert], out=out[e])
             return out
 
+        mixtral = config.model_type == "mixtral"
+        block = layer + ("block_sparse_moe." if mixtral and layer + "mlp.gate.weight" not in weights else "mlp.")
+        if block + "experts.gate_up_proj" in weights:  # fused, [experts, out, in]
+            gate_up, down = (weights[block + "experts." + n].to(device=device, dtype=dtype, copy=True)
+                             for n in ("gate_up_proj", "down_proj"))
+        else:
+            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            experts = [f"{block}experts.{i}." for i in range(num_experts(config))]
+            gate_up = stacked([[x + gate + ".weight", x + up + ".weight"] for x in experts])
+            down = stacked([[x + down + ".weight"] for x in experts])
+
         routing = Routing.of(config)
-        router = weights[layer + block + "gate.weight"].to(
+        router = weights[block + "gate.weight"].to(
             device=device, dtype=torch.float32 if routing.float_router else dtype, copy=True)
-        correction = layer + block + "gate.e_score_correction_bias"
-        return cls(routing, router, stacked(names[0]).transpose(1, 2), stacked(names[1]).transpose(1, 2),
+        correction = block + "gate.e_score_correction_bias"
+        return cls(routing, router, gate_up.transpose(1, 2), down.transpose(1, 2),
                    correction=weights[correction].to(device=device, dtype=torch.float32, copy=True)
                    if correction in weights else None)
 
@@ -1054,8 +1053,8 @@ class TorchLlama:
         return logits.float() if to_float else logits
 
     def _mlp(self, L: dict, a: torch.Tensor) -> torch.Tensor:
-        """A layer's MLP over ``a [B, T, hidden]``: dense, experts, or experts beside a shared
-        expert under a sigmoid gate (Qwen2-MoE's)."""
+        """A layer's MLP over ``a [B, T, hidden]``: dense, experts, or experts beside shared
+        experts (GLM-4.5's; Qwen2-MoE's under a sigmoid gate)."""
         out = None
         if L["gate_up"] is not None:
             gate, up = L["gate_up"](a).chunk(2, dim=-1)
