@@ -16,12 +16,13 @@ import torch
 from tqdm.auto import tqdm
 
 from .answer import grammar_gate
-from .config import EngineConfig, SamplingParams, SpecConfig, generation_defaults
-from .drafters import ModelDrafter, NgramDrafter
+from .config import DRAFT_METHODS, EngineConfig, SamplingParams, SpecConfig, generation_defaults
+from .drafters import EagleDrafter, ModelDrafter, NgramDrafter
 from .cost import DraftCost, Planner, forward_costs
 from .engine import Engine
 from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
+from .runtime.eagle import EAGLE_KINDS, EagleHead, eagle_checkpoint, load_eagle
 from .runtime.loading import quantization_of
 from .sampling import make_generator
 from .sequence import Sequence, TokenLogprobs, bad_words_ids, settled_text, text_context
@@ -125,7 +126,7 @@ def check_tree_rows(spec: SpecConfig, num_slots: int, target: LoadedModel, draft
     """Refuse at load a tree that a runtime with a bound on tree rows per slot (llama.cpp's
     sequence ids) could not hold with ``num_slots`` requests running."""
     needs = [(target, spec.node_budget + 1, "a verify forward's root and tree nodes")]
-    if spec.method in ("draft", "self", "hybrid"):  # a draft tree feeds its frontiers up to the last depth
+    if spec.method in DRAFT_METHODS + ("self",):  # a draft tree feeds its frontiers up to the last depth
         needs.append((draft or target, (spec.depth - 1) * spec.tree_topk, "the draft tree's fed nodes"))
     for model, rows, what in needs:
         bound = getattr(model.runtime, "tree_rows", None)
@@ -314,12 +315,12 @@ class LLM:
                 not (Path(c.generation_config) / "generation_config.json").is_file():
             raise ValueError(f"generation_config {c.generation_config!r} is not 'auto', 'vllm' or a directory "
                              "with a generation_config.json")
-        uses_draft = speculative.method in ("draft", "hybrid")
+        uses_draft = speculative.method in DRAFT_METHODS
         if uses_draft and not draft:
             raise ValueError(f"method {speculative.method!r} needs a draft model (draft=... / --draft)")
         if draft and not uses_draft:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
-                             "use method 'draft' or 'hybrid'")
+                             "use method 'draft', 'hybrid', 'eagle' or 'eagle3'")
         loading = dict(repack=c.repack, load_format=c.load_format, max_model_len=c.max_model_len,
                        enforce_eager=c.enforce_eager, trust_remote_code=c.trust_remote_code)
         if isinstance(model, LoadedModel) and (c.tokenizer or c.revision or c.tokenizer_revision):
@@ -338,7 +339,20 @@ class LLM:
         if uses_draft:
             from .vocab import require_compatible
 
-            if not isinstance(draft, LoadedModel):  # with a loaded target and no device: beside it
+            if isinstance(draft, LoadedModel):
+                eagle = draft.runtime.kind if isinstance(draft.runtime, EagleHead) else None
+            else:
+                eagle = eagle_checkpoint(draft, speculative.draft_revision)
+            if speculative.method in EAGLE_KINDS and eagle != speculative.method:
+                raise ValueError(f"method {speculative.method!r} needs an {speculative.method.upper()} head as the draft; "
+                                 f"{getattr(draft, 'name', draft)!r} is " + (f"an {eagle.upper()} head: use method {eagle!r}"
+                                                                           if eagle else "not one"))
+            if eagle and speculative.method == "draft":  # as vLLM infers the method from the draft
+                self.spec = speculative = replace(speculative, method=eagle)
+            if eagle and not isinstance(draft, LoadedModel):
+                draft = load_eagle(draft, eagle, self.target, speculative.draft_quantization,
+                                   speculative.draft_revision)
+            elif not isinstance(draft, LoadedModel):  # with a loaded target and no device: beside it
                 where = str(self.target.runtime.device) if c.device is None and isinstance(model, LoadedModel) \
                     else c.device
                 draft = load_model(draft, where, c.dtype, c.draft_backend or c.backend,
@@ -347,6 +361,8 @@ class LLM:
             elif speculative.draft_revision:
                 raise ValueError("draft_revision is for loading the draft model; this one is loaded already")
             self.draft = draft
+            if isinstance(draft.runtime, EagleHead) and draft.runtime.target is not self.target.runtime:
+                raise ValueError("this EAGLE head was loaded for another target: it reads its target's hidden states")
             require_compatible(self.target.tokenizer, self.draft.tokenizer)
         for side, m in (("target", self.target), ("draft", self.draft)):
             if m is not None and speculative.method != "none" and not getattr(m.runtime, "rewinds", True):
@@ -372,9 +388,11 @@ class LLM:
         self.engine_config = c
         drafters = self._drafters(c.max_batch_size, c.chunked_prefill_size)
         planner = self._planner(drafters) if speculative.cost_model else None
+        # EAGLE reads the target's hidden states of every prompt token: none are reused
+        reads_features = any(getattr(d, "taps", None) for d in drafters.values())
         self.engine = Engine(self.target, drafters, speculative, c.max_batch_size, planner,
                              chunked_prefill_size=c.chunked_prefill_size, max_rows=self.context_window,
-                             prefix_caching=c.enable_prefix_caching)
+                             prefix_caching=c.enable_prefix_caching and not reads_features)
         self.tokenizer = self.target.tokenizer
         self.sampling_defaults = self._generation_defaults(c.generation_config)
         self.grammars = Grammars(self.tokenizer, self.target.runtime.vocab_size, self.target.eos_ids)
@@ -421,12 +439,13 @@ class LLM:
         spec, out = self.spec, {}
         if spec.method in ("ngram", "hybrid"):
             out["ngram"] = NgramDrafter(spec.ngram_max, spec.ngram_min, spec.tree_topk, spec.node_budget)
-        if spec.method in ("draft", "self", "hybrid"):
-            out["self" if spec.method == "self" else "draft"] = ModelDrafter(
-                (self.draft or self.target).runtime, num_slots=max_batch_size,
-                target_vocab=self.target.runtime.vocab_size, topk=spec.tree_topk, max_nodes=spec.node_budget,
-                max_catch_up=max_catch_up, max_rows=self.context_window,
-                prefix_caching=self.engine_config.enable_prefix_caching)
+        if spec.method in DRAFT_METHODS + ("self",):
+            runtime = (self.draft or self.target).runtime
+            kw = dict(num_slots=max_batch_size, target_vocab=self.target.runtime.vocab_size, topk=spec.tree_topk,
+                      max_nodes=spec.node_budget, max_catch_up=max_catch_up, max_rows=self.context_window)
+            out["self" if spec.method == "self" else "draft"] = EagleDrafter(runtime, **kw) \
+                if isinstance(runtime, EagleHead) else \
+                ModelDrafter(runtime, prefix_caching=self.engine_config.enable_prefix_caching, **kw)
         return out
 
     def _planner(self, drafters: dict) -> Planner:

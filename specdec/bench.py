@@ -51,6 +51,7 @@ import sys
 import time
 from pathlib import Path
 
+from .config import DRAFT_METHODS
 from .sequence import cut_after_eos
 
 METHODS = ("specdec-plain", "specdec-draft", "specdec-ngram", "specdec-hybrid", "specdec-ngram-tree",
@@ -552,7 +553,7 @@ def run_bench(args) -> int:
             if m == "specdec-plain":
                 continue
             spec = _spec(m, args)
-            uses_draft = spec.method in ("draft", "hybrid")
+            uses_draft = spec.method in DRAFT_METHODS
             draft = draft_model or str(draft_gguf if on_llamacpp else draft_path)
             llms[m] = LLM(plain.target, draft=draft if uses_draft else None, speculative=spec, **backend)
             draft_model = draft_model or llms[m].draft

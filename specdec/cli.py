@@ -31,14 +31,17 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true",
                    help="run the checkpoint's own Python code (config, tokenizer, model on transformers' "
                         "runtime) where its config.json names it in auto_map")
-    g.add_argument("--draft", help="draft model for --method draft or hybrid (same forms as --model)")
+    g.add_argument("--draft", help="draft model for --method draft or hybrid (same forms as --model), or an "
+                                   "EAGLE / EAGLE-3 head's directory or hub id (then --method eagle / eagle3)")
     g.add_argument("--speculative-config", metavar="JSON",
                    help="vLLM's form, instead of --method and --draft: e.g. '{\"method\": \"draft_model\", "
                         "\"model\": \"DRAFT\", \"num_speculative_tokens\": 5}' or '{\"method\": \"ngram\", "
-                        "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}'; other SpecConfig fields by name")
+                        "\"num_speculative_tokens\": 5, \"prompt_lookup_max\": 4}' or '{\"method\": \"eagle3\", \"model\": "
+                        "\"HEAD\", \"num_speculative_tokens\": 3}'; other SpecConfig fields by name")
     g.add_argument("--method", choices=METHODS, default=None,
                    help="drafter (default: draft when --draft is given, else none); hybrid = "
-                        "n-gram when the lookup matches, else the draft model")
+                        "n-gram when the lookup matches, else the draft model; eagle / eagle3 = --draft is an "
+                        "EAGLE or EAGLE-3 head over the target's hidden states (draft with one becomes its kind)")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=SpecConfig.num_draft_tokens,
                    help="draft tokens per round, k (default %(default)s)")
     g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max)

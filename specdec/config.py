@@ -24,9 +24,11 @@ from collections.abc import Callable
 from dataclasses import InitVar, dataclass, fields, replace
 from enum import IntEnum
 
-METHODS = ("none", "draft", "ngram", "self", "hybrid")
+METHODS = ("none", "draft", "ngram", "self", "hybrid", "eagle", "eagle3")
+# the methods that draft with a draft model (eagle, eagle3: a head over the target's hidden states)
+DRAFT_METHODS = ("draft", "hybrid", "eagle", "eagle3")
 # vLLM's speculative_config, as SpecConfig.from_vllm reads it: its method names and keys
-VLLM_SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft"}
+VLLM_SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "eagle": "eagle", "eagle3": "eagle3"}
 VLLM_SPEC_KEYS = {"num_speculative_tokens": "num_draft_tokens", "prompt_lookup_max": "ngram_max",
                   "prompt_lookup_min": "ngram_min", "revision": "draft_revision"}
 BACKENDS = ("auto", "torch", "hf", "llamacpp")
@@ -326,7 +328,8 @@ class SpecConfig:
     """Which drafter proposes tokens, and how many per round."""
 
     # hybrid: n-gram when it matches, else draft (with the cost model: the faster expected)
-    method: str = "none"  # none | draft | ngram | self | hybrid
+    # eagle / eagle3: the draft is an EAGLE or EAGLE-3 head (method draft with one becomes its kind)
+    method: str = "none"  # none | draft | ngram | self | hybrid | eagle | eagle3
     num_draft_tokens: int = 4  # k
     ngram_max: int = 3  # longest suffix n-gram the lookup tries first
     ngram_min: int = 1
@@ -360,7 +363,7 @@ class SpecConfig:
         _check(self.tree_depth is None or self.tree_depth >= 1, f"tree_depth must be >= 1, got {self.tree_depth}")
         _check(self.tree_nodes is None or self.tree_nodes >= 1, f"tree_nodes must be >= 1, got {self.tree_nodes}")
         _check(self.tree_topk == 1 or self.method != "none",
-               "token trees (tree_topk > 1) need a drafter: method draft, self, ngram or hybrid")
+               "token trees (tree_topk > 1) need a drafter: method draft, self, ngram, hybrid, eagle or eagle3")
         _check(not self.cost_model or self.method != "none", "the cost model needs a drafter (method != none)")
 
     @staticmethod

@@ -99,6 +99,12 @@ class Engine:
             getattr(self.runtime, "reuses_prefixes", False)
         # running requests share whole chunks where the cache can copy rows between slots
         self.shares_chunks = self.reuses_prefixes and callable(getattr(self.cache, "copy", None))
+        # drafters reading the target's hidden states (EAGLE): each target forward keeps them
+        self.readers = [d for d in self.drafters.values() if getattr(d, "taps", None)]
+        if self.readers:
+            if len({d.taps for d in self.readers}) > 1:
+                raise ValueError("drafters that read different hidden states of the target")
+            self.runtime.capture(self.readers[0].taps)
         self._masking: ThreadPoolExecutor | None = None  # grammar masks beside the verify forward
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -170,11 +176,13 @@ class Engine:
         batch_rows = self.planner and self.planner.batch_rows([len(c) for c in chunks])
         if batch_rows:  # what a forward of this many rows really costs here
             self.planner.observe_verify(batch_rows, t2 - t1)
-        for s, d, c, v, rows in zip(seqs, drafts, plan, verdicts, logits):
-            if s.logprobs is not None:  # row j predicts token j (a tree: row v.rows[j])
-                path = list(v.rows) if d.tree is not None else list(range(len(v.tokens)))
+        for b, (s, d, c, v, rows) in enumerate(zip(seqs, drafts, plan, verdicts, logits)):
+            path = list(v.rows) if d.tree is not None else list(range(len(v.tokens)))  # row j predicts token j
+            if s.logprobs is not None:
                 s.token_logprobs += token_logprobs(rows[path], v.tokens, s.logprobs)
+            start = len(s.ids) - 1  # row 0's position
             committed = self._commit(s, v.tokens)  # 3. commit, stop checks
+            self._hand_features(s, start, b, path[:committed])
             depth = max(d.tree.depths) if d.tree else len(d.tokens)  # drafts on the longest path
             s.metrics.record_verify(len(d.tokens), depth, v.num_accepted, committed)
             s.metrics.target_forwards += 1
@@ -313,7 +321,8 @@ class Engine:
                                       prefill=True)  # [B, vocab], or [B, longest chunk, vocab]
         if logits.device.type == "cuda":  # the prefill's time, not its launch's
             torch.cuda.synchronize(logits.device)
-        for s, out, chunk in zip(batch, logits, chunks):
+        for b, (s, out, chunk) in enumerate(zip(batch, logits, chunks)):
+            self._hand_features(s, self.cache.lengths[s.slot] - len(chunk), b, range(len(chunk)))
             s.metrics.target_forwards += 1
             row = out  # [vocab]: the logits after the chunk's last token
             if every_row:
@@ -334,6 +343,14 @@ class Engine:
                 s.token_logprobs += token_logprobs(row[None], [token], s.logprobs)
             self._commit(s, [token])
         self.spent[0] += time.perf_counter() - t0  # the prefill phase (PHASES[0])
+
+    def _hand_features(self, s: Sequence, start: int, b: int, rows) -> None:
+        """Give the drafters that read hidden states (EAGLE) the last target forward's
+        ``rows`` of batch row ``b``: ``s``'s committed tokens at positions ``start`` on."""
+        if self.readers and len(rows):
+            features = self.runtime.features[b, list(rows)]  # [n, len(taps) * hidden]
+            for d in self.readers:
+                d.features(s, start, features)
 
     def _copy_shared(self, s: Sequence) -> None:
         """Give ``s`` the KV of the whole prompt chunks it shares with another request's

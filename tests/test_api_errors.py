@@ -47,7 +47,7 @@ from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
     (lambda: SamplingParams(temperature=float("inf")), "temperature must be a finite number"),
     (lambda: SamplingParams(temperature=float("nan")), "temperature must be a finite number"),
     (lambda: SamplingParams(repetition_penalty=float("inf")), "repetition_penalty must be a finite"),
-    (lambda: SpecConfig.from_vllm({"method": "eagle3", "model": "x"}), "method 'eagle3' is not supported"),
+    (lambda: SpecConfig.from_vllm({"method": "mtp", "model": "x"}), "method 'mtp' is not supported"),
     (lambda: SpecConfig.from_vllm({"num_speculative_tokens": 3}), "needs a method"),
     (lambda: SpecConfig.from_vllm({"method": "ngram", "lookahead": 2}), "unknown key 'lookahead'"),
     (lambda: SpecConfig.from_vllm({"model": "x", "draft_tensor_parallel_size": 2}), "draft on one device"),

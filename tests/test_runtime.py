@@ -729,7 +729,8 @@ class EagerGraphs:
     def run(self, cache, x, tokens):
         assert x.mask.shape[-1] == cache.capacity
         self.shapes.add(tuple(x.ids.shape))
-        return self.runtime._layers(cache, x)[:, :tokens]
+        logits, features = self.runtime._layers(cache, x)
+        return logits[:, :tokens], None if features is None else features[:, :tokens]
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2-caps-window", "granite-multipliers", "qwen2moe",

@@ -1,6 +1,7 @@
 """Tiny random-config checkpoints (HF directories) with a byte-level tokenizer, for fast tests."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -217,4 +218,53 @@ def noisy_copy(src: Path, path: Path, noise: float, seed: int = 0) -> Path:
             p += torch.randn(p.shape, generator=g) * noise * p.std().clamp_min(1e-3)
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(src).save_pretrained(path)
+    return path
+
+
+def make_tiny_eagle(path: Path, target: Path, kind: str = "eagle3", seed: int = 0, draft_vocab: int | None = None,
+                    std: float = 0.2, **config) -> Path:
+    """A random EAGLE (``kind="eagle"``, saved as ``pytorch_model.bin`` with EAGLE's names:
+    ``fc`` with a bias, ``layers.0.*`` without an input norm) or EAGLE-3 head (``midlayer.*``,
+    ``fc``, ``norm``, ``lm_head``, with ``draft_vocab`` its ``d2t`` and ``t2d``; safetensors)
+    for the tiny checkpoint at ``target``; ``config``: more config fields
+    (``eagle_aux_hidden_state_layer_ids``, ``norm_before_residual``)."""
+    from safetensors.torch import save_file
+
+    t = json.loads((target / "config.json").read_text())
+    h, heads, kv = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"]
+    d, inner, vocab = h // heads, t["intermediate_size"], t["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm():
+        return 1 + 0.1 * torch.randn(h, generator=g)
+
+    width = 2 * h if kind == "eagle3" else h  # what attention reads
+    pre = "midlayer." if kind == "eagle3" else "layers.0."
+    w = {pre + "self_attn.q_proj.weight": rand(heads * d, width), pre + "self_attn.k_proj.weight": rand(kv * d, width),
+         pre + "self_attn.v_proj.weight": rand(kv * d, width), pre + "self_attn.o_proj.weight": rand(h, heads * d),
+         pre + "post_attention_layernorm.weight": norm(), pre + "mlp.gate_proj.weight": rand(inner, h),
+         pre + "mlp.up_proj.weight": rand(inner, h), pre + "mlp.down_proj.weight": rand(h, inner)}
+    cfg = {k: t[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                             "rms_norm_eps", "max_position_embeddings", "vocab_size", "bos_token_id", "eos_token_id")}
+    cfg.update(model_type="llama", num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False,
+               rope_theta=t.get("rope_parameters", {}).get("rope_theta", t.get("rope_theta", 10000.0)), **config)
+    path.mkdir(parents=True, exist_ok=True)
+    if kind == "eagle3":
+        dv = draft_vocab or vocab
+        w.update({pre + "input_layernorm.weight": norm(), pre + "hidden_norm.weight": norm(), "fc.weight": rand(h, 3 * h),
+                  "norm.weight": norm(), "lm_head.weight": rand(dv, h)})
+        if draft_vocab:
+            kept = torch.randperm(vocab, generator=g)[:dv].sort().values  # the target ids it drafts
+            w["d2t"] = kept - torch.arange(dv)
+            w["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, kept, True)
+        cfg.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=dv)
+        save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    else:
+        w.update({"fc.weight": rand(h, 2 * h), "fc.bias": rand(h)})
+        cfg.update(architectures=["LlamaForCausalLM"])
+        torch.save(w, path / "pytorch_model.bin")
+    (path / "config.json").write_text(json.dumps(cfg))
     return path

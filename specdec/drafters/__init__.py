@@ -1,6 +1,7 @@
-"""Drafters: ``ngram`` (prompt lookup), ``draft`` (a smaller model) and ``self`` (the target)."""
+"""Drafters: ``ngram`` (prompt lookup), ``draft`` (a smaller model), ``self`` (the target) and
+``eagle`` / ``eagle3`` (a head over the target's hidden states)."""
 from .base import Draft, Drafter
-from .model import ModelDrafter
+from .model import EagleDrafter, ModelDrafter
 from .ngram import NgramDrafter, lookup
 
-__all__ = ["Draft", "Drafter", "ModelDrafter", "NgramDrafter", "lookup"]
+__all__ = ["Draft", "Drafter", "EagleDrafter", "ModelDrafter", "NgramDrafter", "lookup"]

@@ -28,3 +28,8 @@ class Drafter(Protocol):
 
     def release(self, seq: Sequence) -> None:
         """``seq`` left the batch: free what the drafter holds for it."""
+
+    # Optional (EAGLE): ``taps``, the target's hidden states the drafter reads
+    # (``TorchLlama.capture``), and ``features(seq, start, rows)``, which the engine calls
+    # after each target forward with the rows ``[n, features]`` of ``seq``'s committed
+    # tokens at positions ``start`` on.

@@ -398,3 +398,19 @@ class ModelDrafter:
         self.tail.pop(seq.slot, None)
         self.drafted.discard(seq.slot)  # a request that failed between propose and observe
         self.cache.rewind(seq.slot, keep)
+
+
+class EagleDrafter(ModelDrafter):
+    """``ModelDrafter`` over an EAGLE head (``runtime.eagle.EagleHead``): chains and EAGLE-2
+    trees alike, each row's feature coming with it (the target's for committed tokens, which
+    the engine hands over with ``features``; the head's own for drafts). Without prefix reuse:
+    the target computes no features for a reused prompt's rows."""
+
+    def __init__(self, head, num_slots: int, target_vocab: int, **kwargs):
+        super().__init__(head, num_slots, target_vocab, prefix_caching=False, **kwargs)
+        self.taps = head.reads
+
+    def features(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
+        """The target's tapped hidden states ``[n, len(taps) * hidden]`` of ``seq``'s
+        committed tokens at positions ``start`` to ``start + n - 1``."""
+        self.cache.store(seq.slot, start, self.runtime.fuse(rows))

@@ -598,6 +598,7 @@ class _Batch:
     # (a graph's slots vary between replays): each layer then attends over views of the
     # cache, one per run, not over a gathered copy of it
     runs: tuple[tuple[int, int, int], ...] | None = None
+    hidden: torch.Tensor | None = None  # [B, T, hidden] an EAGLE head's hidden inputs (``eagle.EagleHead``)
 
 
 RUNS_FROM_KEYS = 256  # a batch in several runs of slots attends run by run from this many keys
@@ -620,6 +621,7 @@ class _Graph:
     graph: "torch.cuda.CUDAGraph"
     inputs: _Batch  # the buffers the graph reads
     logits: torch.Tensor  # [B, T, vocab] in the model's dtype, the buffer it writes
+    features: torch.Tensor | None  # [B, T, features]: the runtime's taps (None without)
 
 
 class CudaGraphs:
@@ -642,9 +644,10 @@ class CudaGraphs:
         # cache -> (its K and V buffers' addresses and K's shape, its memory pool, its graphs by (batch, tokens))
         self.by_cache: "weakref.WeakKeyDictionary[KVCache, tuple[tuple, tuple, dict]]" = weakref.WeakKeyDictionary()
 
-    def run(self, cache: KVCache, x: _Batch, tokens: int) -> torch.Tensor:
+    def run(self, cache: KVCache, x: _Batch, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``[B, tokens, vocab]`` (float32) of ``x``'s first ``tokens`` rows (the
-        others are padding). On the runtime's GPU (``cuda:N``), whichever is current."""
+        others are padding), and their tapped hidden states (``TorchLlama.capture``). On the
+        runtime's GPU (``cuda:N``), whichever is current."""
         with torch.cuda.device(self.runtime.device):
             return self._run(cache, x, tokens)
 
@@ -657,34 +660,37 @@ class CudaGraphs:
         key = tuple(x.ids.shape)
         g = graphs.get(key)
         if g is None:
-            logits, g = self._capture(cache, x, pool)
+            (logits, features), g = self._capture(cache, x, pool)
             if g is not None:
                 graphs[key] = g
-            return logits[:, :tokens]
+            return logits[:, :tokens], None if features is None else features[:, :tokens]
         for f in fields(_Batch):
             if getattr(x, f.name) is not None:
                 getattr(g.inputs, f.name).copy_(getattr(x, f.name), non_blocking=True)
         g.graph.replay()
-        return g.logits[:, :tokens].to(torch.float32, copy=True)  # the buffer is the next replay's
+        # copies: the buffers are the next replay's
+        features = None if g.features is None else g.features[:, :tokens].clone()
+        return g.logits[:, :tokens].to(torch.float32, copy=True), features
 
-    def _capture(self, cache: KVCache, x: _Batch, pool) -> tuple[torch.Tensor, _Graph | None]:
-        """Run ``x`` eagerly on a side stream (as warm-up; its logits are the answer), then
-        capture the same forward: its K/V writes go to the same rows with the same values."""
+    def _capture(self, cache: KVCache, x: _Batch, pool) -> tuple[tuple, _Graph | None]:
+        """Run ``x`` eagerly on a side stream (as warm-up; its logits and features are the
+        answer), then capture the same forward: its K/V writes go to the same rows with the
+        same values."""
         rt = self.runtime
         side = torch.cuda.Stream(rt.device)
         side.wait_stream(torch.cuda.current_stream(rt.device))
         with torch.cuda.stream(side):
-            logits = rt._layers(cache, x)
+            answer = rt._layers(cache, x)
         torch.cuda.current_stream(rt.device).wait_stream(side)
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-                out = rt._layers(cache, x, to_float=False)  # in the model's dtype: half the buffer in bf16
+                logits, features = rt._layers(cache, x, to_float=False)  # the model's dtype: half the buffer in bf16
         except Exception as e:  # an op that cannot be captured: eager from now on
             log.warning("CUDA graph capture failed (%s: %s); running eagerly", type(e).__name__, e)
             rt.graphs = None
-            return logits, None
-        return logits, _Graph(graph, x, out)
+            return answer, None
+        return answer, _Graph(graph, x, logits, features)
 
 
 POSITIONAL_ROPE = ("default", "linear", "yarn", "llama3")  # tables that depend on the position alone
@@ -803,6 +809,41 @@ class CheckpointReader:
         return self.linear(gate_up, biases), self.linear(self.get(prefix + "down_proj.weight"), self.opt(prefix + "down_proj.bias"))
 
 
+def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, sliding: bool = False,
+                  rope: str | None = None, rotates: bool = True) -> dict:
+    """The weights of the decoder layer under ``pre`` (``model.layers.{i}.``) as
+    ``TorchLlama._layers`` reads them: ``moe``: its MLP is experts (with shared ones where the
+    checkpoint has them); ``sliding``: it attends within the window; ``rope``: its rope
+    table's key (a layer type, or None); ``rotates``: it applies rope at all (SmolLM3's)."""
+    a = pre + "self_attn."
+    shared = ("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in r else "shared_expert.") \
+        if moe else ""  # GLM-4.5's, Qwen2-MoE's
+    gate_up, down = r.mlp(pre + "mlp." + shared, optional=moe)
+    sandwich = pre + "pre_feedforward_layernorm.weight" in r  # Gemma 2/3: norms after, too
+    glm4 = pre + "post_self_attn_layernorm.weight" in r  # GLM-4's norms after, named its way
+    return {
+        "attn_norm": r.norm(pre + "input_layernorm.weight"),
+        "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]),
+                        cat_or_none([r.opt(a + f"{n}_proj.bias") for n in "qkv"])),
+        "o": r.linear(r.get(a + "o_proj.weight"), r.opt(a + "o_proj.bias")),
+        "q_norm": r.norm(a + "q_norm.weight"),
+        "sinks": r.opt(a + "sinks"),  # [H] GPT-OSS's
+        "k_norm": r.norm(a + "k_norm.weight"),
+        "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich else
+        r.norm(pre + "post_self_attn_layernorm.weight") if glm4 else None,
+        "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm") + ".weight"),
+        "post_mlp_norm": r.norm(pre + ("post_feedforward_layernorm" if sandwich else "post_mlp_layernorm") + ".weight")
+        if sandwich or glm4 else None,
+        "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
+        "down": down,
+        "shared_gate": r.opt(pre + "mlp.shared_expert_gate.weight") if moe else None,  # [1, hidden]
+        "experts": Experts.load(config, r.weights, pre, r.device, r.dtype) if moe else None,
+        "sliding": sliding,
+        "rope": rope,  # its rope table's key
+        "rotates": rotates,
+    }
+
+
 class TorchLlama:
     """Runtime for Llama- and Gemma-family checkpoints and mixtures of experts (see ``ARCHS``,
     ``Family``, ``Experts``). ``cuda_graphs`` (default: on a CUDA device; for experts, where
@@ -844,35 +885,12 @@ class TorchLlama:
         self.vocab_size = self.embed.shape[0]
         self.layers = []
         for i, moe in enumerate(moe_layers(config)):
-            pre = f"model.layers.{i}."
-            a = pre + "self_attn."
-            shared = ("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in r else "shared_expert.") \
-                if moe else ""  # GLM-4.5's, Qwen2-MoE's
-            gate_up, down = r.mlp(pre + "mlp." + shared, optional=moe)
-            sandwich = pre + "pre_feedforward_layernorm.weight" in r  # Gemma 2/3: norms after, too
-            glm4 = pre + "post_self_attn_layernorm.weight" in r  # GLM-4's norms after, named its way
-            self.layers.append({
-                "attn_norm": r.norm(pre + "input_layernorm.weight"),
-                "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]),
-                                cat_or_none([r.opt(a + f"{n}_proj.bias") for n in "qkv"])),
-                "o": r.linear(r.get(a + "o_proj.weight"), r.opt(a + "o_proj.bias")),
-                "q_norm": r.norm(a + "q_norm.weight"),
-                "sinks": r.opt(a + "sinks"),  # [H] GPT-OSS's
-                "k_norm": r.norm(a + "k_norm.weight"),
-                "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich else
-                r.norm(pre + "post_self_attn_layernorm.weight") if glm4 else None,
-                "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm") + ".weight"),
-                "post_mlp_norm": r.norm(pre + ("post_feedforward_layernorm" if sandwich else "post_mlp_layernorm") + ".weight")
-                if sandwich or glm4 else None,
-                "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
-                "down": down,
-                "shared_gate": r.opt(pre + "mlp.shared_expert_gate.weight") if moe else None,  # [1, hidden]
-                "experts": Experts.load(config, weights, pre, device, dtype) if moe else None,
-                "sliding": sliding[i],
-                "rope": types[i] if types[i] in self.rope else None,  # its rope table's key
-                "rotates": bool(rotates[i]),
-            })
+            self.layers.append(decoder_layer(r, config, f"model.layers.{i}.", moe, sliding=sliding[i],
+                                             rope=types[i] if types[i] in self.rope else None,
+                                             rotates=bool(rotates[i])))
         self.norm = r.norm("model.norm.weight")
+        self.taps: tuple[int, ...] = ()  # hidden states each forward keeps (``capture``)
+        self.features: torch.Tensor | None = None  # the last forward's: [B, T, len(taps) * hidden]
         self.lm_head = r.linear(r.get("lm_head.weight") if "lm_head.weight" in r else self.embed, None)  # tied
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
@@ -882,6 +900,21 @@ class TorchLlama:
         self.one_row_packed = all(lin.multi is not None for lin in self._linears()) and self._packed_one_row_pays()
         for lin in self._linears():  # if so, the packed copy serves every product, the other goes
             lin.pack_one_row(self.one_row_packed, free=True)
+
+    def capture(self, taps: Sequence[int]) -> None:
+        """From now on each forward keeps the hidden states ``taps`` names in ``features``
+        ``[B, T, len(taps) * hidden]``, side by side in the order of the layers (a tap named
+        twice, twice: EAGLE-3's defaults on a model of few layers): tap ``i`` is
+        transformers' ``hidden_states[i]``, the input of layer ``i`` (0: the embeddings), and
+        ``num_layers`` the last layer's output after the final norm (what an EAGLE drafter
+        reads)."""
+        taps = tuple(sorted(taps))
+        if taps and not 0 <= taps[0] <= taps[-1] <= self.num_layers:
+            raise ValueError(f"hidden states {list(taps)}: this model has {self.num_layers} layers, "
+                             f"so 0 to {self.num_layers}")
+        self.taps, self.features = taps, None
+        if self.graphs is not None:  # graphs captured before give no features
+            self.graphs = CudaGraphs(self)
 
     def _linears(self) -> list[Linear]:
         return [layer[n] for layer in self.layers for n in ("qkv", "o", "gate_up", "down") if layer[n]] + [self.lm_head]
@@ -961,20 +994,20 @@ class TorchLlama:
         width = graph_tokens(T) if graphed else T  # a graph's rows: padding KV lands past the lengths
         cache.ensure(max(starts) + width, max(slots) + 1)
         # a CUDA graph attends over the cache's whole capacity (its shapes are fixed), masked
-        batch = self._batch(starts, slots, tokens, positions, chunk_masks, width,
+        batch = self._batch(cache, starts, slots, tokens, positions, chunk_masks, width,
                             cache.capacity if graphed else None)
         last = torch.tensor([len(t) - 1 for t in tokens], device=self.device) if last_only else None  # [B]
         if graphed:
-            logits = self.graphs.run(cache, batch, T)  # [B, T, vocab]
+            logits, self.features = self.graphs.run(cache, batch, T)  # [B, T, vocab], [B, T, features]
             if last is not None:
                 logits = logits[torch.arange(B, device=self.device), last]  # [B, vocab]
         else:
-            logits = self._layers(cache, batch, last)
+            logits, self.features = self._layers(cache, batch, last)
         for b, s in enumerate(slots):
             cache.lengths[s] += len(tokens[b])
         return logits
 
-    def _batch(self, starts: list[int], slots, tokens, positions, chunk_masks, T: int,
+    def _batch(self, cache: KVCache, starts: list[int], slots, tokens, positions, chunk_masks, T: int,
                keys: int | None) -> "_Batch":
         """A forward's inputs as device tensors, ``T`` tokens per row (the longest of
         ``tokens`` or more: padding); ``keys``: keys attended (default: up to the last new
@@ -998,59 +1031,77 @@ class TorchLlama:
                       None if keys is not None else slot_runs(slots, mask.shape[-1]))
 
     def _layers(self, cache: KVCache, x: "_Batch", last: torch.Tensor | None = None,
-                to_float: bool = True) -> torch.Tensor:
+                to_float: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model over one batch: logits ``[B, T, vocab]``, or ``[B, vocab]`` at row
-        ``last[b]`` of each, in float32 (``to_float``) or the model's dtype. Device work alone
-        (no host sync, no allocation that depends on values), so that a CUDA graph can capture
-        it."""
+        ``last[b]`` of each, in float32 (``to_float``) or the model's dtype; and the hidden
+        states ``taps`` names, side by side ``[B, T, len(taps) * hidden]`` (None without).
+        Device work alone (no host sync, no allocation that depends on values), so that a
+        CUDA graph can capture it."""
         B, T = x.ids.shape
-        S = x.mask.shape[-1]
-        rope = {}  # layer type -> (cos, sin) [B, 1, T, head_dim]
-        for layer_type, (inv_freq, scale) in self.rope.items():
-            freqs = x.pos[..., None].float() * inv_freq  # [B, T, head_dim/2]
-            emb = freqs.repeat_interleave(2, dim=-1) if self.family.interleaved_rope else torch.cat((freqs, freqs), dim=-1)
-            rope[layer_type] = ((emb.cos() * scale).to(self.dtype)[:, None], (emb.sin() * scale).to(self.dtype)[:, None])
-
+        rope = self._rope(x.pos)
         fam = self.family
         h = F.embedding(x.ids, self.embed)  # [B, T, hidden]
         if fam.embed_scale is not None:
             h = h * fam.embed_scale
-        H, KV, D = self.num_heads, self.kv_heads, self.head_dim
+        tapped = {}  # tap -> [B, T, hidden]
         for li, L in enumerate(self.layers):
+            if li in self.taps:
+                tapped[li] = h
             a = rms_norm(h, L["attn_norm"], self.eps)
-            qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D]
-            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
-            q = q.view(B, T, H, D)
-            k = k.view(B, T, KV, D)
-            v = v.view(B, T, KV, D)
-            if L["q_norm"] is not None:
-                q = rms_norm(q, L["q_norm"], self.eps)
-                k = rms_norm(k, L["k_norm"], self.eps)
-            q = q.transpose(1, 2)  # [B, H, T, D]
-            k = k.transpose(1, 2)  # [B, KV, T, D]
-            if L["rotates"]:
-                cos, sin = rope[L["rope"]]
-                q, k = rotate(q, cos, sin, fam.interleaved_rope), rotate(k, cos, sin, fam.interleaved_rope)
-            kc, vc = cache.k[li], cache.v[li]  # [slots, KV, cap, D]
-            kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
-            vc[x.slots[:, None], :, x.write] = v
-            mask = x.sliding if L["sliding"] else x.mask
-            if x.runs is not None:  # views of each run's cache rows [b1 - b0, KV, S, D]
-                parts = [attention(q[b0:b1], kc[s0:s0 + b1 - b0, :, :S], vc[s0:s0 + b1 - b0, :, :S], mask[b0:b1],
-                                   fam.attn_scale, fam.attn_softcap, L["sinks"]) for b0, b1, s0 in x.runs]
-                o = parts[0] if len(parts) == 1 else torch.cat(parts)
-            else:  # a gathered copy [B, KV, S, D]
-                o = attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], mask, fam.attn_scale, fam.attn_softcap,
-                              L["sinks"])
-            o = L["o"](o.transpose(1, 2).reshape(B, T, H * D))  # [B, T, hidden]
-            h = h + self._residual(o, L["post_attn_norm"])
+            h = h + self._residual(self._attend(cache, x, li, L, a, rope), L["post_attn_norm"])
             h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])
+        if self.num_layers in self.taps:  # transformers' last hidden state: after the final norm
+            h = tapped[self.num_layers] = rms_norm(h, self.norm, self.eps)
         if last is not None:
             h = h[torch.arange(B, device=h.device), last]  # [B, hidden]
-        logits = softcap(self.lm_head(rms_norm(h, self.norm, self.eps)), fam.final_softcap)
+        if self.num_layers not in self.taps:
+            h = rms_norm(h, self.norm, self.eps)
+        logits = softcap(self.lm_head(h), fam.final_softcap)
         if fam.logits_divisor is not None:
             logits = logits / fam.logits_divisor
-        return logits.float() if to_float else logits
+        features = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
+        return logits.float() if to_float else logits, features
+
+    def _rope(self, pos: torch.Tensor) -> dict:
+        """Per layer type, (cos, sin) ``[B, 1, T, rotated]`` at positions ``pos [B, T]``."""
+        rope = {}
+        for layer_type, (inv_freq, scale) in self.rope.items():
+            freqs = pos[..., None].float() * inv_freq  # [B, T, rotated/2]
+            emb = freqs.repeat_interleave(2, dim=-1) if self.family.interleaved_rope else torch.cat((freqs, freqs), dim=-1)
+            rope[layer_type] = ((emb.cos() * scale).to(self.dtype)[:, None], (emb.sin() * scale).to(self.dtype)[:, None])
+        return rope
+
+    def _attend(self, cache: KVCache, x: "_Batch", li: int, L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
+        """Layer ``li``'s attention over ``a [B, T, in]`` (its input, normed): writes the new
+        tokens' K/V to the cache and returns the output projection's ``[B, T, hidden]``."""
+        fam, (B, T) = self.family, x.ids.shape
+        S = x.mask.shape[-1]
+        H, KV, D = self.num_heads, self.kv_heads, self.head_dim
+        qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D]
+        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+        q = q.view(B, T, H, D)
+        k = k.view(B, T, KV, D)
+        v = v.view(B, T, KV, D)
+        if L["q_norm"] is not None:
+            q = rms_norm(q, L["q_norm"], self.eps)
+            k = rms_norm(k, L["k_norm"], self.eps)
+        q = q.transpose(1, 2)  # [B, H, T, D]
+        k = k.transpose(1, 2)  # [B, KV, T, D]
+        if L["rotates"]:
+            cos, sin = rope[L["rope"]]
+            q, k = rotate(q, cos, sin, fam.interleaved_rope), rotate(k, cos, sin, fam.interleaved_rope)
+        kc, vc = cache.k[li], cache.v[li]  # [slots, KV, cap, D]
+        kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
+        vc[x.slots[:, None], :, x.write] = v
+        mask = x.sliding if L["sliding"] else x.mask
+        if x.runs is not None:  # views of each run's cache rows [b1 - b0, KV, S, D]
+            parts = [attention(q[b0:b1], kc[s0:s0 + b1 - b0, :, :S], vc[s0:s0 + b1 - b0, :, :S], mask[b0:b1],
+                               fam.attn_scale, fam.attn_softcap, L["sinks"]) for b0, b1, s0 in x.runs]
+            o = parts[0] if len(parts) == 1 else torch.cat(parts)
+        else:  # a gathered copy [B, KV, S, D]
+            o = attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], mask, fam.attn_scale, fam.attn_softcap,
+                          L["sinks"])
+        return L["o"](o.transpose(1, 2).reshape(B, T, H * D))  # [B, T, hidden]
 
     def _mlp(self, L: dict, a: torch.Tensor) -> torch.Tensor:
         """A layer's MLP over ``a [B, T, hidden]``: dense, experts, or experts beside shared

@@ -1,0 +1,297 @@
+"""EAGLE heads: one decoder layer that drafts from the target's own hidden states.
+
+An EAGLE drafter (Li et al.: EAGLE, whose checkpoints EAGLE-2 drafts trees with, and EAGLE-3)
+is no language model of its own: it reads the *features* the target computed for the
+committed tokens and predicts the next token from the feature of the token before and the
+token itself. The checkpoints, as SGLang and vLLM load them:
+
+* **EAGLE** (``yuhuili/EAGLE-*``): ``fc`` maps ``[embedding; feature]`` (2 x hidden) to the
+  hidden size, then one Llama decoder layer without its input norm; its output goes through
+  the target's ``lm_head`` (no norm) and is the next step's feature. The feature is the
+  target's last hidden state after its final norm (tap ``num_layers``).
+* **EAGLE-3** (``LlamaForCausalLMEagle3``; weights ``midlayer.*``, ``fc``, ``norm``,
+  ``lm_head``, ``d2t``): the target's feature is three of its hidden states side by side
+  (``eagle_aux_hidden_state_layer_ids``, the outputs of those layers as SGLang reads them;
+  default the inputs of layers 2, L/2 and L-3), which ``fc`` maps to the hidden size. The
+  layer's attention reads ``[input_norm(embedding); hidden_norm(feature)]`` (2 x hidden), the
+  residual stream starts at the feature (after its norm with ``norm_before_residual``); its
+  output before the final ``norm`` is the next step's feature, after it the ``lm_head``'s
+  input: a smaller draft vocabulary whose id ``i`` is the target's ``i + d2t[i]``.
+
+Rows: the head's cache row of the token at position ``p`` holds the pair (feature of
+position ``p - 1``, token ``p``): the target's feature while ``p`` is committed (``store``),
+else the head's own output at the row that drafted the token (its parent). SGLang and vLLM
+put that pair at position ``p - 1``; rotary attention depends only on the difference of two
+positions, so the scores are the same. Position 0 has no feature: its row is written but no
+other token sees it (EAGLE's first pair is (feature 0, token 1)).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .torch_llama import CheckpointReader, CudaGraphs, Family, KVCache, TorchLlama, decoder_layer, rms_norm
+
+EAGLE_KINDS = ("eagle", "eagle3")
+
+
+def eagle_kind(path: Path, names: Sequence[str] | None = None) -> str | None:
+    """``"eagle3"``, ``"eagle"`` or None: what the checkpoint in ``path`` is, by its config's
+    architectures (EAGLE-3's name one with ``Eagle3``) or its weights' names (``names``;
+    EAGLE-3's ``midlayer.``, EAGLE's ``fc`` beside ``layers.0`` without a model's embedding)."""
+    config = path / "config.json"
+    if not config.is_file():
+        return None
+    archs = json.loads(config.read_text()).get("architectures") or []
+    if any("eagle3" in a.lower() for a in archs):
+        return "eagle3"
+    if names is None:
+        return None
+    names = {n.removeprefix("model.") for n in names}
+    if any(n.startswith("midlayer.") for n in names):
+        return "eagle3"
+    if "fc.weight" in names and any(n.startswith("layers.0.") for n in names) and "norm.weight" not in names:
+        return "eagle"
+    return None
+
+
+class HeadWeights:
+    """An EAGLE checkpoint's tensors under the names ``decoder_layer`` reads: its layer
+    (``midlayer.`` or ``layers.0.``, with or without ``model.``) as ``model.layers.0.``, the rest
+    (``fc``, ``norm``, ``lm_head``, ``d2t``, ``embed_tokens``) by their own names."""
+
+    def __init__(self, weights):
+        self.weights = weights
+        self.names = {}
+        for stored in weights:
+            name = stored.removeprefix("model.")
+            for old in ("midlayer.", "layers.0."):
+                if name.startswith(old):
+                    name = "model.layers.0." + name[len(old):]
+            self.names[name] = stored
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights[self.names[name]]
+
+
+def feature_taps(kind: str, config, target_layers: int) -> tuple[int, ...]:
+    """The target hidden states (``TorchLlama.capture``'s taps) an EAGLE head reads: EAGLE's
+    last one after the final norm; EAGLE-3's three (``eagle_aux_hidden_state_layer_ids``, at
+    the top of its config or in its ``eagle_config``, name layers whose outputs it reads, as
+    SGLang takes them: tap ``i + 1``; default the inputs of layers 2, L/2 and L-3, vLLM's and
+    SGLang's)."""
+    if kind == "eagle":
+        return (target_layers,)
+    eagle = getattr(config, "eagle_config", None) or {}
+    if eagle.get("use_aux_hidden_state", True) is False:
+        raise ValueError("this EAGLE-3 head reads the target's last hidden state alone (use_aux_hidden_state "
+                         "false), which specdec does not support")
+    ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None) or eagle.get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return tuple(i + 1 for i in ids)
+    return (2, target_layers // 2, target_layers - 3)
+
+
+class EagleCache(KVCache):
+    """The head's KV, plus per row its output hidden state (``hidden [slots, capacity,
+    hidden]``: the feature its children read), moved with the row by ``keep`` and ``copy``;
+    and per slot the target's features of the committed positions (``targets``, after
+    ``fc``), valid below ``known[slot]``."""
+
+    def __init__(self, head: "EagleHead", num_slots: int, max_rows: int | None = None):
+        super().__init__(1, num_slots, head.kv_heads, head.head_dim, head.device, head.dtype, max_rows=max_rows)
+        self.hidden = torch.zeros(1, self.capacity, head.hidden_size, device=head.device, dtype=head.dtype)
+        self.targets = torch.zeros(1, self.capacity, head.hidden_size, device=head.device, dtype=head.dtype)
+        self.known = [0] * num_slots
+
+    def ensure(self, capacity: int, slots: int = 1) -> None:
+        super().ensure(capacity, slots)
+        # as K's shape: a new buffer exactly when K's is new, where CUDA graphs are captured again
+        self.hidden = grown(self.hidden, self.k.shape[1], self.capacity)
+
+    @torch.inference_mode()
+    def copy(self, src: int, dst: int, length: int) -> None:
+        start = self.lengths[dst]
+        super().copy(src, dst, length)
+        self.hidden[dst, start:length] = self.hidden[src, start:length]
+
+    @torch.inference_mode()
+    def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
+        src = torch.tensor([start + r for r in rows], device=self.hidden.device)
+        self.hidden[slot, start:start + len(rows)] = self.hidden[slot, src]
+        super().keep(slot, start, rows)
+
+    @torch.inference_mode()
+    def store(self, slot: int, start: int, features: torch.Tensor) -> None:
+        """The target's (fused) features ``[n, hidden]`` of positions ``start`` on."""
+        end, rows = start + features.shape[0], self.targets.shape[1]
+        self.targets = grown(self.targets, slot + 1, rows if end <= rows else max(end, 2 * rows))
+        self.targets[slot, start:end] = features
+        self.known[slot] = end
+
+
+def grown(t: torch.Tensor, slots: int, rows: int) -> torch.Tensor:
+    """``t [slots, rows, width]``, or a copy with room for at least ``slots`` and ``rows``."""
+    if slots <= t.shape[0] and rows <= t.shape[1]:
+        return t
+    out = t.new_zeros(max(slots, t.shape[0]), max(rows, t.shape[1]), t.shape[2])
+    out[: t.shape[0], : t.shape[1]] = t
+    return out
+
+
+class EagleHead(TorchLlama):
+    """An EAGLE or EAGLE-3 head (``kind``) as a runtime (``forward``, ``new_cache``), drafting
+    for ``target`` (a ``TorchLlama``, whose embedding it shares, and for EAGLE its
+    ``lm_head``): ``TorchLlama``'s attention, MLP, masks, trees and CUDA graphs over one layer
+    whose inputs are the token's embedding and a feature (see the module's docstring).
+    ``taps``: the target's hidden states it reads; ``fuse`` turns them into features."""
+
+    def __init__(self, kind: str, config, weights, target: TorchLlama, linear: str, cuda_graphs: bool | None = None):
+        if config.num_hidden_layers != 1:
+            raise ValueError(f"this {kind.upper()} head has {config.num_hidden_layers} layers; specdec runs heads "
+                             "of one layer (as published)")
+        w = HeadWeights(weights)
+        self.kind, self.target = kind, target
+        self.device, self.dtype = target.device, target.dtype
+        self.num_layers, self.num_heads = 1, config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads or self.num_heads
+        self.hidden_size = config.hidden_size
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.max_context = target.max_context
+        self.family, self.window = Family(activation=getattr(config, "hidden_act", "silu")), None
+        self._init_rope(config)
+        self.multi_row = self.one_row_packed = False
+        self.taps, self.features = (), None
+        r = CheckpointReader(w, self.device, self.dtype, self.family, linear, multi_row=False)
+        self.layers = [decoder_layer(r, config, "model.layers.0.")]
+        self.embed = r.get("embed_tokens.weight") if "embed_tokens.weight" in w else target.embed
+        self.vocab_size = target.vocab_size
+        self.reads = feature_taps(kind, config, target.num_layers)  # the target's taps
+        fc = r.get("fc.weight")
+        width = (len(self.reads) if kind == "eagle3" else 2) * target.embed.shape[1]
+        if fc.shape != (self.hidden_size, width):
+            raise ValueError(f"this {kind.upper()} head's fc is {tuple(fc.shape)}, not {(self.hidden_size, width)}: "
+                             "it was not trained for this target")
+        self.fc = r.linear(fc, r.opt("fc.bias"))
+        self.to_target = None  # [draft vocab] the target id of each draft id (EAGLE-3's d2t)
+        if kind == "eagle3":
+            self.hidden_norm = r.norm("model.layers.0.hidden_norm.weight")
+            self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
+            self.norm = r.norm("norm.weight")
+            self.lm_head = r.linear(r.get("lm_head.weight"), None)
+            if "d2t" in w:
+                d2t = w["d2t"].to(self.device, torch.long)
+                self.to_target = torch.arange(d2t.shape[0], device=self.device) + d2t
+                if int(self.to_target.max()) >= self.vocab_size:
+                    raise ValueError("this EAGLE-3 head's d2t maps past the target's vocabulary")
+        else:
+            self.norm, self.lm_head = None, target.lm_head  # the target's own
+        self.logit_scale = float(getattr(config, "logit_scale", 1.0) or 1.0)
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = CudaGraphs(self) if use_graphs else None
+
+    def new_cache(self, num_slots: int, max_rows: int | None = None) -> EagleCache:
+        return EagleCache(self, num_slots, max_rows)
+
+    @torch.inference_mode()
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's tapped hidden states ``[n, len(taps) * hidden]`` as this head's
+        features ``[n, hidden]`` (EAGLE-3: through ``fc``; EAGLE: as they are)."""
+        features = features.to(self.device, self.dtype)
+        return self.fc(features) if self.kind == "eagle3" else features
+
+    def _batch(self, cache: EagleCache, starts, slots, tokens, positions, chunk_masks, T, keys):
+        """``TorchLlama._batch``'s inputs, with each row's feature (``hidden``): the target's
+        for a committed token, else its parent row's output; and position 0's key hidden."""
+        x = super()._batch(cache, starts, slots, tokens, positions, chunk_masks, T, keys)
+        B = len(slots)
+        source = torch.zeros(B, T, dtype=torch.long)  # 0: none, 1: the target's feature, 2: a row's output
+        index = torch.zeros(B, T, dtype=torch.long)
+        for b, (slot, toks) in enumerate(zip(slots, tokens)):
+            mask = None if chunk_masks is None else chunk_masks[b]
+            tail = 0 if mask is None else mask.shape[1] - mask.shape[0]
+            for i in range(len(toks)):
+                row = starts[b] + i
+                pos = row if positions is None or positions[b] is None else positions[b][i]
+                if mask is not None:  # a tree node: its parent is its last ancestor, else the row before the tree
+                    seen = mask[i, : tail + i].nonzero()
+                    source[b, i], index[b, i] = 2, starts[b] - tail + (int(seen[-1]) if len(seen) else -1)
+                elif 0 < pos <= cache.known[slot]:
+                    source[b, i], index[b, i] = 1, pos - 1
+                elif row > 0:
+                    source[b, i], index[b, i] = 2, row - 1
+        source, index = source.to(self.device), index.to(self.device)
+        rows = x.slots[:, None].expand(B, T)
+        target = cache.targets[rows.clamp(max=cache.targets.shape[0] - 1), index.clamp(max=cache.targets.shape[1] - 1)]
+        own = cache.hidden[rows, index.clamp(max=cache.hidden.shape[1] - 1)]
+        x.hidden = torch.where((source == 1)[..., None], target, own) * (source > 0)[..., None]  # [B, T, hidden]
+        x.mask[:, 0, :, 0] &= x.write == 0  # no token sees position 0 but itself
+        return x
+
+    def _layers(self, cache: EagleCache, x, last: torch.Tensor | None = None, to_float: bool = True):
+        B, T = x.ids.shape
+        L = self.layers[0]
+        e = F.embedding(x.ids, self.embed)  # [B, T, hidden]
+        if self.kind == "eagle3":
+            feature = rms_norm(x.hidden, self.hidden_norm, self.eps)
+            residual = feature if self.norm_before_residual else x.hidden
+            a = torch.cat([rms_norm(e, L["attn_norm"], self.eps), feature], dim=-1)  # [B, T, 2 hidden]
+        else:  # EAGLE: fc over both, then the layer without its input norm
+            residual = a = self.fc(torch.cat([e, x.hidden], dim=-1))  # [B, T, hidden]
+        h = residual + self._attend(cache, x, 0, L, a, self._rope(x.pos))
+        h = h + self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps))  # the next step's feature
+        cache.hidden[x.slots[:, None], x.write] = h
+        if last is not None:
+            h = h[torch.arange(B, device=h.device), last]  # [B, hidden]
+        logits = self.lm_head(h if self.norm is None else rms_norm(h, self.norm, self.eps))
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.to_target is not None:  # [..., draft vocab] -> [..., vocab]; ids it never drafts: -inf
+            full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+            logits = full.index_copy(-1, self.to_target, logits)
+        return (logits.float() if to_float else logits), None
+
+
+def eagle_checkpoint(draft: str, revision: str | None = None) -> str | None:
+    """The EAGLE kind of the checkpoint ``draft`` names (a directory or a hub id; None for
+    anything else, a ``.gguf`` included): a hub id by its config's architectures alone."""
+    from .loading import Weights, resolve
+
+    path = Path(draft).expanduser()
+    if path.is_file() or (path.is_dir() and not (path / "config.json").is_file()):
+        return None
+    if path.is_dir():
+        try:
+            return eagle_kind(path, list(Weights(path)))
+        except ValueError:  # no weights
+            return None
+    return eagle_kind(resolve(draft, weights=False, revision=revision))
+
+
+def load_eagle(draft: str, kind: str, target, quantize: str = "auto", revision: str | None = None):
+    """The EAGLE head ``draft`` (a directory or hub id; ``kind`` as ``eagle_checkpoint`` found
+    it) on ``target``'s device and dtype, as a ``LoadedModel`` with the target's tokenizer;
+    ``quantize``: ``draft_quantization`` (auto: int8 linears on a CPU in float32)."""
+    from transformers import AutoConfig
+
+    from .loading import LoadedModel, Weights, resolve
+    from .torch_llama import pick_linear
+
+    rt = target.runtime
+    if type(rt) is not TorchLlama:
+        raise ValueError(f"an {kind.upper()} head reads the target's hidden states, which only specdec's torch runtime "
+                         "gives: run the target with backend 'torch' (or 'auto', for an architecture it runs)")
+    path = resolve(draft, weights=True, revision=revision)
+    config = AutoConfig.from_pretrained(path)
+    int8 = quantize == "int8" or (quantize == "auto" and rt.device.type == "cpu" and rt.dtype == torch.float32)
+    head = EagleHead(kind, config, Weights(path), rt, pick_linear(rt.device, rt.dtype, int8),
+                     cuda_graphs=rt.graphs is not None)
+    return LoadedModel(str(draft), path, head, target.tokenizer, target.eos_ids, config)

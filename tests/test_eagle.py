@@ -1,0 +1,207 @@
+"""EAGLE and EAGLE-3 heads: the target's hidden states, the head's drafts against a plain
+reimplementation of SGLang's and vLLM's, and lossless decoding with them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec import LLM, SamplingParams, SpecConfig
+from specdec.drafters import EagleDrafter
+from specdec.runtime.eagle import EagleHead
+from specdec.runtime.loading import Weights
+from tiny import make_tiny, make_tiny_eagle
+
+PROMPTS = ["hello world", "abc", "the cat sat on the mat"]
+# the head against the reference: float32 rounding (the positions are shifted by one, the
+# products run through oneDNN), grown over a chain's steps; a feature routed to the wrong row
+# is off by whole units
+CLOSE = dict(atol=5e-3, rtol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    target = make_tiny(root / "target", "llama", seed=0, layers=8)
+    return {"target": target,
+            "eagle3": make_tiny_eagle(root / "eagle3", target, "eagle3", seed=1, draft_vocab=120),
+            "eagle3-ids": make_tiny_eagle(root / "eagle3-ids", target, "eagle3", seed=2, norm_before_residual=True,
+                                          eagle_aux_hidden_state_layer_ids=[0, 3, 6]),
+            "eagle": make_tiny_eagle(root / "eagle", target, "eagle", seed=3)}
+
+
+def test_tapped_hidden_states_are_transformers(dirs):
+    """``TorchLlama.capture``'s taps are transformers' ``hidden_states`` (the last after the
+    final norm), side by side, for every row of the forward, with ``last_only`` logits too."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.runtime import load_model
+
+    rt = load_model(str(dirs["target"]), device="cpu").runtime
+    rt.capture([8, 0, 3])
+    ids = list(b"tapped states")
+    logits = rt.forward(rt.new_cache(1), [0], [ids], last_only=True)
+    ref = AutoModelForCausalLM.from_pretrained(dirs["target"]).eval()(torch.tensor([ids]), output_hidden_states=True)
+    want = torch.cat([ref.hidden_states[t][0] for t in (0, 3, 8)], dim=-1)
+    assert rt.features.shape == (1, len(ids), 3 * 64)
+    torch.testing.assert_close(rt.features[0], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[0], ref.logits[0, -1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="0 to 8"):
+        rt.capture([9])
+
+
+def rms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def reference_drafts(head_dir, target_dir, ids: list[int], chain: list[int]) -> torch.Tensor:
+    """The head's logits over the target's vocab after the committed ``ids`` and after each
+    token of ``chain`` drafted on them, computed from scratch as SGLang and vLLM lay out an
+    EAGLE draft: row j pairs the target's feature at position j (EAGLE-3: its taps through
+    ``fc``) with token j + 1, at position j; a drafted token's row takes the feature the row
+    before it output."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((head_dir / "config.json").read_text())
+    eagle3 = "LlamaForCausalLMEagle3" in cfg["architectures"]
+    w = {k.replace("midlayer.", "").replace("layers.0.", ""): v.float() for k, v in Weights(head_dir).items()}
+    w = {k.removeprefix("model."): v for k, v in w.items()}
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    states = target(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    L = len(states) - 1
+    if eagle3:
+        taps = [i + 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]] if "eagle_aux_hidden_state_layer_ids" in cfg \
+            else [2, L // 2, L - 3]
+        feats = F.linear(torch.cat([states[t][0] for t in taps], -1), w["fc.weight"])
+    else:
+        feats = states[L][0]
+    embed = target.model.embed_tokens.weight
+    H, KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    D = cfg["hidden_size"] // H
+    inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, D, 2).float() / D))
+    rows_h, rows_t = list(feats[:-1]), ids[1:]  # pairs (feature j, token j + 1)
+    out = []
+    for step in range(len(chain) + 1):
+        hid, e = torch.stack(rows_h), embed[torch.tensor(rows_t)]  # [R, hidden]
+        if eagle3:
+            normed = rms(hid, w["hidden_norm.weight"])
+            residual = normed if cfg.get("norm_before_residual") else hid
+            a = torch.cat([rms(e, w["input_layernorm.weight"]), normed], -1)
+        else:
+            residual = a = F.linear(torch.cat([e, hid], -1), w["fc.weight"], w["fc.bias"])
+        R = a.shape[0]
+        q = F.linear(a, w["self_attn.q_proj.weight"]).view(R, H, D).transpose(0, 1)
+        k = F.linear(a, w["self_attn.k_proj.weight"]).view(R, KV, D).transpose(0, 1).repeat_interleave(H // KV, 0)
+        v = F.linear(a, w["self_attn.v_proj.weight"]).view(R, KV, D).transpose(0, 1).repeat_interleave(H // KV, 0)
+        ang = torch.arange(R).float()[:, None] * inv
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+
+        def rope(x):
+            x1, x2 = x.chunk(2, -1)
+            return x * cos + torch.cat([-x2, x1], -1) * sin
+
+        o = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True).transpose(0, 1).reshape(R, H * D)
+        h = residual + F.linear(o, w["self_attn.o_proj.weight"])
+        m = rms(h, w["post_attention_layernorm.weight"])
+        h = h + F.linear(F.silu(F.linear(m, w["mlp.gate_proj.weight"])) * F.linear(m, w["mlp.up_proj.weight"]),
+                         w["mlp.down_proj.weight"])
+        if eagle3:
+            logits = F.linear(rms(h[-1], w["norm.weight"]), w["lm_head.weight"])
+            full = torch.full((embed.shape[0],), float("-inf"))
+            to_target = torch.arange(logits.shape[0]) + w["d2t"].long() if "d2t" in w else torch.arange(logits.shape[0])
+            logits = full.index_copy(0, to_target, logits)
+        else:
+            logits = F.linear(h[-1], target.lm_head.weight)
+        out.append(logits)
+        if step < len(chain):
+            rows_h.append(h[-1])
+            rows_t.append(chain[step])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle3-ids", "eagle"])
+@torch.inference_mode()
+def test_head_drafts_as_sglang_and_vllm_lay_them_out(dirs, name):
+    """The head's logits after a prompt and its first output token, fed in two chunks (the
+    target's features handed over per prefill chunk, as the engine does), and after each draft
+    of a chain equal the reference's;
+    a tree's depth fed as one chunk under its mask gives each node the logits its own chain
+    would (the first node's child too)."""
+    llm = LLM(str(dirs["target"]), draft=str(dirs[name]), device="cpu",
+              speculative=SpecConfig(method="draft", draft_quantization="none"))
+    head, target = llm.draft.runtime, llm.target.runtime
+    assert isinstance(head, EagleHead) and llm.spec.method == name.split("-")[0]
+    ids = list(b"the quick brown fox")  # a prompt and the first token the target chose after it
+    tcache, cache = target.new_cache(1), head.new_cache(1)
+    for chunk in (ids[:7], ids[7:-1]):  # the target's prefill of the prompt, chunk by chunk
+        start = tcache.lengths[0]
+        target.forward(tcache, [0], [chunk])
+        cache.store(0, start, head.fuse(target.features[0]))
+    chain = [5, 77, 31]
+    ref = reference_drafts(dirs[name], dirs["target"], ids, chain)
+    got = [head.forward(cache, [0], [ids[:10]], last_only=True)[0], head.forward(cache, [0], [ids[10:]], last_only=True)[0]]
+    for t in chain:
+        got.append(head.forward(cache, [0], [[t]], last_only=True)[0])
+    torch.testing.assert_close(torch.stack(got[1:]), ref, **CLOSE)
+    cache.rewind(0, len(ids))  # a tree's first two depths: (5, 9) under the root, (77, 12) under 5
+    depth1 = head.forward(cache, [0], [[5, 9]], chunk_masks=[torch.eye(2, dtype=torch.bool)],
+                          positions=[[len(ids)] * 2])[0]
+    torch.testing.assert_close(depth1[0], ref[1], **CLOSE)
+    torch.testing.assert_close(depth1[1], reference_drafts(dirs[name], dirs["target"], ids, [9])[1],
+                               **CLOSE)
+    depth2 = head.forward(cache, [0], [[77, 12]], chunk_masks=[torch.tensor([[1, 0, 1, 0], [1, 0, 0, 1]]).bool()],
+                          positions=[[len(ids) + 1] * 2])[0]
+    torch.testing.assert_close(depth2[0], ref[2], **CLOSE)
+    torch.testing.assert_close(depth2[1], reference_drafts(dirs[name], dirs["target"], ids, [5, 12])[2],
+                               **CLOSE)
+
+
+@pytest.mark.parametrize("name,topk", [("eagle3", 1), ("eagle3", 3), ("eagle", 1), ("eagle", 2)])
+def test_greedy_with_an_eagle_head_equals_the_target_alone(dirs, name, topk):
+    """Greedy decoding drafting with an EAGLE head (chains and trees, three requests in one
+    batch, prompts prefilled in chunks) gives the target's own tokens."""
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(dirs["target"]), device="cpu").generate(PROMPTS, sp)]
+    llm = LLM(str(dirs["target"]), draft=str(dirs[name]), device="cpu", chunked_prefill_size=8,
+              speculative=SpecConfig(method=name, num_draft_tokens=4, tree_topk=topk))
+    assert isinstance(llm.engine.drafters["draft"], EagleDrafter)
+    assert not llm.engine.reuses_prefixes  # the target computes every prompt row's hidden states
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == want
+    assert all(o.metrics["drafted_tokens"] > 0 for o in outs)
+
+
+def test_sampled_with_an_eagle3_head_repeats_with_its_seed(dirs):
+    """Sampled requests drafting with an EAGLE-3 head (q over its draft vocabulary, zero on the
+    target ids it never drafts) run, accept drafts, and repeat with a seed."""
+    llm = LLM(str(dirs["target"]), draft=str(dirs["eagle3"]), device="cpu",
+              speculative=SpecConfig(method="eagle3", num_draft_tokens=3))
+    sp = SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True, n=2)
+    first, again = llm.generate(PROMPTS[:2], sp), llm.generate(PROMPTS[:2], sp)
+    assert [[c.token_ids for c in o.outputs] for o in first] == [[c.token_ids for c in o.outputs] for o in again]
+    assert sum(o.metrics["accepted_tokens"] for o in first) > 0
+
+
+def test_eagle_methods_and_their_checkpoints(dirs, tmp_path):
+    """``eagle`` / ``eagle3`` need that head (``draft`` with one becomes its kind, as vLLM
+    infers; vLLM's ``speculative_config`` names them too); a head needs the target on the
+    torch runtime; ``hybrid`` drafts with n-gram matches and the head."""
+    target, e3 = str(dirs["target"]), str(dirs["eagle3"])
+    with pytest.raises(ValueError, match="an EAGLE3 head: use method 'eagle3'"):
+        LLM(target, draft=e3, device="cpu", speculative="eagle")
+    with pytest.raises(ValueError, match="needs an EAGLE3 head as the draft"):
+        LLM(target, draft=target, device="cpu", speculative="eagle3")
+    with pytest.raises(ValueError, match="only specdec's torch runtime"):
+        LLM(target, draft=e3, device="cpu", backend="hf", speculative="eagle3")
+    llm = LLM(target, device="cpu", speculative_config={"method": "eagle3", "model": e3, "num_speculative_tokens": 2})
+    assert llm.spec.method == "eagle3" and llm.spec.num_draft_tokens == 2
+    with pytest.raises(ValueError, match="loaded for another target"):
+        LLM(target, draft=llm.draft, device="cpu", speculative="eagle3")
+    hybrid = LLM(target, draft=e3, device="cpu", speculative="hybrid")
+    assert isinstance(hybrid.engine.drafters["draft"], EagleDrafter) and "ngram" in hybrid.engine.drafters
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = ["abcabcabcabc", "hello hello hello"]
+    want = [o.token_ids for o in LLM(target, device="cpu").generate(prompts, sp)]
+    assert [o.token_ids for o in hybrid.generate(prompts, sp)] == want
