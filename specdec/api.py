@@ -388,11 +388,9 @@ class LLM:
         self.engine_config = c
         drafters = self._drafters(c.max_batch_size, c.chunked_prefill_size)
         planner = self._planner(drafters) if speculative.cost_model else None
-        # EAGLE reads the target's hidden states of every prompt token: none are reused
-        reads_features = any(getattr(d, "taps", None) for d in drafters.values())
         self.engine = Engine(self.target, drafters, speculative, c.max_batch_size, planner,
                              chunked_prefill_size=c.chunked_prefill_size, max_rows=self.context_window,
-                             prefix_caching=c.enable_prefix_caching and not reads_features)
+                             prefix_caching=c.enable_prefix_caching)
         self.tokenizer = self.target.tokenizer
         self.sampling_defaults = self._generation_defaults(c.generation_config)
         self.grammars = Grammars(self.tokenizer, self.target.runtime.vocab_size, self.target.eos_ids)

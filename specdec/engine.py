@@ -95,16 +95,17 @@ class Engine:
         # prefix reuse: a free slot keeps the KV of its last request's prompt, in whole prefill
         # chunks (slot -> those tokens, oldest first), for a new prompt that starts the same
         self.retained: dict[int, list[int]] = {}
-        self.reuses_prefixes = prefix_caching and chunked_prefill_size > 0 and \
-            getattr(self.runtime, "reuses_prefixes", False)
-        # running requests share whole chunks where the cache can copy rows between slots
-        self.shares_chunks = self.reuses_prefixes and callable(getattr(self.cache, "copy", None))
         # drafters reading the target's hidden states (EAGLE): each target forward keeps them
         self.readers = [d for d in self.drafters.values() if getattr(d, "taps", None)]
         if self.readers:
             if len({d.taps for d in self.readers}) > 1:
                 raise ValueError("drafters that read different hidden states of the target")
             self.runtime.capture(self.readers[0].taps)
+        # (they read every prompt row's, which a reused prefix would not compute)
+        self.reuses_prefixes = prefix_caching and chunked_prefill_size > 0 and not self.readers and \
+            getattr(self.runtime, "reuses_prefixes", False)
+        # running requests share whole chunks where the cache can copy rows between slots
+        self.shares_chunks = self.reuses_prefixes and callable(getattr(self.cache, "copy", None))
         self._masking: ThreadPoolExecutor | None = None  # grammar masks beside the verify forward
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

@@ -181,7 +181,6 @@ def mxfp4_copy(src: Path, path: Path) -> Path:
     """The GPT-OSS checkpoint at ``src`` with its experts in MXFP4, as released: each group of
     32 weights (along a projection's input) as 4-bit E2M1 codes (``*_blocks``, two per byte,
     the low one first) times a power of two (``*_scales``, biased by 127), out before in."""
-    import json
     import shutil
 
     from safetensors.torch import load_file, save_file

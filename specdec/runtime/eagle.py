@@ -151,7 +151,8 @@ class EagleHead(TorchLlama):
     for ``target`` (a ``TorchLlama``, whose embedding it shares, and for EAGLE its
     ``lm_head``): ``TorchLlama``'s attention, MLP, masks, trees and CUDA graphs over one layer
     whose inputs are the token's embedding and a feature (see the module's docstring).
-    ``taps``: the target's hidden states it reads; ``fuse`` turns them into features."""
+    ``reads``: the target's hidden states it reads (its taps); ``fuse`` turns them into
+    features."""
 
     def __init__(self, kind: str, config, weights, target: TorchLlama, linear: str, cuda_graphs: bool | None = None):
         if config.num_hidden_layers != 1:
