@@ -441,9 +441,9 @@ class LLM:
             runtime = (self.draft or self.target).runtime
             kw = dict(num_slots=max_batch_size, target_vocab=self.target.runtime.vocab_size, topk=spec.tree_topk,
                       max_nodes=spec.node_budget, max_catch_up=max_catch_up, max_rows=self.context_window)
-            out["self" if spec.method == "self" else "draft"] = EagleDrafter(runtime, **kw) \
-                if isinstance(runtime, EagleHead) else \
-                ModelDrafter(runtime, prefix_caching=self.engine_config.enable_prefix_caching, **kw)
+            drafter = EagleDrafter if isinstance(runtime, EagleHead) else ModelDrafter
+            out["self" if spec.method == "self" else "draft"] = drafter(
+                runtime, prefix_caching=self.engine_config.enable_prefix_caching, **kw)
         return out
 
     def _planner(self, drafters: dict) -> Planner:

@@ -101,8 +101,7 @@ class Engine:
             if len({d.taps for d in self.readers}) > 1:
                 raise ValueError("drafters that read different hidden states of the target")
             self.runtime.capture(self.readers[0].taps)
-        # (they read every prompt row's, which a reused prefix would not compute)
-        self.reuses_prefixes = prefix_caching and chunked_prefill_size > 0 and not self.readers and \
+        self.reuses_prefixes = prefix_caching and chunked_prefill_size > 0 and \
             getattr(self.runtime, "reuses_prefixes", False)
         # running requests share whole chunks where the cache can copy rows between slots
         self.shares_chunks = self.reuses_prefixes and callable(getattr(self.cache, "copy", None))
@@ -363,6 +362,8 @@ class Engine:
         best, n = self._longest_shared(s, sources, done)
         if best is not None:
             self.cache.copy(best, s.slot, n)
+            for d in self.readers:  # the copied rows' hidden states, which no forward computes for s
+                d.share(best, s.slot, done, n)
             s.metrics.cached_prompt_tokens += n - done
 
     def _longest_shared(self, s: Sequence, sources, floor: int) -> tuple[int | None, int]:

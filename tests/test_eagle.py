@@ -167,10 +167,50 @@ def test_greedy_with_an_eagle_head_equals_the_target_alone(dirs, name, topk):
     llm = LLM(str(dirs["target"]), draft=str(dirs[name]), device="cpu", chunked_prefill_size=8,
               speculative=SpecConfig(method=name, num_draft_tokens=4, tree_topk=topk))
     assert isinstance(llm.engine.drafters["draft"], EagleDrafter)
-    assert not llm.engine.reuses_prefixes  # the target computes every prompt row's hidden states
     outs = llm.generate(PROMPTS, sp)
     assert [o.token_ids for o in outs] == want
     assert all(o.metrics["drafted_tokens"] > 0 for o in outs)
+
+
+def recording(llm):
+    """Wrap the head's ``forward``: the calls over committed tokens alone (every row's feature
+    the target's), as ``(ids of the slot's rows after the call, last row's logits)``."""
+    head, drafter = llm.draft.runtime, llm.engine.drafters["draft"]
+    calls, forward = [], head.forward
+
+    def recorded(cache, slots, tokens, **kw):
+        rows = [drafter.cached_ids[s] + list(t) for s, t in zip(slots, tokens)]
+        known = [int(cache.known[s]) for s in slots]
+        logits = forward(cache, slots, tokens, **kw)
+        if kw.get("last_only") and kw.get("chunk_masks") is None:
+            calls.extend((ids, row.clone()) for ids, k, row in zip(rows, known, logits) if len(ids) - 1 <= k)
+        return logits
+
+    head.forward = recorded
+    return calls
+
+
+def test_prefix_reuse_with_an_eagle_head(dirs):
+    """With prefix reuse a head keeps a prompt's rows, and the target's features stay beside
+    them (copied with the rows the target shares between running requests): a later prompt
+    that starts the same, and two such prompts at once, reuse rows, the greedy tokens equal
+    the target alone's, and every head forward over committed tokens gives SGLang's layout's
+    first draft after them."""
+    prefix = "the quick brown fox jumps over the lazy dog "
+    prompts = [prefix + "and runs", prefix + "but sleeps", prefix + "or not", prefix + "as ever"]
+    sp = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(dirs["target"]), device="cpu").generate(prompts, sp)]
+    llm = LLM(str(dirs["target"]), draft=str(dirs["eagle3"]), device="cpu", chunked_prefill_size=8,
+              max_batch_size=2, speculative=SpecConfig(method="eagle3", num_draft_tokens=3, draft_quantization="none"))
+    assert llm.engine.reuses_prefixes and llm.engine.drafters["draft"].reuses_prefixes
+    calls = recording(llm)
+    outs = [llm.generate([p], sp)[0] for p in prompts[:2]]  # the second reuses the first's rows
+    outs += llm.generate(prompts[2:], sp)  # two at once: one copies the rows the other computes
+    assert [o.token_ids for o in outs] == want
+    assert all(o.metrics["cached_prompt_tokens"] >= 40 for o in outs[1:])
+    for ids, row in calls:
+        torch.testing.assert_close(row, reference_drafts(dirs["eagle3"], dirs["target"], ids, [])[0], **CLOSE)
+    assert len(calls) > 8
 
 
 def test_sampled_with_an_eagle3_head_repeats_with_its_seed(dirs):
@@ -205,3 +245,27 @@ def test_eagle_methods_and_their_checkpoints(dirs, tmp_path):
     prompts = ["abcabcabcabc", "hello hello hello"]
     want = [o.token_ids for o in LLM(target, device="cpu").generate(prompts, sp)]
     assert [o.token_ids for o in hybrid.generate(prompts, sp)] == want
+
+
+def test_bench_drafts_with_an_eagle_head(dirs, tmp_path, monkeypatch, capsys):
+    """``specdec bench --eagle HEAD``: specdec-eagle and specdec-eagle-tree (one per tree
+    shape) draft with the head beside the plain target, greedy outputs equal; they need
+    ``--eagle``."""
+    from specdec.cli import main
+
+    monkeypatch.setenv("SPECDEC_COST_CACHE", str(tmp_path / "costs.json"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "comp-a", "kind": "completion", "prompt": "the cat sat on the mat"}\n')
+    out = tmp_path / "out"
+    common = ["bench", "--model", str(dirs["target"]), "--prompts-file", str(prompts), "--max-new-tokens", "12",
+              "--methods", "specdec-plain,specdec-eagle,specdec-eagle-tree", "--tree-shapes", "2x3x5", "--out", str(out)]
+    assert main(common + ["--eagle", str(dirs["eagle3"])]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    summary = report["summary"]
+    assert set(summary) == {"specdec-plain", "specdec-eagle", "specdec-eagle-tree:2x3x5"}
+    assert all(s["diverged"] == 0 for s in summary.values())
+    assert all(summary[m]["acceptance_rate"] is not None for m in ("specdec-eagle", "specdec-eagle-tree:2x3x5"))
+    assert report["config"]["eagle"] == str(dirs["eagle3"]) and len(report["cost_curve_s"]["eagle"]) > 1
+    assert "EAGLE head" in (out / "bench.md").read_text()
+    assert main(common) == 2
+    assert "need --eagle" in capsys.readouterr().err

@@ -403,14 +403,40 @@ class ModelDrafter:
 class EagleDrafter(ModelDrafter):
     """``ModelDrafter`` over an EAGLE head (``runtime.eagle.EagleHead``): chains and EAGLE-2
     trees alike, each row's feature coming with it (the target's for committed tokens, which
-    the engine hands over with ``features``; the head's own for drafts). Without prefix reuse:
-    the target computes no features for a reused prompt's rows."""
+    the engine hands over with ``features``; the head's own for drafts). ``observe`` keeps
+    only the rows fed with the target's features: accepted drafts were fed the head's own, so
+    the next round feeds them again with the target's, as SGLang's draft extend and vLLM's
+    proposer do (the head was trained on such rows). With prefix reuse the head's cache keeps
+    a prompt's rows as a draft model's does, and the target's features stay by position
+    beside them (``share``: those of rows the target copied between slots), so that a reused
+    prompt's next rows find the features before them."""
 
     def __init__(self, head, num_slots: int, target_vocab: int, **kwargs):
-        super().__init__(head, num_slots, target_vocab, prefix_caching=False, **kwargs)
+        super().__init__(head, num_slots, target_vocab, **kwargs)
         self.taps = head.reads
+        self.targeted = [0] * num_slots  # per slot, the leading rows fed with the target's features
+
+    def _catch_up(self, seqs: list[Sequence]):
+        out = super()._catch_up(seqs)
+        for s in seqs:  # every committed id fed so far came with the target's feature
+            self.targeted[s.slot] = len(self.cached_ids[s.slot])
+        return out
+
+    def observe(self, seq: Sequence, num_accepted: int) -> None:
+        super().observe(seq, num_accepted)
+        cached = self.cached_ids[seq.slot]
+        keep = self.targeted[seq.slot] = min(self.targeted[seq.slot], len(cached))
+        if len(cached) > keep:
+            del cached[keep:]
+            self.cache.rewind(seq.slot, keep)
+            self.fresh[seq.slot] = min(self.fresh[seq.slot], keep)
 
     def features(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
         """The target's tapped hidden states ``[n, len(taps) * hidden]`` of ``seq``'s
         committed tokens at positions ``start`` to ``start + n - 1``."""
         self.cache.store(seq.slot, start, self.runtime.fuse(rows))
+
+    def share(self, src: int, dst: int, start: int, end: int) -> None:
+        """The target copied slot ``src``'s KV rows ``start`` to ``end - 1`` to slot ``dst``:
+        their features too."""
+        self.cache.share(src, dst, start, end)

@@ -136,6 +136,13 @@ class EagleCache(KVCache):
         self.targets[slot, start:end] = features
         self.known[slot] = end
 
+    @torch.inference_mode()
+    def share(self, src: int, dst: int, start: int, end: int) -> None:
+        """Slot ``src``'s target features of positions ``start`` to ``end - 1`` as ``dst``'s."""
+        self.targets = grown(self.targets, max(src, dst) + 1, end)
+        self.targets[dst, start:end] = self.targets[src, start:end]
+        self.known[dst] = end
+
 
 def grown(t: torch.Tensor, slots: int, rows: int) -> torch.Tensor:
     """``t [slots, rows, width]``, or a copy with room for at least ``slots`` and ``rows``."""
