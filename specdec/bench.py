@@ -9,6 +9,8 @@ of a JSONL file:
 * ``specdec-ngram-tree`` - n-gram with ``tree_topk=3`` (several matches as tree branches);
 * ``specdec-draft-tree`` - the draft model's top-k token tree (EAGLE-2 style), one method per
   ``--tree-shapes`` entry ``TOPKxDEPTHxNODES``, labelled e.g. ``specdec-draft-tree:2x4x8``;
+* ``specdec-eagle`` / ``specdec-eagle-tree`` - the same with the EAGLE or EAGLE-3 head
+  ``--eagle`` for the target as the draft (chains, and trees per ``--tree-shapes``);
 * ``hf-plain`` / ``hf-assisted`` / ``hf-lookup`` - ``model.generate(do_sample=False)``, plain,
   with ``assistant_model=`` the draft, and with ``prompt_lookup_num_tokens=10``;
 * ``llamacpp-plain`` / ``llamacpp-lookup`` - llama-cpp-python's ``Llama.create_completion``
@@ -55,7 +57,8 @@ from .config import DRAFT_METHODS
 from .sequence import cut_after_eos
 
 METHODS = ("specdec-plain", "specdec-draft", "specdec-ngram", "specdec-hybrid", "specdec-ngram-tree",
-           "specdec-draft-tree", "hf-plain", "hf-assisted", "hf-lookup", "llamacpp-plain", "llamacpp-lookup")
+           "specdec-draft-tree", "specdec-eagle", "specdec-eagle-tree", "hf-plain", "hf-assisted", "hf-lookup",
+           "llamacpp-plain", "llamacpp-lookup")
 BASELINES = ("hf-plain", "llamacpp-plain")  # speed ratios are reported against each one present
 GGUF_TYPES = " for torch and transformers (llama.cpp runs the GGUF's own types)"  # what the dtype applies to
 # a greedy output may part from its reference where the top-2 logits are this near (relative to
@@ -81,6 +84,9 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
                    help="target: .gguf file, HF model dir or hub id (default %(default)s)")
     p.add_argument("--draft", default=DEFAULT_DRAFT,
                    help="draft model for specdec-draft, -hybrid, -draft-tree and hf-assisted (default %(default)s)")
+    p.add_argument("--eagle", default=None,
+                   help="EAGLE or EAGLE-3 head for --model (a directory or hub id), the draft of specdec-eagle and "
+                        "specdec-eagle-tree (torch backend)")
     p.add_argument("--num-draft-tokens", "-k", type=int, default=4,
                    help="k, the most draft tokens per step, for every specdec method that drafts "
                         "(default %(default)s); hf-assisted keeps transformers' own assistant settings")
@@ -91,7 +97,7 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-depth", type=int, help="specdec-ngram-tree depth (default: k)")
     p.add_argument("--tree-nodes", type=int, help="specdec-ngram-tree node budget (default: depth * topk)")
     p.add_argument("--tree-shapes", default=DEFAULT_TREE_SHAPES,
-                   help="specdec-draft-tree shapes, comma list of TOPKxDEPTHxNODES "
+                   help="specdec-draft-tree and specdec-eagle-tree shapes, comma list of TOPKxDEPTHxNODES "
                         "(tree_topk, tree_depth, tree_nodes; default %(default)s)")
     p.add_argument("--max-new-tokens", "--max-tokens", type=int, default=128, help="default %(default)s")
     p.add_argument("--temperature", type=float, default=0.0,
@@ -108,9 +114,10 @@ def add_bench_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="timed runs per prompt and method; medians are reported (sampled: means of the "
                         "draws) (default %(default)s)")
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help="comma list, a subset of: " + ",".join(METHODS) + " (default all); a speculative "
-                        "specdec method with +cost (e.g. specdec-ngram+cost) runs it with the cost model")
+    p.add_argument("--methods", default=None,
+                   help="comma list, a subset of: " + ",".join(METHODS) + " (default all, the specdec-eagle ones "
+                        "with --eagle only); a speculative specdec method with +cost (e.g. specdec-ngram+cost) "
+                        "runs it with the cost model")
     p.add_argument("--backend", choices=["torch", "llamacpp"], default="torch",
                    help="runtime of the specdec methods: torch (float32 on cpu) or llamacpp "
                         "(the .gguf files as they are; needs llama-cpp-python) (default %(default)s)")
@@ -163,11 +170,13 @@ def parse_tree_shapes(text: str) -> list[tuple[int, int, int]]:
 
 
 def _labels(methods: list[str], shapes) -> list[str]:
-    """Method labels: ``specdec-draft-tree`` becomes one label per tree shape."""
+    """Method labels: ``specdec-draft-tree`` and ``specdec-eagle-tree`` become one label per
+    tree shape."""
     out = []
     for m in methods:
         base, cost = m.removesuffix(COST_SUFFIX), m[len(m.removesuffix(COST_SUFFIX)):]
-        out += [f"{base}:{t}x{d}x{n}{cost}" for t, d, n in shapes] if base == "specdec-draft-tree" else [m]
+        out += [f"{base}:{t}x{d}x{n}{cost}" for t, d, n in shapes] if base.endswith("-tree") and base != \
+            "specdec-ngram-tree" else [m]
     return out
 
 
@@ -178,12 +187,14 @@ def _spec(label: str, args):
     name = label.removesuffix(COST_SUFFIX)
     common = dict(num_draft_tokens=args.num_draft_tokens, cost_model=label.endswith(COST_SUFFIX),
                   draft_quantization=args.draft_quantization)
-    if name.startswith("specdec-draft-tree:"):
+    if name.startswith(("specdec-draft-tree:", "specdec-eagle-tree:")):
         topk, depth, nodes = (int(v) for v in name.split(":")[1].split("x"))
         return SpecConfig(method="draft", tree_topk=topk, tree_depth=depth, tree_nodes=nodes, **common)
     if name == "specdec-ngram-tree":
         return SpecConfig(method="ngram", tree_topk=args.tree_topk, tree_depth=args.tree_depth,
                           tree_nodes=args.tree_nodes, **common)
+    if name == "specdec-eagle":  # a head as the draft: its kind, eagle or eagle3
+        return SpecConfig(method="draft", **common)
     return SpecConfig(method=name.removeprefix("specdec-").replace("plain", "none"), **common)
 
 
@@ -440,7 +451,8 @@ def run_bench(args) -> int:
                                   pick_dtype, resolve)
 
     shapes = parse_tree_shapes(args.tree_shapes)
-    methods = _labels(_parse_methods(args.methods), shapes)
+    chosen = args.methods or ",".join(m for m in METHODS if args.eagle or not m.startswith("specdec-eagle"))
+    methods = _labels(_parse_methods(chosen), shapes)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.repeats < 1:
@@ -455,6 +467,10 @@ def run_bench(args) -> int:
     if needs_draft and not args.draft:
         raise ValueError("specdec-draft, specdec-hybrid, specdec-draft-tree and hf-assisted need --draft")
     on_llamacpp = args.backend == "llamacpp"
+    needs_eagle = any(m.startswith("specdec-eagle") for m in methods)
+    if needs_eagle and (not args.eagle or on_llamacpp):
+        raise ValueError("specdec-eagle and specdec-eagle-tree need --eagle (an EAGLE head for --model) and "
+                         "--backend torch")
     sd_methods = [m for m in methods if m.startswith("specdec-")]
     peers = [m for m in methods if m.startswith("llamacpp-")]
     dummy = args.load_format == "dummy"
@@ -481,6 +497,7 @@ def run_bench(args) -> int:
     target_path = resolve(args.model, full) if not on_llamacpp else gguf_to_hf_dir(gguf, weights=full)
     draft_path = (resolve(args.draft, full) if not on_llamacpp else gguf_to_hf_dir(draft_gguf, weights=full)) \
         if needs_draft else None
+    eagle_path = resolve(args.eagle) if needs_eagle else None  # a head's weights, even with dummy ones
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_path)
@@ -548,20 +565,24 @@ def run_bench(args) -> int:
         cost_curve["target"] = list(forward_costs(plain.target, COST_CURVE_TOKENS).seconds)
         t_cost = time.perf_counter() - t_cost  # then read these from the cache, not measure again
         llms = {"specdec-plain": plain}
-        draft_model = None  # one copy of the draft weights for every method that drafts with it
+        # one copy of the draft's (and of the head's) weights for every method that drafts with it
+        drafts = {"draft": str(draft_gguf if on_llamacpp else draft_path), "eagle": str(eagle_path)}
         for m in sd_methods:
             if m == "specdec-plain":
                 continue
-            spec = _spec(m, args)
+            spec, which = _spec(m, args), "eagle" if m.startswith("specdec-eagle") else "draft"
             uses_draft = spec.method in DRAFT_METHODS
-            draft = draft_model or str(draft_gguf if on_llamacpp else draft_path)
-            llms[m] = LLM(plain.target, draft=draft if uses_draft else None, speculative=spec, **backend)
-            draft_model = draft_model or llms[m].draft
+            llms[m] = LLM(plain.target, draft=drafts[which] if uses_draft else None, speculative=spec, **backend)
+            if uses_draft:
+                drafts[which] = llms[m].draft
+        draft_model = drafts["draft"] if not isinstance(drafts["draft"], str) else None
         load_s["specdec"] = time.perf_counter() - t0 - t_cost
         log(f"specdec models loaded in {load_s['specdec']:.1f}s (rss {_rss_gb()})")
         if draft_model is not None:
             # the sizes a +cost planner measured (and cached) for it: read, not measured again
             cost_curve["draft"] = list(forward_costs(draft_model, CATCH_UP_TOKENS).seconds)
+        if not isinstance(drafts["eagle"], str):
+            cost_curve["eagle"] = list(forward_costs(drafts["eagle"], CATCH_UP_TOKENS).seconds)
         log(f"forward cost relative to 1 token ({cost_curve['target'][0] * 1e3:.2f} ms): " + " ".join(
             f"{n + 1}:{t / cost_curve['target'][0]:.2f}" for n, t in enumerate(cost_curve["target"])))
         runs.update({m: _specdec_runner(llms[m], sampling) for m in sd_methods})
@@ -646,6 +667,7 @@ def run_bench(args) -> int:
                          + sys.argv[1:])
     repacked = args.repack if on_llamacpp else None  # only llama.cpp repacks
     config = {"backend": args.backend, "repack": repacked, "load_format": args.load_format, "enforce_eager": args.enforce_eager, "model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
+              "eagle": args.eagle if needs_eagle else None, "eagle_dir": str(eagle_path) if eagle_path else None,
               "draft_dir": str(draft_path) if draft_path else None, "num_draft_tokens": args.num_draft_tokens,
               "ngram_tree": {"topk": args.tree_topk, "depth": args.tree_depth, "nodes": args.tree_nodes},
               "draft_tree_shapes": [list(x) for x in shapes],
@@ -675,7 +697,9 @@ def run_bench(args) -> int:
                    else "FAILED: a specdec method's greedy tokens differ from its reference's") + \
             (f"; peers that differ from their own plain decoding: {', '.join(peers)}" if peers else "")
     md = ["# specdec bench", "", "```", command, "```", "",
-          f"- target `{args.model}`" + (f", draft `{args.draft}`, k={args.num_draft_tokens}" if needs_draft else "")
+          f"- target `{args.model}`" + (f", draft `{args.draft}`" if needs_draft else "")
+          + (f", EAGLE head `{args.eagle}`" if needs_eagle else "")
+          + (f", k={args.num_draft_tokens}" if needs_draft or needs_eagle else "")
           + (" - **random weights** (`--load-format dummy`): the speeds of these shapes; acceptance "
              "and output mean nothing" if dummy else ""),
           f"- {len(prompts)} prompt(s) from `{args.prompts_file}`, {mode}, max_new_tokens {args.max_new_tokens}, "
