@@ -240,6 +240,7 @@ class Head(torch.nn.Module):
         head = cls(json.loads((path / "config.json").read_text()), embed, w["lm_head.weight"], w["norm.weight"])
         for name, param in head.named().items():
             param.copy_(w[name])
+        head.kept = w["d2t"] + torch.arange(len(w["d2t"]))  # the target ids it drafts
         return head
 
 
@@ -302,8 +303,10 @@ def main(argv=None):
     ap.add_argument("--epochs", type=float, default=1.0)
     ap.add_argument("--batch", type=int, default=4, help="sequences per optimiser step")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--data", default=None, help="file keeping the prefilled data: read when it exists, "
-                                                 "else written, to train again without prefilling")
+    ap.add_argument("--data", nargs="*", default=[],
+                    help="files of prefilled data: those that exist are read; the data --chat and --text build "
+                         "is added and written to the first that does not (to train again without prefilling)")
+    ap.add_argument("--init", default=None, help="a head this script wrote, to train further (its draft vocabulary)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None)
@@ -316,26 +319,34 @@ def main(argv=None):
 
     llm = LLM(args.target, device=args.device, dtype="float32")
     rt, tcfg = llm.target.runtime, llm.target.config.get_text_config().to_dict()
-    if args.data and Path(args.data).is_file():
-        data = torch.load(args.data)
-        print(f"data: {len(data)} sequences from {args.data}", flush=True)
-    else:
-        data = prefill(rt, sequences(args, llm), feature_taps_of(rt), args.topk)
-        if args.data:
-            torch.save(data, args.data)
+    data = []
+    for f in (Path(f) for f in args.data if Path(f).is_file()):
+        data += torch.load(f)
+        print(f"data: {len(data)} sequences with {f}", flush=True)
+    if args.chat or args.text:
+        new = prefill(rt, sequences(args, llm), feature_taps_of(rt), args.topk)
+        data += new
+        for f in (Path(f) for f in args.data if not Path(f).is_file()):
+            torch.save(new, f)
+            break
     vocab = rt.vocab_size
-    kept = draft_vocabulary(data, min(args.draft_vocab, vocab), vocab)  # [dv] target ids
-    to_draft = torch.full((vocab + 1,), -1, dtype=torch.long)  # index -1 (no label) stays -1
-    to_draft[kept] = torch.arange(len(kept))
     w = Weights(resolve(args.target))
     embed = w["model.embed_tokens.weight"].float()
+    if args.init:
+        head = Head.load(Path(args.init), embed)
+        kept = head.kept
+    else:
+        kept = draft_vocabulary(data, min(args.draft_vocab, vocab), vocab)  # [dv] target ids
+    to_draft = torch.full((vocab + 1,), -1, dtype=torch.long)  # index -1 (no label) stays -1
+    to_draft[kept] = torch.arange(len(kept))
     lm = (w["lm_head.weight"] if "lm_head.weight" in w else w["model.embed_tokens.weight"]).float()
     cfg = {k: tcfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
                                 "max_position_embeddings", "bos_token_id", "eos_token_id") if k in tcfg}
     cfg["vocab_size"] = vocab
     cfg.update(intermediate_size=args.intermediate_size or tcfg["intermediate_size"],
                rope_theta=(tcfg.get("rope_parameters") or {}).get("rope_theta", tcfg.get("rope_theta", 10000.0)))
-    head = Head(cfg, embed, lm[kept], w["model.norm.weight"].float())
+    if not args.init:
+        head = Head(cfg, embed, lm[kept], w["model.norm.weight"].float())
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     total = max(1, math.ceil(len(data) / args.batch * args.epochs))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / total)))
