@@ -73,7 +73,8 @@ def chat_requests(files: list[Path], n: int, seed: int) -> list[list[dict]]:
         if kind == 0:
             text = f"Write a Python function `{node.name}({args})`: {doc}"
         elif kind == 1:
-            text = f"Add type hints and a docstring to this function. Return the whole function.\n\n```python\n{body}\n```"
+            text = ("Add type hints and a docstring to this function. Return the whole function."
+                    f"\n\n```python\n{body}\n```")
         else:
             text = f"Explain briefly what this Python function does.\n\n```python\n{body}\n```"
         requests.append([{"role": "user", "content": text}])
@@ -157,7 +158,8 @@ class Head(torch.nn.Module):
             return torch.nn.Linear(i, o, bias=False)
 
         self.fc = lin(h, 3 * h)
-        self.q, self.k, self.v, self.o = lin(H * self.D, 2 * h), lin(KV * self.D, 2 * h), lin(KV * self.D, 2 * h), lin(h, H * self.D)
+        self.q, self.k, self.v = lin(H * self.D, 2 * h), lin(KV * self.D, 2 * h), lin(KV * self.D, 2 * h)
+        self.o = lin(h, H * self.D)
         I = cfg["intermediate_size"]
         self.gate, self.up, self.down = lin(I, h), lin(I, h), lin(h, I)
         self.input_norm, self.hidden_norm, self.post_norm = (torch.nn.Parameter(torch.ones(h)) for _ in range(3))
@@ -221,7 +223,7 @@ class Head(torch.nn.Module):
         from safetensors.torch import save_file
 
         vocab = self.cfg["vocab_size"]
-        w = {k: v.detach().contiguous().clone() for k, v in self.named().items()}
+        w = {k: v.detach().cpu().contiguous().clone() for k, v in self.named().items()}
         w["d2t"] = kept - torch.arange(len(kept))  # draft id + d2t = target id
         w["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, kept, True)
         out.mkdir(parents=True, exist_ok=True)
@@ -288,8 +290,10 @@ def step_loss(logits, top, prob, j):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", required=True, help=".gguf file, HF model dir or hub id (run on specdec's torch runtime)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True,
+                    help=".gguf file, HF model dir or hub id (run on specdec's torch runtime)")
     ap.add_argument("--out", required=True, help="directory for the head")
     ap.add_argument("--text", nargs="*", default=[], help="Python files or directories (e.g. the stdlib's)")
     ap.add_argument("--chat", type=int, default=0, help="chat requests the target answers for the data")
@@ -347,12 +351,17 @@ def main(argv=None):
                rope_theta=(tcfg.get("rope_parameters") or {}).get("rope_theta", tcfg.get("rope_theta", 10000.0)))
     if not args.init:
         head = Head(cfg, embed, lm[kept], w["model.norm.weight"].float())
+    head = head.to(rt.device)  # trained where the target ran (its features and labels are kept on the CPU)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
     total = max(1, math.ceil(len(data) / args.batch * args.epochs))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / total)))
+    def rate(s):  # 20 warm-up steps, then a cosine to zero
+        return min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / total))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, rate)
     rng, step, t0 = random.Random(args.seed), 0, time.time()
     while step < total:
-        for tokens, feats, top, prob in batches(data, to_draft, args.batch, rng):
+        for batch in batches(data, to_draft, args.batch, rng):
+            tokens, feats, top, prob = (x.to(rt.device) for x in batch)
             out = head(tokens, feats, args.steps)
             parts = [step_loss(logits, top, prob, j) for j, logits in enumerate(out)]
             loss = sum(0.8 ** j * l for j, (l, _) in enumerate(parts))
