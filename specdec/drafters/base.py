@@ -32,4 +32,5 @@ class Drafter(Protocol):
     # Optional (EAGLE): ``taps``, the target's hidden states the drafter reads
     # (``TorchLlama.capture``), and ``features(seq, start, rows)``, which the engine calls
     # after each target forward with the rows ``[n, features]`` of ``seq``'s committed
-    # tokens at positions ``start`` on.
+    # tokens at positions ``start`` on, and ``share(src, dst, start, end)``, after it copies
+    # the target's KV rows ``start`` to ``end - 1`` from slot ``src`` to slot ``dst``.
