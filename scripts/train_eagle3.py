@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec.runtime.torch_llama import rms_norm, rotate
+
 
 # ---- data ----------------------------------------------------------------------------------
 
@@ -140,10 +142,6 @@ def draft_vocabulary(data, size: int, vocab: int) -> torch.Tensor:
 
 # ---- the head ------------------------------------------------------------------------------
 
-def rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
 class Head(torch.nn.Module):
     """EAGLE-3's one decoder layer, as SGLang and vLLM run it, over a batch of sequences."""
 
@@ -171,8 +169,7 @@ class Head(torch.nn.Module):
     def rope(self, x, pos):  # x [B, heads, R, D], pos [R]
         ang = pos.float()[:, None] * self.inv_freq
         cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-        x1, x2 = x.chunk(2, -1)
-        return x * cos + torch.cat([-x2, x1], -1) * sin
+        return rotate(x, cos, sin)
 
     def forward(self, tokens, features, steps: int):
         """``tokens`` [B, T], ``features`` [B, T, 3 hidden]: the draft logits [B, T - 1, draft
@@ -187,8 +184,8 @@ class Head(torch.nn.Module):
         for j in range(steps):
             ids = F.pad(tokens[:, 1 + j:], (0, j))  # [B, R]
             pos = torch.arange(R, device=tokens.device) + j
-            normed = rms(hid, self.hidden_norm, self.eps)
-            a = torch.cat([rms(F.embedding(ids, self.embed), self.input_norm, self.eps), normed], -1)  # [B, R, 2h]
+            normed = rms_norm(hid, self.hidden_norm, self.eps)
+            a = torch.cat([rms_norm(F.embedding(ids, self.embed), self.input_norm, self.eps), normed], -1)  # [B, R, 2h]
             q = self.rope(self.q(a).view(B, R, H, D).transpose(1, 2), pos)  # [B, H, R, D]
             k = self.rope(self.k(a).view(B, R, KV, D).transpose(1, 2), pos).repeat_interleave(H // KV, 1)
             v = self.v(a).view(B, R, KV, D).transpose(1, 2).repeat_interleave(H // KV, 1)
@@ -201,9 +198,9 @@ class Head(torch.nn.Module):
             for i, vv in enumerate(values[1:]):
                 o = o + p[..., R + i: R + i + 1] * vv
             h = hid + self.o(o.transpose(1, 2).reshape(B, R, H * D))
-            m = rms(h, self.post_norm, self.eps)
+            m = rms_norm(h, self.post_norm, self.eps)
             h = h + self.down(F.silu(self.gate(m)) * self.up(m))
-            out.append(F.linear(rms(h, self.norm, self.eps), self.lm_head))
+            out.append(F.linear(rms_norm(h, self.norm, self.eps), self.lm_head))
             hid = h
         return out
 

@@ -65,6 +65,7 @@ GGUF_TYPES = " for torch and transformers (llama.cpp runs the GGUF's own types)"
 # the top one): two steps of bfloat16 / float16 (tests/test_cuda.py's rule); float32: 1e-4, the
 # runtimes' parity
 NEAR_TIE = {"float32": 1e-4, "bfloat16": 2 ** -6, "float16": 2 ** -9}
+SHAPED = ("specdec-draft-tree", "specdec-eagle-tree")  # one method per --tree-shapes entry
 COST_SUFFIX = "+cost"  # e.g. specdec-ngram+cost: the same drafter with the cost model choosing k
 DEFAULT_TREE_SHAPES = "2x4x8"
 NGRAM_TREE_TOPK = 3  # specdec-ngram-tree: up to 3 matches' continuations as branches
@@ -175,8 +176,7 @@ def _labels(methods: list[str], shapes) -> list[str]:
     out = []
     for m in methods:
         base, cost = m.removesuffix(COST_SUFFIX), m[len(m.removesuffix(COST_SUFFIX)):]
-        out += [f"{base}:{t}x{d}x{n}{cost}" for t, d, n in shapes] if base.endswith("-tree") and base != \
-            "specdec-ngram-tree" else [m]
+        out += [f"{base}:{t}x{d}x{n}{cost}" for t, d, n in shapes] if base in SHAPED else [m]
     return out
 
 
@@ -187,7 +187,7 @@ def _spec(label: str, args):
     name = label.removesuffix(COST_SUFFIX)
     common = dict(num_draft_tokens=args.num_draft_tokens, cost_model=label.endswith(COST_SUFFIX),
                   draft_quantization=args.draft_quantization)
-    if name.startswith(("specdec-draft-tree:", "specdec-eagle-tree:")):
+    if name.split(":")[0] in SHAPED:
         topk, depth, nodes = (int(v) for v in name.split(":")[1].split("x"))
         return SpecConfig(method="draft", tree_topk=topk, tree_depth=depth, tree_nodes=nodes, **common)
     if name == "specdec-ngram-tree":
@@ -575,14 +575,12 @@ def run_bench(args) -> int:
             llms[m] = LLM(plain.target, draft=drafts[which] if uses_draft else None, speculative=spec, **backend)
             if uses_draft:
                 drafts[which] = llms[m].draft
-        draft_model = drafts["draft"] if not isinstance(drafts["draft"], str) else None
         load_s["specdec"] = time.perf_counter() - t0 - t_cost
         log(f"specdec models loaded in {load_s['specdec']:.1f}s (rss {_rss_gb()})")
-        if draft_model is not None:
-            # the sizes a +cost planner measured (and cached) for it: read, not measured again
-            cost_curve["draft"] = list(forward_costs(draft_model, CATCH_UP_TOKENS).seconds)
-        if not isinstance(drafts["eagle"], str):
-            cost_curve["eagle"] = list(forward_costs(drafts["eagle"], CATCH_UP_TOKENS).seconds)
+        for which, model in drafts.items():  # those loaded: a path still a str was not
+            if not isinstance(model, str):
+                # the sizes a +cost planner measured (and cached) for it: read, not measured again
+                cost_curve[which] = list(forward_costs(model, CATCH_UP_TOKENS).seconds)
         log(f"forward cost relative to 1 token ({cost_curve['target'][0] * 1e3:.2f} ms): " + " ".join(
             f"{n + 1}:{t / cost_curve['target'][0]:.2f}" for n, t in enumerate(cost_curve["target"])))
         runs.update({m: _specdec_runner(llms[m], sampling) for m in sd_methods})

@@ -131,17 +131,22 @@ class EagleCache(KVCache):
     @torch.inference_mode()
     def store(self, slot: int, start: int, features: torch.Tensor) -> None:
         """The target's (fused) features ``[n, hidden]`` of positions ``start`` on."""
-        end, rows = start + features.shape[0], self.targets.shape[1]
-        self.targets = grown(self.targets, slot + 1, rows if end <= rows else max(end, 2 * rows))
+        end = start + features.shape[0]
+        self._room(slot + 1, end)
         self.targets[slot, start:end] = features
         self.known[slot] = end
 
     @torch.inference_mode()
     def share(self, src: int, dst: int, start: int, end: int) -> None:
         """Slot ``src``'s target features of positions ``start`` to ``end - 1`` as ``dst``'s."""
-        self.targets = grown(self.targets, max(src, dst) + 1, end)
+        self._room(max(src, dst) + 1, end)
         self.targets[dst, start:end] = self.targets[src, start:end]
         self.known[dst] = end
+
+    def _room(self, slots: int, end: int) -> None:
+        """``targets`` with room for ``slots`` slots and ``end`` rows (its rows doubling)."""
+        rows = self.targets.shape[1]
+        self.targets = grown(self.targets, slots, rows if end <= rows else max(end, 2 * rows))
 
 
 def grown(t: torch.Tensor, slots: int, rows: int) -> torch.Tensor:
