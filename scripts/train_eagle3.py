@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specdec.runtime.torch_llama import rms_norm, rotate
+from specdec.runtime.ops import rms_norm, rotate
 
 
 # ---- data ----------------------------------------------------------------------------------

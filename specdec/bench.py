@@ -977,7 +977,7 @@ def _tables(methods, summary, results, prompts, baselines) -> str:
             rel = {m: [_ratio(results[m][i][key], results[b][i][key])
                        for i in range(len(prompts))] for m in methods if m != b}
             ms = list(rel)
-            lines = [f"| prompt | " + " | ".join(ms) + " |", "|---|" + "---:|" * len(ms)]
+            lines = ["| prompt | " + " | ".join(ms) + " |", "|---|" + "---:|" * len(ms)]
             lines += [f"| {p['id']} | " + " | ".join(_fmt(rel[m][i]) for m in ms) + " |"
                       for i, p in enumerate(prompts)]
             for g in sorted({prompt_group(p["id"]) for p in prompts}):

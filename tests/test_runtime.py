@@ -478,7 +478,7 @@ def test_tree_deeper_than_the_window(tmp_path, arch):
 
 def test_int8_linear_close_but_not_exact():
     """int8 (draft-only) linears: about 1% error per product, never used for a target."""
-    from specdec.runtime.torch_llama import Linear
+    from specdec.runtime.linear import Linear
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 200, generator=g) * 0.05
@@ -537,7 +537,7 @@ def test_int8_rows_do_not_depend_on_their_neighbours():
     """fbgemm quantizes activations on one range per tensor; int8 linears quantize each row
     on its own, so a row's output is the same alone or beside others (bit for bit), and a
     large row does not coarsen the rest."""
-    from specdec.runtime.torch_llama import Linear
+    from specdec.runtime.linear import Linear
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 200, generator=g) * 0.05
@@ -646,7 +646,7 @@ def test_weight_bytes_from_the_config(tiny_dirs, name):
     copy of the linears fits in memory beside them), are the model's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from specdec.runtime.torch_llama import expert_bytes, linear_bytes
+    from specdec.runtime.linear import expert_bytes, linear_bytes
 
     config = AutoConfig.from_pretrained(tiny_dirs[name])
     params = dict(AutoModelForCausalLM.from_config(config).named_parameters())
@@ -740,7 +740,7 @@ def test_graphed_forward_equals_eager(tiny_dirs, tmp_path, name):
     size; Gemma 3's window, Gemma 2's capped attention written out, Granite's multipliers and
     Qwen2-MoE's experts, padding rows routed too, in it) gives eager decoding's greedy tokens under plain
     decoding, chains, n-gram and draft trees, in batches and one by one."""
-    from specdec.runtime.torch_llama import GRAPH_TOKEN_SIZES
+    from specdec.runtime.cuda_graphs import GRAPH_TOKEN_SIZES
 
     from specdec import LLM, SamplingParams, SpecConfig
     from specdec.runtime import load_model

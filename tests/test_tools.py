@@ -244,7 +244,6 @@ def test_tool_conversation_and_none(client):
         {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'}]
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="none", temperature=0,
                                        max_tokens=8)
-    ref = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=8)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason in ("stop", "length")
     from specdec.server.protocol import ChatCompletionRequest, parse
 

@@ -1,7 +1,6 @@
 """DraftTree structure (mask, positions, retrieve paths) and tree verification."""
 import math
 
-import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare

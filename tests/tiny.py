@@ -185,7 +185,7 @@ def mxfp4_copy(src: Path, path: Path) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from specdec.runtime.torch_llama import FP4_VALUES
+    from specdec.runtime.moe import FP4_VALUES
 
     values = torch.tensor(FP4_VALUES)
     shutil.copytree(src, path)

@@ -34,7 +34,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .torch_llama import CheckpointReader, CudaGraphs, Family, KVCache, TorchLlama, decoder_layer, rms_norm
+from .cuda_graphs import CudaGraphs
+from .ops import rms_norm
+from .torch_llama import CheckpointReader, Family, KVCache, TorchLlama, decoder_layer
 
 EAGLE_KINDS = ("eagle", "eagle3")
 
@@ -296,7 +298,7 @@ def load_eagle(draft: str, kind: str, target, quantize: str = "auto", revision: 
     from transformers import AutoConfig
 
     from .loading import LoadedModel, Weights, resolve
-    from .torch_llama import pick_linear
+    from .linear import pick_linear
 
     rt = target.runtime
     if type(rt) is not TorchLlama:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -480,7 +479,7 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     own Python code (config, tokenizer, and the model itself, on transformers' runtime) where
     its config names it in ``auto_map``.
 
-    ``quantize`` (draft models only, see ``torch_llama.Linear``): ``int8`` linears, ``none``,
+    ``quantize`` (draft models only, see ``linear.Linear``): ``int8`` linears, ``none``,
     or ``auto`` = int8 where it applies (torch runtime, CPU, float32).
     ``backend="llamacpp"``: a GGUF on llama.cpp (CPU, the file's own quantization, torch's
     thread count, ``repack``: its repacked CPU weights); config and tokenizer still come from
@@ -491,7 +490,8 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
     from transformers import AutoConfig
 
     from .hf import HFRuntime
-    from .torch_llama import TorchLlama, pick_linear, unsupported
+    from .linear import pick_linear
+    from .torch_llama import TorchLlama, unsupported
 
     EngineConfig(backend=backend, load_format=load_format)  # validates the pair
     code = {"trust_remote_code": trust_remote_code}

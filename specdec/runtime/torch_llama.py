@@ -7,32 +7,35 @@ Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensor
 HF directory and GGUF tensors dequantized by transformers load the same way. The KV cache
 is position-indexed per slot: token ``j`` of a sequence lives at index ``j`` of its slot,
 and a rollback only rewinds the slot's length.
+
+Beside it: ``moe`` (the experts), ``linear`` (``Linear``'s kinds), ``ops`` (norms,
+attention, rotary embeddings) and ``cuda_graphs`` (``CudaGraphs``).
 """
 from __future__ import annotations
 
 import logging
 import statistics
 import time
-import warnings
-import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .. import disk_cache
+from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
+from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
+from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
+from .ops import ACTIVATIONS, attention, rms_norm, rotate, softcap
 
 log = logging.getLogger(__name__)
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe")  # their MLPs (some, or all) are ``Experts``
 QWEN_VL_TEXT = ("qwen2_5_vl_text", "qwen3_vl_text")  # Qwen2 and Qwen3 on text alone (text_model)
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "glm4", "gemma", "gemma2",
          "gemma3_text") + MOE_ARCHS + QWEN_VL_TEXT  # HF model_type; biases, q/k norms, Phi-3's fused projections
 # and Gemma 2/3's norms after attention and MLP come from the weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe")  # whose transformers model rotates a part of each head where the config says
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
@@ -118,398 +121,6 @@ class Family:
                    final_softcap=config.final_logit_softcapping if gemma23 else None, activation=act)
 
 
-def moe_layers(config) -> list[bool]:
-    """Which layers' MLP is ``Experts``, as each architecture's transformers model places them:
-    Mixtral's and GPT-OSS's every layer; GLM-4.5's from ``first_k_dense_replace`` on;
-    Qwen2-MoE's and Qwen3-MoE's every ``decoder_sparse_step``-th but those in
-    ``mlp_only_layers`` (a dense MLP)."""
-    n, kind = config.num_hidden_layers, config.model_type
-    if kind not in MOE_ARCHS:
-        return [False] * n
-    if kind in ("mixtral", "gpt_oss"):
-        return [True] * n
-    if kind == "glm4_moe":
-        return [i >= config.first_k_dense_replace for i in range(n)]
-    dense = set(config.mlp_only_layers or [])
-    return [i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
-            for i in range(n)]
-
-
-def num_experts(config) -> int:
-    """The routed experts of a mixture's layer (0 without)."""
-    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0
-
-
-grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm from torch 2.10
-
-
-def grouped_mm_graphable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``grouped_mm`` runs without a host sync, so that a CUDA graph can hold it:
-    PyTorch's CUTLASS kernel, for bfloat16 on Hopper and data-centre Blackwell GPUs (compute
-    capability 9.x and 10.x); elsewhere it loops over the groups on the host (``offs.cpu()``)."""
-    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
-
-
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 by code
-
-
-def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """MXFP4 weights (GPT-OSS's experts) dequantized: ``blocks [..., rows, G, 16]`` (uint8, two
-    4-bit codes per byte, the low one first) and ``scales [..., rows, G]`` (each group of 32
-    values' power of two, biased by 127) -> ``[..., rows, G * 32]``, exact in bfloat16."""
-    table = torch.tensor(FP4_VALUES, device=device, dtype=torch.float32)
-    blocks, scales = blocks.to(device), scales.to(device)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., rows, G, 32]
-    values = torch.ldexp(table[codes], scales.to(torch.int32)[..., None] - 127)
-    return values.flatten(-2).to(dtype)
-
-
-@dataclass(frozen=True)
-class Routing:
-    """How a router's logits pick ``top_k`` experts and weight them, and the experts' gated
-    activation, as each architecture's transformers model does. Mixtral and the Qwens: the
-    top k of the softmax (scaled to sum 1 where ``renormalize``: Mixtral's always, the
-    Qwens' ``norm_topk_prob``; weights in float32 where ``float_weights``, Mixtral's, else the
-    model's dtype), ``activation(gate) * up``; GPT-OSS (``gpt_oss``): the softmax of the top k
-    logits, in the model's dtype, and ``(up + 1) * gate * sigmoid(alpha * gate)`` with gate
-    and up clamped at ``limit``; GLM-4.5 (``sigmoid``): the router in float32
-    (``float_router``), sigmoid scores, the top k of those plus a correction bias among the
-    ``top_groups`` best of ``groups`` groups of experts (each group by its best two), their
-    scores renormalised and times ``scale``, in float32."""
-
-    top_k: int
-    renormalize: bool = False
-    float_weights: bool = False
-    activation: str = "silu"
-    gpt_oss: bool = False
-    alpha: float = 1.702
-    limit: float = 7.0
-    sigmoid: bool = False
-    float_router: bool = False
-    groups: int = 1
-    top_groups: int = 1
-    scale: float = 1.0
-
-    @classmethod
-    def of(cls, config) -> "Routing":
-        kind = config.model_type
-        if kind == "gpt_oss":
-            return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
-        if kind == "glm4_moe":
-            return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob,
-                       activation=Family.of(config).activation, sigmoid=True, float_router=True,
-                       groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor)
-        return cls(config.num_experts_per_tok, renormalize=kind == "mixtral" or config.norm_topk_prob,
-                   float_weights=kind == "mixtral", activation=Family.of(config).activation)
-
-    def weights(self, logits: torch.Tensor, correction: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(weights, experts)`` ``[N, top_k]`` of router ``logits [N, experts]`` (``correction
-        [experts]``: GLM-4.5's bias on the scores that choose)."""
-        if self.gpt_oss:
-            top, chosen = logits.topk(self.top_k, dim=-1)
-            return torch.softmax(top, dim=-1, dtype=top.dtype), chosen
-        if self.sigmoid:
-            scores = logits.sigmoid()  # [N, experts]
-            choice = scores if correction is None else scores + correction
-            if self.groups > 1:
-                N, E = choice.shape
-                by_group = choice.view(N, self.groups, E // self.groups)
-                best = by_group.topk(2, dim=-1)[0].sum(dim=-1).topk(self.top_groups, dim=-1, sorted=False)[1]
-                keep = torch.zeros(N, self.groups, dtype=torch.bool, device=logits.device).scatter_(1, best, True)
-                choice = choice.masked_fill(~keep[..., None].expand_as(by_group).reshape(N, E), float("-inf"))
-            chosen = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-            weights = scores.gather(1, chosen)
-            if self.renormalize:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-            return weights * self.scale, chosen
-        weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return (weights if self.float_weights else weights.to(logits.dtype)), chosen
-
-    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if not self.gpt_oss:
-            return ACTIVATIONS[self.activation](gate) * up
-        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-
-
-class Experts:
-    """A sparse mixture-of-experts MLP (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, GPT-OSS's,
-    GLM-4.5's) as transformers' grouped experts compute it: the router picks and weights
-    experts per token (``Routing``); the token-expert pairs, sorted by expert, go through one
-    grouped product per projection (``F.grouped_mm``: no shape that depends on the routing,
-    so a CUDA graph holds it where ``grouped_mm_graphable``); each token sums its experts'
-    outputs, weighted. Qwen2-MoE's gated shared expert and GLM-4.5's shared experts are the
-    layer's dense MLP (``TorchLlama._mlp``). Weights are ``[experts, in, out]``
-    (``grouped_mm``'s), the gate's columns before the up ones; biases (GPT-OSS's)
-    ``[experts, out]``."""
-
-    def __init__(self, routing: Routing, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *,
-                 router_bias: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
-                 down_bias: torch.Tensor | None = None, correction: torch.Tensor | None = None):
-        self.routing = routing
-        self.router, self.router_bias = router, router_bias  # [experts, hidden], [experts]
-        self.correction = correction  # [experts] float32: GLM-4.5's bias on the scores that choose
-        self.gate_up, self.gate_up_bias = gate_up, gate_up_bias  # [experts, hidden, 2 * inter], [experts, 2 * inter]
-        self.down, self.down_bias = down, down_bias  # [experts, inter, hidden], [experts, hidden]
-
-    @classmethod
-    def load(cls, config, weights, layer: str, device: torch.device, dtype: torch.dtype) -> "Experts":
-        """Layer ``layer``'s (``"model.layers.{i}."``) from a checkpoint as saved (one tensor
-        per expert and projection: ``experts.{e}.gate_proj.weight``..., Mixtral's
-        ``block_sparse_moe.experts.{e}.w1.weight``...; GPT-OSS's fused, in MXFP4 or not) or
-        under transformers' own names (its experts fused: ``mlp.experts.gate_up_proj``; dummy
-        weights, converted GGUFs), each tensor copied once into the stacked ones on ``device``."""
-        if config.model_type == "gpt_oss":
-            return cls._load_gpt_oss(config, weights, layer + "mlp.", device, dtype)
-        def stacked(names: list[list[str]]) -> torch.Tensor:  # [experts, out, in]: each expert's tensors' rows
-            tensors = [[weights[n] for n in expert] for expert in names]
-            out = torch.empty(len(tensors), sum(len(t) for t in tensors[0]), tensors[0][0].shape[1], device=device,
-                              dtype=dtype)
-            for e, expert in enumerate(tensors):
-                torch.cat([t.to(device=device, dtype=dtype) for t in expert], out=out[e])
-            return out
-
-        mixtral = config.model_type == "mixtral"
-        block = layer + ("block_sparse_moe." if mixtral and layer + "mlp.gate.weight" not in weights else "mlp.")
-        if block + "experts.gate_up_proj" in weights:  # fused, [experts, out, in]
-            gate_up, down = (weights[block + "experts." + n].to(device=device, dtype=dtype, copy=True)
-                             for n in ("gate_up_proj", "down_proj"))
-        else:
-            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-            experts = [f"{block}experts.{i}." for i in range(num_experts(config))]
-            gate_up = stacked([[x + gate + ".weight", x + up + ".weight"] for x in experts])
-            down = stacked([[x + down + ".weight"] for x in experts])
-
-        routing = Routing.of(config)
-        router = weights[block + "gate.weight"].to(
-            device=device, dtype=torch.float32 if routing.float_router else dtype, copy=True)
-        correction = block + "gate.e_score_correction_bias"
-        return cls(routing, router, gate_up.transpose(1, 2), down.transpose(1, 2),
-                   correction=weights[correction].to(device=device, dtype=torch.float32, copy=True)
-                   if correction in weights else None)
-
-    @classmethod
-    def _load_gpt_oss(cls, config, weights, mlp: str, device: torch.device, dtype: torch.dtype) -> "Experts":
-        """GPT-OSS's: ``experts.gate_up_proj [experts, hidden, 2 * inter]`` (gate and up columns
-        interleaved: they are put in halves) and ``down_proj [experts, inter, hidden]``, or as
-        released, in MXFP4 (``*_blocks``, ``*_scales``, out before in), biases beside them."""
-        def get(name: str) -> torch.Tensor:
-            return weights[mlp + name].to(device=device, dtype=dtype, copy=True)
-
-        def projection(name: str) -> torch.Tensor:  # [experts, in, out]
-            if mlp + f"experts.{name}_blocks" in weights:
-                blocks, scales = weights[mlp + f"experts.{name}_blocks"], weights[mlp + f"experts.{name}_scales"]
-                return torch.stack([mxfp4(blocks[e], scales[e], device, dtype) for e in range(len(blocks))]
-                                   ).transpose(1, 2)
-            return get(f"experts.{name}")
-
-        gate_up, gate_up_bias = projection("gate_up_proj"), get("experts.gate_up_proj_bias")
-        halves = torch.cat([torch.arange(0, gate_up.shape[-1], 2), torch.arange(1, gate_up.shape[-1], 2)]).to(device)
-        return cls(Routing.of(config), get("router.weight"), gate_up[..., halves].contiguous(),
-                   projection("down_proj").contiguous(), router_bias=get("router.bias"),
-                   gate_up_bias=gate_up_bias[:, halves].contiguous(), down_bias=get("experts.down_proj_bias"))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # [N, hidden]
-        N, k, E = flat.shape[0], self.routing.top_k, self.router.shape[0]
-        logits = F.linear(flat.float() if self.routing.float_router else flat, self.router, self.router_bias)
-        weights, chosen = self.routing.weights(logits, self.correction)  # [N, k]
-        expert, order = chosen.flatten().sort()  # [N k] pairs, grouped by expert
-        counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
-            0, expert, torch.ones_like(expert, dtype=torch.int32))
-        ends = counts.cumsum(0, dtype=torch.int32)  # [experts] where each expert's pairs end
-        h = grouped_mm(flat[order // k], self.gate_up, offs=ends)  # [N k, 2 inter]
-        if self.gate_up_bias is not None:
-            h = h + self.gate_up_bias[expert]
-        out = grouped_mm(self.routing.glu(*h.chunk(2, dim=-1)), self.down, offs=ends)  # [N k, hidden]
-        if self.down_bias is not None:
-            out = out + self.down_bias[expert]
-        out = out * weights.flatten()[order, None]
-        by_token = torch.empty_like(out)
-        by_token[order] = out  # back in token order
-        return by_token.view(N, k, -1).sum(dim=1).to(x.dtype).view_as(x)
-
-
-LINEAR_KINDS = ("dense", "onednn", "int8")
-
-
-class Linear:
-    """``y = x W^T + b`` in one of three kinds:
-
-    * ``dense``: ``F.linear`` (any device and dtype);
-    * ``onednn``: CPU fp32 through oneDNN (``mkldnn_linear``), ~1.5-2x faster than the
-      default sgemm for the 1-16 row products of decoding and verification. With
-      ``multi_row`` a second copy of the weight, pre-packed by oneDNN for 8-row inputs, serves
-      every product of 2+ rows (verification, prefill): on Qwen2.5-Coder-1.5B a 9-token
-      forward then costs ~1.5x one token instead of ~2.5x, at twice the weight memory.
-      Where that copy is also as fast for one row (``one_row_packed``: the runtime times
-      both), it serves every product and the first copy is freed;
-    * ``int8``: CPU dynamic int8 (fbgemm, per-output-channel symmetric weights), ~4x
-      faster again at ~1e-2 relative error: for draft models only, where it costs some
-      acceptance but never exactness (the target still verifies every token).
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, multi_row: bool = False):
-        self.out_features = weight.shape[0]
-        self.kind = kind
-        self.multi = None
-        self.one_row_packed = False
-        if kind == "onednn":
-            self.weight = weight.contiguous().to_mkldnn()
-            self.bias = bias.contiguous().to_mkldnn() if bias is not None else None
-            if multi_row and MULTI_ROW_OPS:
-                self.multi = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 8)
-                self.dense_bias = bias.contiguous() if bias is not None else None
-        elif kind == "int8":
-            w = weight.float()
-            scale = (w.abs().amax(dim=1) / 127).clamp_min(1e-8).double()  # [out]
-            zero = torch.zeros(w.shape[0], dtype=torch.long)
-            with warnings.catch_warnings():  # "quantized tensor creation is deprecated" (torch 2.13)
-                warnings.simplefilter("ignore")
-                qw = torch.quantize_per_channel(w, scale, zero, 0, torch.qint8)
-            self.packed = torch.ops.quantized.linear_prepack(qw, None)
-            self.bias = bias.float() if bias is not None else None
-            self.anchor = torch.zeros(1, w.shape[1])  # [1, in]: pins the activation range to [-1, 1]
-            self.anchor[0, :2] = torch.tensor([1.0, -1.0])
-        else:
-            self.weight, self.bias = weight, bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kind == "dense":
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(-1, x.shape[-1]).contiguous()
-        if self.multi is not None and (flat.shape[0] > 1 or self.one_row_packed):
-            y = torch.ops.mkldnn._linear_pointwise(flat, self.multi, self.dense_bias, "none", [], "")
-        elif self.kind == "onednn":
-            y = torch._C._nn.mkldnn_linear(flat.to_mkldnn(), self.weight, self.bias).to_dense()
-        else:  # int8, per row: see int8_rows
-            y = int8_rows(flat, self.packed, self.anchor, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def pack_one_row(self, on: bool = True, free: bool = False) -> None:
-        """Products of one row through the multi-row copy (``on``); ``free``: drop the other."""
-        self.one_row_packed = on and self.multi is not None
-        if free and self.one_row_packed:
-            self.weight = self.bias = None
-
-
-def int8_rows(x: torch.Tensor, packed, anchor: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` through fbgemm's dynamic int8 linear, with each row of ``x`` ``[n, in]``
-    quantized on its own scale. fbgemm quantizes activations on one range for the whole
-    tensor, so a row's result would depend on the rows beside it (a draft's q on its batch
-    and chunking, and so a seeded draw on them), and one large row would coarsen the rest
-    (with one row 20x larger: ~28% relative error for the others, against ~2%). Each row is
-    scaled to max |x| = 1 and the ``anchor`` row (1, -1, 0, ...) pins the tensor's range to
-    [-1, 1]; the integer products are exact, so a row's output no longer depends on its
-    neighbours."""
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)  # [n, 1]
-    y = torch.ops.quantized.linear_dynamic(torch.cat([x / scale, anchor]), packed, reduce_range=True)
-    y = y[:-1] * scale  # [n, out]
-    return y if bias is None else y + bias
-
-
-PACKED_ONE_ROW_SLACK = 1.03  # packed one-row products may cost this much more: they halve the weights' memory
-MULTI_ROW_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def linear_bytes(config) -> int:
-    """fp32 bytes of a model's ``Linear`` weights (from its config): attention's, the dense
-    MLPs' (a MoE layer's shared experts': Qwen2-MoE's, GLM-4.5's) and the head; not ``Experts``'."""
-    h, heads = config.hidden_size, config.num_attention_heads
-    d = getattr(config, "head_dim", None) or h // heads
-    kv = config.num_key_value_heads or heads
-    shared = getattr(config, "shared_expert_intermediate_size", 0) or \
-        (getattr(config, "n_shared_experts", 0) or 0) * (getattr(config, "moe_intermediate_size", 0) or 0)
-    mlp = sum(shared if moe else config.intermediate_size for moe in moe_layers(config))
-    attention = config.num_hidden_layers * ((heads * d + 2 * kv * d) * h + h * heads * d)
-    return 4 * (attention + 3 * h * mlp + config.vocab_size * h)
-
-
-def expert_bytes(config) -> int:
-    """fp32 bytes of a model's ``Experts`` (from its config; 0 without)."""
-    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    return 4 * sum(moe_layers(config)) * num_experts(config) * 3 * config.hidden_size * inter
-
-
-def mem_available() -> int:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def pick_linear(device: torch.device, dtype: torch.dtype, quantize: bool = False) -> str:
-    """The fastest exact kind for this device and dtype, or int8 when ``quantize`` (CPU only)."""
-    cpu_fp32 = device.type == "cpu" and dtype == torch.float32
-    if quantize:
-        if not cpu_fp32:
-            raise ValueError("int8 draft quantization needs a CPU float32 draft model")
-        return "int8"
-    return "onednn" if cpu_fp32 and torch.backends.mkldnn.is_available() else "dense"
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's (scaled in the model's dtype), or with a float32 ``weight`` under a lower
-    precision Gemma's (scaled in float32, then cast): the same in float32."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if weight.dtype == torch.float32:
-        return (h * weight).to(x.dtype)
-    return weight * h.to(x.dtype)
-
-
-def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
-    return x if cap is None else torch.tanh(x / cap) * cap
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
-              cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """``q [B, H, T, D]`` over ``k, v [B, KV, S, D]`` under ``mask [B, 1, T, S]`` (bool):
-    PyTorch's fused attention, or where it cannot the product written out as transformers'
-    eager attention has it: capped scores (Gemma 2's; softmax in float32) or a sink per head
-    (GPT-OSS's ``sinks [H]``: a logit beside the keys' that takes a share of the softmax
-    and no value; softmax in the model's dtype)."""
-    H, KV = q.shape[1], k.shape[1]
-    if cap is None and sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=KV != H)
-    if KV != H:
-        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
-    scores = softcap(q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5), cap)  # [B, H, T, S]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
-    scores = torch.cat([scores, sinks[None, :, None, None].expand(*scores.shape[:3], 1)], dim=-1)
-    scores = scores - scores.max(dim=-1, keepdim=True).values  # [B, H, T, S + 1]
-    return torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(v.dtype) @ v
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
-    """``rotate_half`` for rotary pairs of neighbouring dimensions (GLM-4's interleaved rope)."""
-    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """Rotary embedding of ``x [B, heads, T, head_dim]``: its first ``cos.shape[-1]``
-    dimensions rotate (as halves, or ``interleaved`` as neighbouring pairs), the rest pass (a
-    partial rotary factor)."""
-    r, turn = cos.shape[-1], (rotate_pairs if interleaved else rotate_half)
-    if r == x.shape[-1]:
-        return x * cos + turn(x) * sin
-    part = x[..., :r]
-    return torch.cat([part * cos + turn(part) * sin, x[..., r:]], dim=-1)
-
-
 class KVCache:
     """Per-layer K/V ``[slots, kv_heads, capacity, head_dim]``, grown on demand: rows doubling,
     but past ``max_rows`` (the context window) plus a forward's padding only as far as a
@@ -572,20 +183,8 @@ class KVCache:
         self.lengths[slot] = start + len(rows)
 
 
-# On CUDA, forwards of at most GRAPH_MAX_TOKENS tokens per row replay a CUDA graph, their rows
-# padded to the next of these sizes: a handful of graphs per batch size serves every verify
-# width, prompt chunk and catch-up (padding is nearly free in a launch-bound forward)
-GRAPH_TOKEN_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-GRAPH_MAX_TOKENS = GRAPH_TOKEN_SIZES[-1]
-
-
-def graph_tokens(n: int) -> int:
-    """The tokens per row of the graph that serves a forward of ``n <= GRAPH_MAX_TOKENS``."""
-    return next(size for size in GRAPH_TOKEN_SIZES if size >= n)
-
-
 @dataclass
-class _Batch:
+class Batch:
     """One forward's inputs on the device (a CUDA graph's are fixed buffers of these shapes)."""
 
     ids: torch.Tensor  # [B, T] token ids (padding rows: 0)
@@ -615,82 +214,6 @@ def slot_runs(slots: list[int], keys: int) -> tuple[tuple[int, int, int], ...] |
             b0 = b
     return tuple(runs) if len(runs) == 1 or keys >= RUNS_FROM_KEYS else None
 
-
-@dataclass
-class _Graph:
-    graph: "torch.cuda.CUDAGraph"
-    inputs: _Batch  # the buffers the graph reads
-    logits: torch.Tensor  # [B, T, vocab] in the model's dtype, the buffer it writes
-    features: torch.Tensor | None  # [B, T, features]: the runtime's taps (None without)
-
-
-class CudaGraphs:
-    """The layer stack (``TorchLlama._layers``) captured as CUDA graphs and replayed, as vLLM
-    and SGLang run decoding: a small forward is a few hundred kernels of a few microseconds
-    each, so launching them one by one from Python costs more than running them (eager
-    Qwen2.5-Coder-1.5B in bfloat16 on an H200: ~19 ms per token, for ~0.7 ms of weights).
-
-    One graph per KV cache, batch size and tokens per row (``GRAPH_TOKEN_SIZES``: a forward's
-    rows are padded up to one), captured the first time that shape comes (the capture's
-    warm-up run is that forward's own); a cache that grows gets new ones.
-    Every graph attends over its cache's whole capacity under the mask, so a graph serves any
-    position. A cache's graphs share one memory pool and are dropped together, with the cache
-    or when it grows: PyTorch cannot capture into a pool whose graphs are all gone (an internal
-    assert, seen on torch 2.11 when one pool served every cache). A capture that fails turns
-    graphs off for the runtime (logged once): the forward then runs eagerly, as before."""
-
-    def __init__(self, runtime: "TorchLlama"):
-        self.runtime = runtime
-        # cache -> (its K and V buffers' addresses and K's shape, its memory pool, its graphs by (batch, tokens))
-        self.by_cache: "weakref.WeakKeyDictionary[KVCache, tuple[tuple, tuple, dict]]" = weakref.WeakKeyDictionary()
-
-    def run(self, cache: KVCache, x: _Batch, tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``[B, tokens, vocab]`` (float32) of ``x``'s first ``tokens`` rows (the
-        others are padding), and their tapped hidden states (``TorchLlama.capture``). On the
-        runtime's GPU (``cuda:N``), whichever is current."""
-        with torch.cuda.device(self.runtime.device):
-            return self._run(cache, x, tokens)
-
-    def _run(self, cache: KVCache, x: _Batch, tokens: int) -> torch.Tensor:
-        buffer, pool, graphs = self.by_cache.get(cache, (None, None, None))
-        now = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))  # grown buffers change shape
-        if buffer != now:  # new, or grown since (slots or capacity): old graphs read freed memory
-            buffer, pool, graphs = now, torch.cuda.graph_pool_handle(), {}
-            self.by_cache[cache] = (buffer, pool, graphs)
-        key = tuple(x.ids.shape)
-        g = graphs.get(key)
-        if g is None:
-            (logits, features), g = self._capture(cache, x, pool)
-            if g is not None:
-                graphs[key] = g
-            return logits[:, :tokens], None if features is None else features[:, :tokens]
-        for f in fields(_Batch):
-            if getattr(x, f.name) is not None:
-                getattr(g.inputs, f.name).copy_(getattr(x, f.name), non_blocking=True)
-        g.graph.replay()
-        # copies: the buffers are the next replay's
-        features = None if g.features is None else g.features[:, :tokens].clone()
-        return g.logits[:, :tokens].to(torch.float32, copy=True), features
-
-    def _capture(self, cache: KVCache, x: _Batch, pool) -> tuple[tuple, _Graph | None]:
-        """Run ``x`` eagerly on a side stream (as warm-up; its logits and features are the
-        answer), then capture the same forward: its K/V writes go to the same rows with the
-        same values."""
-        rt = self.runtime
-        side = torch.cuda.Stream(rt.device)
-        side.wait_stream(torch.cuda.current_stream(rt.device))
-        with torch.cuda.stream(side):
-            answer = rt._layers(cache, x)
-        torch.cuda.current_stream(rt.device).wait_stream(side)
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-                logits, features = rt._layers(cache, x, to_float=False)  # the model's dtype: half the buffer in bf16
-        except Exception as e:  # an op that cannot be captured: eager from now on
-            log.warning("CUDA graph capture failed (%s: %s); running eagerly", type(e).__name__, e)
-            rt.graphs = None
-            return answer, None
-        return answer, _Graph(graph, x, logits, features)
 
 
 POSITIONAL_ROPE = ("default", "linear", "yarn", "llama3")  # tables that depend on the position alone
@@ -1008,7 +531,7 @@ class TorchLlama:
         return logits
 
     def _batch(self, cache: KVCache, starts: list[int], slots, tokens, positions, chunk_masks, T: int,
-               keys: int | None) -> "_Batch":
+               keys: int | None) -> "Batch":
         """A forward's inputs as device tensors, ``T`` tokens per row (the longest of
         ``tokens`` or more: padding); ``keys``: keys attended (default: up to the last new
         token's). A graphed forward's (``keys`` given: at most ``GRAPH_MAX_TOKENS`` rows) are
@@ -1026,11 +549,11 @@ class TorchLlama:
         slots = list(slots)
         packed = torch.cat([ids.flatten(), pos.flatten(), write.flatten(), torch.tensor(slots)]).to(self.device)
         ids, pos, write, slots_ = packed.split([B * T, B * T, B * T, B])
-        return _Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device),
+        return Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device),
                       None if sliding is None else sliding.to(self.device),
                       None if keys is not None else slot_runs(slots, mask.shape[-1]))
 
-    def _layers(self, cache: KVCache, x: "_Batch", last: torch.Tensor | None = None,
+    def _layers(self, cache: KVCache, x: "Batch", last: torch.Tensor | None = None,
                 to_float: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model over one batch: logits ``[B, T, vocab]``, or ``[B, vocab]`` at row
         ``last[b]`` of each, in float32 (``to_float``) or the model's dtype; and the hidden
@@ -1071,7 +594,7 @@ class TorchLlama:
             rope[layer_type] = ((emb.cos() * scale).to(self.dtype)[:, None], (emb.sin() * scale).to(self.dtype)[:, None])
         return rope
 
-    def _attend(self, cache: KVCache, x: "_Batch", li: int, L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
+    def _attend(self, cache: KVCache, x: "Batch", li: int, L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
         """Layer ``li``'s attention over ``a [B, T, in]`` (its input, normed): writes the new
         tokens' K/V to the cache and returns the output projection's ``[B, T, hidden]``."""
         fam, (B, T) = self.family, x.ids.shape

@@ -1,0 +1,228 @@
+"""Sparse mixtures of experts for the torch runtime: which layers are ``Experts``, how a
+router picks and weights them (``Routing``), and the grouped products that run them (Mixtral,
+Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .ops import ACTIVATIONS
+
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe")  # their MLPs (some, or all) are ``Experts``
+
+
+def moe_layers(config) -> list[bool]:
+    """Which layers' MLP is ``Experts``, as each architecture's transformers model places them:
+    Mixtral's and GPT-OSS's every layer; GLM-4.5's from ``first_k_dense_replace`` on;
+    Qwen2-MoE's and Qwen3-MoE's every ``decoder_sparse_step``-th but those in
+    ``mlp_only_layers`` (a dense MLP)."""
+    n, kind = config.num_hidden_layers, config.model_type
+    if kind not in MOE_ARCHS:
+        return [False] * n
+    if kind in ("mixtral", "gpt_oss"):
+        return [True] * n
+    if kind == "glm4_moe":
+        return [i >= config.first_k_dense_replace for i in range(n)]
+    dense = set(config.mlp_only_layers or [])
+    return [i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
+            for i in range(n)]
+
+
+def num_experts(config) -> int:
+    """The routed experts of a mixture's layer (0 without)."""
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0
+
+
+grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm from torch 2.10
+
+
+def grouped_mm_graphable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``grouped_mm`` runs without a host sync, so that a CUDA graph can hold it:
+    PyTorch's CUTLASS kernel, for bfloat16 on Hopper and data-centre Blackwell GPUs (compute
+    capability 9.x and 10.x); elsewhere it loops over the groups on the host (``offs.cpu()``)."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # E2M1 by code
+
+
+def mxfp4(blocks: torch.Tensor, scales: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 weights (GPT-OSS's experts) dequantized: ``blocks [..., rows, G, 16]`` (uint8, two
+    4-bit codes per byte, the low one first) and ``scales [..., rows, G]`` (each group of 32
+    values' power of two, biased by 127) -> ``[..., rows, G * 32]``, exact in bfloat16."""
+    table = torch.tensor(FP4_VALUES, device=device, dtype=torch.float32)
+    blocks, scales = blocks.to(device), scales.to(device)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., rows, G, 32]
+    values = torch.ldexp(table[codes], scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).to(dtype)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a router's logits pick ``top_k`` experts and weight them, and the experts' gated
+    activation, as each architecture's transformers model does. Mixtral and the Qwens: the
+    top k of the softmax (scaled to sum 1 where ``renormalize``: Mixtral's always, the
+    Qwens' ``norm_topk_prob``; weights in float32 where ``float_weights``, Mixtral's, else the
+    model's dtype), ``activation(gate) * up``; GPT-OSS (``gpt_oss``): the softmax of the top k
+    logits, in the model's dtype, and ``(up + 1) * gate * sigmoid(alpha * gate)`` with gate
+    and up clamped at ``limit``; GLM-4.5 (``sigmoid``): the router in float32
+    (``float_router``), sigmoid scores, the top k of those plus a correction bias among the
+    ``top_groups`` best of ``groups`` groups of experts (each group by its best two), their
+    scores renormalised and times ``scale``, in float32."""
+
+    top_k: int
+    renormalize: bool = False
+    float_weights: bool = False
+    activation: str = "silu"
+    gpt_oss: bool = False
+    alpha: float = 1.702
+    limit: float = 7.0
+    sigmoid: bool = False
+    float_router: bool = False
+    groups: int = 1
+    top_groups: int = 1
+    scale: float = 1.0
+
+    @classmethod
+    def of(cls, config) -> "Routing":
+        kind = config.model_type
+        if kind == "gpt_oss":
+            return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+        if kind == "glm4_moe":
+            return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob,
+                       activation=getattr(config, "hidden_act", "silu"), sigmoid=True, float_router=True,
+                       groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor)
+        return cls(config.num_experts_per_tok, renormalize=kind == "mixtral" or config.norm_topk_prob,
+                   float_weights=kind == "mixtral", activation=getattr(config, "hidden_act", "silu"))
+
+    def weights(self, logits: torch.Tensor, correction: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(weights, experts)`` ``[N, top_k]`` of router ``logits [N, experts]`` (``correction
+        [experts]``: GLM-4.5's bias on the scores that choose)."""
+        if self.gpt_oss:
+            top, chosen = logits.topk(self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1, dtype=top.dtype), chosen
+        if self.sigmoid:
+            scores = logits.sigmoid()  # [N, experts]
+            choice = scores if correction is None else scores + correction
+            if self.groups > 1:
+                N, E = choice.shape
+                by_group = choice.view(N, self.groups, E // self.groups)
+                best = by_group.topk(2, dim=-1)[0].sum(dim=-1).topk(self.top_groups, dim=-1, sorted=False)[1]
+                keep = torch.zeros(N, self.groups, dtype=torch.bool, device=logits.device).scatter_(1, best, True)
+                choice = choice.masked_fill(~keep[..., None].expand_as(by_group).reshape(N, E), float("-inf"))
+            chosen = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, chosen)
+            if self.renormalize:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return weights * self.scale, chosen
+        weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return (weights if self.float_weights else weights.to(logits.dtype)), chosen
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if not self.gpt_oss:
+            return ACTIVATIONS[self.activation](gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+class Experts:
+    """A sparse mixture-of-experts MLP (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, GPT-OSS's,
+    GLM-4.5's) as transformers' grouped experts compute it: the router picks and weights
+    experts per token (``Routing``); the token-expert pairs, sorted by expert, go through one
+    grouped product per projection (``F.grouped_mm``: no shape that depends on the routing,
+    so a CUDA graph holds it where ``grouped_mm_graphable``); each token sums its experts'
+    outputs, weighted. Qwen2-MoE's gated shared expert and GLM-4.5's shared experts are the
+    layer's dense MLP (``TorchLlama._mlp``). Weights are ``[experts, in, out]``
+    (``grouped_mm``'s), the gate's columns before the up ones; biases (GPT-OSS's)
+    ``[experts, out]``."""
+
+    def __init__(self, routing: Routing, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *,
+                 router_bias: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None, correction: torch.Tensor | None = None):
+        self.routing = routing
+        self.router, self.router_bias = router, router_bias  # [experts, hidden], [experts]
+        self.correction = correction  # [experts] float32: GLM-4.5's bias on the scores that choose
+        self.gate_up, self.gate_up_bias = gate_up, gate_up_bias  # [experts, hidden, 2 * inter], [experts, 2 * inter]
+        self.down, self.down_bias = down, down_bias  # [experts, inter, hidden], [experts, hidden]
+
+    @classmethod
+    def load(cls, config, weights, layer: str, device: torch.device, dtype: torch.dtype) -> "Experts":
+        """Layer ``layer``'s (``"model.layers.{i}."``) from a checkpoint as saved (one tensor
+        per expert and projection: ``experts.{e}.gate_proj.weight``..., Mixtral's
+        ``block_sparse_moe.experts.{e}.w1.weight``...; GPT-OSS's fused, in MXFP4 or not) or
+        under transformers' own names (its experts fused: ``mlp.experts.gate_up_proj``; dummy
+        weights, converted GGUFs), each tensor copied once into the stacked ones on ``device``."""
+        if config.model_type == "gpt_oss":
+            return cls._load_gpt_oss(config, weights, layer + "mlp.", device, dtype)
+        def stacked(names: list[list[str]]) -> torch.Tensor:  # [experts, out, in]: each expert's tensors' rows
+            tensors = [[weights[n] for n in expert] for expert in names]
+            out = torch.empty(len(tensors), sum(len(t) for t in tensors[0]), tensors[0][0].shape[1], device=device,
+                              dtype=dtype)
+            for e, expert in enumerate(tensors):
+                torch.cat([t.to(device=device, dtype=dtype) for t in expert], out=out[e])
+            return out
+
+        mixtral = config.model_type == "mixtral"
+        block = layer + ("block_sparse_moe." if mixtral and layer + "mlp.gate.weight" not in weights else "mlp.")
+        if block + "experts.gate_up_proj" in weights:  # fused, [experts, out, in]
+            gate_up, down = (weights[block + "experts." + n].to(device=device, dtype=dtype, copy=True)
+                             for n in ("gate_up_proj", "down_proj"))
+        else:
+            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            experts = [f"{block}experts.{i}." for i in range(num_experts(config))]
+            gate_up = stacked([[x + gate + ".weight", x + up + ".weight"] for x in experts])
+            down = stacked([[x + down + ".weight"] for x in experts])
+
+        routing = Routing.of(config)
+        router = weights[block + "gate.weight"].to(
+            device=device, dtype=torch.float32 if routing.float_router else dtype, copy=True)
+        correction = block + "gate.e_score_correction_bias"
+        return cls(routing, router, gate_up.transpose(1, 2), down.transpose(1, 2),
+                   correction=weights[correction].to(device=device, dtype=torch.float32, copy=True)
+                   if correction in weights else None)
+
+    @classmethod
+    def _load_gpt_oss(cls, config, weights, mlp: str, device: torch.device, dtype: torch.dtype) -> "Experts":
+        """GPT-OSS's: ``experts.gate_up_proj [experts, hidden, 2 * inter]`` (gate and up columns
+        interleaved: they are put in halves) and ``down_proj [experts, inter, hidden]``, or as
+        released, in MXFP4 (``*_blocks``, ``*_scales``, out before in), biases beside them."""
+        def get(name: str) -> torch.Tensor:
+            return weights[mlp + name].to(device=device, dtype=dtype, copy=True)
+
+        def projection(name: str) -> torch.Tensor:  # [experts, in, out]
+            if mlp + f"experts.{name}_blocks" in weights:
+                blocks, scales = weights[mlp + f"experts.{name}_blocks"], weights[mlp + f"experts.{name}_scales"]
+                return torch.stack([mxfp4(blocks[e], scales[e], device, dtype) for e in range(len(blocks))]
+                                   ).transpose(1, 2)
+            return get(f"experts.{name}")
+
+        gate_up, gate_up_bias = projection("gate_up_proj"), get("experts.gate_up_proj_bias")
+        halves = torch.cat([torch.arange(0, gate_up.shape[-1], 2), torch.arange(1, gate_up.shape[-1], 2)]).to(device)
+        return cls(Routing.of(config), get("router.weight"), gate_up[..., halves].contiguous(),
+                   projection("down_proj").contiguous(), router_bias=get("router.bias"),
+                   gate_up_bias=gate_up_bias[:, halves].contiguous(), down_bias=get("experts.down_proj_bias"))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [N, hidden]
+        N, k, E = flat.shape[0], self.routing.top_k, self.router.shape[0]
+        logits = F.linear(flat.float() if self.routing.float_router else flat, self.router, self.router_bias)
+        weights, chosen = self.routing.weights(logits, self.correction)  # [N, k]
+        expert, order = chosen.flatten().sort()  # [N k] pairs, grouped by expert
+        counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+            0, expert, torch.ones_like(expert, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)  # [experts] where each expert's pairs end
+        h = grouped_mm(flat[order // k], self.gate_up, offs=ends)  # [N k, 2 inter]
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[expert]
+        out = grouped_mm(self.routing.glu(*h.chunk(2, dim=-1)), self.down, offs=ends)  # [N k, hidden]
+        if self.down_bias is not None:
+            out = out + self.down_bias[expert]
+        out = out * weights.flatten()[order, None]
+        by_token = torch.empty_like(out)
+        by_token[order] = out  # back in token order
+        return by_token.view(N, k, -1).sum(dim=1).to(x.dtype).view_as(x)

@@ -1,0 +1,64 @@
+"""The tensor functions of a decoder layer, shared by the torch runtime (``torch_llama``) and
+an EAGLE head (``eagle``): norms, attention, rotary embeddings, activations."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's (scaled in the model's dtype), or with a float32 ``weight`` under a lower
+    precision Gemma's (scaled in float32, then cast): the same in float32."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (h * weight).to(x.dtype)
+    return weight * h.to(x.dtype)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None,
+              cap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``q [B, H, T, D]`` over ``k, v [B, KV, S, D]`` under ``mask [B, 1, T, S]`` (bool):
+    PyTorch's fused attention, or where it cannot the product written out as transformers'
+    eager attention has it: capped scores (Gemma 2's; softmax in float32) or a sink per head
+    (GPT-OSS's ``sinks [H]``: a logit beside the keys' that takes a share of the softmax
+    and no value; softmax in the model's dtype)."""
+    H, KV = q.shape[1], k.shape[1]
+    if cap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=KV != H)
+    if KV != H:
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+    scores = softcap(q @ k.transpose(-1, -2) * (scale or q.shape[-1] ** -0.5), cap)  # [B, H, T, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    scores = torch.cat([scores, sinks[None, :, None, None].expand(*scores.shape[:3], 1)], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values  # [B, H, T, S + 1]
+    return torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(v.dtype) @ v
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """``rotate_half`` for rotary pairs of neighbouring dimensions (GLM-4's interleaved rope)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotary embedding of ``x [B, heads, T, head_dim]``: its first ``cos.shape[-1]``
+    dimensions rotate (as halves, or ``interleaved`` as neighbouring pairs), the rest pass (a
+    partial rotary factor)."""
+    r, turn = cos.shape[-1], (rotate_pairs if interleaved else rotate_half)
+    if r == x.shape[-1]:
+        return x * cos + turn(x) * sin
+    part = x[..., :r]
+    return torch.cat([part * cos + turn(part) * sin, x[..., r:]], dim=-1)
