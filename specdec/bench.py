@@ -441,133 +441,142 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
 # ----------------------------------------------------------------------------- main
 
 
-def run_bench(args) -> int:
-    import torch
+class BenchRun:
+    """One ``specdec bench`` run: its flags checked, the models' paths resolved, the prompts
+    encoded (``__init__``); then ``time_transformers``, ``load_specdec``, ``time_in_turns``,
+    ``summarize`` and ``write``, which fill ``results`` (per method: a record per prompt),
+    ``load_s`` and ``cost_curve`` (seconds of one forward of n = 1.. tokens, per model)."""
 
-    from .api import LLM, encode_prompt
-    from .cli import read_prompts_file
-    from .config import SpecConfig
-    from .runtime.loading import (eos_ids_of, gguf_file, gguf_to_hf_dir, load_hf_model, pick_device,
-                                  pick_dtype, resolve)
+    def __init__(self, args):
+        import torch
 
-    shapes = parse_tree_shapes(args.tree_shapes)
-    chosen = args.methods or ",".join(m for m in METHODS if args.eagle or not m.startswith("specdec-eagle"))
-    methods = _labels(_parse_methods(chosen), shapes)
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    SpecConfig(method="draft", num_draft_tokens=args.num_draft_tokens)  # validates k
-    sampling = bench_sampling(args)
-    needs_draft = any(m.startswith(("specdec-draft", "specdec-hybrid", "hf-assisted")) for m in methods)
-    if needs_draft and not args.draft:
-        raise ValueError("specdec-draft, specdec-hybrid, specdec-draft-tree and hf-assisted need --draft")
-    on_llamacpp = args.backend == "llamacpp"
-    needs_eagle = any(m.startswith("specdec-eagle") for m in methods)
-    if needs_eagle and (not args.eagle or on_llamacpp):
-        raise ValueError("specdec-eagle and specdec-eagle-tree need --eagle (an EAGLE head for --model) and "
-                         "--backend torch")
-    sd_methods = [m for m in methods if m.startswith("specdec-")]
-    peers = [m for m in methods if m.startswith("llamacpp-")]
-    dummy = args.load_format == "dummy"
-    if dummy and (peers or (on_llamacpp and sd_methods)):
-        raise ValueError("--load-format dummy: llama.cpp runs a GGUF's own weights; "
-                         "use --backend torch and leave the llamacpp-* methods out")
-    if (peers or on_llamacpp) and importlib.util.find_spec("llama_cpp") is None:
-        raise ValueError(f"{', '.join(peers) or '--backend llamacpp'} need(s) llama-cpp-python: "
-                         "pip install 'specdec[llamacpp]', or leave them out of --methods")
-    gguf = gguf_file(args.model) if on_llamacpp or peers else None
-    draft_gguf = gguf_file(args.draft) if on_llamacpp and needs_draft else None
-    if on_llamacpp and sd_methods and (args.device not in (None, "cpu") or args.dtype not in (None, "float32")):
-        raise ValueError("--backend llamacpp runs on cpu with the GGUF's own weight types: "
-                         "drop --device / --dtype")
-    items = read_prompts_file(args.prompts_file)[: args.limit]
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+        from .api import encode_prompt
+        from .cli import read_prompts_file
+        from .config import SpecConfig
+        from .runtime.loading import eos_ids_of, gguf_file, gguf_to_hf_dir, pick_device, pick_dtype, resolve
 
-    # float32 weights only where transformers or specdec's torch runtime run them
-    full = (any(m.startswith("hf-") for m in methods) or (sd_methods and not on_llamacpp)) and not dummy
-    target_path = resolve(args.model, full) if not on_llamacpp else gguf_to_hf_dir(gguf, weights=full)
-    draft_path = (resolve(args.draft, full) if not on_llamacpp else gguf_to_hf_dir(draft_gguf, weights=full)) \
-        if needs_draft else None
-    eagle_path = resolve(args.eagle) if needs_eagle else None  # a head's weights, even with dummy ones
-    from transformers import AutoConfig, AutoTokenizer
+        self.args = args
+        self.shapes = parse_tree_shapes(args.tree_shapes)
+        chosen = args.methods or ",".join(m for m in METHODS if args.eagle or not m.startswith("specdec-eagle"))
+        self.methods = methods = _labels(_parse_methods(chosen), self.shapes)
+        for flag, value in (("max-new-tokens", args.max_new_tokens), ("repeats", args.repeats),
+                            ("limit", args.limit), ("threads", args.threads)):
+            if value is not None and value < 1:
+                raise ValueError(f"--{flag} must be >= 1, got {value}")
+        SpecConfig(method="draft", num_draft_tokens=args.num_draft_tokens)  # validates k
+        self.sampling = bench_sampling(args)
+        self.needs_draft = any(m.startswith(("specdec-draft", "specdec-hybrid", "hf-assisted")) for m in methods)
+        if self.needs_draft and not args.draft:
+            raise ValueError("specdec-draft, specdec-hybrid, specdec-draft-tree and hf-assisted need --draft")
+        self.on_llamacpp = on_llamacpp = args.backend == "llamacpp"
+        self.needs_eagle = any(m.startswith("specdec-eagle") for m in methods)
+        if self.needs_eagle and (not args.eagle or on_llamacpp):
+            raise ValueError("specdec-eagle and specdec-eagle-tree need --eagle (an EAGLE head for --model) and "
+                             "--backend torch")
+        self.sd_methods = [m for m in methods if m.startswith("specdec-")]
+        self.hf_methods = [m for m in methods if m.startswith("hf-")]
+        self.peers = peers = [m for m in methods if m.startswith("llamacpp-")]
+        self.dummy = args.load_format == "dummy"
+        if self.dummy and (peers or (on_llamacpp and self.sd_methods)):
+            raise ValueError("--load-format dummy: llama.cpp runs a GGUF's own weights; "
+                             "use --backend torch and leave the llamacpp-* methods out")
+        if (peers or on_llamacpp) and importlib.util.find_spec("llama_cpp") is None:
+            raise ValueError(f"{', '.join(peers) or '--backend llamacpp'} need(s) llama-cpp-python: "
+                             "pip install 'specdec[llamacpp]', or leave them out of --methods")
+        self.gguf = gguf_file(args.model) if on_llamacpp or peers else None
+        self.draft_gguf = gguf_file(args.draft) if on_llamacpp and self.needs_draft else None
+        if on_llamacpp and self.sd_methods and (args.device not in (None, "cpu") or args.dtype not in (None, "float32")):
+            raise ValueError("--backend llamacpp runs on cpu with the GGUF's own weight types: "
+                             "drop --device / --dtype")
+        self.items = read_prompts_file(args.prompts_file)[: args.limit]
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.device = pick_device(args.device)
+        self.dtype = pick_dtype(args.dtype, self.device)
 
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    eos = eos_ids_of(target_path, AutoConfig.from_pretrained(target_path), tokenizer)
-    eos_list = sorted(eos)
-    prompts = [{"id": pid, "ids": encode_prompt(tokenizer, prompt)} for pid, prompt in items]
-    mode = describe_sampling(sampling, args)
-    log(f"specdec bench: {len(prompts)} prompt(s), methods {','.join(methods)}, {mode}, "
-        f"max_new_tokens {args.max_new_tokens}, repeats {args.repeats}, specdec on {args.backend}, "
-        f"{device} {str(dtype)[6:]}{GGUF_TYPES if on_llamacpp or peers else ''}, "
-        f"{torch.get_num_threads()} threads")
+        # float32 weights only where transformers or specdec's torch runtime run them
+        full = (bool(self.hf_methods) or (self.sd_methods and not on_llamacpp)) and not self.dummy
+        self.target_path = resolve(args.model, full) if not on_llamacpp else gguf_to_hf_dir(self.gguf, weights=full)
+        self.draft_path = (resolve(args.draft, full) if not on_llamacpp else
+                           gguf_to_hf_dir(self.draft_gguf, weights=full)) if self.needs_draft else None
+        self.eagle_path = resolve(args.eagle) if self.needs_eagle else None  # a head's weights, even with dummy ones
+        from transformers import AutoConfig, AutoTokenizer
 
-    results: dict[str, list[dict]] = {}
-    load_s: dict[str, float] = {}
-    cost_curve: dict[str, list[float]] = {}  # seconds of one forward of n = 1.. tokens
+        tokenizer = AutoTokenizer.from_pretrained(self.target_path)
+        self.eos = eos_ids_of(self.target_path, AutoConfig.from_pretrained(self.target_path), tokenizer)
+        self.eos_list = sorted(self.eos)
+        self.prompts = [{"id": pid, "ids": encode_prompt(tokenizer, prompt)} for pid, prompt in self.items]
+        self.mode = describe_sampling(self.sampling, args)
+        self.refs = references(methods, own_family=on_llamacpp or (self.device.type, self.dtype) != ("cpu", torch.float32))
+        self.results: dict[str, list[dict]] = {}
+        self.load_s: dict[str, float] = {}
+        self.cost_curve: dict[str, list[float]] = {}
+        self.log(f"specdec bench: {len(self.prompts)} prompt(s), methods {','.join(methods)}, {self.mode}, "
+                 f"max_new_tokens {args.max_new_tokens}, repeats {args.repeats}, specdec on {args.backend}, "
+                 f"{self.device} {str(self.dtype)[6:]}{GGUF_TYPES if on_llamacpp or peers else ''}, "
+                 f"{torch.get_num_threads()} threads")
 
-    # --- transformers' generate (its models are freed before specdec loads its own copy)
-    hf_methods = [m for m in methods if m.startswith("hf-")]
-    if hf_methods:
+    @staticmethod
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    def time_in_turns(self, runs: dict) -> None:
+        self.results.update(_time_methods(runs, self.prompts, self.args, self.device, self.eos, self.log))
+
+    def time_transformers(self) -> None:
+        """transformers' ``generate``, each method alone; its models are freed before specdec
+        loads its own copy (never both in memory)."""
+        import torch
+
+        from .runtime.loading import load_hf_model
+
         t0 = time.perf_counter()
-        hf_target = load_hf_model(target_path, device, dtype, args.load_format)
+        hf_target = load_hf_model(self.target_path, self.device, self.dtype, self.args.load_format)
         hf_draft = None
-        if "hf-assisted" in hf_methods:
-            hf_draft = load_hf_model(draft_path, device, dtype, args.load_format)
-        load_s["hf"] = time.perf_counter() - t0
-        log(f"transformers models loaded in {load_s['hf']:.1f}s (rss {_rss_gb()})")
-        for m in hf_methods:
+        if "hf-assisted" in self.hf_methods:
+            hf_draft = load_hf_model(self.draft_path, self.device, self.dtype, self.args.load_format)
+        self.load_s["hf"] = time.perf_counter() - t0
+        self.log(f"transformers models loaded in {self.load_s['hf']:.1f}s (rss {_rss_gb()})")
+        for m in self.hf_methods:
             extra = {"hf-plain": {}, "hf-assisted": {"assistant_model": hf_draft},
                      "hf-lookup": {"prompt_lookup_num_tokens": HF_LOOKUP_TOKENS}}[m]
-            log(f"{m}:")
-            run = _hf_runner(hf_target, eos_list, device, sampling, **extra)
-            results.update(_time_methods({m: run}, prompts, args, device, eos, log))
+            self.log(f"{m}:")
+            run = _hf_runner(hf_target, self.eos_list, self.device, self.sampling, **extra)
+            self.time_in_turns({m: run})
             run.close()
         del hf_target, hf_draft, extra, run
         gc.collect()
-        if device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        log(f"transformers models freed (rss {_rss_gb()})")
+        self.log(f"transformers models freed (rss {_rss_gb()})")
 
-    # --- llama-cpp-python and specdec, timed in turns (llama.cpp maps the GGUF: little memory)
-    context = max(len(p["ids"]) for p in prompts) + args.max_new_tokens + LLAMACPP_LOOKUP_TOKENS + 1
-    runs, plain = {}, None
-    for m in (m for m in methods if m.startswith("llamacpp-")):
-        t0 = time.perf_counter()
-        runs[m] = _llamacpp_runner(gguf, context, torch.get_num_threads(), m == "llamacpp-lookup", sampling)
-        load_s[m] = time.perf_counter() - t0
+    def load_specdec(self) -> dict:
+        """An ``LLM`` per specdec method, ``specdec-plain`` first; every one shares its target,
+        and those that draft with the draft model (or the EAGLE head) share one copy of it.
+        Checks that specdec's eos ids and prompt ids are the bench's, and reads the cost curves."""
+        from .api import CATCH_UP_TOKENS, LLM
+        from .config import SpecConfig
+        from .cost import forward_costs
 
-    # --- specdec
-    if sd_methods:
+        args, on_llamacpp = self.args, self.on_llamacpp
         t0 = time.perf_counter()
         backend = {"backend": args.backend, "device": args.device, "dtype": args.dtype, "max_batch_size": 1,
                    "repack": args.repack, "load_format": args.load_format, "enforce_eager": args.enforce_eager}
-        plain = LLM(str(gguf if on_llamacpp else target_path), speculative=SpecConfig(method="none"), **backend)
+        plain = LLM(str(self.gguf if on_llamacpp else self.target_path), speculative=SpecConfig(method="none"),
+                    **backend)
         if on_llamacpp:  # llama.cpp (specdec's runtime and llama-cpp-python alike) stops at its own EOG tokens too
-            eos = eos | plain.target.runtime.eog_ids()  # (Qwen2.5: 128247, its "</s>")
-        if plain.target.eos_ids != eos:
-            raise RuntimeError(f"eos ids differ: bench {sorted(eos)} vs specdec {sorted(plain.target.eos_ids)}")
-        for p, (_, prompt) in zip(prompts, items):  # the ids every method gets are specdec's own
+            self.eos = self.eos | plain.target.runtime.eog_ids()  # (Qwen2.5: 128247, its "</s>")
+        if plain.target.eos_ids != self.eos:
+            raise RuntimeError(f"eos ids differ: bench {sorted(self.eos)} vs specdec {sorted(plain.target.eos_ids)}")
+        for p, (_, prompt) in zip(self.prompts, self.items):  # the ids every method gets are specdec's own
             if plain.encode(prompt) != p["ids"]:
                 raise RuntimeError(f"prompt {p['id']}: token ids differ from LLM.encode")
-        from .api import CATCH_UP_TOKENS
-        from .cost import forward_costs
-
         t_cost = time.perf_counter()  # measured (or read) before the +cost LLMs load: they
-        cost_curve["target"] = list(forward_costs(plain.target, COST_CURVE_TOKENS).seconds)
+        self.cost_curve["target"] = list(forward_costs(plain.target, COST_CURVE_TOKENS).seconds)
         t_cost = time.perf_counter() - t_cost  # then read these from the cache, not measure again
         llms = {"specdec-plain": plain}
-        # one copy of the draft's (and of the head's) weights for every method that drafts with it
-        drafts = {"draft": str(draft_gguf if on_llamacpp else draft_path), "eagle": str(eagle_path)}
-        for m in sd_methods:
+        drafts = {"draft": str(self.draft_gguf if on_llamacpp else self.draft_path), "eagle": str(self.eagle_path)}
+        for m in self.sd_methods:
             if m == "specdec-plain":
                 continue
             spec, which = _spec(m, args), "eagle" if m.startswith("specdec-eagle") else "draft"
@@ -575,155 +584,203 @@ def run_bench(args) -> int:
             llms[m] = LLM(plain.target, draft=drafts[which] if uses_draft else None, speculative=spec, **backend)
             if uses_draft:
                 drafts[which] = llms[m].draft
-        load_s["specdec"] = time.perf_counter() - t0 - t_cost
-        log(f"specdec models loaded in {load_s['specdec']:.1f}s (rss {_rss_gb()})")
+        self.load_s["specdec"] = time.perf_counter() - t0 - t_cost
+        self.log(f"specdec models loaded in {self.load_s['specdec']:.1f}s (rss {_rss_gb()})")
         for which, model in drafts.items():  # those loaded: a path still a str was not
             if not isinstance(model, str):
                 # the sizes a +cost planner measured (and cached) for it: read, not measured again
-                cost_curve[which] = list(forward_costs(model, CATCH_UP_TOKENS).seconds)
-        log(f"forward cost relative to 1 token ({cost_curve['target'][0] * 1e3:.2f} ms): " + " ".join(
-            f"{n + 1}:{t / cost_curve['target'][0]:.2f}" for n, t in enumerate(cost_curve["target"])))
-        runs.update({m: _specdec_runner(llms[m], sampling) for m in sd_methods})
-    refs = references(methods, own_family=on_llamacpp or (device.type, dtype) != ("cpu", torch.float32))
+                self.cost_curve[which] = list(forward_costs(model, CATCH_UP_TOKENS).seconds)
+        target = self.cost_curve["target"]
+        self.log(f"forward cost relative to 1 token ({target[0] * 1e3:.2f} ms): "
+                 + " ".join(f"{n + 1}:{t / target[0]:.2f}" for n, t in enumerate(target)))
+        return llms
+
+    def summarize(self) -> dict[str, dict]:
+        """Per method: totals and medians, its divergences from its reference, specdec's time
+        split and drafts, acceptance; then each method's speed against each baseline run."""
+        tolerance = None if self.on_llamacpp else NEAR_TIE[str(self.dtype).removeprefix("torch.")]
+        summary = {m: summarize_method(m, self.results[m], self.results[self.refs[m]], self.refs[m],
+                                       bool(self.sampling), tolerance) for m in self.methods}
+        if "specdec-plain" in self.results and "target" in self.cost_curve and not self.sampling:
+            add_chain_bounds(self.prompts, self.results["specdec-plain"], self.cost_curve["target"],
+                             self.args.num_draft_tokens)
+        for b in (b for b in BASELINES if b in summary):
+            for s in summary.values():
+                for how in ("median", "aggregate", "median_decode"):
+                    key = f"{how}_tokens_per_s"
+                    s[_vs(b, how)] = _ratio(s[key], summary[b][key])
+        return summary
+
+    def write(self, summary: dict) -> int:
+        """``bench.json``, ``bench.md`` and ``bench.png`` under ``--out``; the tables and verdict
+        printed. 1 when a specdec method's greedy tokens part from its reference's other than by
+        near-tie flips, else 0."""
+        import torch
+
+        args, prompts, methods, sampling = self.args, self.prompts, self.methods, self.sampling
+        machine = {"platform": platform.platform(), "python": platform.python_version(),
+                   "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                   "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                   "device": str(self.device), "dtype": str(self.dtype).replace("torch.", "")}
+        if self.device.type == "cuda":
+            machine["gpu"] = torch.cuda.get_device_name(self.device)
+        if self.gguf is not None:
+            machine["llama_cpp_python"] = __import__("llama_cpp").__version__
+        argv0 = os.path.basename(sys.argv[0]) if sys.argv else "specdec"
+        command = shlex.join(["specdec" if argv0 in ("specdec", "cli.py", "__main__.py") else argv0]
+                             + sys.argv[1:])
+        repacked = args.repack if self.on_llamacpp else None  # only llama.cpp repacks
+        config = {"backend": args.backend, "repack": repacked, "load_format": args.load_format,
+                  "enforce_eager": args.enforce_eager, "model": args.model, "model_dir": str(self.target_path),
+                  "draft": args.draft if self.needs_draft else None,
+                  "eagle": args.eagle if self.needs_eagle else None,
+                  "eagle_dir": str(self.eagle_path) if self.eagle_path else None,
+                  "draft_dir": str(self.draft_path) if self.draft_path else None,
+                  "num_draft_tokens": args.num_draft_tokens,
+                  "ngram_tree": {"topk": args.tree_topk, "depth": args.tree_depth, "nodes": args.tree_nodes},
+                  "draft_tree_shapes": [list(x) for x in self.shapes],
+                  "max_new_tokens": args.max_new_tokens, "sampling": sampling or "greedy",
+                  "seeds": [args.seed, args.seed + args.repeats - 1] if sampling else None,
+                  "prompts_file": os.path.abspath(args.prompts_file),
+                  "num_prompts": len(prompts), "repeats": args.repeats, "methods": methods,
+                  "references": self.refs, "eos_ids": self.eos_list, "hf_prompt_lookup_num_tokens": HF_LOOKUP_TOKENS,
+                  "llamacpp_lookup_num_pred_tokens": LLAMACPP_LOOKUP_TOKENS,
+                  "warmup_tokens": WARMUP_TOKENS, "load_seconds": self.load_s}
+        baselines = [b for b in BASELINES if b in summary]
+        tables = _tables(methods, summary, self.results, prompts, baselines) + \
+            _bound_table(methods, self.results, prompts)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench.json").write_text(json.dumps(
+            {"command": command, "config": config, "machine": machine, "summary": summary,
+             "cost_curve_s": self.cost_curve, "per_prompt": self.results}, indent=1) + "\n")
+        plot = write_plot(out / "bench.png", methods, summary, self.results, prompts, self.cost_curve)
+        ok = all(s["diverged"] == 0 or s["near_ties_only"] for m, s in summary.items() if m.startswith("specdec-"))
+        verdict = self.verdict(summary, ok)
+        model_line = (f"- target `{args.model}`" + (f", draft `{args.draft}`" if self.needs_draft else "")
+                      + (f", EAGLE head `{args.eagle}`" if self.needs_eagle else "")
+                      + (f", k={args.num_draft_tokens}" if self.needs_draft or self.needs_eagle else "")
+                      + (" - **random weights** (`--load-format dummy`): the speeds of these shapes; acceptance "
+                         "and output mean nothing" if self.dummy else ""))
+        md = ["# specdec bench", "", "```", command, "```", "", model_line,
+              f"- {len(prompts)} prompt(s) from `{args.prompts_file}`, {self.mode}, max_new_tokens "
+              f"{args.max_new_tokens}, batch size 1, repeats {args.repeats} "
+              f"({'means' if args.temperature > 0 else 'medians'}), {WARMUP_TOKENS}-token warm-up per method",
+              f"- specdec on the {args.backend} backend"
+              + {True: " (repacked weights)", False: " (weights not repacked)", None: ""}[repacked] +
+              f"; machine: {machine['platform']}, {machine['cpu_count']} CPUs, "
+              f"torch {machine['torch']} with {machine['torch_threads']} threads, transformers "
+              f"{machine['transformers']}, "
+              + (f"llama-cpp-python {machine['llama_cpp_python']} (same threads), " if self.gguf is not None else "")
+              + f"{machine['device']}{' (' + machine['gpu'] + ')' if 'gpu' in machine else ''} {machine['dtype']}"
+              + (GGUF_TYPES if self.gguf is not None else ""),
+              f"- hf-assisted uses transformers' default assistant settings; hf-lookup uses "
+              f"prompt_lookup_num_tokens={HF_LOOKUP_TOKENS}; "
+              f"HF mean accepted length = tokens / target forwards; llamacpp-lookup uses "
+              f"LlamaPromptLookupDecoding(num_pred_tokens={LLAMACPP_LOOKUP_TOKENS})",
+              ("- greedy references: " + ", ".join(f"{m} -> {r}" for m, r in self.refs.items() if m != r)
+               if not sampling else "- sampled: no greedy references"), "",
+              tables, "", verdict, ""]
+        (out / "bench.md").write_text("\n".join(md))
+        print(tables)
+        print()
+        print(verdict)
+        print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f" and {plot}" if plot else
+                                                                    " (no plot: pip install matplotlib)"))
+        return 0 if ok else 1
+
+    def verdict(self, summary: dict, ok: bool) -> str:
+        """The report's last line: whether specdec's greedy tokens equal their references'."""
+        if self.sampling:
+            return ("sampled: outputs are draws, not compared token by token (the tests check specdec's "
+                    "draws against the target's distribution)")
+        flips = sum(s["diverged"] for m, s in summary.items() if m.startswith("specdec-"))
+        peers = [m for m, s in summary.items() if s["diverged"] and not m.startswith("specdec-")]
+        if not ok:
+            head = "FAILED: a specdec method's greedy tokens differ from its reference's"
+        elif flips:
+            head = (f"OK: every specdec method's greedy tokens equal its reference's, but for {flips} near-tie "
+                    "flip(s) (logit gaps in the table)")
+        else:
+            head = "OK: every specdec method's greedy tokens equal its reference's"
+        return head + (f"; peers that differ from their own plain decoding: {', '.join(peers)}" if peers else "")
+
+
+def run_bench(args) -> int:
+    import torch
+
+    bench = BenchRun(args)
+    if bench.hf_methods:
+        bench.time_transformers()
+    # llama-cpp-python and specdec, timed in turns (llama.cpp maps the GGUF: little memory)
+    context = max(len(p["ids"]) for p in bench.prompts) + args.max_new_tokens + LLAMACPP_LOOKUP_TOKENS + 1
+    runs, llms = {}, {}
+    for m in bench.peers:
+        t0 = time.perf_counter()
+        runs[m] = _llamacpp_runner(bench.gguf, context, torch.get_num_threads(), m == "llamacpp-lookup", bench.sampling)
+        bench.load_s[m] = time.perf_counter() - t0
+    if bench.sd_methods:
+        llms = bench.load_specdec()
+        runs.update({m: _specdec_runner(llms[m], bench.sampling) for m in bench.sd_methods})
     if runs:
-        log("timing " + ", ".join(runs) + " in turns:")
-        results.update(_time_methods(runs, prompts, args, device, eos, log))
-        if plain is not None and not sampling:
-            add_flip_gaps(plain, prompts, results, refs)
+        bench.log("timing " + ", ".join(runs) + " in turns:")
+        bench.time_in_turns(runs)
+        if llms and not bench.sampling:
+            add_flip_gaps(llms["specdec-plain"], bench.prompts, bench.results, bench.refs)
         for run in runs.values():
             getattr(run, "close", lambda: None)()
         runs.clear()
-        llms = plain = None
+        llms.clear()
         gc.collect()
+    return bench.write(bench.summarize())
 
-    # --- equality vs each family's reference, summary, reports
-    tolerance = None if on_llamacpp else NEAR_TIE[str(dtype).removeprefix("torch.")]
-    summary = {}
-    for m in methods:
-        recs = results[m]
-        diverged = {}
-        ref_ids = [r["token_ids"] for r in results[refs[m]]]
-        for rec, want in zip(recs, ref_ids):
-            draws = rec.pop("_all_ids")
-            idx = [] if sampling else [i for i in (_first_diff(got, want) for got in draws) if i is not None]
-            rec["first_diff_vs_ref"] = min(idx) if idx else None
-            if idx:
-                diverged[rec["id"]] = min(idx)
-        tokens = sum(r["generated_tokens"] for r in recs)
-        secs = sum(r["median_s"] for r in recs)
-        s = {"median_tokens_per_s": _median(r["tokens_per_s"] for r in recs),
-             "median_decode_tokens_per_s": _median(r["decode_tokens_per_s"] for r in recs),
-             "total_tokens": tokens, "total_seconds": secs,
-             "aggregate_tokens_per_s": tokens / secs if secs > 0 else None,
-             "target_forwards": sum(r["target_forwards"] for r in recs),
-             "reference": None if sampling else refs[m], "diverged": len(diverged), "diverged_first_index": diverged,
-             "flip_gaps": {r["id"]: r["flip_gap"] for r in recs if r.get("flip_gap") is not None}}
-        # a divergence passes only as a near-tie flip: on the torch runtime within the dtype's
-        # rounding; on llama.cpp (exact verification) at most one on the bench prompts
-        s["near_ties_only"] = len(s["flip_gaps"]) == len(diverged) and (
-            len(diverged) <= 1 if tolerance is None else all(g <= tolerance for g in s["flip_gaps"].values()))
-        if m.startswith("specdec-"):  # every specdec method, plain too: its time split and drafts chosen
-            s["time_split_s"] = {phase: sum(r["time_split_s"][phase] for r in recs)
-                                 for phase in ("prefill", "draft", "verify", "bookkeeping")}
-            s["chosen_k"] = _sum_lists(r["chosen_k"] for r in recs)
-            s["drafter_steps"] = {n: sum(r["drafter_steps"].get(n, 0) for r in recs)
-                                  for n in sorted({n for r in recs for n in r["drafter_steps"]})}
-        if m not in ("specdec-plain",) + BASELINES:
-            drafted = sum(r["drafted_tokens"] or 0 for r in recs)
-            accepted = sum(r["accepted_tokens"] or 0 for r in recs)
-            s["acceptance_rate"] = accepted / drafted if drafted else None
-            if m.startswith("specdec-"):  # verify steps exclude the prefill, which commits one token
-                steps = [r["verify_steps"] for r in recs]
-                committed = sum((r["mean_accepted_length"] or 0) * n for r, n in zip(recs, steps))
-                s["mean_accepted_length"] = committed / sum(steps) if sum(steps) else None
-                s["nodes_per_verify_step"] = drafted / sum(steps) if sum(steps) else None
-                acc, dra = (_sum_lists(r[key] for r in recs)
-                            for key in ("accepted_per_position", "drafted_per_position"))
-                s["acceptance_by_depth"] = [a / d if d else None for a, d in zip(acc, dra)]
-            else:
-                s["mean_accepted_length"] = tokens / s["target_forwards"] if s["target_forwards"] else None
-        summary[m] = s
-    if "specdec-plain" in results and "target" in cost_curve and not sampling:
-        add_chain_bounds(prompts, results["specdec-plain"], cost_curve["target"], args.num_draft_tokens)
-    baselines = [b for b in BASELINES if b in summary]
-    for b in baselines:
-        for s in summary.values():
-            for how in ("median", "aggregate", "median_decode"):
-                key = f"{how}_tokens_per_s"
-                s[_vs(b, how)] = _ratio(s[key], summary[b][key])
 
-    machine = {"platform": platform.platform(), "python": platform.python_version(),
-               "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-               "device": str(device), "dtype": str(dtype).replace("torch.", "")}
-    if device.type == "cuda":
-        machine["gpu"] = torch.cuda.get_device_name(device)
-    if gguf is not None:
-        machine["llama_cpp_python"] = __import__("llama_cpp").__version__
-    argv0 = os.path.basename(sys.argv[0]) if sys.argv else "specdec"
-    command = shlex.join(["specdec" if argv0 in ("specdec", "cli.py", "__main__.py") else argv0]
-                         + sys.argv[1:])
-    repacked = args.repack if on_llamacpp else None  # only llama.cpp repacks
-    config = {"backend": args.backend, "repack": repacked, "load_format": args.load_format, "enforce_eager": args.enforce_eager, "model": args.model, "model_dir": str(target_path), "draft": args.draft if needs_draft else None,
-              "eagle": args.eagle if needs_eagle else None, "eagle_dir": str(eagle_path) if eagle_path else None,
-              "draft_dir": str(draft_path) if draft_path else None, "num_draft_tokens": args.num_draft_tokens,
-              "ngram_tree": {"topk": args.tree_topk, "depth": args.tree_depth, "nodes": args.tree_nodes},
-              "draft_tree_shapes": [list(x) for x in shapes],
-              "max_new_tokens": args.max_new_tokens, "sampling": sampling or "greedy",
-              "seeds": [args.seed, args.seed + args.repeats - 1] if sampling else None, "prompts_file": os.path.abspath(args.prompts_file),
-              "num_prompts": len(prompts), "repeats": args.repeats, "methods": methods,
-              "references": refs, "eos_ids": eos_list, "hf_prompt_lookup_num_tokens": HF_LOOKUP_TOKENS,
-              "llamacpp_lookup_num_pred_tokens": LLAMACPP_LOOKUP_TOKENS,
-              "warmup_tokens": WARMUP_TOKENS, "load_seconds": load_s}
-    tables = _tables(methods, summary, results, prompts, baselines) + _bound_table(methods, results, prompts)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench.json").write_text(json.dumps(
-        {"command": command, "config": config, "machine": machine, "summary": summary,
-         "cost_curve_s": cost_curve, "per_prompt": results}, indent=1) + "\n")
-    plot = write_plot(out / "bench.png", methods, summary, results, prompts, cost_curve)
-    ok = all(s["diverged"] == 0 or s["near_ties_only"] for m, s in summary.items() if m.startswith("specdec-"))
-    flips = sum(s["diverged"] for m, s in summary.items() if m.startswith("specdec-"))
-    peers = [m for m, s in summary.items() if s["diverged"] and not m.startswith("specdec-")]
-    if sampling:
-        verdict = ("sampled: outputs are draws, not compared token by token (the tests check specdec's "
-                   "draws against the target's distribution)")
-    else:
-        verdict = (("OK: every specdec method's greedy tokens equal its reference's" if not flips else
-                    f"OK: every specdec method's greedy tokens equal its reference's, but for {flips} near-tie "
-                    "flip(s) (logit gaps in the table)") if ok
-                   else "FAILED: a specdec method's greedy tokens differ from its reference's") + \
-            (f"; peers that differ from their own plain decoding: {', '.join(peers)}" if peers else "")
-    md = ["# specdec bench", "", "```", command, "```", "",
-          f"- target `{args.model}`" + (f", draft `{args.draft}`" if needs_draft else "")
-          + (f", EAGLE head `{args.eagle}`" if needs_eagle else "")
-          + (f", k={args.num_draft_tokens}" if needs_draft or needs_eagle else "")
-          + (" - **random weights** (`--load-format dummy`): the speeds of these shapes; acceptance "
-             "and output mean nothing" if dummy else ""),
-          f"- {len(prompts)} prompt(s) from `{args.prompts_file}`, {mode}, max_new_tokens {args.max_new_tokens}, "
-          f"batch size 1, repeats {args.repeats} ({'means' if args.temperature > 0 else 'medians'}), "
-          f"{WARMUP_TOKENS}-token warm-up per method",
-          f"- specdec on the {args.backend} backend"
-          + {True: " (repacked weights)", False: " (weights not repacked)", None: ""}[repacked] +
-          f"; machine: {machine['platform']}, {machine['cpu_count']} CPUs, "
-          f"torch {machine['torch']} with {machine['torch_threads']} threads, transformers {machine['transformers']}, "
-          + (f"llama-cpp-python {machine['llama_cpp_python']} (same threads), " if gguf is not None else "") +
-          f"{machine['device']}{' (' + machine['gpu'] + ')' if 'gpu' in machine else ''} {machine['dtype']}"
-          + (GGUF_TYPES if gguf is not None else ""),
-          f"- hf-assisted uses transformers' default assistant settings; hf-lookup uses "
-          f"prompt_lookup_num_tokens={HF_LOOKUP_TOKENS}; "
-          f"HF mean accepted length = tokens / target forwards; llamacpp-lookup uses "
-          f"LlamaPromptLookupDecoding(num_pred_tokens={LLAMACPP_LOOKUP_TOKENS})",
-          ("- greedy references: " + ", ".join(f"{m} -> {r}" for m, r in refs.items() if m != r)
-           if not sampling else "- sampled: no greedy references"), "",
-          tables, "", verdict, ""]
-    (out / "bench.md").write_text("\n".join(md))
-    print(tables)
-    print()
-    print(verdict)
-    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + (f" and {plot}" if plot else
-                                                                " (no plot: pip install matplotlib)"))
-    return 0 if ok else 1
+def summarize_method(m: str, recs: list[dict], ref_recs: list[dict], ref: str, sampled: bool,
+                     tolerance: float | None) -> dict:
+    """Method ``m``'s summary over its records (``recs``, one per prompt), against its
+    reference's (``ref_recs`` of method ``ref``); pops each record's ``_all_ids``. A
+    divergence passes only as a near-tie flip: on the torch runtime within the dtype's rounding
+    (``tolerance``); on llama.cpp (exact verification, ``tolerance`` None) at most one on the
+    bench prompts."""
+    diverged = {}
+    for rec, want in zip(recs, (r["token_ids"] for r in ref_recs)):
+        draws = rec.pop("_all_ids")
+        idx = [] if sampled else [i for i in (_first_diff(got, want) for got in draws) if i is not None]
+        rec["first_diff_vs_ref"] = min(idx) if idx else None
+        if idx:
+            diverged[rec["id"]] = min(idx)
+    tokens = sum(r["generated_tokens"] for r in recs)
+    secs = sum(r["median_s"] for r in recs)
+    s = {"median_tokens_per_s": _median(r["tokens_per_s"] for r in recs),
+         "median_decode_tokens_per_s": _median(r["decode_tokens_per_s"] for r in recs),
+         "total_tokens": tokens, "total_seconds": secs,
+         "aggregate_tokens_per_s": tokens / secs if secs > 0 else None,
+         "target_forwards": sum(r["target_forwards"] for r in recs),
+         "reference": None if sampled else ref, "diverged": len(diverged), "diverged_first_index": diverged,
+         "flip_gaps": {r["id"]: r["flip_gap"] for r in recs if r.get("flip_gap") is not None}}
+    s["near_ties_only"] = len(s["flip_gaps"]) == len(diverged) and (
+        len(diverged) <= 1 if tolerance is None else all(g <= tolerance for g in s["flip_gaps"].values()))
+    if m.startswith("specdec-"):  # every specdec method, plain too: its time split and drafts chosen
+        s["time_split_s"] = {phase: sum(r["time_split_s"][phase] for r in recs)
+                             for phase in ("prefill", "draft", "verify", "bookkeeping")}
+        s["chosen_k"] = _sum_lists(r["chosen_k"] for r in recs)
+        s["drafter_steps"] = {n: sum(r["drafter_steps"].get(n, 0) for r in recs)
+                              for n in sorted({n for r in recs for n in r["drafter_steps"]})}
+    if m in ("specdec-plain",) + BASELINES:
+        return s
+    drafted = sum(r["drafted_tokens"] or 0 for r in recs)
+    accepted = sum(r["accepted_tokens"] or 0 for r in recs)
+    s["acceptance_rate"] = accepted / drafted if drafted else None
+    if not m.startswith("specdec-"):
+        s["mean_accepted_length"] = tokens / s["target_forwards"] if s["target_forwards"] else None
+        return s
+    steps = [r["verify_steps"] for r in recs]  # verify steps exclude the prefill, which commits one token
+    committed = sum((r["mean_accepted_length"] or 0) * n for r, n in zip(recs, steps))
+    s["mean_accepted_length"] = committed / sum(steps) if sum(steps) else None
+    s["nodes_per_verify_step"] = drafted / sum(steps) if sum(steps) else None
+    acc, dra = (_sum_lists(r[key] for r in recs) for key in ("accepted_per_position", "drafted_per_position"))
+    s["acceptance_by_depth"] = [a / d if d else None for a, d in zip(acc, dra)]
+    return s
 
 
 def bench_sampling(args) -> dict:
