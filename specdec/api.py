@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from .answer import grammar_gate
 from .config import DRAFT_METHODS, EngineConfig, SamplingParams, SpecConfig, generation_defaults
-from .drafters import EagleDrafter, ModelDrafter, NgramDrafter
+from .drafters import EagleDrafter, ModelDrafter, NgramCorpus, NgramDrafter
 from .cost import DraftCost, Planner, forward_costs
 from .engine import Engine
 from .metrics import Metrics, run_metrics
@@ -436,7 +436,8 @@ class LLM:
         (catching up on a prompt in chunks like the target's prefill)."""
         spec, out = self.spec, {}
         if spec.method in ("ngram", "hybrid"):
-            out["ngram"] = NgramDrafter(spec.ngram_max, spec.ngram_min, spec.tree_topk, spec.node_budget)
+            out["ngram"] = NgramDrafter(spec.ngram_max, spec.ngram_min, spec.tree_topk, spec.node_budget,
+                                        NgramCorpus(spec.ngram_capacity) if spec.ngram_capacity else None)
         if spec.method in DRAFT_METHODS + ("self",):
             runtime = (self.draft or self.target).runtime
             kw = dict(num_slots=max_batch_size, target_vocab=self.target.runtime.vocab_size, topk=spec.tree_topk,

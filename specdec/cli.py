@@ -46,6 +46,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per round, k (default %(default)s)")
     g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max)
     g.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min)
+    g.add_argument("--ngram-capacity", type=int, default=SpecConfig.ngram_capacity,
+                   help="ngram / hybrid: also look up the texts of finished requests, up to this many tokens "
+                        "(oldest dropped first; default 0 = each request's own text only)")
     g.add_argument("--tree-topk", type=int, default=1,
                    help="token tree: candidates per node (draft/self: top-k children, drawn from q when sampling; ngram: matches; 1 = chain, default)")
     g.add_argument("--tree-depth", type=int, help="token tree depth (default: k)")
@@ -167,7 +170,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 def spec_from_args(a) -> tuple[SpecConfig, str | None]:
     """The speculation flags as ``(SpecConfig, draft model)``; ``--speculative-config``
     (vLLM's JSON) sets what it names on top of the other flags."""
-    flags = dict(num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max, ngram_min=a.ngram_min,
+    flags = dict(num_draft_tokens=a.num_draft_tokens, ngram_max=a.ngram_max, ngram_min=a.ngram_min, ngram_capacity=a.ngram_capacity,
                  draft_quantization=a.draft_quantization, draft_revision=a.draft_revision, tree_topk=a.tree_topk, tree_depth=a.tree_depth,
                  tree_nodes=a.tree_nodes, cost_model=a.cost_model)
     if a.speculative_config is None:

@@ -333,6 +333,10 @@ class SpecConfig:
     num_draft_tokens: int = 4  # k
     ngram_max: int = 3  # longest suffix n-gram the lookup tries first
     ngram_min: int = 1
+    # ngram / hybrid: also look up the texts (prompt and output) of finished requests, up to this
+    # many tokens, the oldest dropped first (SGLang's n-gram cache is shared across requests so);
+    # 0 = the request's own text only (vLLM's prompt lookup)
+    ngram_capacity: int = 0
     # int8 weights for the draft model (lossless: the target verifies every token).
     # auto = int8 when the draft runs on CPU in float32, where it is ~4x faster.
     draft_quantization: str = "auto"  # auto | none | int8
@@ -357,6 +361,9 @@ class SpecConfig:
                f"num_draft_tokens (k) must be an integer >= 1, got {self.num_draft_tokens!r}")
         _check(1 <= self.ngram_min <= self.ngram_max,
                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        _check(self.ngram_capacity >= 0, f"ngram_capacity must be >= 0 (0 = off), got {self.ngram_capacity}")
+        _check(self.ngram_capacity == 0 or self.method in ("ngram", "hybrid"),
+               f"ngram_capacity is the n-gram drafter's: it needs method ngram or hybrid, not {self.method!r}")
         _check(self.draft_quantization in ("auto", "none", "int8"),
                f"unknown draft_quantization {self.draft_quantization!r}; choose auto, none or int8")
         _check(self.tree_topk >= 1, f"tree_topk must be >= 1, got {self.tree_topk}")

@@ -142,3 +142,93 @@ def test_rows_kept_for_a_later_request_cut_its_feeds_as_a_fresh_draft(loaded, mo
 
 def seq_of(request_id, ids, sp):
     return Sequence(request_id, list(ids), len(ids), sp, make_generator(0, "cpu"), frozenset(), slot=0)
+
+
+def test_corpus_lookup_equals_a_scan_of_every_text():
+    """Lookups across requests (``NgramCorpus``) against their rule spelled out as loops: per n
+    (the longest match in the corpus first, where it is longer than ``n_max`` and than any in the
+    text), the text's own continuations most recent first, then the corpus's, newest text
+    first and most recent first within it, never past a text's end; texts past the capacity
+    dropped oldest first."""
+    import random
+
+    from specdec.drafters.ngram import BRANCH_SCAN, NgramCorpus, longest_match, lookup_branches
+
+    def found_in(hay, suffix):  # whether suffix occurs in hay
+        return any(hay[s:s + len(suffix)] == suffix for s in range(len(hay) - len(suffix) + 1))
+
+    def scan(ids, texts, k, n_max, n_min):
+        L = len(ids)
+        own_m = max([m for m in range(1, L) if found_in(ids[:L - 1], ids[L - m:])], default=0)
+        corpus_m = max([m for m in range(1, min(L, 32) + 1) if any(found_in(t, ids[L - m:]) for t in texts)], default=0)
+        ns = list(range(min(n_max, L), n_min - 1, -1))
+        if corpus_m > n_max and corpus_m > own_m:
+            ns.insert(0, corpus_m)
+        out = []
+        for n in ns:
+            own = [ids[s + n:s + n + k] for s in range(L - n - 1, -1, -1) if ids[s:s + n] == ids[L - n:]]
+            corp = [t[s + n:s + n + k] for t in reversed(texts) for s in range(len(t) - n, -1, -1)
+                    if t[s:s + n] == ids[L - n:] and t[s + n:s + n + k]]
+            out.append(own[:BRANCH_SCAN] + corp[:BRANCH_SCAN])
+        return out
+
+    rng = random.Random(1)
+    for trial in range(1500):
+        vocab = rng.choice([2, 3, 8])
+        capacity = rng.choice([10, 40, 1000])
+        corpus, texts = NgramCorpus(capacity), []
+        for _ in range(rng.randrange(4)):
+            t = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+            corpus.add(t)
+            texts.append(t[max(0, len(t) - (capacity - 1)):])
+            while sum(len(x) + 1 for x in texts) > capacity:
+                texts.pop(0)
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 25))]
+        k, n_min = rng.randrange(1, 7), rng.randrange(1, 3)
+        n_max, branches = rng.randrange(n_min, 5), rng.randrange(1, 5)
+        lists = [c for c in scan(ids, texts, k, n_max, n_min) if c]
+        want = next((c for c in lists[0] if len(c) == k), max(lists[0], key=len)) if lists else []
+        assert lookup(ids, k, n_max, n_min, corpus) == want, (trial, ids, texts, k, n_max, n_min)
+        distinct = []
+        for c in (c for cs in lists for c in cs):
+            if c not in distinct:
+                distinct.append(c)
+        assert lookup_branches(ids, k, n_max, n_min, branches, corpus) == distinct[:branches], trial
+        assert [len(x) for x in corpus.texts] == [len(t) + 1 for t in texts]
+        if texts:
+            want_m = max([m for m in range(1, min(len(ids), 32) + 1) if any(found_in(t, ids[len(ids) - m:]) for t in texts)],
+                         default=0)
+            assert longest_match(ids, 32, corpus.joined()) == want_m
+
+
+def test_ngram_drafter_reads_finished_requests(loaded):
+    """``ngram_capacity``: a request asked again drafts from the first one's text, and every
+    draft is accepted (the outputs equal); each request alone (capacity 0) drafts from its own
+    text only. A request that failed is not kept."""
+    import pytest
+
+    from specdec import LLM, SpecConfig
+
+    model = loaded("llama")
+    prompt = {"prompt_token_ids": [5, 17, 99, 3, 41, 8]}
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    outs = {}
+    for cap in (0, 10_000):
+        llm = LLM(model, speculative=SpecConfig(method="ngram", ngram_capacity=cap, num_draft_tokens=4))
+        outs[cap] = [llm.generate(prompt, sp, use_tqdm=False)[0] for _ in range(2)]
+        corpus = llm.engine.drafters["ngram"].corpus
+        assert (corpus is None) == (cap == 0)
+        if corpus is not None:
+            assert len(corpus) == 2 and corpus.texts[0][:-1].tolist() == prompt["prompt_token_ids"] + list(
+                outs[cap][0].outputs[0].token_ids)
+    assert len({tuple(o.outputs[0].token_ids) for os in outs.values() for o in os}) == 1
+    again = outs[10_000][1].metrics
+    # 39 tokens after the prefill's, 5 a step (4 drafts and the bonus): 8 steps, the last one cut short
+    assert again["drafted_tokens"] >= 7 * 4 and again["accepted_tokens"] == again["drafted_tokens"]
+    assert again["target_forwards"] == 1 + 8
+    alone = outs[0][1].metrics
+    assert alone["drafted_tokens"] == outs[0][0].metrics["drafted_tokens"]  # nothing carried over
+    with pytest.raises(ValueError, match="ngram_capacity is the n-gram drafter's"):
+        SpecConfig(method="draft", ngram_capacity=100)
+    with pytest.raises(ValueError, match="ngram_capacity must be >= 0"):
+        SpecConfig(method="ngram", ngram_capacity=-1)

@@ -2,6 +2,6 @@
 ``eagle`` / ``eagle3`` (a head over the target's hidden states)."""
 from .base import Draft, Drafter
 from .model import EagleDrafter, ModelDrafter
-from .ngram import NgramDrafter, lookup
+from .ngram import NgramCorpus, NgramDrafter, lookup
 
-__all__ = ["Draft", "Drafter", "EagleDrafter", "ModelDrafter", "NgramDrafter", "lookup"]
+__all__ = ["Draft", "Drafter", "EagleDrafter", "ModelDrafter", "NgramCorpus", "NgramDrafter", "lookup"]
