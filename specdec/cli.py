@@ -47,8 +47,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max)
     g.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min)
     g.add_argument("--ngram-capacity", type=int, default=SpecConfig.ngram_capacity,
-                   help="ngram / hybrid: also look up the texts of finished requests, up to this many tokens "
-                        "(oldest dropped first; default 0 = each request's own text only)")
+                   help="ngram / hybrid: also look up the other requests' texts, those running and those "
+                        "finished (up to this many tokens, oldest dropped first; default 0 = each request's own text only)")
     g.add_argument("--tree-topk", type=int, default=1,
                    help="token tree: candidates per node (draft/self: top-k children, drawn from q when sampling; ngram: matches; 1 = chain, default)")
     g.add_argument("--tree-depth", type=int, help="token tree depth (default: k)")

@@ -333,9 +333,9 @@ class SpecConfig:
     num_draft_tokens: int = 4  # k
     ngram_max: int = 3  # longest suffix n-gram the lookup tries first
     ngram_min: int = 1
-    # ngram / hybrid: also look up the texts (prompt and output) of finished requests, up to this
-    # many tokens, the oldest dropped first (SGLang's n-gram cache is shared across requests so);
-    # 0 = the request's own text only (vLLM's prompt lookup)
+    # ngram / hybrid: also look up the texts (prompt and output) of the other requests, those
+    # running and those finished (up to this many tokens, the oldest dropped first), as SGLang's
+    # n-gram cache is shared across requests; 0 = the request's own text only (vLLM's prompt lookup)
     ngram_capacity: int = 0
     # int8 weights for the draft model (lossless: the target verifies every token).
     # auto = int8 when the draft runs on CPU in float32, where it is ~4x faster.

@@ -145,32 +145,36 @@ def seq_of(request_id, ids, sp):
 
 
 def test_corpus_lookup_equals_a_scan_of_every_text():
-    """Lookups across requests (``NgramCorpus``) against their rule spelled out as loops: per n
-    (the longest match in the corpus first, where it is longer than ``n_max`` and than any in the
-    text), the text's own continuations most recent first, then the corpus's, newest text
-    first and most recent first within it, never past a text's end; texts past the capacity
-    dropped oldest first."""
+    """Lookups across requests (``OtherTexts``: running requests' ids, then ``NgramCorpus``'s
+    finished texts) against their rule spelled out as loops: per n (the longest match in the
+    other texts first, where it is longer than ``n_max`` and than any in the text), the text's
+    own continuations most recent first, then each running text's, then the finished ones,
+    newest text first and most recent first within it, never past a text's end; finished
+    texts past the capacity dropped oldest first."""
     import random
 
-    from specdec.drafters.ngram import BRANCH_SCAN, NgramCorpus, longest_match, lookup_branches
+    import numpy as np
+
+    from specdec.drafters.ngram import BRANCH_SCAN, NgramCorpus, OtherTexts, lookup_branches
 
     def found_in(hay, suffix):  # whether suffix occurs in hay
         return any(hay[s:s + len(suffix)] == suffix for s in range(len(hay) - len(suffix) + 1))
 
-    def scan(ids, texts, k, n_max, n_min):
+    def scan(ids, live, texts, k, n_max, n_min):
         L = len(ids)
         own_m = max([m for m in range(1, L) if found_in(ids[:L - 1], ids[L - m:])], default=0)
-        corpus_m = max([m for m in range(1, min(L, 32) + 1) if any(found_in(t, ids[L - m:]) for t in texts)], default=0)
+        other_m = max([m for m in range(1, min(L, 32) + 1) if any(found_in(t, ids[L - m:]) for t in live + texts)],
+                      default=0)
         ns = list(range(min(n_max, L), n_min - 1, -1))
-        if corpus_m > n_max and corpus_m > own_m:
-            ns.insert(0, corpus_m)
+        if other_m > n_max and other_m > own_m:
+            ns.insert(0, other_m)
         out = []
         for n in ns:
-            own = [ids[s + n:s + n + k] for s in range(L - n - 1, -1, -1) if ids[s:s + n] == ids[L - n:]]
-            corp = [t[s + n:s + n + k] for t in reversed(texts) for s in range(len(t) - n, -1, -1)
-                    if t[s:s + n] == ids[L - n:] and t[s + n:s + n + k]]
-            out.append(own[:BRANCH_SCAN] + corp[:BRANCH_SCAN])
-        return out
+            def conts(t):  # the continuations after each occurrence, most recent first
+                return [t[s + n:s + n + k] for s in range(len(t) - n - 1, -1, -1) if t[s:s + n] == ids[L - n:]]
+            lists = [conts(ids)] + [conts(t) for t in live] + [[c for t in reversed(texts) for c in conts(t)]]
+            out.append([c for cs in lists for c in cs[:BRANCH_SCAN]])
+        return out, other_m
 
     rng = random.Random(1)
     for trial in range(1500):
@@ -183,22 +187,22 @@ def test_corpus_lookup_equals_a_scan_of_every_text():
             texts.append(t[max(0, len(t) - (capacity - 1)):])
             while sum(len(x) + 1 for x in texts) > capacity:
                 texts.pop(0)
+        live = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 20))] for _ in range(rng.randrange(3))]
+        others = OtherTexts([np.array(t) for t in live], corpus)
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 25))]
         k, n_min = rng.randrange(1, 7), rng.randrange(1, 3)
         n_max, branches = rng.randrange(n_min, 5), rng.randrange(1, 5)
-        lists = [c for c in scan(ids, texts, k, n_max, n_min) if c]
+        lists, other_m = scan(ids, live, texts, k, n_max, n_min)
+        lists = [c for c in lists if c]
         want = next((c for c in lists[0] if len(c) == k), max(lists[0], key=len)) if lists else []
-        assert lookup(ids, k, n_max, n_min, corpus) == want, (trial, ids, texts, k, n_max, n_min)
+        assert lookup(ids, k, n_max, n_min, others) == want, (trial, ids, live, texts, k, n_max, n_min)
         distinct = []
         for c in (c for cs in lists for c in cs):
             if c not in distinct:
                 distinct.append(c)
-        assert lookup_branches(ids, k, n_max, n_min, branches, corpus) == distinct[:branches], trial
+        assert lookup_branches(ids, k, n_max, n_min, branches, others) == distinct[:branches], trial
         assert [len(x) for x in corpus.texts] == [len(t) + 1 for t in texts]
-        if texts:
-            want_m = max([m for m in range(1, min(len(ids), 32) + 1) if any(found_in(t, ids[len(ids) - m:]) for t in texts)],
-                         default=0)
-            assert longest_match(ids, 32, corpus.joined()) == want_m
+        assert others.longest_match(np.array(ids), 32) == other_m
 
 
 def test_ngram_drafter_reads_finished_requests(loaded):
@@ -232,3 +236,26 @@ def test_ngram_drafter_reads_finished_requests(loaded):
         SpecConfig(method="draft", ngram_capacity=100)
     with pytest.raises(ValueError, match="ngram_capacity must be >= 0"):
         SpecConfig(method="ngram", ngram_capacity=-1)
+
+
+def test_ngram_drafter_reads_running_requests(loaded):
+    """``ngram_capacity``: a running request's lookups read the others running beside it. B's
+    prompt is A's prompt and A's whole output, so B's text is ahead of A's from the start; A
+    drafts from it and every one of its drafts is accepted (alone, from its own text, not)."""
+    from specdec import LLM, SpecConfig
+
+    model = loaded("llama")
+    prompt = [5, 17, 99, 3, 41, 8]
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    longer = LLM(model).generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=80, ignore_eos=True),
+                                 use_tqdm=False)[0].outputs[0].token_ids
+    both = [{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt + list(longer[:40])}]
+    rates = {}
+    for cap in (0, 10_000):
+        llm = LLM(model, speculative=SpecConfig(method="ngram", ngram_capacity=cap, num_draft_tokens=4))
+        a, b = llm.generate(both, sp, use_tqdm=False)
+        assert list(a.outputs[0].token_ids) == list(longer[:40]) and list(b.outputs[0].token_ids) == list(longer[40:])
+        rates[cap] = a.metrics["acceptance_rate"]
+        if cap:
+            assert a.metrics["drafted_tokens"] >= 7 * 4 and rates[cap] == 1.0
+    assert rates[0] < 1.0, rates
