@@ -95,12 +95,12 @@ class Engine:
         # prefix reuse: a free slot keeps the KV of its last request's prompt, in whole prefill
         # chunks (slot -> those tokens, oldest first), for a new prompt that starts the same
         self.retained: dict[int, list[int]] = {}
-        # drafters reading the target's hidden states (EAGLE): each target forward keeps them
+        # drafters reading the target's hidden states (EAGLE): each target forward keeps them,
+        # with those of every other engine's readers on the same target (LLMs sharing it)
         self.readers = [d for d in self.drafters.values() if getattr(d, "taps", None)]
-        if self.readers:
-            if len({d.taps for d in self.readers}) > 1:
-                raise ValueError("drafters that read different hidden states of the target")
-            self.runtime.capture(self.readers[0].taps)
+        taps = {t for d in self.readers for t in d.taps}
+        if not taps <= set(getattr(self.runtime, "taps", ())):
+            self.runtime.capture(sorted(taps | set(self.runtime.taps)))
         self.reuses_prefixes = prefix_caching and chunked_prefill_size > 0 and \
             getattr(self.runtime, "reuses_prefixes", False)
         # running requests share whole chunks where the cache can copy rows between slots
@@ -348,9 +348,12 @@ class Engine:
         """Give the drafters that read hidden states (EAGLE) the last target forward's
         ``rows`` of batch row ``b``: ``s``'s committed tokens at positions ``start`` on."""
         if self.readers and len(rows):
-            features = self.runtime.features[b, list(rows)]  # [n, len(taps) * hidden]
-            for d in self.readers:
-                d.features(s, start, features)
+            features = self.runtime.features[b, list(rows)]  # [n, len(runtime taps) * hidden]
+            have = self.runtime.taps
+            width = features.shape[-1] // len(have)
+            for d in self.readers:  # each its own taps' columns, in the layers' order
+                d.features(s, start, features if d.taps == have else torch.cat(
+                    [features[:, i * width:(i + 1) * width] for i, t in enumerate(have) if t in d.taps], dim=-1))
 
     def _copy_shared(self, s: Sequence) -> None:
         """Give ``s`` the KV of the whole prompt chunks it shares with another request's

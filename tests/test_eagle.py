@@ -269,3 +269,28 @@ def test_bench_drafts_with_an_eagle_head(dirs, tmp_path, monkeypatch, capsys):
     assert "EAGLE head" in (out / "bench.md").read_text()
     assert main(common) == 2
     assert "need --eagle" in capsys.readouterr().err
+
+
+def test_two_heads_on_one_target(dirs):
+    """Two LLMs sharing one loaded target, with heads that read different hidden states: the
+    target keeps the union, and each head gets its own taps' columns. Every head forward over
+    committed tokens of each, before and after the other was made, gives SGLang's layout's
+    first draft (the first head used to read the second's taps), and both decode greedily as
+    the target alone."""
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    first = LLM(str(dirs["target"]), draft=str(dirs["eagle3"]), device="cpu",
+                speculative=SpecConfig(method="eagle3", num_draft_tokens=3, draft_quantization="none"))
+    want = [o.token_ids for o in LLM(first.target).generate(PROMPTS[:2], sp)]
+    calls = {"eagle3": recording(first)}
+    assert [o.token_ids for o in first.generate(PROMPTS[:2], sp)] == want
+    second = LLM(first.target, draft=str(dirs["eagle3-ids"]),
+                 speculative=SpecConfig(method="eagle3", num_draft_tokens=3, draft_quantization="none"))
+    assert first.draft.runtime.reads != second.draft.runtime.reads
+    assert set(first.target.runtime.taps) == set(first.draft.runtime.reads) | set(second.draft.runtime.reads)
+    calls["eagle3-ids"] = recording(second)
+    for llm in (first, second, first):
+        assert [o.token_ids for o in llm.generate(PROMPTS[:2], sp)] == want
+    for name, recorded in calls.items():
+        assert len(recorded) > 4
+        for ids, row in recorded:
+            torch.testing.assert_close(row, reference_drafts(dirs[name], dirs["target"], ids, [])[0], **CLOSE)
