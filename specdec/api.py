@@ -236,6 +236,27 @@ def render_prompt(tok, prompt: Prompt, chat: dict | None = None) -> tuple[str | 
     return text, ids
 
 
+def spec_of(speculative: SpecConfig | str | dict | None, draft, speculative_config: dict | None
+            ) -> tuple[SpecConfig, object]:
+    """``LLM``'s speculation arguments as ``(SpecConfig, draft)``: vLLM's ``speculative_config``
+    (which names the draft), a ``SpecConfig``, a method's name (its defaults), a dict of
+    ``SpecConfig``'s fields, or None (``draft`` when a draft is given, else ``none``)."""
+    if speculative_config is not None:
+        if speculative is not None or draft is not None:
+            raise ValueError("give speculative_config (vLLM's form) or speculative / draft, not both")
+        return SpecConfig.from_vllm(speculative_config)
+    if speculative is None:
+        return SpecConfig(method="draft" if draft else "none"), draft
+    if isinstance(speculative, str):
+        return SpecConfig(method=speculative), draft
+    if isinstance(speculative, dict):
+        return SpecConfig(**speculative), draft
+    if not isinstance(speculative, SpecConfig):
+        raise TypeError(f"speculative must be a SpecConfig, a method's name or a dict of SpecConfig's fields, "
+                        f"not {type(speculative).__name__}")
+    return speculative, draft
+
+
 class LLM:
     """A target model, optionally with a drafter, ready to generate.
 
@@ -287,19 +308,7 @@ class LLM:
             if max_batch_size not in (EngineConfig.max_batch_size, max_num_seqs):
                 raise ValueError("give max_batch_size or max_num_seqs (vLLM's name), not both")
             max_batch_size = max_num_seqs
-        if speculative_config is not None:
-            if speculative is not None or draft is not None:
-                raise ValueError("give speculative_config (vLLM's form) or speculative / draft, not both")
-            speculative, draft = SpecConfig.from_vllm(speculative_config)
-        if speculative is None:
-            speculative = SpecConfig(method="draft" if draft else "none")
-        elif isinstance(speculative, str):  # a method's name: its defaults
-            speculative = SpecConfig(method=speculative)
-        elif isinstance(speculative, dict):  # SpecConfig's fields by name
-            speculative = SpecConfig(**speculative)
-        elif not isinstance(speculative, SpecConfig):
-            raise TypeError(f"speculative must be a SpecConfig, a method's name or a dict of SpecConfig's fields, "
-                            f"not {type(speculative).__name__}")
+        speculative, draft = spec_of(speculative, draft, speculative_config)
         self.spec = speculative
         c = EngineConfig(device=device, dtype=dtype, max_batch_size=max_batch_size, backend=backend,
                          draft_backend=draft_backend, repack=repack, load_format=load_format,
@@ -336,34 +345,10 @@ class LLM:
                              "quantized (GGUF, or its quantization_config) and quantizes nothing at load (a draft's "
                              "int8 weights: draft_quantization)")
         self.draft: LoadedModel | None = None
-        if uses_draft:
-            from .vocab import require_compatible
-
-            if isinstance(draft, LoadedModel):
-                eagle = draft.runtime.kind if isinstance(draft.runtime, EagleHead) else None
-            else:
-                eagle = eagle_checkpoint(draft, speculative.draft_revision)
-            if speculative.method in EAGLE_KINDS and eagle != speculative.method:
-                raise ValueError(f"method {speculative.method!r} needs an {speculative.method.upper()} head as the draft; "
-                                 f"{getattr(draft, 'name', draft)!r} is " + (f"an {eagle.upper()} head: use method {eagle!r}"
-                                                                           if eagle else "not one"))
-            if eagle and speculative.method == "draft":  # as vLLM infers the method from the draft
-                self.spec = speculative = replace(speculative, method=eagle)
-            if eagle and not isinstance(draft, LoadedModel):
-                draft = load_eagle(draft, eagle, self.target, speculative.draft_quantization,
-                                   speculative.draft_revision)
-            elif not isinstance(draft, LoadedModel):  # with a loaded target and no device: beside it
-                where = str(self.target.runtime.device) if c.device is None and isinstance(model, LoadedModel) \
-                    else c.device
-                draft = load_model(draft, where, c.dtype, c.draft_backend or c.backend,
-                                   quantize=speculative.draft_quantization, revision=speculative.draft_revision,
-                                   **loading)
-            elif speculative.draft_revision:
-                raise ValueError("draft_revision is for loading the draft model; this one is loaded already")
-            self.draft = draft
-            if isinstance(draft.runtime, EagleHead) and draft.runtime.target is not self.target.runtime:
-                raise ValueError("this EAGLE head was loaded for another target: it reads its target's hidden states")
-            require_compatible(self.target.tokenizer, self.draft.tokenizer)
+        if uses_draft:  # with a loaded target and no device: the draft beside it
+            where = str(self.target.runtime.device) if c.device is None and isinstance(model, LoadedModel) else c.device
+            self.draft = self._load_draft(draft, replace(c, device=where), loading)
+            speculative = self.spec  # its method may have become the head's kind
         for side, m in (("target", self.target), ("draft", self.draft)):
             if m is not None and speculative.method != "none" and not getattr(m.runtime, "rewinds", True):
                 raise ValueError(f"the {side} model keeps a recurrent state ({m.config.model_type}), which cannot go "
@@ -423,6 +408,35 @@ class LLM:
             raise ValueError(f"generation_config.json in {where}: {e} "
                              f"(generation_config='vllm' ignores the file)") from None
         return out
+
+    def _load_draft(self, draft: str | LoadedModel, c: EngineConfig, loading: dict) -> LoadedModel:
+        """The draft model or EAGLE head ``draft`` (loaded here unless it is already), checked
+        against the method and the target's tokenizer; a ``draft`` method with an EAGLE head
+        becomes the head's kind (``self.spec``), as vLLM infers it."""
+        from .vocab import require_compatible
+
+        spec = self.spec
+        if isinstance(draft, LoadedModel):
+            eagle = draft.runtime.kind if isinstance(draft.runtime, EagleHead) else None
+        else:
+            eagle = eagle_checkpoint(draft, spec.draft_revision)
+        if spec.method in EAGLE_KINDS and eagle != spec.method:
+            raise ValueError(f"method {spec.method!r} needs an {spec.method.upper()} head as the draft; "
+                             f"{getattr(draft, 'name', draft)!r} is " + (f"an {eagle.upper()} head: use method {eagle!r}"
+                                                                       if eagle else "not one"))
+        if eagle and spec.method == "draft":
+            self.spec = spec = replace(spec, method=eagle)
+        if eagle and not isinstance(draft, LoadedModel):
+            draft = load_eagle(draft, eagle, self.target, spec.draft_quantization, spec.draft_revision)
+        elif not isinstance(draft, LoadedModel):
+            draft = load_model(draft, c.device, c.dtype, c.draft_backend or c.backend,
+                               quantize=spec.draft_quantization, revision=spec.draft_revision, **loading)
+        elif spec.draft_revision:
+            raise ValueError("draft_revision is for loading the draft model; this one is loaded already")
+        if isinstance(draft.runtime, EagleHead) and draft.runtime.target is not self.target.runtime:
+            raise ValueError("this EAGLE head was loaded for another target: it reads its target's hidden states")
+        require_compatible(self.target.tokenizer, draft.tokenizer)
+        return draft
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the model's generation config over it (temperature,
