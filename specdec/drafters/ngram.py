@@ -1,6 +1,7 @@
 """Prompt lookup: propose what followed an earlier occurrence of the text's last n tokens
 (the longest n first; see ``lookup``), in the request's own text and, with an
-``NgramCorpus``, in the texts of requests that finished before it."""
+``NgramCorpus``, in the other requests' texts: those running beside it and those that
+finished before it."""
 from __future__ import annotations
 
 from collections import deque
