@@ -12,7 +12,7 @@ decoding) that maximise expected committed tokens per second.
   and ``time = draft_time(k) + target(k+1)``, where a model drafter's first depth is a
   forward over the tokens it has not seen yet (a long one spread over the tokens the request
   has left, see ``DraftCost``), and the target's measured costs are corrected
-  online by the verify steps actually timed; it picks the best (drafter, k), including k = 0.
+  online by the verify steps actually timed, a model drafter's by its drafting steps; it picks the best (drafter, k), including k = 0.
   A drafter that has not been tried for a while gets a one-draft probe (with exponential
   back-off until it is chosen on merit again, and only if perfect drafts would gain 10%), so a
   request whose text turns predictable can start speculating again.
@@ -234,6 +234,7 @@ class MatchAcceptance:
 
 
 LEVEL_RATE = 0.3  # weight of a verify step's timing in the current speed level of all forwards
+DRAFT_RATE = 0.2  # weight of a drafting step's timing in its drafter's correction (log space)
 SHAPE_RATE = 0.1  # ... in its size's cost relative to that level (the verify-cost correction)
 SHAPE_GRACE, SHAPE_HALF_LIFE = 16, 50  # a size not timed for 16 verify steps: its correction
 # fades towards 1, halving every 50 steps
@@ -341,6 +342,8 @@ class Planner:
         # verify tokens -> (its observed / measured over the level, ``verify_steps`` when last timed)
         self.shape: dict[int, tuple[float, int]] = {}
         self.verify_steps = 0
+        # model drafter -> (its drafting's observed / measured seconds lately, ``verify_steps`` when last timed)
+        self.drafting: dict[str, tuple[float, int]] = {}
         # each drafter's probe back-off, carried to the next request (every request probing a
         # drafter that never pays from scratch cost ~5% a request)
         self.backoff = {name: PROBE_BACKOFF for name in draft_cost}
@@ -387,7 +390,37 @@ class Planner:
         if name is None or k == 0:
             return 0.0
         share = 1.0 if left is None else min(1.0, tokens / min(left, CATCH_UP_HORIZON))
-        return self.draft_cost[name](k, behind, share)
+        return self.draft_cost[name](k, behind, share) * self.draft_factor(name)
+
+    def draft_factor(self, name: str) -> float:
+        """How ``name``'s drafting has compared lately with its measured forwards (its own
+        Python and sampling included, which the measurement leaves out), over the target's
+        ``level``: what slows both alike changes no choice. Not timed for a while, it fades
+        towards 1 as ``_shape`` does (a drafter priced out is never timed again)."""
+        if name not in self.drafting:
+            return 1.0
+        ratio, timed = self.drafting[name]
+        fade = 0.5 ** (max(self.verify_steps - timed - SHAPE_GRACE, 0) / SHAPE_HALF_LIFE)
+        return (1.0 + (ratio - 1.0) * fade) / self.level
+
+    def observe_draft(self, name: str, items: list[tuple[int, int]], seconds: float) -> None:
+        """A drafting step of model drafter ``name``, drafting ``(k, behind)`` for each request
+        of a batch, took ``seconds`` (its whole catch-up included)."""
+        cost = self.draft_cost[name]
+        predicted = self._batch_drafting(name, [cost(k, behind) for k, behind in items])
+        if predicted > 0 and seconds > 0:
+            ratio = self.draft_factor(name) * self.level  # the faded ratio, as the planner prices it now
+            # in log space, a step counting for at most a doubling or a halving: a spike (a CUDA
+            # graph captured in the step) moves it by 15% at most, a lasting change in ~20 steps
+            step = max(-1.0, min(1.0, math.log2(seconds / predicted / ratio)))
+            self.drafting[name] = (ratio * 2 ** (DRAFT_RATE * step), self.verify_steps)
+
+    def _batch_drafting(self, name: str, seconds: list[float]) -> float:
+        """A batch drafting with ``name``, each request's drafting alone taking ``seconds``: the
+        dearest one's, scaled by the cost of one forward over all their rows against one row
+        (a batch drafts in the same forwards)."""
+        cost = self.draft_cost[name]
+        return max(seconds) * (cost.catch_up(len(seconds)) / cost.catch_up(1) if cost.catch_up else 1.0)
 
     def could_pay(self, name: str, limit: int, behind: int = 1, left: int | None = None) -> bool:
         """Whether ``name`` would beat plain decoding by ``PROBE_MARGIN`` if every draft were
@@ -494,12 +527,11 @@ class Planner:
         """Expected tokens per second of a batch step: request i drafts ``ks[i]`` with
         ``own[i].drafter``, expected to commit ``tokens[i]``."""
         seconds = self.verify_seconds(self.batch_rows([self.verify_rows(c.drafter, k) for c, k in zip(own, ks)]))
-        for name, cost in self.draft_cost.items():
+        for name in self.draft_cost:
             mine = [i for i, (c, k) in enumerate(zip(own, ks)) if c.drafter == name and k]
             if mine:
-                dearest = max(self.draft_seconds(name, tokens[i], ks[i], (asks[i].behind or {}).get(name, 1),
-                                                 asks[i].left) for i in mine)
-                seconds += dearest * (cost.catch_up(len(mine)) / cost.catch_up(1) if cost.catch_up else 1.0)
+                seconds += self._batch_drafting(name, [self.draft_seconds(
+                    name, tokens[i], ks[i], (asks[i].behind or {}).get(name, 1), asks[i].left) for i in mine])
         return sum(tokens) / seconds
 
     def record(self, request_id: int, choice: Choice, depth: int, num_accepted: int) -> None:

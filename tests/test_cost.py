@@ -1,5 +1,7 @@
 """The cost model (measured forward times, online acceptance, choice of drafter and k) and
 hybrid drafting: the planner's arithmetic, and greedy equality whatever it chooses."""
+import math
+
 import pytest
 
 from specdec import LLM, SamplingParams, SpecConfig
@@ -444,3 +446,54 @@ def test_tree_rounds_recorded_by_depth(loaded, monkeypatch):
     llm.generate("abcabcabcabcabcabcabc abcabcabc", SamplingParams(max_tokens=30, ignore_eos=True))
     drafted = [(k, depth, n) for k, depth, n in seen if k]
     assert drafted and all(n <= depth <= k for k, depth, n in drafted), drafted
+
+
+def test_planner_corrects_drafting_costs_from_observed_steps():
+    """A draft model whose drafting steps take longer than its measured forwards (its Python
+    and sampling, shapes measured unlike they run) is priced by what they take, the
+    estimate moving at most 15% a step (a spike moves it little); drafting and verifying
+    slower alike change nothing; an estimate no longer timed fades back to the measurement."""
+    verify = ForwardCosts((1.0, 1.1, 1.2, 1.3, 1.4))
+    draft = DraftCost(per_depth=0.1, catch_up=ForwardCosts((0.1, 0.12, 0.14, 0.16, 0.18)))
+    p = Planner(verify, {"draft": draft}, k_max=4, prior=0.8)
+    ask = Ask(1, limit=4, behind={"draft": 2})
+    assert p.choose(ask).k == 4  # 3.36 tokens / (1.4 + 0.42 s)
+    p.observe_draft("draft", [(4, 2)], 1000 * draft(4, 2))  # one spike
+    assert p.draft_factor("draft") == pytest.approx(2 ** 0.2) and p.choose(ask).k == 4
+    for _ in range(40):  # both 3x slower than measured: another process
+        p.observe_verify(5, 3 * 1.4)
+        p.observe_draft("draft", [(4, 2)], 3 * draft(4, 2))
+    assert p.draft_factor("draft") == pytest.approx(1.0, rel=0.02) and p.choose(ask).k == 4
+    for _ in range(40):  # drafting alone 10x dearer than measured
+        p.observe_verify(5, 1.4)
+        p.observe_draft("draft", [(4, 2)], 10 * draft(4, 2))
+    assert p.draft_factor("draft") == pytest.approx(10, rel=0.05)
+    assert p.choose(ask).drafter is None and not p.could_pay("draft", 4, behind=2)  # 5 / (1.4 + 4.2) < 1.1
+    for _ in range(600):  # plain steps: drafting not timed, its correction fades
+        p.observe_verify(1, 1.0)
+    assert p.draft_factor("draft") == pytest.approx(1.0, rel=0.01) and p.choose(ask).k == 4
+    # a batch drafts in the same forwards: its dearest request's drafting, scaled by one forward
+    # over all its rows against one row
+    p.observe_draft("draft", [(4, 2), (2, 2)], draft(4, 2) * 0.12 / 0.1)
+    assert p.draft_factor("draft") == pytest.approx(1.0, rel=0.01)
+
+
+def test_the_engine_times_a_draft_models_drafting(loaded, monkeypatch):
+    """With the cost model, each step's drafting by a draft model is timed against its
+    measured forwards (``Planner.drafting``), the n-gram drafter's not: a draft whose cached
+    curve says its forwards are free is found dearer, step by step."""
+    from specdec import api
+
+    def free_draft(model, max_tokens):
+        if max_tokens == api.CATCH_UP_TOKENS:  # the draft's curve (the target's: k + 1)
+            return ForwardCosts((1e-9,) * max_tokens)
+        return forward_costs(model, max_tokens)
+
+    monkeypatch.setattr(api, "forward_costs", free_draft)
+    llm = LLM(loaded("llama"), draft=loaded("llama"), speculative=SpecConfig(method="hybrid", cost_model=True))
+    llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    planner, steps = llm.engine.planner, llm.last_run_metrics.to_dict()["drafter_steps"]
+    assert set(planner.drafting) == {"draft"} and steps["draft"] > 0
+    ratio, _ = planner.drafting["draft"]
+    calls = round(math.log2(ratio) / 0.2)  # each batch's drafting step: a doubling's 0.2 up
+    assert 1 <= calls <= steps["draft"] and ratio == pytest.approx(2 ** (0.2 * calls), rel=1e-6)
