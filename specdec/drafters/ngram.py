@@ -14,12 +14,6 @@ from ..tree import DraftTree
 from .base import Draft
 
 
-def match_starts(a: np.ndarray, n: int) -> np.ndarray:
-    """Ascending starts of the earlier occurrences of ``a``'s last n tokens (windows that
-    begin before the suffix itself; they may overlap it)."""
-    return occurrences(a, a[len(a) - n:], len(a) - n)
-
-
 class NgramCorpus:
     """The texts (prompt and output ids) of other requests, for lookups across requests:
     SGLang's n-gram cache is shared so, where vLLM's prompt lookup reads the request alone.
@@ -28,7 +22,7 @@ class NgramCorpus:
     that finished, joined in one array, each followed by a separator (-1) that no token
     equals, so that a match never spans two texts and a continuation stops at its text's end;
     the oldest are dropped once the tokens pass ``capacity``. A lookup scans the array
-    (vectorized: a lookup over a million tokens takes about 1 ms on a 2-core CPU)."""
+    once (``suffix_matches``: about 0.3 ms for a million tokens on a 2-core CPU)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -60,14 +54,6 @@ class NgramCorpus:
             self._ends = np.nonzero(self._joined < 0)[0]
         return self._joined
 
-    def find(self, pattern: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(starts, lengths)``: the continuations (1..k tokens, within their text) that
-        follow the occurrences of ``pattern``, oldest first."""
-        hay = self.joined()
-        after = occurrences(hay, pattern, len(hay) - len(pattern)) + len(pattern)
-        lengths = np.minimum(self._ends[np.searchsorted(self._ends, after)] - after, k)
-        return after[lengths > 0], lengths[lengths > 0]
-
 
 @dataclass
 class OtherTexts:
@@ -80,56 +66,88 @@ class OtherTexts:
     def __bool__(self) -> bool:
         return bool(self.live) or bool(self.corpus)
 
-    def places(self, pattern: np.ndarray, k: int) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``(array, starts, lengths)`` per text (the finished ones as one array): the
-        continuations (1..k tokens) after the occurrences of ``pattern``, most recent first."""
-        n, out = len(pattern), []
-        for text in self.live:
-            after = occurrences(text, pattern, len(text) - n)[::-1] + n
-            out.append((text, after, np.minimum(k, len(text) - after)))
+    def places(self, a: np.ndarray, cap: int) -> list["Place"]:
+        """Each running text, then the finished ones (one array), with the matches of ``a``'s
+        last tokens in it."""
+        out = [Place(text, suffix_matches(text, a, cap)) for text in self.live]
         if self.corpus:
-            after, lengths = self.corpus.find(pattern, k)
-            out.append((self.corpus.joined(), after[::-1], lengths[::-1]))
+            hay = self.corpus.joined()
+            out.append(Place(hay, suffix_matches(hay, a, cap), stops=self.corpus._ends))
         return out
 
     def longest_match(self, a: np.ndarray, cap: int) -> int:
         """The longest m <= cap such that ``a``'s last m tokens occur in one of the texts."""
-        hays = self.live + ([self.corpus.joined()] if self.corpus else [])
-        return max((longest_match(a, cap, hay) for hay in hays), default=0)
+        return max((len(p.ends) for p in self.places(a, cap)), default=0)
 
 
-def occurrences(hay: np.ndarray, pattern: np.ndarray, before: int) -> np.ndarray:
-    """Ascending starts ``i < before`` of ``pattern`` in ``hay``. Vectorized: a long context
-    costs microseconds, not a Python loop over every position."""
-    starts = np.nonzero(hay[:max(before, 0)] == pattern[0])[0]  # [matches]
-    for j in range(1, len(pattern)):
-        starts = starts[hay[starts + j] == pattern[j]]
-    return starts
+MATCH_CAP = 32  # the longest match a lookup measures (beyond ngram_max: the cost model's context)
 
 
-def matches(a: np.ndarray, n: int, k: int, others: OtherTexts | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The continuations (<= k tokens) of the earlier occurrences of ``a``'s last n tokens, as
-    ``(array, starts, lengths)`` per place, most recent first within each: ``a`` itself, then
-    the ``others``. Only places with a match."""
-    L, out = len(a), []
-    if n < L:
-        after = match_starts(a, n)[::-1] + n
-        out.append((a, after, np.minimum(k, L - after)))
-    if others:
-        out += others.places(a[L - n:], k)
-    return [m for m in out if len(m[1])]
+def suffix_matches(hay: np.ndarray, a: np.ndarray, cap: int) -> list[np.ndarray]:
+    """``ends[m - 1]``: the ascending indices in ``hay`` where an occurrence of ``a``'s last m
+    tokens ends, for m = 1 up to the longest such match (at most ``cap``). One vectorized scan
+    of ``hay`` for the last token, then each longer match filters the ones before it: a
+    lookup reads every n it tries from one pass over each text."""
+    L, m = len(a), 1
+    ends, out = np.nonzero(hay == a[-1])[0], []
+    while len(ends):
+        out.append(ends)
+        if m >= cap or m >= L:
+            break
+        ends = ends[ends >= m]
+        ends = ends[hay[ends - m] == a[L - 1 - m]]
+        m += 1
+    return out
 
 
-def sizes(a: np.ndarray, n_max: int, n_min: int, others: OtherTexts | None) -> list[int]:
-    """The n-gram sizes a lookup tries, longest first: ``n_max`` down to ``n_min``, after the
-    length of the longest match in the ``others`` where that is longer than ``n_max`` and than
-    any in the text itself (the text continues another request's for that long: a request
-    asked again, a document quoted again)."""
-    out = list(range(min(n_max, len(a)), n_min - 1, -1))
-    if others:
-        m = others.longest_match(a, MATCH_CAP)
-        if m > n_max and m > longest_match(a, MATCH_CAP):
-            out.insert(0, m)
+def longest_match(ids: list[int] | np.ndarray, cap: int = MATCH_CAP, hay: np.ndarray | None = None) -> int:
+    """The largest m <= cap such that ``ids``' last m tokens also occur earlier in ``ids``, or
+    with ``hay`` anywhere in it (0: the last token never occurred before)."""
+    a = np.asarray(ids)  # [L]
+    if hay is None:
+        if len(a) < 2:
+            return 0
+        hay = a[:-1]  # an earlier occurrence ends before the last token
+    return len(suffix_matches(hay, a, cap))
+
+
+@dataclass
+class Place:
+    """A text a lookup reads, with the matches of the request's last tokens in it: ``text``,
+    whose continuations are drafted; ``ends`` (``suffix_matches``); ``stops``, the indices a
+    continuation stops at (a finished text's separators; None: the text's end)."""
+
+    text: np.ndarray
+    ends: list[np.ndarray]
+    stops: np.ndarray | None = None
+
+    def continuations(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, lengths)`` of the continuations (1..k tokens) after the occurrences of
+        the last n tokens, most recent first."""
+        if n > len(self.ends):
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        after = self.ends[n - 1][::-1] + 1
+        stop = len(self.text) if self.stops is None else self.stops[np.searchsorted(self.stops, after)]
+        lengths = np.minimum(stop - after, k)
+        return after[lengths > 0], lengths[lengths > 0]
+
+
+def places(a: np.ndarray, cap: int, others: OtherTexts | None = None) -> list[Place]:
+    """The texts a lookup of ``a``'s end reads, in their order: ``a`` itself (its earlier
+    occurrences), then the ``others``'."""
+    own = Place(a, suffix_matches(a[:-1], a, cap) if len(a) > 1 else [])
+    return [own] + (others.places(a, cap) if others else [])
+
+
+def sizes(ps: list[Place], n_max: int, n_min: int, length: int) -> list[int]:
+    """The n-gram sizes a lookup tries, longest first: ``n_max`` down to ``n_min`` (at most
+    the text's ``length``), after the length of the longest match in the other texts where
+    that is longer than ``n_max`` and than any in the text itself (the text continues another
+    request's for that long: a request asked again, a document quoted again)."""
+    out = list(range(min(n_max, length), n_min - 1, -1))
+    m = max((len(p.ends) for p in ps[1:]), default=0)
+    if m > n_max and m > len(ps[0].ends):
+        out.insert(0, m)
     return out
 
 
@@ -139,38 +157,23 @@ def lookup(ids: list[int] | np.ndarray, k: int, n_max: int, n_min: int, others: 
     full k-token continuation wins (the text's own before the ``others``'), else the one with
     the longest (in the text itself: the oldest)."""
     a = np.asarray(ids)
-    for n in sizes(a, n_max, n_min, others):
-        found = matches(a, n, k, others)
-        for hay, after, lengths in found:
+    return first_continuation(places(a, max(MATCH_CAP, n_max), others), len(a), k, n_max, n_min)
+
+
+def first_continuation(ps: list[Place], length: int, k: int, n_max: int, n_min: int) -> list[int]:
+    """``lookup`` over its ``places``."""
+    for n in sizes(ps, n_max, n_min, length):
+        found = [(p.text, *p.continuations(n, k)) for p in ps]
+        found = [f for f in found if len(f[1])]
+        for text, after, lengths in found:
             full = np.flatnonzero(lengths == k)
             if len(full):
-                return hay[after[full[0]]: after[full[0]] + k].tolist()
+                return text[after[full[0]]: after[full[0]] + k].tolist()
         if found:
-            hay, after, lengths = max(found, key=lambda m: m[2].max())  # the first place among ties
+            text, after, lengths = max(found, key=lambda f: f[2].max())  # the first place among ties
             i = int(lengths.argmax())
-            return hay[after[i]: after[i] + lengths[i]].tolist()
+            return text[after[i]: after[i] + lengths[i]].tolist()
     return []
-
-
-MATCH_CAP = 32
-
-
-def longest_match(ids: list[int] | np.ndarray, cap: int = MATCH_CAP, hay: np.ndarray | None = None) -> int:
-    """The largest m <= cap such that ``ids``' last m tokens also occur earlier in ``ids``, or
-    with ``hay`` anywhere in it (0: the last token never occurred before)."""
-    a = np.asarray(ids)  # [L]
-    L = len(a)
-    if hay is None:
-        if L < 2:
-            return 0
-        hay = a[:-1]  # an earlier occurrence ends before the last token
-    cand = np.nonzero(hay == a[-1])[0]  # ends of the occurrences of the last token
-    m = 0
-    while len(cand) and m < cap:
-        m += 1
-        cand = cand[cand >= m]
-        cand = cand[hay[cand - m] == a[L - 1 - m]] if m < L else cand[:0]
-    return m
 
 
 BRANCH_SCAN = 64  # matches read per place and n for distinct branches (a frequent n-gram has thousands)
@@ -181,11 +184,19 @@ def lookup_branches(ids: list[int] | np.ndarray, k: int, n_max: int, n_min: int,
     """Up to ``branches`` distinct continuations (<= k tokens) of earlier matches of the last
     n tokens: n in the order of ``sizes``, within an n the text's own matches before the
     ``others``', most recent first."""
-    a, found = np.asarray(ids), []
-    for n in sizes(a, n_max, n_min, others):
-        for hay, after, lengths in matches(a, n, k, others):
-            for start, length in zip(after[:BRANCH_SCAN].tolist(), lengths[:BRANCH_SCAN].tolist()):
-                cont = hay[start:start + length].tolist()
+    a = np.asarray(ids)
+    return distinct_continuations(places(a, max(MATCH_CAP, n_max), others), len(a), k, n_max, n_min, branches)
+
+
+def distinct_continuations(ps: list[Place], length: int, k: int, n_max: int, n_min: int,
+                           branches: int) -> list[list[int]]:
+    """``lookup_branches`` over its ``places``."""
+    found = []
+    for n in sizes(ps, n_max, n_min, length):
+        for p in ps:
+            after, lengths = p.continuations(n, k)
+            for start, size in zip(after[:BRANCH_SCAN].tolist(), lengths[:BRANCH_SCAN].tolist()):
+                cont = p.text[start:start + size].tolist()
                 if cont not in found:
                     found.append(cont)
                     if len(found) == branches:
@@ -203,18 +214,17 @@ class NgramDrafter:
                  corpus: NgramCorpus | None = None):
         self.n_max, self.n_min, self.branches, self.max_nodes = n_max, n_min, branches, max_nodes
         self.corpus = corpus
+        # ``_places`` this step, by sequence: (the sequence, its length then, its places)
+        self._found: dict[int, tuple[Sequence, int, list[Place]]] = {}
 
     def context(self, seq: Sequence) -> int | None:
         """None when the lookup finds no match for ``seq``, or none whose first draft the
         request's grammar allows (then ``hybrid`` drafts with the model); else the cost
         model's context: the length of the longest earlier match of the text's end
-        (``cost.MatchAcceptance``), in the text or the others'. A long match means a copy in
-        progress, and its drafts are accepted far more often than those of a 1-token match."""
-        ids, cap = seq.id_array(), max(MATCH_CAP, self.n_min)  # >= n_min: the lookup matches
-        m = longest_match(ids, cap)
-        others = self._others(seq)
-        if others and m < cap:
-            m = max(m, others.longest_match(ids, cap))
+        (``cost.MatchAcceptance``), in the text or the others', at most ``MATCH_CAP`` (or
+        ``n_min``). A long match means a copy in progress, and its drafts are accepted far
+        more often than those of a 1-token match."""
+        m = min(max(len(p.ends) for p in self._places(seq)), max(MATCH_CAP, self.n_min))
         if m < self.n_min:
             return None
         if seq.grammar is not None:  # a first draft the grammar forbids: as no match
@@ -223,21 +233,31 @@ class NgramDrafter:
                 return None
         return m
 
-    def _others(self, seq: Sequence) -> OtherTexts | None:
-        if self.corpus is None:
-            return None
-        self.corpus.live[seq.slot] = seq
-        return self.corpus.others(seq)
+    def _places(self, seq: Sequence) -> list[Place]:
+        """What ``seq``'s lookups read this step (``places``), found once: the planner's
+        ``context`` and ``propose`` read the same."""
+        found = self._found.get(id(seq))
+        if found is None or found[0] is not seq or found[1] != len(seq.ids):
+            others = None
+            if self.corpus is not None:
+                self.corpus.live[seq.slot] = seq
+                others = self.corpus.others(seq)
+            found = seq, len(seq.ids), places(seq.id_array(), max(MATCH_CAP, self.n_max, self.n_min), others)
+            self._found[id(seq)] = found
+        return found[2]
 
     def _paths(self, seq: Sequence, k: int) -> list[list[int]]:
         """The continuations drafted for ``seq``: one, or up to ``branches``."""
+        ps, n = self._places(seq), len(seq.ids)
         if self.branches == 1:
-            return [lookup(seq.id_array(), k, self.n_max, self.n_min, self._others(seq))]
-        return lookup_branches(seq.id_array(), k, self.n_max, self.n_min, self.branches, self._others(seq))
+            return [first_continuation(ps, n, k, self.n_max, self.n_min)]
+        return distinct_continuations(ps, n, k, self.n_max, self.n_min, self.branches)
 
     def propose(self, seqs, ks) -> list[Draft]:
         if self.corpus is not None:  # the batch's texts, for each other's lookups
-            self.corpus.live.update((s.slot, s) for s in seqs)
+            if any(self.corpus.live.get(s.slot) is not s for s in seqs):
+                self.corpus.live.update((s.slot, s) for s in seqs)
+                self._found.clear()
         return [self._draft(seq, k) if k > 0 else Draft([]) for seq, k in zip(seqs, ks)]
 
     def _draft(self, seq: Sequence, k: int) -> Draft:
@@ -257,6 +277,7 @@ class NgramDrafter:
         return Draft(tree.tokens[1:], tree=tree)
 
     def observe(self, seq: Sequence, num_accepted: int) -> None:
+        self._found.clear()  # the texts have grown
         if self.corpus is not None:  # its text is read by the others' lookups from now on
             self.corpus.live[seq.slot] = seq
 
