@@ -30,7 +30,7 @@ class NgramCorpus:
         self.texts: deque[np.ndarray] = deque()
         self.size = 0  # tokens held, separators included
         self._joined: np.ndarray | None = None  # [size] the texts and separators, joined on demand
-        self._ends: np.ndarray | None = None  # [texts] the separators' indices
+        self.separators: np.ndarray | None = None  # [texts] the separators' indices in ``joined()``
 
     def others(self, seq: Sequence | None = None) -> "OtherTexts":
         """What ``seq``'s lookup reads beside its own text."""
@@ -51,7 +51,7 @@ class NgramCorpus:
     def joined(self) -> np.ndarray:
         if self._joined is None:
             self._joined = np.concatenate(self.texts) if self.texts else np.full(1, -1)
-            self._ends = np.nonzero(self._joined < 0)[0]
+            self.separators = np.nonzero(self._joined < 0)[0]
         return self._joined
 
 
@@ -72,7 +72,7 @@ class OtherTexts:
         out = [Place(text, suffix_matches(text, a, cap)) for text in self.live]
         if self.corpus:
             hay = self.corpus.joined()
-            out.append(Place(hay, suffix_matches(hay, a, cap), stops=self.corpus._ends))
+            out.append(Place(hay, suffix_matches(hay, a, cap), stops=self.corpus.separators))
         return out
 
     def longest_match(self, a: np.ndarray, cap: int) -> int:
