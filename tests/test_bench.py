@@ -114,7 +114,7 @@ def test_bench_sampled(tiny_dirs, tmp_path, capsys):
     seed + r; specdec's draws are those of ``LLM.generate`` with that seed, outputs are not
     compared token by token, and the report says so."""
     from specdec import LLM, SamplingParams
-    from specdec.bench import _count
+    from specdec.bench_report import count as _count
     from specdec.cli import main
 
     prompts = tmp_path / "p.jsonl"
