@@ -401,7 +401,7 @@ class Planner:
             return 1.0
         ratio, timed = self.drafting[name]
         fade = 0.5 ** (max(self.verify_steps - timed - SHAPE_GRACE, 0) / SHAPE_HALF_LIFE)
-        return (1.0 + (ratio - 1.0) * fade) / self.level
+        return 1.0 + (ratio / self.level - 1.0) * fade
 
     def observe_draft(self, name: str, items: list[tuple[int, int]], seconds: float) -> None:
         """A drafting step of model drafter ``name``, drafting ``(k, behind)`` for each request
