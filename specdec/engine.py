@@ -88,7 +88,6 @@ class Engine:
             drafters = {spec.method: drafters}
         self.drafters: dict[str, Drafter] = drafters or {}
         self.planner = planner
-        self._asks: list = []  # the planner's asks of the last plan, one per sequence of its round
         self.k = spec.depth if self.drafters else 0
         self.chunked_prefill_size = chunked_prefill_size  # prompt tokens per step; 0 = whole prompts
         self.cache = self.runtime.new_cache(max_batch_size, max_rows)  # max_rows: the context window
@@ -200,8 +199,7 @@ class Engine:
         limits = [min(self.k, s.remaining - 1, self.k if s.num_draft_tokens is None else s.num_draft_tokens)
                   for s in seqs]
         if self.planner:
-            self._asks = [self._ask(s, n) for s, n in zip(seqs, limits)]
-            return self.planner.choose_batch(self._asks)
+            return self.planner.choose_batch([self._ask(s, n) for s, n in zip(seqs, limits)])
         return [self._first_ready(s, n) for s, n in zip(seqs, limits)]
 
     def _ready(self, s: Sequence, limit: int) -> dict[str, int | None]:
@@ -233,12 +231,13 @@ class Engine:
         for name, drafter in self.drafters.items():
             idx = [i for i, c in enumerate(plan) if c.drafter == name and c.k > 0]
             if idx:
+                timed = self.planner and hasattr(drafter, "behind")  # a model's drafting, against its costs
+                items = [(plan[i].k, drafter.behind(seqs[i])) for i in idx] if timed else None
                 t0 = time.perf_counter()
                 for i, d in zip(idx, drafter.propose([seqs[i] for i in idx], [plan[i].k for i in idx])):
                     drafts[i] = d
-                if self.planner and hasattr(drafter, "behind"):  # a model's drafting, timed against its costs
-                    self.planner.observe_draft(name, [(plan[i].k, (self._asks[i].behind or {}).get(name, 1))
-                                                      for i in idx], time.perf_counter() - t0)
+                if timed:
+                    self.planner.observe_draft(name, items, time.perf_counter() - t0)
         for s, d in zip(seqs, drafts):  # a chain stops before its first draft the grammar forbids
             if s.grammar is not None and d.tree is None and d.tokens:
                 n = s.grammar.valid_prefix(d.tokens)

@@ -75,10 +75,6 @@ class OtherTexts:
             out.append(Place(hay, suffix_matches(hay, a, cap), stops=self.corpus.separators))
         return out
 
-    def longest_match(self, a: np.ndarray, cap: int) -> int:
-        """The longest m <= cap such that ``a``'s last m tokens occur in one of the texts."""
-        return max((len(p.ends) for p in self.places(a, cap)), default=0)
-
 
 MATCH_CAP = 32  # the longest match a lookup measures (beyond ngram_max: the cost model's context)
 
@@ -100,15 +96,11 @@ def suffix_matches(hay: np.ndarray, a: np.ndarray, cap: int) -> list[np.ndarray]
     return out
 
 
-def longest_match(ids: list[int] | np.ndarray, cap: int = MATCH_CAP, hay: np.ndarray | None = None) -> int:
-    """The largest m <= cap such that ``ids``' last m tokens also occur earlier in ``ids``, or
-    with ``hay`` anywhere in it (0: the last token never occurred before)."""
+def longest_match(ids: list[int] | np.ndarray, cap: int = MATCH_CAP) -> int:
+    """The largest m <= cap such that ``ids``' last m tokens also occur earlier in ``ids`` (0:
+    the last token never occurred before)."""
     a = np.asarray(ids)  # [L]
-    if hay is None:
-        if len(a) < 2:
-            return 0
-        hay = a[:-1]  # an earlier occurrence ends before the last token
-    return len(suffix_matches(hay, a, cap))
+    return len(suffix_matches(a[:-1], a, cap)) if len(a) > 1 else 0  # an earlier one ends before the last token
 
 
 @dataclass
@@ -238,10 +230,7 @@ class NgramDrafter:
         ``context`` and ``propose`` read the same."""
         found = self._found.get(id(seq))
         if found is None or found[0] is not seq or found[1] != len(seq.ids):
-            others = None
-            if self.corpus is not None:
-                self.corpus.live[seq.slot] = seq
-                others = self.corpus.others(seq)
+            others = None if self.corpus is None else self.corpus.others(seq)
             found = seq, len(seq.ids), places(seq.id_array(), max(MATCH_CAP, self.n_max, self.n_min), others)
             self._found[id(seq)] = found
         return found[2]
@@ -254,7 +243,7 @@ class NgramDrafter:
         return distinct_continuations(ps, n, k, self.n_max, self.n_min, self.branches)
 
     def propose(self, seqs, ks) -> list[Draft]:
-        if self.corpus is not None:  # the batch's texts, for each other's lookups
+        if self.corpus is not None:  # the batch's texts, for each other's lookups (found before: again)
             if any(self.corpus.live.get(s.slot) is not s for s in seqs):
                 self.corpus.live.update((s.slot, s) for s in seqs)
                 self._found.clear()
