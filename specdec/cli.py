@@ -280,8 +280,19 @@ def read_prompts_file(path: str) -> list[tuple[str, object]]:
     return out
 
 
+def check_sampling_flags(a) -> SamplingParams:
+    """The sampling flags checked before any model loads: the fields a model's generation
+    config may give and the flags leave out are taken as permissive until it is read (sampled,
+    no length cap), so ``-n 2`` or ``--min-tokens 200`` wait for the model's temperature and
+    max_new_tokens. A given temperature below the floor is raised here, and warned of once."""
+    sp = sampling_from_args(a, {"temperature": 1.0, "max_tokens": None})
+    if a.temperature is not None:
+        a.temperature = sp.temperature
+    return sp
+
+
 def cmd_generate(a) -> int:
-    sp = sampling_from_args(a)
+    sp = check_sampling_flags(a)
     if (sp.logprobs is not None or sp.prompt_logprobs is not None) and not a.json:
         raise ValueError("--logprobs and --prompt-logprobs need --json (log-probabilities are part "
                          "of the JSON output)")

@@ -390,3 +390,24 @@ def test_quantization_is_the_checkpoints(loaded):
     gptq = dataclasses.replace(tiny, config=SimpleNamespace(quantization_config={"quant_method": "gptq"}))
     assert quantization_of(gptq) == "gptq"
     assert quantization_of(dataclasses.replace(tiny, path=tiny.path / "model.gguf")) == "gguf"
+
+
+def test_cli_flags_wait_for_the_generation_config(tmp_path, tiny_dirs):
+    """The flags are checked before the model loads, but the fields its generation config may
+    give wait for it: ``-n 2`` with the config's temperature, ``--min-tokens`` beyond specdec's
+    default length within the config's; without a config both are refused. A temperature below
+    the floor is warned of once."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "max_new_tokens": 140}))
+    common = ("generate", "--model", str(tiny_dirs["llama"]), "--prompt", "The quick brown fox", "--seed", "1",
+              "--json", "--ignore-eos")
+    r = run_cli(*common, "--generation-config", str(tmp_path), "-n", "2", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    assert [len(c["token_ids"]) for c in json.loads(r.stdout)["outputs"]] == [4, 4]
+    r = run_cli(*common, "--generation-config", str(tmp_path), "--min-tokens", "130")
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["token_ids"]) == 140
+    for flags, match in ((("-n", "2"), "greedy"), (("--min-tokens", "130"), "min_tokens")):
+        r = run_cli(*common, "--generation-config", "vllm", *flags)
+        assert r.returncode == 2 and match in r.stderr, r.stderr
+    r = run_cli(*common, "--temperature", "0.005", "--max-tokens", "2")
+    assert r.returncode == 0 and r.stderr.count("raised to") == 1, r.stderr
