@@ -35,8 +35,10 @@ class TreeRecorder:
         self.pending = (seqs[0], drafts[0].tree, len(seqs[0].ids))
         return drafts
 
-    def observe(self, seq, num_accepted):
-        first, tree, base = self.pending
+    def observe(self, seq, num_accepted):  # called every step, also where nothing was proposed
+        first, tree, base = self.pending or (None, None, 0)
+        if seq is first:
+            self.pending = None
         if seq is first and tree is not None and (
                 self.tree is None or len(accepted_rows(self.tree, self.committed)) < self.want):
             if self.tree is None or num_accepted + 1 > len(accepted_rows(self.tree, self.committed)):

@@ -73,6 +73,7 @@ def test_demo_command(capsys):
     out = capsys.readouterr().out
     assert "OK: n-gram, self-draft and tree outputs are token-for-token identical" in out
     assert "accepted path (*): rows 0 ->" in out  # a tree with its accepted path and mask grid
+    assert main(["demo", "--max-new-tokens", "2"]) == 0  # steps that draft nothing (k = remaining - 1 = 0)
 
 
 @pytest.mark.parametrize("batch", [1, 3])
