@@ -246,15 +246,17 @@ def _specdec_runner(llm, sampling: dict):
 
 class FirstToken:
     """A ``generate(streamer=...)`` that notes when the first new token arrives (its first
-    ``put`` is the prompt, each later one new tokens)."""
+    ``put`` is the prompt, each later one new tokens), and how many came with it: assisted
+    generation and prompt lookup verify their first drafts in the prompt's forward, so the
+    first new tokens can be several."""
 
     def __init__(self):
-        self.start, self.first, self.puts = time.perf_counter(), None, 0
+        self.start, self.first, self.puts, self.tokens = time.perf_counter(), None, 0, 1
 
-    def put(self, _value) -> None:
+    def put(self, value) -> None:
         self.puts += 1
         if self.puts == 2:
-            self.first = time.perf_counter()
+            self.first, self.tokens = time.perf_counter(), max(int(value.numel()), 1)
 
     def end(self) -> None:
         pass
@@ -312,7 +314,7 @@ def _hf_runner(model, eos: list[int], device, sampling: dict, **extra):
                                  max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
                                  repetition_penalty=1.0, streamer=first, **how, **extra)
         new = out[0, input_ids.shape[1]:].tolist()
-        stats = {"target_forwards": counts["target_forwards"], "ttft_s": first.seconds()}
+        stats = {"target_forwards": counts["target_forwards"], "ttft_s": first.seconds(), "ttft_tokens": first.tokens}
         if extra:
             n = len(cut_after_eos(new, frozenset(eos)))
             drafted = counts["drafted_tokens"]
@@ -399,6 +401,7 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
     for p in prompts:
         secs = {m: [] for m in runs}
         ttft = {m: [] for m in runs}
+        ttft_tokens = {m: [] for m in runs}  # tokens that came with the first (several: hf-assisted)
         outs = {m: [] for m in runs}
         stats = {m: [] for m in runs}
         for r in range(args.repeats):
@@ -409,6 +412,7 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
                 _sync(device)
                 secs[m].append(time.perf_counter() - t0)
                 ttft[m].append(st.pop("ttft_s", None))
+                ttft_tokens[m].append(st.pop("ttft_tokens", 1))
                 outs[m].append(cut_after_eos(ids, eos))
                 stats[m].append(st)
         for m in runs:
@@ -422,7 +426,8 @@ def _time_methods(runs: dict, prompts, args, device, eos, log) -> dict[str, list
             decode = decode_s = None  # seconds after the first token, tokens after it per second
             if None not in ttft[m]:
                 decode_s = average(t - f for t, f in zip(secs[m], ttft[m]))
-                decode = (n - 1) / decode_s if n > 1 and decode_s > 0 else None
+                after = n - statistics.mean(min(f, len(o)) for f, o in zip(ttft_tokens[m], outs[m]))
+                decode = after / decode_s if after > 0 and decode_s > 0 else None
             rec = {"id": p["id"], "prompt_tokens": len(p["ids"]), "generated_tokens": n,
                    "hit_eos": bool(first and first[-1] in eos), "seconds": secs[m], "median_s": med,
                    "tokens_per_s": n / med if med > 0 else None, "ttft_s": ttft[m],

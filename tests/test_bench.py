@@ -180,3 +180,18 @@ def test_pool_draws_means_counts_and_weights_ratios():
     assert pooled["drafter_steps"] == {"ngram": 5, "draft": 5} and pooled["time_split_s"] == {"draft": 2.0}
     assert pooled["ttft_s"] is None
     assert pool_draws([a]) == {**a, "chosen_k": [0, 0, 10], "accepted_per_position": [9, 8]}
+
+
+def test_first_token_counts_the_tokens_that_came_with_it():
+    """transformers' assisted generation verifies its first drafts in the prompt's forward: its
+    streamer's second ``put`` can carry several tokens, all of them inside the time to the
+    first token, so the decode speed counts only the tokens after them."""
+    import torch
+
+    from specdec.bench import FirstToken
+
+    first = FirstToken()
+    first.put(torch.zeros(1, 5))  # the prompt
+    first.put(torch.zeros(4))  # the first token and 3 accepted drafts
+    first.put(torch.zeros(2))
+    assert first.tokens == 4 and first.seconds() >= 0
