@@ -326,10 +326,13 @@ class LLM:
                              "with a generation_config.json")
         uses_draft = speculative.method in DRAFT_METHODS
         if uses_draft and not draft:
-            raise ValueError(f"method {speculative.method!r} needs a draft model (draft=... / --draft)")
+            raise ValueError(f"method {speculative.method!r} needs a draft model (draft=... / --draft, or "
+                             "\"model\" in a speculative config)")
         if draft and not uses_draft:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
                              "use method 'draft', 'hybrid', 'eagle' or 'eagle3'")
+        if c.draft_backend is not None and not uses_draft:
+            raise ValueError(f"draft_backend is for a draft model; method {speculative.method!r} has none")
         loading = dict(repack=c.repack, load_format=c.load_format, max_model_len=c.max_model_len,
                        enforce_eager=c.enforce_eager, trust_remote_code=c.trust_remote_code)
         if isinstance(model, LoadedModel) and (c.tokenizer or c.revision or c.tokenizer_revision):

@@ -44,8 +44,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "EAGLE or EAGLE-3 head over the target's hidden states (draft with one becomes its kind)")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=SpecConfig.num_draft_tokens,
                    help="draft tokens per round, k (default %(default)s)")
-    g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max)
-    g.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min)
+    g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max,
+                   help="ngram / hybrid: the longest n-gram looked up, tried first (default %(default)s)")
+    g.add_argument("--ngram-min", type=int, default=SpecConfig.ngram_min,
+                   help="ngram / hybrid: the shortest n-gram looked up (default %(default)s)")
     g.add_argument("--ngram-capacity", type=int, default=SpecConfig.ngram_capacity,
                    help="ngram / hybrid: also look up the other requests' texts, those running and those "
                         "finished (up to this many tokens, oldest dropped first; default 0 = each request's own text only)")
@@ -120,11 +122,11 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, help="1 = off (default)")
     g.add_argument("--min-p", type=float,
                    help="drop tokens less likely than this times the most likely one (0 = off, default)")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--seed", type=int, help="sampling seed: the same seed, the same output (default: a fresh one)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--stop-token-ids", type=int, nargs="+", default=[], metavar="ID",
                    help="token ids that end the output like an EOS (kept in token_ids, not in the text)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past EOS until --max-tokens")
     g.add_argument("--min-tokens", type=int, default=0,
                    help="no EOS, stop token or stop string ends the output before this many tokens (default 0)")
     g.add_argument("--include-stop-str-in-output", action="store_true",
@@ -254,7 +256,7 @@ def make_llm(a):
 def read_prompts_file(path: str) -> list[tuple[str, object]]:
     """``(id, prompt)`` pairs from JSONL: ``kind`` chat with ``messages`` or completion with ``prompt``."""
     try:
-        lines = open(path, encoding="utf-8").read().splitlines()
+        lines = (sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()).splitlines()
     except OSError as e:
         raise ValueError(f"cannot read prompts file {path!r}: {e.strerror}") from None
     out = []
@@ -397,7 +399,9 @@ def cmd_serve(a) -> int:
                          api_key=a.api_key, max_request_bytes=a.max_request_bytes,
                          enable_auto_tool_choice=a.enable_auto_tool_choice, tool_call_parser=a.tool_call_parser,
                          reasoning_parser=a.reasoning_parser, chat_template=template,
-                         trust_request_chat_template=a.trust_request_chat_template)
+                         trust_request_chat_template=a.trust_request_chat_template,
+                         allowed_origins=a.allowed_origins, allowed_methods=a.allowed_methods,
+                         allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials)
         host, port = sock.getsockname()[:2]
         print(f"specdec: serving {app.state.served_model_name!r} (method {llm.spec.method}) on "
               f"http://{f'[{host}]' if ':' in host else host}:{port}/v1", file=sys.stderr)
@@ -413,6 +417,17 @@ def cmd_loadtest(a) -> int:
     return run_loadtest(a)
 
 
+def json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form for the CORS flags)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise argparse.ArgumentTypeError(f"need a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+    return value
+
+
 class Parser(argparse.ArgumentParser):
     """argparse's parser whose usage errors are one line, as specdec's other user errors."""
 
@@ -423,13 +438,15 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="specdec", description="Lossless speculative decoding for HF causal LMs.")
     sub = p.add_subparsers(dest="command", required=True)
+    p.commands = sub.choices  # name -> the subcommand's parser
 
     g = sub.add_parser("generate", help="generate text for one prompt or a JSONL file of prompts")
     add_model_flags(g)
     add_sampling_flags(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompts-file", help="JSONL: {id, kind: chat|completion, messages|prompt}")
+    src.add_argument("--prompts-file", help="JSONL: {id, kind: chat|completion, messages|prompt} ('-': "
+                                            "standard input)")
     g.add_argument("--chat", action="store_true", help="send --prompt through the chat template")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, with metrics")
     g.set_defaults(func=cmd_generate)
@@ -461,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model_tag", nargs="?", metavar="MODEL", help="the target, as --model (vLLM's `serve MODEL`)")
     add_model_flags(s)
     h = s.add_argument_group("server")
-    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s; 0.0.0.0: all)")
     h.add_argument("--port", type=int, default=8000,
                    help="(default %(default)s; 0: a free port, printed) taken before the models load")
     h.add_argument("--max-queue", type=int, default=64,
@@ -496,25 +513,38 @@ def build_parser() -> argparse.ArgumentParser:
                         "the tokenizer's (vLLM's)")
     h.add_argument("--trust-request-chat-template", action="store_true",
                    help="take a chat request's own chat_template field (vLLM's; refused otherwise)")
+    h.add_argument("--allowed-origins", type=json_list, default=["*"], metavar="JSON",
+                   help="CORS: origins a browser page may call the API from, a JSON list (vLLM's; "
+                        "default '[\"*\"]': any)")
+    h.add_argument("--allowed-methods", type=json_list, default=["*"], metavar="JSON",
+                   help="CORS: HTTP methods allowed, a JSON list (default '[\"*\"]')")
+    h.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON",
+                   help="CORS: request headers allowed, a JSON list (default '[\"*\"]')")
+    h.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow cookies and credentials (needs explicit --allowed-origins)")
     h.add_argument("--log-level", "--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("loadtest", help="N concurrent streaming clients for T seconds against a server; "
                                         "checks every response against its single-request reference")
-    t.add_argument("--url", default="http://127.0.0.1:8000")
-    t.add_argument("--clients", "-n", type=int, default=4)
+    t.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
+    t.add_argument("--clients", "-n", type=int, default=4, help="concurrent clients (default %(default)s)")
     t.add_argument("--duration", "-t", type=float, default=20.0, help="seconds (default %(default)s)")
-    t.add_argument("--max-tokens", type=int, default=64)
+    t.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default %(default)s)")
     t.add_argument("--prompts", type=int, default=8, help="distinct prompts in the pool (default %(default)s)")
-    t.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"))
+    t.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                   help="sent as 'Authorization: Bearer KEY' (default: $SPECDEC_API_KEY, else none)")
     t.add_argument("--json", action="store_true", help="one JSON object")
     t.set_defaults(func=cmd_loadtest)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, with its usage
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except ValueError as e:

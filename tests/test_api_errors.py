@@ -82,6 +82,8 @@ def test_model_errors(tmp_path, tiny_dirs, loaded):
         LLM(str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="needs a draft model"):
         LLM(loaded("llama"), speculative=SpecConfig(method="draft"))
+    with pytest.raises(ValueError, match="draft_backend is for a draft model; method 'ngram' has none"):
+        LLM(loaded("llama"), speculative=SpecConfig(method="ngram"), draft_backend="llamacpp")
     llm = LLM(loaded("llama"))
     with pytest.raises(ValueError, match="empty"):
         llm.generate("")
@@ -111,6 +113,7 @@ def run_cli(*args):
     (["--prompt", "hi", "--top-p", "2"], "top_p"),
     (["--prompt", "hi", "--method", "draft"], "needs a draft model"),
     (["--prompt", "hi", "--speculative-config", "{method: ngram}"], "not valid JSON"),
+    (["--prompt", "hi", "--speculative-config", '{"method": "draft_model"}'], '"model" in a speculative config'),
     (["--prompt", "hi", "--method", "ngram", "--speculative-config", '{"method": "ngram"}'], "drop --method"),
     (["--prompt", "hi", "--device", "bogus"], "unknown device 'bogus'"),
     (["--prompt", "hi", "--top-k", "-2"], "top_k"),
@@ -180,6 +183,10 @@ def test_vllm_speculative_config(loaded, tiny_dirs):
     assert r.returncode == 2 and "neither a file nor a Jinja template" in r.stderr
     r = run_cli("serve", str(tiny_dirs["llama"]), "--model", str(tiny_dirs["draft"]))
     assert r.returncode == 2 and "two targets" in r.stderr
+    r = run_cli("serve", str(tiny_dirs["llama"]), "--allowed-origins", "*")
+    assert r.returncode == 2 and "need a JSON list of strings" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("generate", "--prompt", "x", "--bogus", "1")  # the subcommand's own usage line
+    assert r.returncode == 2 and r.stderr.startswith("specdec generate: error: unrecognized arguments: --bogus 1")
     with socket.socket() as busy:  # a port in use: refused before the model loads (here: could not)
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -278,6 +285,10 @@ def test_cli_generate_json_prompts_file(tmp_path, tiny_dirs):
         assert set(row["metrics"]) >= {"target_forwards", "draft_forwards", "drafted_tokens", "accepted_tokens",
                                        "acceptance_rate", "mean_accepted_length", "accepted_per_position",
                                        "tokens_per_s", "wall_s"}
+    piped = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--model", str(tiny_dirs["llama"]),
+                            "--max-new-tokens", "3", "--json", "--prompts-file", "-"],
+                           input=f.read_text(), capture_output=True, text=True)  # '-': standard input
+    assert piped.returncode == 0 and [json.loads(x)["id"] for x in piped.stdout.splitlines()] == ["a", "b"]
     bad = tmp_path / "bad.jsonl"
     for line in ('{"id": 1, "kind": "chat"}', "[1, 2]", '"just a string"'):
         bad.write_text(line + "\n")

@@ -87,6 +87,31 @@ def test_health_and_models(llm, server, client):
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
 
 
+def test_cors(loaded, server):
+    """vLLM's CORS flags and defaults: any origin may call the API from a browser (a preflight
+    answered, ``Access-Control-Allow-Origin`` on replies, errors included); restricted, others
+    are refused and get no header."""
+    preflight = {"Origin": "http://page.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type,authorization"}
+    r = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*", r.text
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = httpx.post(server.url + "/v1/completions", headers={"Origin": "http://page.example"},
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = httpx.post(server.url + "/v1/completions", headers={"Origin": "http://page.example"},
+                   json={"model": MODEL, "prompt": "hi", "temperature": -1})
+    assert r.status_code == 400 and r.headers["access-control-allow-origin"] == "*"
+    with BackgroundServer(create_app(LLM(loaded("llama")), served_model_name=MODEL, allowed_origins=["http://ok.example"],
+                                     allowed_methods=["POST"])) as srv:
+        r = httpx.options(srv.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = httpx.options(srv.url + "/v1/chat/completions", headers={**preflight, "Origin": "http://ok.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://ok.example"
+        r = httpx.get(srv.url + "/v1/models", headers={"Origin": "http://page.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_served_model_name_with_slashes(loaded):
     """A served name may hold '/' (a hub id, a file path): /v1/models/{name} and requests find it;
     any other name is OpenAI's 404 ``model_not_found``."""

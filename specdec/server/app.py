@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -53,7 +54,9 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
                api_key: str | None = None, max_request_bytes: int = 2_000_000,
                enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
                reasoning_parser: str | None = None, chat_template: str | None = None,
-               trust_request_chat_template: bool = False) -> FastAPI:
+               trust_request_chat_template: bool = False, allowed_origins: list[str] | tuple = ("*",),
+               allowed_methods: list[str] | tuple = ("*",), allowed_headers: list[str] | tuple = ("*",),
+               allow_credentials: bool = False) -> FastAPI:
     """An app serving ``llm``: at most ``llm``'s max_batch_size requests run at once and
     ``max_queue`` more wait; beyond that a request gets 429. ``enable_auto_tool_choice``
     with a ``tool_call_parser`` (``tools.TOOL_PARSERS``: hermes, llama3_json, mistral,
@@ -64,7 +67,9 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
     and with auto tool choice by tool parser ``openai`` any model's, are read as harmony messages
     (``openai_gptoss``) unless another is given, as vLLM reads them. ``chat_template``: a Jinja
     template for chats instead of the tokenizer's (vLLM's ``--chat-template``); a request's own
-    ``chat_template`` is taken only with ``trust_request_chat_template``, as vLLM."""
+    ``chat_template`` is taken only with ``trust_request_chat_template``, as vLLM. CORS, so that a
+    browser page may call the API: ``allowed_origins`` / ``_methods`` / ``_headers`` and
+    ``allow_credentials``, vLLM's flags with vLLM's defaults (any origin, no credentials)."""
     if enable_auto_tool_choice and tool_call_parser not in PARSERS:
         raise ValueError(f"enable_auto_tool_choice needs a tool_call_parser: {', '.join(PARSERS)}")
     if reasoning_parser not in (None, *REASONING_PARSERS):
@@ -109,6 +114,8 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
     app = FastAPI(title="specdec", version="0.1.0", lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler, app.state.metrics, app.state.served_model_name = scheduler, metrics, name
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
+                       allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
