@@ -6,10 +6,10 @@ method's tokens equal plain decoding's.
     python scripts/bench_structured.py [repeats]      # default 3; models from
     # ../shared/models/fetch-models.sh qwen-coder (in $SPECDEC_MODELS, default ~/.cache/specdec-models)
 """
+import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -55,4 +55,7 @@ def main(repeats: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("repeats", type=int, nargs="?", default=3, help="runs per method and mode (default 3)")
+    main(parser.parse_args().repeats)
