@@ -96,6 +96,8 @@ class RequestOutput:
     # with SamplingParams(prompt_logprobs=N): per prompt token, as CompletionOutput.logprobs
     # (None for the first, which nothing predicts)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # vLLM's: the prompt tokens whose KV came from the prefix cache (the first completion's)
+    num_cached_tokens: int | None = None
 
     @property
     def text(self) -> str:
@@ -647,7 +649,8 @@ class LLM:
         metrics = run_metrics([s.metrics for s in seqs], [(s.admitted, s.retired) for s in seqs if s.retired])
         outputs = [self._completion(i, s) for i, s in enumerate(seqs)]
         return RequestOutput(request_id or str(next(self._next_request)), prompt, prompt_ids, outputs,
-                             metrics.to_dict(), prompt_logprobs=self._prompt_logprobs(first))
+                             metrics.to_dict(), prompt_logprobs=self._prompt_logprobs(first),
+                             num_cached_tokens=first.metrics.cached_prompt_tokens)
 
     def _prompt_logprobs(self, seq: Sequence) -> list[dict[int, Logprob] | None] | None:
         """``RequestOutput.prompt_logprobs`` of a prefilled sequence (None when not asked for)."""

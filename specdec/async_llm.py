@@ -124,9 +124,11 @@ class AsyncLLM:
                     yield final
                 elif kind == RequestOutputKind.CUMULATIVE:
                     yield RequestOutput(rid, prompt, ids, [st.output(j) for j, st in enumerate(streams)], {},
-                                        finished=False, prompt_logprobs=prompt_logprobs)
+                                        finished=False, prompt_logprobs=prompt_logprobs,
+                                        num_cached_tokens=seqs[0].metrics.cached_prompt_tokens)
                 elif kind == RequestOutputKind.DELTA and (u.token_ids or delta or u.finish_reason):
-                    yield RequestOutput(rid, prompt, ids, news, {}, finished=False, prompt_logprobs=unsent)
+                    yield RequestOutput(rid, prompt, ids, news, {}, finished=False, prompt_logprobs=unsent,
+                                        num_cached_tokens=seqs[0].metrics.cached_prompt_tokens)
                     unsent = None
 
     async def abort(self, request_id: str | list[str]) -> None:

@@ -1096,6 +1096,7 @@ def test_prefix_reuse(loaded):
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref], method
         assert all(r.metrics["cached_prompt_tokens"] == 0 for r in ref)
         cached = [o.metrics["cached_prompt_tokens"] for o in outs]
+        assert [o.num_cached_tokens for o in outs] == cached  # vLLM's name
         assert cached[0] == n // size * size and cached[2] == 0  # the unrelated prompt: a bare slot
         assert cached[3] == (n - 1) // size * size  # the same prompt: its last token is prefilled again
         assert outs[0].metrics["target_forwards"] < ref[0].metrics["target_forwards"]
