@@ -237,3 +237,35 @@ def test_gguf_tokenizer_is_its_own(tmp_path):
     own = load_tokenizer(None)
     for tok in (load_tokenizer(str(path)), AutoTokenizer.from_pretrained(gguf_to_hf_dir(path, weights=False))):
         assert len(tok) == len(own) > 49000 and tok.encode("Hello, world") == own.encode("Hello, world")
+
+
+def test_text_offsets_of_characters_split_over_tokens(smol):
+    """A character split over several byte-level tokens belongs to the token that completes it,
+    in an echoed prompt (the tokenizer's offsets) as in an output (decoding): the two rules give
+    the same offsets, and each token's piece ``text[o_i:o_i+1]`` joins into the text. Once a
+    4-token context began inside a character: its cut bytes were counted as the next token's
+    (`` ok`` after two emoji started at 11 of 12 characters)."""
+    import random
+
+    from specdec.config import SamplingParams
+    from specdec.server.text import TokenOffsets, prompt_offsets
+
+    tok = smol.tokenizer
+    kept = SamplingParams(skip_special_tokens=False)
+    text = "Emoji: 🎉🎌 ok"
+    ids = tok(text)["input_ids"]
+    assert prompt_offsets(tok, text, ids) == TokenOffsets(tok, kept).add(ids) == [0, 2, 5, 6, 7, 7, 8, 8, 8, 9]
+    rng = random.Random(0)
+    alphabet = ["a", "b", " ", "\n", "é", "ß", "日本", "語", "🎉", "🎌", "👍🏽", "x=1", "<|im_end|>"]
+    for _ in range(150):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+        ids = tok(text)["input_ids"]
+        if tok.decode(ids) != text:
+            continue
+        offsets = prompt_offsets(tok, text, ids)
+        assert offsets == TokenOffsets(tok, kept).add(ids), text
+        assert offsets == sorted(offsets) and offsets[-1] <= len(text), text
+        # the output's offsets from a prompt's context: each piece is what the decoded text adds
+        cut = rng.randint(0, len(ids) - 1)
+        after = TokenOffsets(tok, kept, context=tuple(ids[:cut])).add(ids[cut:])
+        assert after == [o - offsets[cut] for o in offsets[cut:]], (text, cut)

@@ -51,24 +51,34 @@ class TokenOffsets:
     land where the decoded text has them, at a cost that does not grow with the text."""
 
     CONTEXT = 4  # tokens decoded before each one
+    SPLIT = 3  # more, where those would begin inside a character (up to 4 bytes, a token each)
 
     def __init__(self, tokenizer, sp: SamplingParams, start: int = 0, context: tuple[int, ...] = ()):
         self.tok, self.sp = tokenizer, sp
         self.pos = start  # where the next token's text starts
-        self.context: list[int] = list(context[-self.CONTEXT:])  # the first reads after the prompt's (``text_context``)
+        self.recent: list[int] = list(context[-(self.CONTEXT + self.SPLIT):])  # the first reads after the prompt's (``text_context``)
 
     def _length(self, ids: list[int]) -> int:
         """Characters of ``ids``' text, an unfinished character at its end left out."""
         return len(output_text(self.tok, ids, self.sp).rstrip("\ufffd"))
+
+    def _context(self) -> list[int]:
+        """The last ``CONTEXT`` tokens, or a few more where those would begin with the end of a
+        character (its cut bytes read as U+FFFD, and a context of nothing else would count
+        them as the next token's)."""
+        for j in range(max(len(self.recent) - self.CONTEXT, 0), -1, -1):
+            if not output_text(self.tok, self.recent[j:], self.sp).startswith("\ufffd"):
+                return self.recent[j:]
+        return self.recent[-self.CONTEXT:]
 
     def add(self, ids: list[int]) -> list[int]:
         """The offsets of ``ids``, the next tokens."""
         out = []
         for t in ids:
             out.append(self.pos)
-            grown = self.context + [t]
-            self.pos += max(self._length(grown) - self._length(self.context), 0)
-            self.context = grown[-self.CONTEXT:]
+            context = self._context()
+            self.pos += max(self._length(context + [t]) - self._length(context), 0)
+            self.recent = (self.recent + [t])[-(self.CONTEXT + self.SPLIT):]
         return out
 
 
@@ -85,7 +95,9 @@ def prompt_offsets(tokenizer, text: str, ids: list[int]) -> list[int]:
     if spans is None:
         return [min(o, len(text)) for o in TokenOffsets(tokenizer, SamplingParams(skip_special_tokens=False)).add(ids)]
     offsets, end = [], 0
-    for _, stop in spans:
+    for (_, stop), (after, after_stop) in zip(spans, [*spans[1:], (len(text), len(text))]):
         offsets.append(end)
+        if after < min(stop, after_stop):  # a character split with the next token: the one that completes it has it
+            stop = after
         end = min(max(end, stop), len(text))
     return offsets
