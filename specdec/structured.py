@@ -54,7 +54,45 @@ def grammar_text(so: StructuredOutputs) -> str:
     if so.json is not None:
         schema = json.loads(so.json)
         return json.dumps(closed_objects(schema, opened=extended_refs(schema)))
+    if so.regex is not None:
+        return ascii_classes(so.regex)
     return getattr(so, so.kind)
+
+
+ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_"}  # \d, \w as xgrammar and JavaScript read them
+
+
+def ascii_classes(regex: str) -> str:
+    """``regex`` with ``\\d`` and ``\\w`` (``\\D``, ``\\W`` outside brackets) as ASCII classes,
+    as vLLM's default grammar backend (xgrammar) reads them: llguidance takes Rust's regex
+    syntax, where they match any Unicode digit or letter, so a small model's constrained year
+    could come out in Arabic-Indic digits. Escapes and bracket classes (nested ones, a ``]``
+    first in its class) are followed; nothing else changes."""
+    out, i, depth, first = [], 0, 0, False  # depth: bracket classes open; first: at a class's start
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            e = regex[i + 1]
+            body = ASCII_CLASSES.get(e.lower())
+            if body is not None and not (e.isupper() and depth):
+                out.append(body if depth else f"[{'^' if e.isupper() else ''}{body}]")
+            else:
+                out.append(regex[i:i + 2])
+            i, first = i + 2, False
+            continue
+        if c == "[":
+            depth, first = depth + 1, True
+            out.append(c)
+            i += 1
+            if i < len(regex) and regex[i] == "^":
+                out.append("^")
+                i += 1
+            continue
+        if c == "]" and depth and not first:
+            depth -= 1
+        out.append(c)
+        i, first = i + 1, False
+    return "".join(out)
 
 
 COMBINATORS = ("allOf", "anyOf", "oneOf")

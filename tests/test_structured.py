@@ -170,6 +170,27 @@ def test_matcher_masks_each_row_after_its_drafts(loaded):
     assert m.allowed([[]])[0].nonzero()[:, 0].tolist() == [dash]
 
 
+def test_regex_classes_are_ascii(loaded):
+    """``\\d`` and ``\\w`` in a regex are ASCII, as vLLM's default backend (xgrammar) reads them:
+    llguidance's Rust syntax takes any Unicode digit, and a model pushed towards the Arabic-Indic
+    three (bytes d9 a3 here) wrote it for ``\\d``."""
+    from specdec.structured import ascii_classes
+
+    cases = {r"\d{3}-\d": "[0-9]{3}-[0-9]", r"[\d_]+\W": "[0-9_]+[^0-9A-Za-z_]", r"[^\D]": r"[^\D]",
+             r"\\d": r"\\d", r"[]\d]\d": "[]0-9][0-9]", r"[[a-z]\d]\w": "[[a-z]0-9][0-9A-Za-z_]",
+             r"\p{L}\s\.": r"\p{L}\s\."}
+    assert {r: ascii_classes(r) for r in cases} == cases
+    llm = LLM(loaded("llama"))
+    digits = {llm.tokenizer.convert_tokens_to_ids(c) for c in "0123456789"}
+    for regex in (r"\d{2}", r"[\d]{2}", r"\w"):
+        first = set(llm.grammars.matcher(StructuredOutputs(regex=regex)).allowed([[]])[0].nonzero()[:, 0].tolist())
+        assert digits <= first, regex
+        assert all(llm.tokenizer.decode([t]).isascii() for t in first), regex
+    out = llm.generate("x", SamplingParams(max_tokens=4, logit_bias={llm.tokenizer.encode("\u0663")[0]: 100},
+                                           structured_outputs=StructuredOutputs(regex=r"\d{2}")))[0]
+    assert re.fullmatch("[0-9]{2}", out.text), out.text
+
+
 def test_gated_matcher_leaves_the_reasoning_free(loaded):
     """With a gate (a reasoning's end), rows before it allow everything and the grammar
     starts right after it, in committed output and in drafts alike, across commits that split
