@@ -623,6 +623,20 @@ def test_structured_output_after_reasoning_on_the_server(loaded):
         assert re.fullmatch("[0-9]{4}", r.message.content) and r.finish_reason == "stop"
 
 
+def test_reasoning_parser_warns_without_think_tokens(loaded, caplog):
+    """A model whose tokenizer has no <think> / </think> token likely never thinks in them
+    (vLLM refuses its parser): the server says so at startup, since a structured request's
+    grammar would stay off until a </think>."""
+    llm = LLM(loaded("llama"))
+    with caplog.at_level("WARNING", logger="specdec.server"):
+        create_app(llm, reasoning_parser="qwen3")
+    assert "has no <think> or </think> token" in caplog.text and "grammar starts after a </think>" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specdec.server"):
+        create_app(llm, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    assert "<think>" not in caplog.text
+
+
 def test_partial_calls_need_a_complete_known_name():
     """A call in progress shows only once its name is complete, and for llama3_json (no tag of
     its own) only when the name is among the request's tools; pythonic calls wait for the end."""

@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..answer import HARMONY, REASONING_PARSERS, AnswerParser, opens_reasoning, reasoning_tokens
+from ..answer import END_THINK, HARMONY, REASONING_PARSERS, THINK, AnswerParser, opens_reasoning, reasoning_tokens
 from ..api import LLM, encode_prompt, vllm_logprobs
 from ..config import SamplingParams
 from ..sequence import output_text, settled_text
@@ -74,6 +74,12 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
         raise ValueError(f"enable_auto_tool_choice needs a tool_call_parser: {', '.join(PARSERS)}")
     if reasoning_parser not in (None, *REASONING_PARSERS):
         raise ValueError(f"unknown reasoning_parser {reasoning_parser!r}; choose {', '.join(REASONING_PARSERS)}")
+    missing = [t for t in (THINK, END_THINK) if t not in llm.tokenizer.get_vocab()]
+    if reasoning_parser in ("qwen3", "deepseek_r1") and missing:  # vLLM refuses such a model
+        log.warning("reasoning parser %r: %s's tokenizer has no %s token, so the model likely never thinks in "
+                    "%s...%s; a structured request's grammar starts after a %s in its answer (or in its prompt) "
+                    "and is off until then", reasoning_parser, llm.target.name, " or ".join(missing), THINK,
+                    END_THINK, END_THINK)
     if reasoning_parser is None and (getattr(llm.target.config, "model_type", None) == "gpt_oss" or
                                      (enable_auto_tool_choice and tool_call_parser == "openai")):
         reasoning_parser = HARMONY
