@@ -360,8 +360,11 @@ class LLM:
                                  "back to drop rejected drafts: it decodes without speculation only (method 'none')")
         # the target's context: a draft model with a shorter one drafts while a round fits in it
         if c.max_model_len is not None and c.max_model_len > self.target.max_context:
-            raise ValueError(f"max_model_len {c.max_model_len} exceeds the model's context of "
-                             f"{self.target.max_context} tokens")
+            trained = getattr(self.target.runtime, "trained_context", self.target.max_context)
+            raise ValueError(f"max_model_len {c.max_model_len} exceeds the model's context of {self.target.max_context} "
+                             "tokens" + (f" (llama.cpp slots of the size it was loaded with; load_model(..., "
+                                         f"max_model_len=N) loads it with up to {trained})"
+                                         if trained > self.target.max_context else ""))
         self.context_window = c.max_model_len or self.target.max_context  # tokens (prompt + output) a request may span
         if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:
             raise ValueError("token trees need the torch or llama.cpp runtime (tree attention masks); "

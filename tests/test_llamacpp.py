@@ -309,8 +309,12 @@ def test_max_model_len_sets_the_slot_size():
     assert llm.engine.cache.size >= 2 * 6000
     prompt = {"prompt_token_ids": [1] * 4100}  # longer than the default slot
     assert len(llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
-    with pytest.raises(ValueError, match="exceeds the model's context of 8192"):
+    with pytest.raises(ValueError, match="exceeds the model's context of 8192 tokens$"):
         LLM(None, backend="llamacpp", max_model_len=9000)
+    with pytest.raises(ValueError, match=r"of 6000 tokens \(llama.cpp slots .* with up to 8192\)"):
+        LLM(llm.target, max_model_len=7000)  # a loaded model keeps its slot size
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM("/no/such/model.gguf", backend="llamacpp")
 
 
 def assert_same_greedy(lc, prompt: list[int], out: list[int], ref: list[int], what: str) -> int:

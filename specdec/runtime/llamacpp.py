@@ -421,7 +421,8 @@ class LlamaCppRuntime:
             raise ValueError(f"llama.cpp could not load {gguf}")
         self.gguf, self.repack, self.exact = Path(gguf).resolve(), repack, exact
         self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
-        self.max_context = min(lib.llama_model_n_ctx_train(self.model), context)
+        self.trained_context = lib.llama_model_n_ctx_train(self.model)
+        self.max_context = min(self.trained_context, context)
         self.threads = threads or torch.get_num_threads()
         self.device = torch.device("cpu")
 

@@ -259,6 +259,8 @@ def gguf_file(model: str | None) -> Path:
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         path = ggufs[0] if len(ggufs) == 1 else path
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
     if not (path.is_file() and path.suffix == ".gguf"):
         raise ValueError(f"the llama.cpp backend runs .gguf files; {model!r} is not one")
     return path
