@@ -521,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON",
                    help="CORS: request headers allowed, a JSON list (default '[\"*\"]')")
     h.add_argument("--allow-credentials", action="store_true",
-                   help="CORS: allow cookies and credentials (needs explicit --allowed-origins)")
+                   help="CORS: allow cookies and credentials (default off)")
     h.add_argument("--log-level", "--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=cmd_serve)

@@ -74,8 +74,9 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
         raise ValueError(f"enable_auto_tool_choice needs a tool_call_parser: {', '.join(PARSERS)}")
     if reasoning_parser not in (None, *REASONING_PARSERS):
         raise ValueError(f"unknown reasoning_parser {reasoning_parser!r}; choose {', '.join(REASONING_PARSERS)}")
-    missing = [t for t in (THINK, END_THINK) if t not in llm.tokenizer.get_vocab()]
-    if reasoning_parser in ("qwen3", "deepseek_r1") and missing:  # vLLM refuses such a model
+    missing = [t for t in (THINK, END_THINK) if t not in llm.tokenizer.get_vocab()] \
+        if reasoning_parser in ("qwen3", "deepseek_r1") else []
+    if missing:  # vLLM refuses such a model
         log.warning("reasoning parser %r: %s's tokenizer has no %s token, so the model likely never thinks in "
                     "%s...%s; a structured request's grammar starts after a %s in its answer (or in its prompt) "
                     "and is off until then", reasoning_parser, llm.target.name, " or ".join(missing), THINK,

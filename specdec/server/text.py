@@ -86,7 +86,8 @@ def prompt_offsets(tokenizer, text: str, ids: list[int]) -> list[int]:
     """Where each of ``ids`` (``text`` tokenized) starts in ``text`` as written: each token
     spans from the end of the one before to its own end in the tokenizer's character offsets,
     so a token the tokenizer added (a BOS) takes no room and a special token written in the
-    text takes its own. A tokenizer without offsets (a slow one) decodes them (``TokenOffsets``)."""
+    text takes its own; a character split over tokens (their spans overlap) goes to the token
+    that completes it, as ``TokenOffsets`` gives an output's. A tokenizer without offsets (a slow one) decodes them (``TokenOffsets``)."""
     try:
         encoded = tokenizer(text, return_offsets_mapping=True)
         spans = encoded["offset_mapping"] if list(encoded["input_ids"]) == list(ids) else None
