@@ -972,3 +972,73 @@ def test_hub_downloads(tiny_dirs, monkeypatch):
     with pytest.raises(ValueError, match="loaded already"):
         LLM(str(tiny_dirs["llama"]), device="cpu", draft=LLM(str(tiny_dirs["llama"]), device="cpu").target,
             speculative=SpecConfig(method="draft", draft_revision="d1"))
+
+
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_broken_checkpoints_are_value_errors(tiny_dirs, tmp_path, backend):
+    """A checkpoint cut short, a foreign file, a shard its index names but the directory lacks,
+    or a tensor missing: a ``ValueError`` naming it (one line from the CLI), on specdec's
+    runtime and on transformers' (which would start a missing tensor from random values).
+    A ``consolidated.safetensors`` beside ``model.safetensors`` (Mistral's own format) is
+    not read, as transformers reads the directory."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specdec.runtime import load_model
+
+    def broken(name, change):
+        d = tmp_path / name
+        shutil.copytree(tiny_dirs["llama"], d)
+        change(d / "model.safetensors")
+        return str(d)
+
+    def drop(f):
+        tensors = load_file(f)
+        del tensors["model.layers.1.mlp.up_proj.weight"]
+        save_file(tensors, f, metadata={"format": "pt"})
+
+    def shard(f):  # an index naming a second file that is not there
+        tensors = load_file(f)
+        f.unlink()
+        save_file(tensors, f.with_name("model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+        weight_map = {n: "model-00001-of-00002.safetensors" for n in tensors}
+        weight_map["model.layers.1.mlp.up_proj.weight"] = "model-00002-of-00002.safetensors"
+        f.with_name("model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    cases = {"cut": (lambda f: f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]), "safetensors|deserializ"),
+             "foreign": (lambda f: f.write_bytes(b"\x00" * 4096), "safetensors|deserializ|header"),
+             "dropped": (drop, "has no tensor 'model.layers.1.mlp.up_proj.weight'"),
+             "shard": (shard, "model-00002-of-00002.safetensors")}
+    for name, (change, match) in cases.items():
+        with pytest.raises(ValueError, match=match):
+            load_model(broken(name, change), device="cpu", backend=backend)
+
+    def consolidated(f):  # the same weights under Mistral's names, beside
+        save_file({n.removeprefix("model."): t for n, t in load_file(f).items()},
+                  f.with_name("consolidated.safetensors"), metadata={"format": "pt"})
+
+    from specdec import LLM, SamplingParams
+
+    sp, prompt = SamplingParams(max_tokens=8, ignore_eos=True), {"prompt_token_ids": [5, 6, 7]}
+    outs = [LLM(load_model(d, device="cpu", backend=backend)).generate(prompt, sp)[0].token_ids
+            for d in (broken("consolidated", consolidated), str(tiny_dirs["llama"]))]
+    assert outs[0] == outs[1]
+
+
+def test_hub_weight_files():
+    """What a hub download fetches of a repo's weights: transformers' own files, not a
+    consolidated or original/ copy beside them (Mistral's, Llama 3's: as large again)."""
+    from fnmatch import fnmatch
+
+    from specdec.runtime.loading import weight_pattern
+
+    repos = {("model.safetensors", "consolidated.safetensors", "original/consolidated.00.pth"): ["model.safetensors"],
+             ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "original/model.safetensors",
+              "model.safetensors.index.json"): ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
+             ("weights.safetensors",): ["weights.safetensors"],
+             ("pytorch_model.bin", "original/consolidated.safetensors"): ["pytorch_model.bin"]}
+    for files, want in repos.items():
+        pattern = weight_pattern(list(files))
+        assert [f for f in files if fnmatch(f, pattern)] == want, files

@@ -68,6 +68,17 @@ def resolve(model: str | None, weights: bool = True, revision: str | None = None
     return _from_hub(model, weights, revision, code)
 
 
+def weight_pattern(files: list[str]) -> str:
+    """The files of a hub repo's weights that transformers reads: ``model.safetensors`` or its
+    shards, not a ``consolidated.safetensors`` beside them nor an ``original/`` copy (Mistral's
+    and Llama 3's own formats, as large again); else any top-level safetensors; else its
+    ``pytorch_model*.bin``."""
+    top = [f for f in files if "/" not in f and f.endswith(".safetensors")]
+    if any(f.startswith("model") for f in top):
+        return "model*.safetensors"
+    return "*.safetensors" if top else "pytorch_model*.bin"
+
+
 def _from_hub(repo_id: str, weights: bool = True, revision: str | None = None, code: bool = False) -> Path:
     """The hub repo's snapshot: config, tokenizer, generation config, and its safetensors
     (else its ``pytorch_model*.bin``, as transformers prefers them), not both."""
@@ -77,10 +88,9 @@ def _from_hub(repo_id: str, weights: bool = True, revision: str | None = None, c
     patterns = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"] + ["*.py"] * code
     if weights:
         try:
-            files = list_repo_files(repo_id, revision=revision)
-            patterns.append("*.safetensors" if any(f.endswith(".safetensors") for f in files) else "pytorch_model*.bin")
+            patterns.append(weight_pattern(list_repo_files(repo_id, revision=revision)))
         except Exception:  # offline: what the local snapshot holds
-            patterns += ["*.safetensors", "pytorch_model*.bin"]
+            patterns += ["model*.safetensors", "pytorch_model*.bin"]
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except Exception as e:  # offline, unknown repo or revision, gated...
@@ -276,9 +286,15 @@ class Weights(Mapping):
         for kind, pattern, open_file in (("model.safetensors", "*.safetensors", _open_safetensors),
                                          ("pytorch_model.bin", "pytorch_model*.bin", _PickleFile)):
             index = path / f"{kind}.index.json"
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-                else sorted(p.name for p in path.glob(pattern))
+            if index.is_file():  # shards
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            elif (path / kind).is_file():  # one file, as transformers reads it (not a consolidated.safetensors beside it)
+                files = [kind]
+            else:
+                files = sorted(p.name for p in path.glob(pattern))
             for f in files:
+                if not (path / f).is_file():
+                    raise ValueError(f"{index} names {f}, which is not in {path} (an incomplete download?)")
                 handle = open_file(path / f)
                 for name in handle.keys():
                     self._where[name] = handle
@@ -303,7 +319,10 @@ class Weights(Mapping):
 def _open_safetensors(file: Path):
     from safetensors import safe_open
 
-    return safe_open(str(file), framework="pt")
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # a truncated or foreign file: safetensors' own error
+        raise ValueError(f"cannot read {file} as safetensors ({str(e).splitlines()[0]})") from None
 
 
 class _PickleFile:
@@ -374,11 +393,21 @@ def load_hf_model(path: Path, device: torch.device, dtype: torch.dtype, load_for
     """transformers' own model of the HF directory ``path`` (``load_format="dummy"``: with
     ``DummyWeights`` instead of the checkpoint's; ``trust_remote_code``: the directory's own
     modeling code where its config names one), on ``device``, in eval mode."""
+    from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
     code = {"trust_remote_code": trust_remote_code}
     if load_format == "auto":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **code).to(device).eval()
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True, **code)
+        except (OSError, SafetensorError) as e:  # a shard missing, a truncated or foreign weights file
+            raise ValueError(f"cannot load the weights in {path}: {str(e).splitlines()[0]}") from None
+        if info.get("missing_keys"):  # transformers would start them from random values
+            missing = sorted(info["missing_keys"])
+            raise ValueError(f"the checkpoint in {path} has no tensor {missing[0]!r}" +
+                             (f" (nor {len(missing) - 1} more)" if len(missing) > 1 else "") +
+                             ": an incomplete or differently named checkpoint")
+        return model.to(device).eval()
     config = AutoConfig.from_pretrained(path, **code)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **code)
@@ -524,8 +553,12 @@ def load_model(model: str | None, device: str | None = None, dtype: str | None =
         quantize = "int8" if torch_runtime and dev.type == "cpu" and dt == torch.float32 else "none"
     if torch_runtime:
         weights = Weights(path) if load_format == "auto" else DummyWeights(config, dev)
-        runtime = TorchLlama(config, weights, dev, dt, linear=pick_linear(dev, dt, quantize == "int8"),
-                             cuda_graphs=False if enforce_eager else None)
+        try:
+            runtime = TorchLlama(config, weights, dev, dt, linear=pick_linear(dev, dt, quantize == "int8"),
+                                 cuda_graphs=False if enforce_eager else None)
+        except KeyError as e:  # a tensor the architecture reads is not in the files
+            raise ValueError(f"the checkpoint in {path} has no tensor {e.args[0]!r} (an incomplete or "
+                             "differently named checkpoint)") from None
     elif quantize == "int8":
         raise ValueError(f"int8 draft quantization needs the torch runtime; {config.model_type!r} "
                          "runs on the transformers fallback")
