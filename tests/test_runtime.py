@@ -927,7 +927,8 @@ def test_tokenizer_from_elsewhere(tiny_dirs, loaded, tmp_path):
 
 def test_hub_downloads(tiny_dirs, monkeypatch):
     """What a hub id fetches (the hub itself is out of reach here, so its two calls are
-    replaced): config and tokenizer files, the safetensors where the repo has them, else its
+    replaced): config and tokenizer files, the model's safetensors where the repo has them
+    (``weight_pattern``), else its
     ``pytorch_model*.bin`` (not both), its Python files with ``trust_remote_code``, all at
     ``revision``; from the local snapshot when the listing fails (offline); no weights for a
     tokenizer alone."""
@@ -952,7 +953,7 @@ def test_hub_downloads(tiny_dirs, monkeypatch):
     meta = {"*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"}
     listing[:] = ["config.json", "model.safetensors", "pytorch_model.bin"]
     llm = LLM("org/model", device="cpu", revision="v1.0")
-    assert calls[-1] == ("org/model", "v1.0", meta | {"*.safetensors"}) and llm.generate("abc")[0].token_ids
+    assert calls[-1] == ("org/model", "v1.0", meta | {"model*.safetensors"}) and llm.generate("abc")[0].token_ids
     listing[:] = ["config.json", "pytorch_model.bin"]
     resolve("org/old", code=True)
     assert calls[-1] == ("org/old", None, meta | {"pytorch_model*.bin", "*.py"})
@@ -968,7 +969,7 @@ def test_hub_downloads(tiny_dirs, monkeypatch):
     assert calls[-1] == ("org/tok", "t1", meta)
     listing = ["config.json", "model.safetensors"]  # a hub draft: at its own revision (vLLM's speculative_config)
     LLM(str(tiny_dirs["llama"]), device="cpu", speculative_config={"model": "org/draft", "revision": "d1"})
-    assert calls[-1] == ("org/draft", "d1", meta | {"*.safetensors"})
+    assert calls[-1] == ("org/draft", "d1", meta | {"model*.safetensors"})
     with pytest.raises(ValueError, match="loaded already"):
         LLM(str(tiny_dirs["llama"]), device="cpu", draft=LLM(str(tiny_dirs["llama"]), device="cpu").target,
             speculative=SpecConfig(method="draft", draft_revision="d1"))

@@ -90,7 +90,7 @@ def _from_hub(repo_id: str, weights: bool = True, revision: str | None = None, c
         try:
             patterns.append(weight_pattern(list_repo_files(repo_id, revision=revision)))
         except Exception:  # offline: what the local snapshot holds
-            patterns += ["model*.safetensors", "pytorch_model*.bin"]
+            patterns += ["*.safetensors", "pytorch_model*.bin"]
     try:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns))
     except Exception as e:  # offline, unknown repo or revision, gated...
