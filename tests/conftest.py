@@ -30,6 +30,7 @@ def tiny_dirs(tmp_path_factory):
         "mixtral": make_tiny(root / "mixtral", "mixtral", seed=11, **MOE["mixtral"], sliding_window=6),
         "gptoss": make_tiny(root / "gptoss", "gpt_oss", seed=12, **MOE["gpt_oss"], sliding_window=6),  # sinks
         "glm45": make_tiny(root / "glm45", "glm4_moe", seed=13, **MOE["glm4_moe"]),
+        "deepseek": make_tiny(root / "deepseek", "deepseek_v3", seed=14, **MOE["deepseek_v3"]),  # latent attention
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

@@ -58,7 +58,7 @@ def on_cuda(tiny_dirs):
     return get
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen2moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen2moe", "deepseek"])
 def test_logits_match_transformers_on_cuda(tiny_dirs, on_cuda, arch):
     from transformers import AutoModelForCausalLM
 
@@ -187,19 +187,20 @@ def test_cuda_graphs_equal_eager(tiny_dirs, on_cuda, dtype):
     assert graphed.graphs is not None  # no capture failed
 
 
-def test_experts_graphed_in_bfloat16_on_cuda(tiny_dirs, on_cuda):
-    """A mixture of experts on CUDA runs eagerly in float32 (grouped products there sync with
-    the host) and through CUDA graphs in bfloat16 on Hopper and Blackwell GPUs (none fails to
-    capture); greedy plain decoding, chains and trees through the graphs equal eager plain
-    decoding."""
+@pytest.mark.parametrize("name", ["qwen2moe", "deepseek"])
+def test_experts_graphed_in_bfloat16_on_cuda(tiny_dirs, on_cuda, name):
+    """A mixture of experts on CUDA (DeepSeek's with latent attention too) runs eagerly in
+    float32 (grouped products there sync with the host) and through CUDA graphs in bfloat16
+    on Hopper and Blackwell GPUs (none fails to capture); greedy plain decoding, chains and
+    trees through the graphs equal eager plain decoding."""
     from specdec.runtime import load_model
 
-    assert on_cuda("qwen2moe").runtime.graphs is None
+    assert on_cuda(name).runtime.graphs is None
     if torch.cuda.get_device_capability()[0] not in (9, 10):
         pytest.skip("grouped products sync with the host before Hopper")
-    graphed = on_cuda("qwen2moe", "bfloat16")
+    graphed = on_cuda(name, "bfloat16")
     assert graphed.runtime.graphs is not None
-    eager = load_model(str(tiny_dirs["qwen2moe"]), device="cuda", dtype="bfloat16", enforce_eager=True)
+    eager = load_model(str(tiny_dirs[name]), device="cuda", dtype="bfloat16", enforce_eager=True)
     base = LLM(eager).generate(PROMPTS, GREEDY)
     for spec in (SpecConfig(), SpecConfig(method="self", num_draft_tokens=4),
                  SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3)):

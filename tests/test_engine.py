@@ -517,13 +517,14 @@ def test_conv_state_rewinds(tmp_path):
 
 
 @pytest.mark.parametrize("name,backend", [("windowed", "torch"), ("windowed", "hf"), ("gemma3", "torch"),
-                                          ("mixtral", "torch"), ("gptoss", "torch")])
-def test_sliding_window_equal_to_transformers(loaded, tiny_dirs, name, backend):
+                                          ("mixtral", "torch"), ("gptoss", "torch"), ("deepseek", "torch")])
+def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, backend):
     """A sliding-window model (Mistral's and Mixtral's, 6 tokens on every layer; Gemma 3's and GPT-OSS's on one of two)
     decodes as transformers' model does, far past the window, plain and under speculation
     (chains; trees on the torch runtime), with prompt chunks kept for the next request
     (rewinds past the window: transformers' own ``crop`` of a window layer keeps only the
-    window)."""
+    window). So does latent attention (DeepSeek-V3's), whose cache rows are latents: rewound,
+    gathered along a tree's accepted path and shared between slots as K and V rows are."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_dirs[name]).eval()

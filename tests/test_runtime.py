@@ -91,6 +91,18 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
                                                  topk_group=1, norm_topk_prob=False, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
         "partial_rotary_factor": 0.5})),
+    # latent attention (tiny.LATENT): DeepSeek-V3's with GLM-4.5's routing and interleaved rotary
+    # pairs; without the query's low-rank step, rotary halves, yarn (its mscale_all_dim scales the
+    # scores), one group, not renormalised; DeepSeek-V2's softmax routing, greedy or among the best
+    # 2 of 4 groups by their best expert; GLM-4.7-Flash's (GLM-4.5's experts where mlp_layer_types says)
+    "deepseekv3-groups-interleaved": ("deepseek_v3", MOE["deepseek_v3"]),
+    "deepseekv3-no-q-lora-halves-yarn": ("deepseek_v3", dict(MOE["deepseek_v3"], q_lora_rank=None, rope_interleave=False,
+                                                             n_group=1, topk_group=1, norm_topk_prob=False, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
+        "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0})),
+    "deepseekv2-greedy": ("deepseek_v2", dict(MOE["deepseek_v2"], topk_method="greedy", q_lora_rank=None)),
+    "deepseekv2-groups": ("deepseek_v2", MOE["deepseek_v2"]),
+    "glm47flash": ("glm4_moe_lite", dict(MOE["glm4_moe_lite"], mlp_layer_types=["dense", "sparse", "dense"])),
     # GLM-4: rotary pairs interleaved on half of each head, norms after attention and the MLP
     "glm4-interleaved-partial-rope": ("glm4", dict(head_dim=16, attention_bias=True, pad_token_id=0)),
     "phi3-partial-rotary": ("phi3", dict(pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -152,6 +164,59 @@ def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     with torch.no_grad():
         ref = hf(ids).logits[0].float()  # [24, vocab]
     assert torch.equal(rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0], ref)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_latent_attention_expands_long_chunks(tmp_path, arch):
+    """A chunk of many new tokens attends through keys and values expanded from the cached
+    latents (multi-head), a short one through the latents with the weights absorbed
+    (multi-query): both give transformers' logits, in one batch of two rows (slots 0 and 2:
+    a gathered copy of the rows) as alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.runtime.loading import Weights
+    from specdec.runtime.torch_llama import Latent
+
+    from tiny import make_tiny
+
+    deepseek = Latent(rank=512, rope=64, nope=128, value=128, q_rank=1536)
+    assert deepseek.expands(171) and not deepseek.expands(170)
+    path = make_tiny(tmp_path / arch, arch, seed=6, **MOE[arch])
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
+    assert rt.latent.expands(30) and not rt.latent.expands(8)
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits  # [2, 40, vocab]
+    cache = rt.new_cache(3)
+    ours = [rt.forward(cache, [0, 2], [ids[0, a:b].tolist(), ids[1, a:b].tolist()]) for a, b in [(0, 30), (30, 38)]]
+    ours += [rt.forward(cache, [2], [ids[1, 38:].tolist()])]
+    assert (torch.cat(ours[:2], dim=1) - ref[:, :38]).abs().max().item() < ATOL * ref.abs().max().item()
+    assert (ours[2][0] - ref[1, 38:]).abs().max().item() < ATOL * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_latent_attention_in_bfloat16(tmp_path, arch):
+    """Latent attention with the weights absorbed multiplies in another order than
+    transformers' (which expands every cached latent to keys and values), so in bfloat16 its
+    logits are not transformers' bit for bit; they are as close to the float32 logits as
+    transformers' bfloat16 logits are (within 1.5x of that error, relative to the largest
+    logit; dense layers, as near-ties in routing flip experts under either rounding)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny
+
+    path = make_tiny(tmp_path / arch, arch, seed=5, **dict(MOE[arch], first_k_dense_replace=3))
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits[0]  # [40, vocab] float32
+        theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()(ids).logits[0].float()
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.bfloat16)
+    cache = rt.new_cache(1)
+    ours = torch.cat([rt.forward(cache, [0], [ids[0, a:b].tolist()])[0] for a, b in [(0, 30)] + [(i, i + 1) for i in range(30, 40)]])
+    assert (ours - ref).abs().max() <= 1.5 * (theirs - ref).abs().max()
+    assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
 
 
 def test_multimodal_gemma3_text_model(tmp_path):
@@ -639,7 +704,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
     assert gpt2["transformer.ln_f.bias"].eq(0).all()
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "llama"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama"])
 def test_weight_bytes_from_the_config(tiny_dirs, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -656,7 +721,7 @@ def test_weight_bytes_from_the_config(tiny_dirs, name):
     assert (expert_bytes(config), linear_bytes(config)) == (4 * experts, 4 * linears)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek"])
 def test_experts_under_transformers_own_names(tiny_dirs, tmp_path, name):
     """A checkpoint saves one tensor per expert and projection (Mixtral's ``w1``/``w3``/``w2``);
     transformers' model fuses them (``mlp.experts.gate_up_proj``), and those names come

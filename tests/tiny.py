@@ -18,6 +18,16 @@ MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=1,
                      first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, layers=3),
 }
+# latent attention (DeepSeek's MLA): a key/value latent of 24, the query's own of 20, heads of 12 + 8
+# (rotated) query/key and 10 value dimensions; every head its own (transformers expands the latent to them)
+LATENT = dict(num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12,
+              v_head_dim=10)
+MOE.update({
+    "deepseek_v3": dict(MOE["glm4_moe"], **LATENT),  # GLM-4.5's routing: sigmoid, groups, correction bias
+    "deepseek_v2": dict(MOE["glm4_moe"], **LATENT, topk_method="group_limited_greedy"),  # softmax, groups by max
+    "glm4_moe_lite": dict(MOE["glm4_moe"], **LATENT, first_k_dense_replace=None),  # mlp_layer_types: dense first
+})
+MOE["glm4_moe_lite"].pop("first_k_dense_replace")
 
 
 def byte_tokenizer(swap: bool = False):

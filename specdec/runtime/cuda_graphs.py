@@ -64,7 +64,7 @@ class CudaGraphs:
 
     def _run(self, cache: KVCache, x: Batch, tokens: int) -> torch.Tensor:
         buffer, pool, graphs = self.by_cache.get(cache, (None, None, None))
-        now = (cache.k.data_ptr(), cache.v.data_ptr(), tuple(cache.k.shape))  # grown buffers change shape
+        now = (*(getattr(cache, b).data_ptr() for b in cache.buffers), tuple(cache.k.shape))  # grown: new shape
         if buffer != now:  # new, or grown since (slots or capacity): old graphs read freed memory
             buffer, pool, graphs = now, torch.cuda.graph_pool_handle(), {}
             self.by_cache[cache] = (buffer, pool, graphs)

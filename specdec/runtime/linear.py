@@ -94,7 +94,7 @@ MULTI_ROW_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
 
 
 def linear_bytes(config) -> int:
-    """fp32 bytes of a model's ``Linear`` weights (from its config): attention's, the dense
+    """fp32 bytes of a model's ``Linear`` weights (from its config): attention's (latent or not), the dense
     MLPs' (a MoE layer's shared experts': Qwen2-MoE's, GLM-4.5's) and the head; not ``Experts``'."""
     h, heads = config.hidden_size, config.num_attention_heads
     d = getattr(config, "head_dim", None) or h // heads
@@ -103,6 +103,12 @@ def linear_bytes(config) -> int:
         (getattr(config, "n_shared_experts", 0) or 0) * (getattr(config, "moe_intermediate_size", 0) or 0)
     mlp = sum(shared if moe else config.intermediate_size for moe in moe_layers(config))
     attention = config.num_hidden_layers * ((heads * d + 2 * kv * d) * h + h * heads * d)
+    if getattr(config, "kv_lora_rank", None) is not None:  # latent attention (``torch_llama.Latent``)
+        q, r, rope = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
+        query = heads * (config.qk_nope_head_dim + rope)
+        attention = config.num_hidden_layers * ((q * (h + query) if q else h * query) + (r + rope) * h
+                                                + r * heads * (config.qk_nope_head_dim + config.v_head_dim)
+                                                + heads * config.v_head_dim * h)
     return 4 * (attention + 3 * h * mlp + config.vocab_size * h)
 
 

@@ -1,6 +1,6 @@
 """Sparse mixtures of experts for the torch runtime: which layers are ``Experts``, how a
 router picks and weights them (``Routing``), and the grouped products that run them (Mixtral,
-Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5)."""
+Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,21 +10,25 @@ import torch.nn.functional as F
 
 from .ops import ACTIVATIONS
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe")  # their MLPs (some, or all) are ``Experts``
+# their MLPs (some, or all) are ``Experts``; the last three attend through latents (``torch_llama.Latent``)
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")  # GLM-4.5's router (``Routing.sigmoid``)
 
 
 def moe_layers(config) -> list[bool]:
     """Which layers' MLP is ``Experts``, as each architecture's transformers model places them:
-    Mixtral's and GPT-OSS's every layer; GLM-4.5's from ``first_k_dense_replace`` on;
-    Qwen2-MoE's and Qwen3-MoE's every ``decoder_sparse_step``-th but those in
+    Mixtral's and GPT-OSS's every layer; GLM-4.5's and DeepSeek's from ``first_k_dense_replace``
+    on; GLM-4.7-Flash's where ``mlp_layer_types`` says "sparse"; Qwen2-MoE's and Qwen3-MoE's every ``decoder_sparse_step``-th but those in
     ``mlp_only_layers`` (a dense MLP)."""
     n, kind = config.num_hidden_layers, config.model_type
     if kind not in MOE_ARCHS:
         return [False] * n
     if kind in ("mixtral", "gpt_oss"):
         return [True] * n
-    if kind == "glm4_moe":
+    if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
         return [i >= config.first_k_dense_replace for i in range(n)]
+    if kind == "glm4_moe_lite":
+        return [t == "sparse" for t in config.mlp_layer_types]
     dense = set(config.mlp_only_layers or [])
     return [i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
             for i in range(n)]
@@ -32,7 +36,8 @@ def moe_layers(config) -> list[bool]:
 
 def num_experts(config) -> int:
     """The routed experts of a mixture's layer (0 without)."""
-    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or \
+        getattr(config, "n_routed_experts", 0) or 0
 
 
 grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm from torch 2.10
@@ -67,10 +72,13 @@ class Routing:
     Qwens' ``norm_topk_prob``; weights in float32 where ``float_weights``, Mixtral's, else the
     model's dtype), ``activation(gate) * up``; GPT-OSS (``gpt_oss``): the softmax of the top k
     logits, in the model's dtype, and ``(up + 1) * gate * sigmoid(alpha * gate)`` with gate
-    and up clamped at ``limit``; GLM-4.5 (``sigmoid``): the router in float32
-    (``float_router``), sigmoid scores, the top k of those plus a correction bias among the
-    ``top_groups`` best of ``groups`` groups of experts (each group by its best two), their
-    scores renormalised and times ``scale``, in float32."""
+    and up clamped at ``limit``; GLM-4.5, DeepSeek-V3, GLM-4.7-Flash (``sigmoid``): the router
+    in float32 (``float_router``), sigmoid scores, the top k of those plus a correction bias
+    among the ``top_groups`` best of ``groups`` groups of experts (each group by its best
+    two), their scores renormalised and times ``scale``, in float32; DeepSeek-V2: the router
+    in float32, the top k of the softmax among the ``top_groups`` best of ``groups`` groups
+    (each by its best one: ``group_limited_greedy``; one group: ``greedy``), times ``scale``,
+    in float32."""
 
     top_k: int
     renormalize: bool = False
@@ -90,7 +98,12 @@ class Routing:
         kind = config.model_type
         if kind == "gpt_oss":
             return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
-        if kind == "glm4_moe":
+        if kind == "deepseek_v2":
+            grouped = config.topk_method == "group_limited_greedy"
+            return cls(config.num_experts_per_tok, float_weights=True, activation=getattr(config, "hidden_act", "silu"),
+                       float_router=True, groups=config.n_group if grouped else 1,
+                       top_groups=config.topk_group if grouped else 1, scale=config.routed_scaling_factor)
+        if kind in SIGMOID_ROUTED:
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob,
                        activation=getattr(config, "hidden_act", "silu"), sigmoid=True, float_router=True,
                        groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor)
@@ -118,9 +131,18 @@ class Routing:
             if self.renormalize:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
             return weights * self.scale, chosen
-        weights, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, experts]
+        if self.groups > 1:  # DeepSeek-V2's group_limited_greedy: each group by its best expert
+            N, E = scores.shape
+            by_group = scores.view(N, self.groups, E // self.groups)
+            best = by_group.max(dim=-1).values.topk(self.top_groups, dim=-1, sorted=False)[1]
+            keep = torch.zeros(N, self.groups, dtype=torch.bool, device=logits.device).scatter_(1, best, True)
+            scores = scores.masked_fill(~keep[..., None].expand_as(by_group).reshape(N, E), 0.0)
+        weights, chosen = scores.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.scale != 1.0:
+            weights = weights * self.scale
         return (weights if self.float_weights else weights.to(logits.dtype)), chosen
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -132,11 +154,11 @@ class Routing:
 
 class Experts:
     """A sparse mixture-of-experts MLP (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, GPT-OSS's,
-    GLM-4.5's) as transformers' grouped experts compute it: the router picks and weights
+    GLM-4.5's, DeepSeek's) as transformers' grouped experts compute it: the router picks and weights
     experts per token (``Routing``); the token-expert pairs, sorted by expert, go through one
     grouped product per projection (``F.grouped_mm``: no shape that depends on the routing,
     so a CUDA graph holds it where ``grouped_mm_graphable``); each token sums its experts'
-    outputs, weighted. Qwen2-MoE's gated shared expert and GLM-4.5's shared experts are the
+    outputs, weighted. Qwen2-MoE's gated shared expert and GLM-4.5's and DeepSeek's shared experts are the
     layer's dense MLP (``TorchLlama._mlp``). Weights are ``[experts, in, out]``
     (``grouped_mm``'s), the gate's columns before the up ones; biases (GPT-OSS's)
     ``[experts, out]``."""

@@ -1,6 +1,7 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
 Granite, SmolLM3, GLM-4), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS,
-GLM-4.5: ``Experts``) and Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
+GLM-4.5: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
+GLM-4.7-Flash: ``Latent``) and Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
@@ -14,6 +15,7 @@ attention, rotary embeddings) and ``cuda_graphs`` (``CudaGraphs``).
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -88,7 +90,9 @@ class Family:
     ``logits_scaling``; ``attn_softcap`` / ``final_softcap``: ``cap * tanh(x / cap)`` on
     attention scores (Gemma 2's) / the logits (Gemma 2's, Gemma 3's where set);
     ``activation``: the MLP's gate (``ACTIVATIONS``); ``interleaved_rope``: rotary pairs are
-    neighbouring dimensions, not halves (GLM-4's); ``float_norms``: the norm's product in
+    neighbouring dimensions, not halves (GLM-4's; DeepSeek-V2's, and V3's and GLM-4.7-Flash's
+    where ``rope_interleave``: transformers moves their rotated halves apart afterwards, the
+    same move in queries and keys, so the scores are the same); ``float_norms``: the norm's product in
     float32, then cast (GPT-OSS's, as Gemma's without the 1 +; its weights as the model's
     dtype holds them, but for a float16 model, which transformers keeps them float32 for)."""
 
@@ -111,6 +115,10 @@ class Family:
             return cls(embed_scale=config.embedding_multiplier, attn_scale=config.attention_multiplier,
                        residual_scale=config.residual_multiplier, logits_divisor=config.logits_scaling,
                        activation=act)
+        latent = Latent.of(config)
+        if latent is not None:
+            return cls(activation=act, attn_scale=latent.scale(config),
+                       interleaved_rope=config.model_type == "deepseek_v2" or bool(config.rope_interleave))
         if config.model_type not in GEMMAS:
             return cls(activation=act, float_norms=config.model_type == "gpt_oss",
                        interleaved_rope=config.model_type == "glm4")
@@ -121,6 +129,52 @@ class Family:
                    final_softcap=config.final_logit_softcapping if gemma23 else None, activation=act)
 
 
+@dataclass(frozen=True)
+class Latent:
+    """Multi-head latent attention's widths (DeepSeek-V2 and V3's, GLM-4.7-Flash's). A token's
+    keys and values are, per head h, ``K_h = W_UK[h] c`` beside the rotated ``k_rope`` that all
+    heads share, and ``V_h = W_UV[h] c``, from one normed latent ``c`` (``rank`` wide). The
+    cache keeps that row alone, ``[c, k_rope]``: one "head" of ``rank + rope``. Attention runs
+    on it as multi-query attention with the weights absorbed (SGLang's and vLLM's MLA
+    decoding): a head's query becomes ``[W_UK[h]^T q_nope, q_rope]``, so that its dot product
+    with a row is the score of the full key; the rows' latents are the values; and the
+    attended latent goes through ``W_UV[h]``. A long chunk of new tokens instead expands the
+    rows to every head's keys and values and attends as multi-head attention (``expands``:
+    SGLang's prefill). ``nope``: a head's query width that meets the latent; ``value``: a
+    head's value width; ``q_rank``: the query's own low-rank step (None: one projection)."""
+
+    rank: int
+    rope: int
+    nope: int
+    value: int
+    q_rank: int | None
+
+    @classmethod
+    def of(cls, config) -> "Latent | None":
+        if getattr(config, "kv_lora_rank", None) is None:
+            return None
+        return cls(config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim,
+                   config.q_lora_rank)
+
+    def expands(self, tokens: int) -> bool:
+        """Whether ``tokens`` new tokens per row attend through expanded keys and values: the
+        expansion costs ``rank (nope + value)`` per key and head, the absorbed form ``2 rank -
+        nope - value`` more than the expanded per key, head and token (171 tokens for
+        DeepSeek's widths)."""
+        return tokens * (2 * self.rank - self.nope - self.value) > self.rank * (self.nope + self.value)
+
+    def scale(self, config) -> float:
+        """The scores' scale, as transformers': the full key's width ``** -0.5``, under yarn
+        times its ``mscale_all_dim`` factor squared."""
+        scale = (self.nope + self.rope) ** -0.5
+        params = rope_types(config)[None]
+        if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+            factor = params["factor"]
+            mscale = 1.0 if factor <= 1 else 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0
+            scale *= mscale * mscale
+        return scale
+
+
 class KVCache:
     """Per-layer K/V ``[slots, kv_heads, capacity, head_dim]``, grown on demand: rows doubling,
     but past ``max_rows`` (the context window) plus a forward's padding only as far as a
@@ -129,16 +183,22 @@ class KVCache:
     before an untouched one, and untouched ones lowest first), so one long request holds one
     slot's rows, not ``num_slots``' (8x the memory). A slot that keeps a finished prompt for
     prefix reuse is taken only for a matching prefix or once no other is free, so requests
-    with distinct prompts one after another do grow the slots up to ``num_slots``."""
+    with distinct prompts one after another do grow the slots up to ``num_slots``.
+    ``keys_only``: V is None, the values are the keys' first dimensions (``Latent``'s rows)."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype, capacity: int = 256, max_rows: int | None = None):
+                 device: torch.device, dtype: torch.dtype, capacity: int = 256, max_rows: int | None = None,
+                 keys_only: bool = False):
         self.limit = None if max_rows is None else max_rows + GRAPH_MAX_TOKENS
         capacity = min(capacity, self.limit or capacity)
         shape = (num_layers, 1, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = None if keys_only else torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = [0] * num_slots
+
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        return ("k",) if self.v is None else ("k", "v")
 
     @property
     def capacity(self) -> int:
@@ -150,7 +210,7 @@ class KVCache:
         if capacity <= have and slots <= have_slots:
             return
         new_cap = have if capacity <= have else max(capacity, min(2 * have, self.limit or 2 * have))
-        for name in ("k", "v"):
+        for name in self.buffers:
             old = getattr(self, name)
             new = old.new_zeros(old.shape[0], max(slots, have_slots), old.shape[2], new_cap, old.shape[4])
             new[:, :have_slots, :, :have] = old
@@ -167,8 +227,9 @@ class KVCache:
         assert self.lengths[dst] <= length <= self.lengths[src], (self.lengths[dst], length, self.lengths[src])
         self.ensure(length, dst + 1)
         start = self.lengths[dst]
-        self.k[:, dst, :, start:length] = self.k[:, src, :, start:length]
-        self.v[:, dst, :, start:length] = self.v[:, src, :, start:length]
+        for name in self.buffers:
+            t = getattr(self, name)
+            t[:, dst, :, start:length] = t[:, src, :, start:length]
         self.lengths[dst] = length
 
     @torch.inference_mode()  # the buffers are inference tensors once ensure() ran in a forward
@@ -178,7 +239,8 @@ class KVCache:
         assert list(rows) == sorted(rows) and start + rows[-1] < self.lengths[slot]
         src = torch.tensor([start + r for r in rows], device=self.k.device)
         dst = torch.arange(start, start + len(rows), device=self.k.device)
-        for t in (self.k, self.v):
+        for name in self.buffers:
+            t = getattr(self, name)
             t[:, slot, :, dst] = t[:, slot, :, src]
         self.lengths[slot] = start + len(rows)
 
@@ -332,12 +394,33 @@ class CheckpointReader:
         return self.linear(gate_up, biases), self.linear(self.get(prefix + "down_proj.weight"), self.opt(prefix + "down_proj.bias"))
 
 
+def latent_attention(r: CheckpointReader, a: str, latent: Latent) -> dict:
+    """A latent attention's weights under ``a`` (``...self_attn.``): ``qkv`` the products of
+    the layer's input fused (the query's low-rank step or the query itself, then the latent
+    and the shared rotated key), ``q_norm`` / ``q_b`` the query's second step (None without
+    one), ``kv_norm`` the latent's norm, ``uk [heads, nope, rank]`` and ``uv [heads, rank,
+    value]`` the per-head up-projections of keys and values, absorbed (``Latent``)."""
+    first = [a + "q_a_proj"] if latent.q_rank is not None else [a + "q_proj"]
+    up = r.get(a + "kv_b_proj.weight")  # [heads (nope + value), rank]
+    up = up.view(-1, latent.nope + latent.value, latent.rank)
+    return {
+        "qkv": r.linear(torch.cat([r.get(n + ".weight") for n in first + [a + "kv_a_proj_with_mqa"]]),
+                        cat_or_none([r.opt(n + ".bias") for n in first + [a + "kv_a_proj_with_mqa"]])),
+        "q_norm": r.norm(a + "q_a_layernorm.weight"),
+        "q_b": r.linear(r.get(a + "q_b_proj.weight"), None) if latent.q_rank is not None else None,
+        "kv_norm": r.norm(a + "kv_a_layernorm.weight"),
+        "uk": up[:, :latent.nope].contiguous(),
+        "uv": up[:, latent.nope:].transpose(1, 2).contiguous(),
+    }
+
+
 def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, sliding: bool = False,
-                  rope: str | None = None, rotates: bool = True) -> dict:
+                  rope: str | None = None, rotates: bool = True, latent: Latent | None = None) -> dict:
     """The weights of the decoder layer under ``pre`` (``model.layers.{i}.``) as
     ``TorchLlama._layers`` reads them: ``moe``: its MLP is experts (with shared ones where the
     checkpoint has them); ``sliding``: it attends within the window; ``rope``: its rope
-    table's key (a layer type, or None); ``rotates``: it applies rope at all (SmolLM3's)."""
+    table's key (a layer type, or None); ``rotates``: it applies rope at all (SmolLM3's);
+    ``latent``: its attention is latent (``latent_attention``'s weights)."""
     a = pre + "self_attn."
     shared = ("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in r else "shared_expert.") \
         if moe else ""  # GLM-4.5's, Qwen2-MoE's
@@ -346,12 +429,12 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
     glm4 = pre + "post_self_attn_layernorm.weight" in r  # GLM-4's norms after, named its way
     return {
         "attn_norm": r.norm(pre + "input_layernorm.weight"),
-        "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]),
-                        cat_or_none([r.opt(a + f"{n}_proj.bias") for n in "qkv"])),
+        **(latent_attention(r, a, latent) if latent else {
+            "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]),
+                            cat_or_none([r.opt(a + f"{n}_proj.bias") for n in "qkv"]))}),
         "o": r.linear(r.get(a + "o_proj.weight"), r.opt(a + "o_proj.bias")),
-        "q_norm": r.norm(a + "q_norm.weight"),
         "sinks": r.opt(a + "sinks"),  # [H] GPT-OSS's
-        "k_norm": r.norm(a + "k_norm.weight"),
+        **({} if latent else {"q_norm": r.norm(a + "q_norm.weight"), "k_norm": r.norm(a + "k_norm.weight")}),
         "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich else
         r.norm(pre + "post_self_attn_layernorm.weight") if glm4 else None,
         "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm") + ".weight"),
@@ -390,6 +473,9 @@ class TorchLlama:
         self.num_heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.latent = Latent.of(config)
+        if self.latent is not None:  # the cache's one row per token (``Latent``)
+            self.kv_heads, self.head_dim = 1, self.latent.rank + self.latent.rope
         self.eps = config.rms_norm_eps
         self.max_context = config.max_position_embeddings
         self.family = Family.of(config, dtype)
@@ -410,7 +496,7 @@ class TorchLlama:
         for i, moe in enumerate(moe_layers(config)):
             self.layers.append(decoder_layer(r, config, f"model.layers.{i}.", moe, sliding=sliding[i],
                                              rope=types[i] if types[i] in self.rope else None,
-                                             rotates=bool(rotates[i])))
+                                             rotates=bool(rotates[i]), latent=self.latent))
         self.norm = r.norm("model.norm.weight")
         self.taps: tuple[int, ...] = ()  # hidden states each forward keeps (``capture``)
         self.features: torch.Tensor | None = None  # the last forward's: [B, T, len(taps) * hidden]
@@ -440,7 +526,8 @@ class TorchLlama:
             self.graphs = CudaGraphs(self)
 
     def _linears(self) -> list[Linear]:
-        return [layer[n] for layer in self.layers for n in ("qkv", "o", "gate_up", "down") if layer[n]] + [self.lm_head]
+        return [layer[n] for layer in self.layers for n in ("qkv", "q_b", "o", "gate_up", "down") if layer.get(n)] \
+            + [self.lm_head]
 
     def _packed_one_row_pays(self) -> bool:
         """Whether a one-token forward (plain decoding) through the verify-packed weights costs
@@ -490,7 +577,7 @@ class TorchLlama:
             rope_type = params.get("rope_type", "default")
             if rope_type == "default":
                 base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-                d = int(self.head_dim * params.get("partial_rotary_factor", 1.0))
+                d = self.latent.rope if self.latent else int(self.head_dim * params.get("partial_rotary_factor", 1.0))
                 inv_freq, scale = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
             else:
                 kw = {"layer_type": layer_type} if layer_type is not None else {}
@@ -506,7 +593,7 @@ class TorchLlama:
 
     def new_cache(self, num_slots: int, max_rows: int | None = None) -> KVCache:
         return KVCache(self.num_layers, num_slots, self.kv_heads, self.head_dim, self.device, self.dtype,
-                       max_rows=max_rows)
+                       max_rows=max_rows, keys_only=self.latent is not None)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots, tokens, *, positions=None, chunk_masks=None,
@@ -571,7 +658,8 @@ class TorchLlama:
             if li in self.taps:
                 tapped[li] = h
             a = rms_norm(h, L["attn_norm"], self.eps)
-            h = h + self._residual(self._attend(cache, x, li, L, a, rope), L["post_attn_norm"])
+            attend = self._attend_latent if self.latent else self._attend
+            h = h + self._residual(attend(cache, x, li, L, a, rope), L["post_attn_norm"])
             h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])
         if self.num_layers in self.taps:  # transformers' last hidden state: after the final norm
             h = tapped[self.num_layers] = rms_norm(h, self.norm, self.eps)
@@ -625,6 +713,36 @@ class TorchLlama:
             o = attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], mask, fam.attn_scale, fam.attn_softcap,
                           L["sinks"])
         return L["o"](o.transpose(1, 2).reshape(B, T, H * D))  # [B, T, hidden]
+
+    def _attend_latent(self, cache: KVCache, x: "Batch", li: int, L: dict, a: torch.Tensor,
+                       rope: dict) -> torch.Tensor:
+        """``_attend`` for latent attention (``Latent``): the cache's rows are ``[c, k_rope]``."""
+        lat, (B, T), H = self.latent, x.ids.shape, self.num_heads
+        S = x.mask.shape[-1]
+        first, c, k_rope = L["qkv"](a).split([lat.q_rank or H * (lat.nope + lat.rope), lat.rank, lat.rope], dim=-1)
+        q = first if L["q_b"] is None else L["q_b"](rms_norm(first, L["q_norm"], self.eps))
+        q_nope, q_rope = q.view(B, T, H, lat.nope + lat.rope).transpose(1, 2).split([lat.nope, lat.rope], dim=-1)
+        cos, sin = rope[L["rope"]]  # [B, 1, T, rope]
+        q_rope = rotate(q_rope, cos, sin, self.family.interleaved_rope)  # [B, H, T, rope]
+        k_rope = rotate(k_rope[:, None], cos, sin, self.family.interleaved_rope)  # [B, 1, T, rope]
+        kc = cache.k[li]  # [slots, 1, cap, rank + rope]
+        kc[x.slots[:, None], 0, x.write] = torch.cat([rms_norm(c, L["kv_norm"], self.eps), k_rope[:, 0]], dim=-1)
+        expand = lat.expands(T)
+        query = torch.cat([q_nope if expand else q_nope @ L["uk"], q_rope], dim=-1)  # [B, H, T, nope or rank + rope]
+
+        def attend(b0: int, b1: int, rows: torch.Tensor) -> torch.Tensor:  # rows [b1 - b0, 1, S, rank + rope]
+            latents = rows[..., :lat.rank]  # [b, 1, S, rank]
+            if not expand:  # multi-query attention over the rows, the latents as values
+                return attention(query[b0:b1], rows, latents, x.mask[b0:b1], self.family.attn_scale, None) @ L["uv"]
+            keys = torch.cat([latents @ L["uk"].transpose(1, 2), rows[..., lat.rank:].expand(-1, H, -1, -1)], dim=-1)
+            return attention(query[b0:b1], keys, latents @ L["uv"], x.mask[b0:b1], self.family.attn_scale, None)
+
+        if x.runs is not None:  # views of each run's cache rows
+            parts = [attend(b0, b1, kc[s0:s0 + b1 - b0, :, :S]) for b0, b1, s0 in x.runs]
+            o = parts[0] if len(parts) == 1 else torch.cat(parts)
+        else:  # a gathered copy
+            o = attend(0, B, kc[x.slots, :, :S])
+        return L["o"](o.transpose(1, 2).reshape(B, T, H * lat.value))  # o [B, H, T, value] -> [B, T, hidden]
 
     def _mlp(self, L: dict, a: torch.Tensor) -> torch.Tensor:
         """A layer's MLP over ``a [B, T, hidden]``: dense, experts, or experts beside shared
