@@ -16,13 +16,13 @@ import torch
 from tqdm.auto import tqdm
 
 from .answer import grammar_gate
-from .config import DRAFT_METHODS, EngineConfig, SamplingParams, SpecConfig, generation_defaults
+from .config import DRAFT_METHODS, MODEL_METHODS, EngineConfig, SamplingParams, SpecConfig, generation_defaults
 from .drafters import EagleDrafter, ModelDrafter, NgramCorpus, NgramDrafter
 from .cost import DraftCost, Planner, forward_costs
 from .engine import Engine
 from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
-from .runtime.eagle import EAGLE_KINDS, EagleHead, eagle_checkpoint, load_eagle
+from .runtime.eagle import EAGLE_KINDS, EagleHead, eagle_checkpoint, load_eagle, load_mtp
 from .runtime.loading import quantization_of
 from .sampling import make_generator
 from .sequence import Sequence, TokenLogprobs, bad_words_ids, settled_text, text_context
@@ -128,7 +128,7 @@ def check_tree_rows(spec: SpecConfig, num_slots: int, target: LoadedModel, draft
     """Refuse at load a tree that a runtime with a bound on tree rows per slot (llama.cpp's
     sequence ids) could not hold with ``num_slots`` requests running."""
     needs = [(target, spec.node_budget + 1, "a verify forward's root and tree nodes")]
-    if spec.method in DRAFT_METHODS + ("self",):  # a draft tree feeds its frontiers up to the last depth
+    if spec.method in MODEL_METHODS:  # a draft tree feeds its frontiers up to the last depth
         needs.append((draft or target, (spec.depth - 1) * spec.tree_topk, "the draft tree's fed nodes"))
     for model, rows, what in needs:
         bound = getattr(model.runtime, "tree_rows", None)
@@ -330,6 +330,9 @@ class LLM:
         if uses_draft and not draft:
             raise ValueError(f"method {speculative.method!r} needs a draft model (draft=... / --draft, or "
                              "\"model\" in a speculative config)")
+        if draft and speculative.method == "mtp":
+            raise ValueError("method 'mtp' drafts with the target checkpoint's own multi-token prediction layer; "
+                             "give no draft model")
         if draft and not uses_draft:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
                              "use method 'draft', 'hybrid', 'eagle' or 'eagle3'")
@@ -354,6 +357,8 @@ class LLM:
             where = str(self.target.runtime.device) if c.device is None and isinstance(model, LoadedModel) else c.device
             self.draft = self._load_draft(draft, replace(c, device=where), loading)
             speculative = self.spec  # its method may have become the head's kind
+        elif speculative.method == "mtp":
+            self.draft = load_mtp(self.target, speculative.draft_quantization)
         for side, m in (("target", self.target), ("draft", self.draft)):
             if m is not None and speculative.method != "none" and not getattr(m.runtime, "rewinds", True):
                 raise ValueError(f"the {side} model keeps a recurrent state ({m.config.model_type}), which cannot go "
@@ -460,7 +465,7 @@ class LLM:
         if spec.method in ("ngram", "hybrid"):
             out["ngram"] = NgramDrafter(spec.ngram_max, spec.ngram_min, spec.tree_topk, spec.node_budget,
                                         NgramCorpus(spec.ngram_capacity) if spec.ngram_capacity else None)
-        if spec.method in DRAFT_METHODS + ("self",):
+        if spec.method in MODEL_METHODS:
             runtime = (self.draft or self.target).runtime
             kw = dict(num_slots=max_batch_size, target_vocab=self.target.runtime.vocab_size, topk=spec.tree_topk,
                       max_nodes=spec.node_budget, max_catch_up=max_catch_up, max_rows=self.context_window)

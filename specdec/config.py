@@ -24,11 +24,15 @@ from collections.abc import Callable
 from dataclasses import InitVar, dataclass, fields, replace
 from enum import IntEnum
 
-METHODS = ("none", "draft", "ngram", "self", "hybrid", "eagle", "eagle3")
+METHODS = ("none", "draft", "ngram", "self", "hybrid", "eagle", "eagle3", "mtp")
 # the methods that draft with a draft model (eagle, eagle3: a head over the target's hidden states)
 DRAFT_METHODS = ("draft", "hybrid", "eagle", "eagle3")
+# the methods whose drafts come from a model's forwards: a draft model or head, the target itself
+# (self), the target checkpoint's own multi-token prediction layer (mtp)
+MODEL_METHODS = DRAFT_METHODS + ("self", "mtp")
 # vLLM's speculative_config, as SpecConfig.from_vllm reads it: its method names and keys
-VLLM_SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "eagle": "eagle", "eagle3": "eagle3"}
+VLLM_SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "eagle": "eagle", "eagle3": "eagle3", "mtp": "mtp",
+                     "deepseek_mtp": "mtp", "glm4_moe_mtp": "mtp"}
 VLLM_SPEC_KEYS = {"num_speculative_tokens": "num_draft_tokens", "prompt_lookup_max": "ngram_max",
                   "prompt_lookup_min": "ngram_min", "revision": "draft_revision"}
 BACKENDS = ("auto", "torch", "hf", "llamacpp")
@@ -329,7 +333,8 @@ class SpecConfig:
 
     # hybrid: n-gram when it matches, else draft (with the cost model: the faster expected)
     # eagle / eagle3: the draft is an EAGLE or EAGLE-3 head (method draft with one becomes its kind)
-    method: str = "none"  # none | draft | ngram | self | hybrid | eagle | eagle3
+    # mtp: the target checkpoint's own multi-token prediction layer (DeepSeek-V3's, GLM-4.5's)
+    method: str = "none"  # none | draft | ngram | self | hybrid | eagle | eagle3 | mtp
     num_draft_tokens: int = 4  # k
     ngram_max: int = 3  # longest suffix n-gram the lookup tries first
     ngram_min: int = 1
@@ -370,7 +375,7 @@ class SpecConfig:
         _check(self.tree_depth is None or self.tree_depth >= 1, f"tree_depth must be >= 1, got {self.tree_depth}")
         _check(self.tree_nodes is None or self.tree_nodes >= 1, f"tree_nodes must be >= 1, got {self.tree_nodes}")
         _check(self.tree_topk == 1 or self.method != "none",
-               "token trees (tree_topk > 1) need a drafter: method draft, self, ngram, hybrid, eagle or eagle3")
+               "token trees (tree_topk > 1) need a drafter: method draft, self, ngram, hybrid, eagle, eagle3 or mtp")
         _check(not self.cost_model or self.method != "none", "the cost model needs a drafter (method != none)")
 
     @staticmethod

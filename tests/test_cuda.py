@@ -209,6 +209,23 @@ def test_experts_graphed_in_bfloat16_on_cuda(tiny_dirs, on_cuda, name):
     assert graphed.runtime.graphs is not None and graphed.runtime.graphs.by_cache  # captured, none failed
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mtp_on_cuda(tmp_path, dtype):
+    """A DeepSeek-V3 checkpoint's MTP layer (latent attention, experts) drafts on CUDA, its
+    CUDA graphs in bfloat16 on Hopper and Blackwell: greedy chains and trees equal plain
+    decoding."""
+    from specdec.runtime import load_model
+
+    from tiny import MOE, add_mtp, make_tiny
+
+    path = add_mtp(make_tiny(tmp_path / "deepseek", "deepseek_v3", seed=4, **MOE["deepseek_v3"]), seed=5)
+    target = load_model(str(path), device="cuda", dtype=dtype)
+    base = LLM(target).generate(PROMPTS, GREEDY)
+    for topk in (1, 2):
+        llm = LLM(target, speculative=SpecConfig(method="mtp", num_draft_tokens=3, tree_topk=topk))
+        assert_same_greedy(llm, llm.generate(PROMPTS, GREEDY), base, dtype)
+
+
 def test_sampling_verifier_on_cuda_is_lossless():
     """The verifier's tensors and generator on cuda: the first committed token follows p
     (chi-square at the same significance as the CPU tests)."""

@@ -294,3 +294,100 @@ def test_two_heads_on_one_target(dirs):
         assert len(recorded) > 4
         for ids, row in recorded:
             torch.testing.assert_close(row, reference_drafts(dirs[name], dirs["target"], ids, [])[0], **CLOSE)
+
+
+@pytest.fixture(scope="module")
+def mtp_dirs(tmp_path_factory):
+    """Tiny checkpoints with a multi-token prediction layer: DeepSeek-V3's (latent attention,
+    experts) sharing the model's embedding and head, GLM-4.5's (grouped-query attention, half
+    of each head rotated, experts) with a head of its own; and one without."""
+    from tiny import MOE, add_mtp
+
+    root = tmp_path_factory.mktemp("mtp")
+    return {"deepseek": add_mtp(make_tiny(root / "deepseek", "deepseek_v3", seed=4, **MOE["deepseek_v3"]), seed=5),
+            "glm45": add_mtp(make_tiny(root / "glm45", "glm4_moe", seed=6, **MOE["glm4_moe"]), seed=7, own_head=True),
+            "none": make_tiny(root / "none", "deepseek_v3", seed=4, **MOE["deepseek_v3"])}
+
+
+def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
+    """The MTP layer's logits after the committed ``ids`` and after each token of ``chain``,
+    from scratch as vLLM lays them out: row j is ``eh_proj([enorm(embedding of token j + 1);
+    hnorm(the target's last hidden state at j)])`` at position j, through transformers' own
+    decoder layer (a model one layer deeper holds the MTP block as its last), then
+    ``shared_head``; a drafted token's row takes the layer's output of the row before it."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    L, eps = config.num_hidden_layers, config.rms_norm_eps
+    w = {k.removeprefix(f"model.layers.{L}."): v for k, v in load_file(path / "model.safetensors").items()}
+    target = AutoModelForCausalLM.from_pretrained(path).eval()
+    deeper = AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=L + 1).eval()
+    layer, rotary = deeper.model.layers[L], deeper.model.rotary_emb
+    feats = target.model(torch.tensor([ids])).last_hidden_state[0]  # after the final norm
+    rows_h, rows_t, out = list(feats[:-1]), ids[1:], []
+    for step in range(len(chain) + 1):
+        e = target.model.embed_tokens.weight[torch.tensor(rows_t)]
+        x = F.linear(torch.cat([rms(e, w["enorm.weight"], eps), rms(torch.stack(rows_h), w["hnorm.weight"], eps)], -1),
+                     w["eh_proj.weight"])[None]  # [1, R, hidden]
+        pos = torch.arange(x.shape[1])[None]
+        y = layer(x, attention_mask=None, position_ids=pos, position_embeddings=rotary(x, pos))[0]  # causal
+        out.append(F.linear(rms(y[-1], w["shared_head.norm.weight"], eps), w["shared_head.head.weight"]))
+        if step < len(chain):
+            rows_h.append(y[-1])
+            rows_t.append(chain[step])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("name", ["deepseek", "glm45"])
+@torch.inference_mode()
+def test_mtp_drafts_as_vllm_lays_them_out(mtp_dirs, name):
+    """The MTP layer's logits after a prompt (the target's features handed over per prefill
+    chunk) and after each draft of a chain equal the reference's; the head shares the
+    model's embedding and head where the checkpoint's copies equal them."""
+    from specdec.runtime.eagle import MtpHead
+
+    llm = LLM(str(mtp_dirs[name]), device="cpu", speculative=SpecConfig(method="mtp", draft_quantization="none"))
+    head, target = llm.draft.runtime, llm.target.runtime
+    assert isinstance(head, MtpHead) and head.reads == (target.num_layers,)
+    assert (head.embed is target.embed) and ((head.lm_head is target.lm_head) == (name == "deepseek"))
+    ids = list(b"the quick brown fox")
+    tcache, cache = target.new_cache(1), head.new_cache(1)
+    for chunk in (ids[:7], ids[7:-1]):
+        start = tcache.lengths[0]
+        target.forward(tcache, [0], [chunk])
+        cache.store(0, start, head.fuse(target.features[0]))
+    chain = [5, 77, 31]
+    ref = reference_mtp(mtp_dirs[name], ids, chain)
+    got = [head.forward(cache, [0], [ids[:10]], last_only=True)[0], head.forward(cache, [0], [ids[10:]], last_only=True)[0]]
+    for t in chain:
+        got.append(head.forward(cache, [0], [[t]], last_only=True)[0])
+    torch.testing.assert_close(torch.stack(got[1:]), ref, **CLOSE)
+
+
+@pytest.mark.parametrize("name,topk", [("deepseek", 1), ("deepseek", 2), ("glm45", 1)])
+def test_greedy_with_mtp_equals_the_target_alone(mtp_dirs, name, topk):
+    """Greedy decoding drafting with the checkpoint's MTP layer (chains and trees, three
+    requests in one batch, prompts prefilled in chunks, int8 on the CPU) gives the target's
+    own tokens; vLLM's names for the method are read."""
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(mtp_dirs[name]), device="cpu").generate(PROMPTS, sp)]
+    spec, _ = SpecConfig.from_vllm({"method": "deepseek_mtp" if name == "deepseek" else "glm4_moe_mtp",
+                                    "num_speculative_tokens": 3}, tree_topk=topk)
+    llm = LLM(str(mtp_dirs[name]), device="cpu", chunked_prefill_size=8, speculative=spec)
+    assert spec.method == "mtp" and isinstance(llm.engine.drafters["draft"], EagleDrafter)
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == want
+    assert all(o.metrics["drafted_tokens"] > 0 for o in outs)
+
+
+def test_mtp_refusals(mtp_dirs, dirs):
+    """Method mtp needs a checkpoint with an MTP layer, on the torch runtime, and no draft model."""
+    with pytest.raises(ValueError, match="no multi-token prediction layer"):
+        LLM(str(mtp_dirs["none"]), device="cpu", speculative=SpecConfig(method="mtp"))
+    with pytest.raises(ValueError, match="no multi-token prediction layer"):
+        LLM(str(dirs["target"]), device="cpu", speculative=SpecConfig(method="mtp"))
+    with pytest.raises(ValueError, match="give no draft model"):
+        LLM(str(mtp_dirs["deepseek"]), draft=str(dirs["target"]), device="cpu", speculative=SpecConfig(method="mtp"))
+    with pytest.raises(ValueError, match="only specdec's torch runtime"):
+        LLM(str(mtp_dirs["deepseek"]), device="cpu", backend="hf", speculative=SpecConfig(method="mtp"))

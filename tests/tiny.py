@@ -133,6 +133,34 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
     return path
 
 
+def add_mtp(path: Path, seed: int = 0, std: float = 0.2, own_head: bool = False) -> Path:
+    """Give the tiny DeepSeek-V3 or GLM-4.5 checkpoint at ``path`` a random multi-token
+    prediction layer after its last, as their checkpoints store one (``model.layers.{L}.``:
+    ``enorm``, ``hnorm``, ``eh_proj``, a decoder layer of the model's kind, experts included,
+    ``shared_head.norm`` / ``.head`` and ``embed_tokens``: copies of the model's, but for a
+    head of its own with ``own_head``), and ``num_nextn_predict_layers`` 1 in its config."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((path / "config.json").read_text())
+    L, h = config["num_hidden_layers"], config["hidden_size"]
+    torch.manual_seed(seed)
+    deeper = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, num_hidden_layers=L + 1))
+    tensors, pre = load_file(path / "model.safetensors"), f"model.layers.{L}."
+    for name, t in {**dict(deeper.model.layers[L].named_parameters()), **dict(deeper.model.layers[L].named_buffers())}.items():
+        random = 1 + 0.1 * torch.randn_like(t) if "norm" in name else std * torch.randn_like(t)
+        tensors[pre + name] = random.detach().contiguous()
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[pre + name + ".weight"] = 1 + 0.1 * torch.randn(h)
+    tensors[pre + "eh_proj.weight"] = std * torch.randn(h, 2 * h)
+    tensors[pre + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    head = tensors["lm_head.weight"]
+    tensors[pre + "shared_head.head.weight"] = std * torch.randn_like(head) if own_head else head.clone()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))
+    return path
+
+
 VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the model's own)
     # Gemma 3's 4B and up: windows on one layer of two, eos in the text config, tied embeddings
     "gemma3": (dict(model_type="gemma3_text", head_dim=16, sliding_window=6, query_pre_attn_scalar=24, pad_token_id=0,

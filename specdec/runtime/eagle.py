@@ -1,4 +1,5 @@
-"""EAGLE heads: one decoder layer that drafts from the target's own hidden states.
+"""EAGLE heads and multi-token prediction layers: one decoder layer that drafts from the
+target's own hidden states.
 
 An EAGLE drafter (Li et al.: EAGLE, whose checkpoints EAGLE-2 drafts trees with, and EAGLE-3)
 is no language model of its own: it reads the *features* the target computed for the
@@ -17,6 +18,16 @@ token itself. The checkpoints, as SGLang and vLLM load them:
   residual stream starts at the feature (after its norm with ``norm_before_residual``); its
   output before the final ``norm`` is the next step's feature, after it the ``lm_head``'s
   input: a smaller draft vocabulary whose id ``i`` is the target's ``i + d2t[i]``.
+
+* **MTP** (multi-token prediction, DeepSeek-V3's and GLM-4.5's ``num_nextn_predict_layers``:
+  ``MtpHead``): a layer the model was trained with, stored in its own checkpoint after its
+  last layer (``model.layers.{L}.``: ``enorm``, ``hnorm``, ``eh_proj``, a decoder layer of the
+  model's own kind, ``shared_head.norm`` / ``.head``). ``eh_proj`` maps ``[enorm(embedding);
+  hnorm(feature)]`` to the hidden size; the decoder layer (its input norm included) runs on
+  that; its output is the next step's feature, and through ``shared_head`` the logits. The
+  feature is EAGLE's, the target's last hidden state after its final norm, as vLLM and SGLang
+  hand it over. Drafting k > 1 tokens runs the layer again on its own output (vLLM's way with
+  one layer; further MTP layers of a checkpoint are not read).
 
 Rows: the head's cache row of the token at position ``p`` holds the pair (feature of
 position ``p - 1``, token ``p``): the target's feature while ``p`` is committed (``store``),
@@ -39,6 +50,7 @@ from .ops import rms_norm
 from .torch_llama import CheckpointReader, Family, KVCache, TorchLlama, decoder_layer
 
 EAGLE_KINDS = ("eagle", "eagle3")
+MTP_ARCHS = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")  # whose checkpoints may hold MTP layers
 
 
 def eagle_kind(path: Path, names: Sequence[str] | None = None) -> str | None:
@@ -108,7 +120,8 @@ class EagleCache(KVCache):
     ``fc``), valid below ``known[slot]``."""
 
     def __init__(self, head: "EagleHead", num_slots: int, max_rows: int | None = None):
-        super().__init__(1, num_slots, head.kv_heads, head.head_dim, head.device, head.dtype, max_rows=max_rows)
+        super().__init__(1, num_slots, head.kv_heads, head.head_dim, head.device, head.dtype, max_rows=max_rows,
+                         keys_only=head.latent is not None)
         self.hidden = torch.zeros(1, self.capacity, head.hidden_size, device=head.device, dtype=head.dtype)
         self.targets = torch.zeros(1, self.capacity, head.hidden_size, device=head.device, dtype=head.dtype)
         self.known = [0] * num_slots
@@ -181,7 +194,7 @@ class EagleHead(TorchLlama):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
         self.max_context = target.max_context
-        self.family, self.window = Family(activation=getattr(config, "hidden_act", "silu")), None
+        self.family, self.window, self.latent = Family(activation=getattr(config, "hidden_act", "silu")), None, None
         self._init_rope(config)
         self.multi_row = self.one_row_packed = False
         self.taps, self.features = (), None
@@ -251,18 +264,23 @@ class EagleHead(TorchLlama):
         x.mask[:, 0, :, 0] &= x.write == 0  # no token sees position 0 but itself
         return x
 
+    def _inputs(self, L: dict, e: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's residual stream ``[B, T, hidden]`` and attention's input, from the
+        tokens' embeddings ``e`` and their features (``[B, T, hidden]`` each)."""
+        if self.kind == "eagle3":
+            normed = rms_norm(feature, self.hidden_norm, self.eps)
+            residual = normed if self.norm_before_residual else feature
+            return residual, torch.cat([rms_norm(e, L["attn_norm"], self.eps), normed], dim=-1)  # [B, T, 2 hidden]
+        a = self.fc(torch.cat([e, feature], dim=-1))  # EAGLE: fc over both, then the layer without its input norm
+        return a, a
+
     def _layers(self, cache: EagleCache, x, last: torch.Tensor | None = None, to_float: bool = True):
         B, T = x.ids.shape
         L = self.layers[0]
-        e = F.embedding(x.ids, self.embed)  # [B, T, hidden]
-        if self.kind == "eagle3":
-            feature = rms_norm(x.hidden, self.hidden_norm, self.eps)
-            residual = feature if self.norm_before_residual else x.hidden
-            a = torch.cat([rms_norm(e, L["attn_norm"], self.eps), feature], dim=-1)  # [B, T, 2 hidden]
-        else:  # EAGLE: fc over both, then the layer without its input norm
-            residual = a = self.fc(torch.cat([e, x.hidden], dim=-1))  # [B, T, hidden]
-        h = residual + self._attend(cache, x, 0, L, a, self._rope(x.pos))
-        h = h + self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps))  # the next step's feature
+        residual, a = self._inputs(L, F.embedding(x.ids, self.embed), x.hidden)
+        attend = self._attend_latent if self.latent else self._attend
+        h = residual + self._residual(attend(cache, x, 0, L, a, self._rope(x.pos)), L["post_attn_norm"])
+        h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])  # next feature
         cache.hidden[x.slots[:, None], x.write] = h
         if last is not None:
             h = h[torch.arange(B, device=h.device), last]  # [B, hidden]
@@ -273,6 +291,72 @@ class EagleHead(TorchLlama):
             full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
             logits = full.index_copy(-1, self.to_target, logits)
         return (logits.float() if to_float else logits), None
+
+
+class MtpHead(EagleHead):
+    """A checkpoint's own multi-token prediction layer (see the module's docstring) as an
+    ``EagleHead`` of kind ``"mtp"``, drafting for ``target``: its layer is the target's kind
+    (latent attention, experts), with the target's rope tables and family."""
+
+    def __init__(self, config, weights, target: TorchLlama, linear: str, cuda_graphs: bool | None = None):
+        pre = f"model.layers.{config.num_hidden_layers}."
+        if config.model_type not in MTP_ARCHS or pre + "eh_proj.weight" not in weights:
+            raise ValueError(f"this {config.model_type} checkpoint has no multi-token prediction layer "
+                             f"({pre}eh_proj.weight): method 'mtp' needs one (DeepSeek-V3's, GLM-4.5's)")
+        self.kind, self.target = "mtp", target
+        self.device, self.dtype = target.device, target.dtype
+        self.num_layers, self.num_heads, self.kv_heads = 1, target.num_heads, target.kv_heads
+        self.head_dim, self.latent, self.eps = target.head_dim, target.latent, target.eps
+        self.hidden_size, self.max_context = config.hidden_size, target.max_context
+        self.family, self.window, self.rope = target.family, None, target.rope
+        self.multi_row = self.one_row_packed = False
+        self.taps, self.features = (), None
+        r = CheckpointReader(weights, self.device, self.dtype, self.family, linear, multi_row=False)
+        moe = pre + "mlp.gate.weight" in weights  # DeepSeek-V3's and GLM-4.5's: experts
+        self.layers = [decoder_layer(r, config, pre, moe, latent=self.latent)]
+        if self.layers[0]["rope"] not in self.rope:
+            raise ValueError("this MTP layer's rope table is not the target's")
+        self.enorm, self.hnorm = r.norm(pre + "enorm.weight"), r.norm(pre + "hnorm.weight")
+        self.fc = r.linear(r.get(pre + "eh_proj.weight"), None)
+        self.norm = r.norm(pre + "shared_head.norm.weight")
+        # the embedding and head the layer was trained with: the checkpoint's copies where it has
+        # them and they differ from the model's (DeepSeek-V3's are equal: the model's serve), else the model's
+        embed = "model.embed_tokens.weight"
+        head = "lm_head.weight" if "lm_head.weight" in weights else embed  # tied
+        own = {n: n in weights and not torch.equal(weights[n], weights[m])
+               for n, m in ((pre + "embed_tokens.weight", embed), (pre + "shared_head.head.weight", head))}
+        self.embed = r.get(pre + "embed_tokens.weight") if own[pre + "embed_tokens.weight"] else target.embed
+        self.lm_head = r.linear(r.get(pre + "shared_head.head.weight"), None) if own[pre + "shared_head.head.weight"] \
+            else target.lm_head
+        self.vocab_size = target.vocab_size
+        self.reads = (target.num_layers,)  # the last hidden state, after the final norm
+        self.to_target, self.logit_scale = None, 1.0
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = CudaGraphs(self) if use_graphs else None
+
+    def _inputs(self, L: dict, e: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(torch.cat([rms_norm(e, self.enorm, self.eps), rms_norm(feature, self.hnorm, self.eps)], dim=-1))
+        return h, rms_norm(h, L["attn_norm"], self.eps)
+
+
+def load_mtp(target, quantize: str = "auto"):
+    """``target``'s own multi-token prediction layer (an ``MtpHead`` over the weights in its
+    checkpoint) as a ``LoadedModel`` beside it; ``quantize``: ``draft_quantization``."""
+    from .loading import LoadedModel, Weights
+    from .linear import pick_linear
+
+    rt = target.runtime
+    if type(rt) is not TorchLlama:
+        raise ValueError("method 'mtp' reads the target's hidden states, which only specdec's torch runtime gives: "
+                         "run the target with backend 'torch' (or 'auto', for an architecture it runs)")
+    try:
+        weights = Weights(target.path)
+    except ValueError:  # a GGUF's directory, or no weights at all
+        raise ValueError(f"method 'mtp' reads the MTP layer from the checkpoint's safetensors files; {target.path} "
+                         "has none") from None
+    int8 = quantize == "int8" or (quantize == "auto" and rt.device.type == "cpu" and rt.dtype == torch.float32)
+    head = MtpHead(target.config, weights, rt, pick_linear(rt.device, rt.dtype, int8), cuda_graphs=rt.graphs is not None)
+    return LoadedModel(f"{target.name} (MTP)", target.path, head, target.tokenizer, target.eos_ids, target.config)
 
 
 def eagle_checkpoint(draft: str, revision: str | None = None) -> str | None:
