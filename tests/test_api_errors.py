@@ -47,7 +47,7 @@ from specdec import LLM, EngineConfig, SamplingParams, SpecConfig
     (lambda: SamplingParams(temperature=float("inf")), "temperature must be a finite number"),
     (lambda: SamplingParams(temperature=float("nan")), "temperature must be a finite number"),
     (lambda: SamplingParams(repetition_penalty=float("inf")), "repetition_penalty must be a finite"),
-    (lambda: SpecConfig.from_vllm({"method": "mtp", "model": "x"}), "method 'mtp' is not supported"),
+    (lambda: SpecConfig.from_vllm({"method": "medusa", "model": "x"}), "method 'medusa' is not supported"),
     (lambda: SpecConfig.from_vllm({"num_speculative_tokens": 3}), "needs a method"),
     (lambda: SpecConfig.from_vllm({"method": "ngram", "lookahead": 2}), "unknown key 'lookahead'"),
     (lambda: SpecConfig.from_vllm({"model": "x", "draft_tensor_parallel_size": 2}), "draft on one device"),
@@ -78,8 +78,10 @@ def test_config_types_and_vllm_values():
 def test_model_errors(tmp_path, tiny_dirs, loaded):
     with pytest.raises(ValueError, match="unknown device 'gpu'"):
         LLM(loaded("llama"), device="gpu")
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match="^model path .* does not exist"):
         LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="^tokenizer path .* does not exist"):
+        LLM(str(tiny_dirs["llama"]), tokenizer=str(tmp_path / "nope"))
     with pytest.raises(ValueError, match="needs a draft model"):
         LLM(loaded("llama"), speculative=SpecConfig(method="draft"))
     with pytest.raises(ValueError, match="draft_backend is for a draft model; method 'ngram' has none"):

@@ -43,11 +43,12 @@ def default_model_path() -> str:
     return str(path)
 
 
-def resolve(model: str | None, weights: bool = True, revision: str | None = None, code: bool = False) -> Path:
+def resolve(model: str | None, weights: bool = True, revision: str | None = None, code: bool = False,
+            what: str = "model") -> Path:
     """A local HF directory for ``model``: a directory, a ``.gguf`` file, or a hub id (at
     ``revision``: a branch, tag or commit; with ``code``, the repo's Python files too, for
     ``trust_remote_code``). ``weights=False``: config and tokenizer are enough (a GGUF is not
-    dequantized, a hub id fetches no weights)."""
+    dequantized, a hub id fetches no weights). ``what`` the path is, in errors."""
     if model is None:
         model = default_model_path()
     path = Path(model).expanduser()
@@ -59,12 +60,12 @@ def resolve(model: str | None, weights: bool = True, revision: str | None = None
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return gguf_to_hf_dir(ggufs[0], weights)
-        raise ValueError(f"model directory {model!r} has no config.json "
+        raise ValueError(f"{what} directory {model!r} has no config.json "
                          f"{'and several .gguf files' if ggufs else 'nor a .gguf file'}")
     if path.exists():
-        raise ValueError(f"model path {model!r} is neither an HF model directory nor a .gguf file")
+        raise ValueError(f"{what} path {model!r} is neither an HF model directory nor a .gguf file")
     if model.count("/") != 1 or model.startswith((".", "/", "~")):
-        raise ValueError(f"model path {model!r} does not exist")
+        raise ValueError(f"{what} path {model!r} does not exist")
     return _from_hub(model, weights, revision, code)
 
 
@@ -584,7 +585,7 @@ def own_or_given_tokenizer(path: Path, tokenizer: str | None, config, trust_remo
     per request, as with the model's own tokenizer)."""
     if tokenizer is None:
         return _tokenizer_at(path, str(path), trust_remote_code)
-    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code, revision=revision)
+    tok = load_tokenizer(tokenizer, trust_remote_code=trust_remote_code, revision=revision, what="tokenizer")
     rows = getattr(config, "vocab_size", None) or getattr(config.get_text_config(), "vocab_size", None)
     if rows is not None and tok.vocab_size > rows:
         raise ValueError(f"tokenizer {tokenizer!r} has {tok.vocab_size} tokens, more than the model's vocabulary of "
@@ -618,9 +619,10 @@ def load_llamacpp(model: str | None, device: str | None, dtype: str | None, quan
                        eos_ids_of(path, config, tok) | runtime.eog_ids(), config)
 
 
-def load_tokenizer(model: str | None, trust_remote_code: bool = False, revision: str | None = None):
+def load_tokenizer(model: str | None, trust_remote_code: bool = False, revision: str | None = None,
+                   what: str = "model"):
     """Just the tokenizer of ``model`` (a GGUF is not dequantized for this; a directory may
-    hold the tokenizer's files alone; a hub id at ``revision``)."""
+    hold the tokenizer's files alone; a hub id at ``revision``); ``what`` it is, in errors."""
     if model is None:
         model = default_model_path()
     path = Path(model).expanduser()
@@ -629,7 +631,7 @@ def load_tokenizer(model: str | None, trust_remote_code: bool = False, revision:
         path = ggufs[0] if len(ggufs) == 1 else path
     if path.is_file() and path.suffix == ".gguf":
         return gguf_tokenizer(path)
-    where = path if path.is_dir() else resolve(model, weights=False, revision=revision, code=trust_remote_code)
+    where = path if path.is_dir() else resolve(model, weights=False, revision=revision, code=trust_remote_code, what=what)
     return _tokenizer_at(where, model, trust_remote_code)
 
 
