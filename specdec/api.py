@@ -333,6 +333,10 @@ class LLM:
         if draft and speculative.method == "mtp":
             raise ValueError("method 'mtp' drafts with the target checkpoint's own multi-token prediction layer; "
                              "give no draft model")
+        if speculative.method == "mtp" and (c.backend in ("hf", "llamacpp") or str(model).endswith(".gguf")):
+            raise ValueError("method 'mtp' runs the checkpoint's own multi-token prediction layer on specdec's torch "
+                             "runtime, read from its safetensors files: not on backend 'hf' or 'llamacpp', nor from "
+                             "a GGUF")
         if draft and not uses_draft:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
                              "use method 'draft', 'hybrid', 'eagle' or 'eagle3'")

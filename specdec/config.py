@@ -386,7 +386,8 @@ class SpecConfig:
         ``model`` is given, as vLLM infers), ``model`` (the draft), ``num_speculative_tokens``
         (k), ``prompt_lookup_max`` / ``prompt_lookup_min`` (the n-gram sizes; one alone sets
         both, as vLLM's; neither keeps specdec's, 1 to 3, where vLLM's are 5 and 5),
-        ``revision`` (the hub draft's), any other ``SpecConfig`` field by name, and, as given
+        ``revision`` (the hub draft's; ``mtp`` without ``num_speculative_tokens`` drafts 1 token,
+        vLLM's default: the checkpoint's MTP layers), any other ``SpecConfig`` field by name, and, as given
         in vLLM's examples, ``draft_tensor_parallel_size`` 1, ``code_revision`` equal to
         ``revision`` (a draft's code comes from the same snapshot) and ``quantization`` null."""
         _check(isinstance(config, dict), f"speculative_config must be a JSON object, got {type(config).__name__}")
@@ -416,6 +417,8 @@ class SpecConfig:
         if "method" not in out:
             _check(draft is not None, "speculative_config needs a method (ngram, draft_model) or a draft model")
             out["method"] = "draft"
+        if out["method"] == "mtp" and "num_draft_tokens" not in out:  # vLLM's: the checkpoint's MTP layers (one)
+            out["num_draft_tokens"] = 1
         given, out = out, {**base, **out}
         if "ngram_max" in given and "ngram_min" not in given:  # one n-gram size given: the other is the same, as vLLM's
             out["ngram_min"] = given["ngram_max"]

@@ -389,5 +389,7 @@ def test_mtp_refusals(mtp_dirs, dirs):
         LLM(str(dirs["target"]), device="cpu", speculative=SpecConfig(method="mtp"))
     with pytest.raises(ValueError, match="give no draft model"):
         LLM(str(mtp_dirs["deepseek"]), draft=str(dirs["target"]), device="cpu", speculative=SpecConfig(method="mtp"))
-    with pytest.raises(ValueError, match="only specdec's torch runtime"):
-        LLM(str(mtp_dirs["deepseek"]), device="cpu", backend="hf", speculative=SpecConfig(method="mtp"))
+    for backend in ("hf", "llamacpp"):  # refused before the model loads
+        with pytest.raises(ValueError, match="not on backend 'hf' or 'llamacpp', nor from a GGUF"):
+            LLM(str(mtp_dirs["deepseek"]), device="cpu", backend=backend, speculative=SpecConfig(method="mtp"))
+    assert SpecConfig.from_vllm({"method": "deepseek_mtp"})[0].num_draft_tokens == 1  # vLLM's default: its layers

@@ -1,6 +1,7 @@
 """The torch runtime against transformers on the same weights, and its cache mechanics."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
@@ -101,6 +102,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
         "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32.0, "beta_slow": 1.0})),
     "deepseekv2-greedy": ("deepseek_v2", dict(MOE["deepseek_v2"], topk_method="greedy", q_lora_rank=None)),
+    # biases: the latent's beside a query projection without one; the latents' norms at transformers'
+    # 1e-6 whatever rms_norm_eps says (a large one shows it)
+    "deepseekv2-bias-no-q-lora-eps": ("deepseek_v2", dict(MOE["deepseek_v2"], q_lora_rank=None, attention_bias=True,
+                                                          rms_norm_eps=1e-2)),
+    "deepseekv3-bias-eps": ("deepseek_v3", dict(MOE["deepseek_v3"], attention_bias=True, rms_norm_eps=1e-2)),
     "deepseekv2-groups": ("deepseek_v2", MOE["deepseek_v2"]),
     "glm47flash": ("glm4_moe_lite", dict(MOE["glm4_moe_lite"], mlp_layer_types=["dense", "sparse", "dense"])),
     # GLM-4: rotary pairs interleaved on half of each head, norms after attention and the MLP
@@ -799,7 +805,8 @@ class EagerGraphs:
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gemma2-caps-window", "granite-multipliers", "qwen2moe",
-                                  "gptoss-sinks-window", "glm45-groups-shared", "glm4-interleaved-partial-rope"])
+                                  "gptoss-sinks-window", "glm45-groups-shared", "glm4-interleaved-partial-rope",
+                                  "deepseek", "deepseekv2-greedy"])
 def test_graphed_forward_equals_eager(tiny_dirs, tmp_path, name):
     """The CUDA-graph branch of the forward (full-capacity masks, rows padded up to a graph's
     size; Gemma 3's window, Gemma 2's capped attention written out, Granite's multipliers and
@@ -1108,3 +1115,27 @@ def test_hub_weight_files():
     for files, want in repos.items():
         pattern = weight_pattern(list(files))
         assert [f for f in files if fnmatch(f, pattern)] == want, files
+
+
+@pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])
+def test_deepseek_v2_routing_in_bfloat16(method):
+    """DeepSeek-V2's router in bfloat16 models: logits and weights in float32, the same
+    experts and weights as transformers' router for every token."""
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    from specdec.runtime.moe import Routing
+
+    config = AutoConfig.for_model("deepseek_v2", hidden_size=64, n_routed_experts=16, num_experts_per_tok=4,
+                                  n_group=4, topk_group=2, topk_method=method, routed_scaling_factor=2.5)
+    router = DeepseekV2TopkRouter(config)
+    g = torch.Generator().manual_seed(0)
+    router.weight.data = torch.randn(16, 64, generator=g)
+    x = torch.randn(500, 64, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        _, want_w, want_e = router(x)
+    weights, chosen = Routing.of(config).weights(F.linear(x.float(), router.weight))
+    assert weights.dtype == torch.float32
+    order, want = chosen.sort(dim=-1), want_e.sort(dim=-1)
+    assert torch.equal(order.values, want.values)
+    assert torch.equal(weights.gather(1, order.indices), want_w.gather(1, want.indices))

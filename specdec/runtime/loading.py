@@ -66,7 +66,7 @@ def resolve(model: str | None, weights: bool = True, revision: str | None = None
         raise ValueError(f"{what} path {model!r} is neither an HF model directory nor a .gguf file")
     if model.count("/") != 1 or model.startswith((".", "/", "~")):
         raise ValueError(f"{what} path {model!r} does not exist")
-    return _from_hub(model, weights, revision, code)
+    return _from_hub(model, weights, revision, code, what)
 
 
 def weight_pattern(files: list[str]) -> str:
@@ -80,7 +80,8 @@ def weight_pattern(files: list[str]) -> str:
     return "*.safetensors" if top else "pytorch_model*.bin"
 
 
-def _from_hub(repo_id: str, weights: bool = True, revision: str | None = None, code: bool = False) -> Path:
+def _from_hub(repo_id: str, weights: bool = True, revision: str | None = None, code: bool = False,
+              what: str = "model") -> Path:
     """The hub repo's snapshot: config, tokenizer, generation config, and its safetensors
     (else its ``pytorch_model*.bin``, as transformers prefers them), not both."""
     from huggingface_hub import list_repo_files, snapshot_download
@@ -97,7 +98,7 @@ def _from_hub(repo_id: str, weights: bool = True, revision: str | None = None, c
     except Exception as e:  # offline, unknown repo or revision, gated...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         at = f" at revision {revision!r}" if revision else ""
-        raise ValueError(f"model {repo_id!r}{at} is not a local path and could not be fetched "
+        raise ValueError(f"{what} {repo_id!r}{at} is not a local path and could not be fetched "
                          f"from the Hugging Face hub ({first})") from None
 
 

@@ -129,13 +129,17 @@ class Family:
                    final_softcap=config.final_logit_softcapping if gemma23 else None, activation=act)
 
 
+LATENT_NORM_EPS = 1e-6  # the latents' norms (q_a_layernorm, kv_a_layernorm), built without the config's eps
+
+
 @dataclass(frozen=True)
 class Latent:
     """Multi-head latent attention's widths (DeepSeek-V2 and V3's, GLM-4.7-Flash's). A token's
     keys and values are, per head h, ``K_h = W_UK[h] c`` beside the rotated ``k_rope`` that all
     heads share, and ``V_h = W_UV[h] c``, from one normed latent ``c`` (``rank`` wide). The
     cache keeps that row alone, ``[c, k_rope]``: one "head" of ``rank + rope``. Attention runs
-    on it as multi-query attention with the weights absorbed (SGLang's and vLLM's MLA
+    on it as multi-query attention (every head's queries side by side as one head's, so that
+    the rows are read once, not copied per head) with the weights absorbed (SGLang's and vLLM's MLA
     decoding): a head's query becomes ``[W_UK[h]^T q_nope, q_rope]``, so that its dot product
     with a row is the score of the full key; the rows' latents are the values; and the
     attended latent goes through ``W_UV[h]``. A long chunk of new tokens instead expands the
@@ -399,13 +403,16 @@ def latent_attention(r: CheckpointReader, a: str, latent: Latent) -> dict:
     the layer's input fused (the query's low-rank step or the query itself, then the latent
     and the shared rotated key), ``q_norm`` / ``q_b`` the query's second step (None without
     one), ``kv_norm`` the latent's norm, ``uk [heads, nope, rank]`` and ``uv [heads, rank,
-    value]`` the per-head up-projections of keys and values, absorbed (``Latent``)."""
-    first = [a + "q_a_proj"] if latent.q_rank is not None else [a + "q_proj"]
+    value]`` the per-head up-projections of keys and values, absorbed (``Latent``). The two
+    norms' epsilon is transformers' (its modules' default, 1e-6, not ``rms_norm_eps``)."""
+    names = [a + ("q_a_proj" if latent.q_rank is not None else "q_proj"), a + "kv_a_proj_with_mqa"]
     up = r.get(a + "kv_b_proj.weight")  # [heads (nope + value), rank]
     up = up.view(-1, latent.nope + latent.value, latent.rank)
+    weights, biases = [r.get(n + ".weight") for n in names], [r.opt(n + ".bias") for n in names]
+    if any(b is not None for b in biases):  # attention_bias: q_proj has none beside the latent's
+        biases = [w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)]
     return {
-        "qkv": r.linear(torch.cat([r.get(n + ".weight") for n in first + [a + "kv_a_proj_with_mqa"]]),
-                        cat_or_none([r.opt(n + ".bias") for n in first + [a + "kv_a_proj_with_mqa"]])),
+        "qkv": r.linear(torch.cat(weights), cat_or_none(biases)),
         "q_norm": r.norm(a + "q_a_layernorm.weight"),
         "q_b": r.linear(r.get(a + "q_b_proj.weight"), None) if latent.q_rank is not None else None,
         "kv_norm": r.norm(a + "kv_a_layernorm.weight"),
@@ -720,20 +727,23 @@ class TorchLlama:
         lat, (B, T), H = self.latent, x.ids.shape, self.num_heads
         S = x.mask.shape[-1]
         first, c, k_rope = L["qkv"](a).split([lat.q_rank or H * (lat.nope + lat.rope), lat.rank, lat.rope], dim=-1)
-        q = first if L["q_b"] is None else L["q_b"](rms_norm(first, L["q_norm"], self.eps))
+        q = first if L["q_b"] is None else L["q_b"](rms_norm(first, L["q_norm"], LATENT_NORM_EPS))
         q_nope, q_rope = q.view(B, T, H, lat.nope + lat.rope).transpose(1, 2).split([lat.nope, lat.rope], dim=-1)
         cos, sin = rope[L["rope"]]  # [B, 1, T, rope]
         q_rope = rotate(q_rope, cos, sin, self.family.interleaved_rope)  # [B, H, T, rope]
         k_rope = rotate(k_rope[:, None], cos, sin, self.family.interleaved_rope)  # [B, 1, T, rope]
         kc = cache.k[li]  # [slots, 1, cap, rank + rope]
-        kc[x.slots[:, None], 0, x.write] = torch.cat([rms_norm(c, L["kv_norm"], self.eps), k_rope[:, 0]], dim=-1)
+        kc[x.slots[:, None], 0, x.write] = torch.cat([rms_norm(c, L["kv_norm"], LATENT_NORM_EPS), k_rope[:, 0]], dim=-1)
         expand = lat.expands(T)
         query = torch.cat([q_nope if expand else q_nope @ L["uk"], q_rope], dim=-1)  # [B, H, T, nope or rank + rope]
 
         def attend(b0: int, b1: int, rows: torch.Tensor) -> torch.Tensor:  # rows [b1 - b0, 1, S, rank + rope]
             latents = rows[..., :lat.rank]  # [b, 1, S, rank]
-            if not expand:  # multi-query attention over the rows, the latents as values
-                return attention(query[b0:b1], rows, latents, x.mask[b0:b1], self.family.attn_scale, None) @ L["uv"]
+            if not expand:  # multi-query attention over the rows, the latents as values: the heads'
+                b, S = b1 - b0, rows.shape[2]  # queries side by side as one head's (no copy of the rows per head)
+                mask = x.mask[b0:b1].expand(b, H, T, S).reshape(b, 1, H * T, S)
+                o = attention(query[b0:b1].reshape(b, 1, H * T, -1), rows, latents, mask, self.family.attn_scale, None)
+                return o.view(b, H, T, lat.rank) @ L["uv"]
             keys = torch.cat([latents @ L["uk"].transpose(1, 2), rows[..., lat.rank:].expand(-1, H, -1, -1)], dim=-1)
             return attention(query[b0:b1], keys, latents @ L["uv"], x.mask[b0:b1], self.family.attn_scale, None)
 
