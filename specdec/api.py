@@ -22,7 +22,7 @@ from .cost import DraftCost, Planner, forward_costs
 from .engine import Engine
 from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
-from .runtime.eagle import EAGLE_KINDS, EagleHead, eagle_checkpoint, load_eagle, load_mtp
+from .runtime.eagle import EAGLE_KINDS, MTP_ARCHS, EagleHead, eagle_checkpoint, load_eagle, load_mtp
 from .runtime.loading import quantization_of
 from .sampling import make_generator
 from .sequence import Sequence, TokenLogprobs, bad_words_ids, settled_text, text_context
@@ -122,6 +122,18 @@ def vllm_logprobs(tokens: list[int], entries: list[TokenLogprobs], decode) -> li
             entry.setdefault(a, Logprob(alp, rank, decode(a)))
         out.append(entry)
     return out
+
+
+def check_mtp_config(path: Path) -> None:
+    """Refuse method mtp before loading where a local checkpoint's config says it has no MTP
+    layer (``num_nextn_predict_layers``, of an architecture that has them)."""
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    if config.get("model_type") not in MTP_ARCHS or not config.get("num_nextn_predict_layers"):
+        raise ValueError(f"this {config.get('model_type')} checkpoint has no multi-token prediction layer "
+                         "(its config gives no num_nextn_predict_layers): method 'mtp' needs one (DeepSeek-V3's, "
+                         "GLM-4.5's)")
 
 
 def check_tree_rows(spec: SpecConfig, num_slots: int, target: LoadedModel, draft: LoadedModel | None) -> None:
@@ -337,6 +349,8 @@ class LLM:
             raise ValueError("method 'mtp' runs the checkpoint's own multi-token prediction layer on specdec's torch "
                              "runtime, read from its safetensors files: not on backend 'hf' or 'llamacpp', nor from "
                              "a GGUF")
+        if speculative.method == "mtp" and isinstance(model, str):
+            check_mtp_config(Path(model).expanduser() / "config.json")
         if draft and not uses_draft:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
                              "use method 'draft', 'hybrid', 'eagle' or 'eagle3'")

@@ -382,10 +382,11 @@ def test_greedy_with_mtp_equals_the_target_alone(mtp_dirs, name, topk):
 
 
 def test_mtp_refusals(mtp_dirs, dirs):
-    """Method mtp needs a checkpoint with an MTP layer, on the torch runtime, and no draft model."""
+    """Method mtp needs a checkpoint with an MTP layer (a config without one is refused before
+    loading; one whose weights lack it, after), on the torch runtime, and no draft model."""
     with pytest.raises(ValueError, match="no multi-token prediction layer"):
         LLM(str(mtp_dirs["none"]), device="cpu", speculative=SpecConfig(method="mtp"))
-    with pytest.raises(ValueError, match="no multi-token prediction layer"):
+    with pytest.raises(ValueError, match="config gives no num_nextn_predict_layers"):  # before loading
         LLM(str(dirs["target"]), device="cpu", speculative=SpecConfig(method="mtp"))
     with pytest.raises(ValueError, match="give no draft model"):
         LLM(str(mtp_dirs["deepseek"]), draft=str(dirs["target"]), device="cpu", speculative=SpecConfig(method="mtp"))
