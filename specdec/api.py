@@ -124,10 +124,19 @@ def vllm_logprobs(tokens: list[int], entries: list[TokenLogprobs], decode) -> li
     return out
 
 
-def check_mtp_config(path: Path) -> None:
-    """Refuse method mtp before loading where a local checkpoint's config says it has no MTP
-    layer (``num_nextn_predict_layers``, of an architecture that has them)."""
-    if not path.is_file():
+def check_mtp(model, draft, backend: str) -> None:
+    """Refuse method mtp before loading: with a draft model, on backend hf or llamacpp, for a
+    GGUF, or where a local checkpoint's config says it has no MTP layer
+    (``num_nextn_predict_layers``, of an architecture that has them)."""
+    if draft:
+        raise ValueError("method 'mtp' drafts with the target checkpoint's own multi-token prediction layer; "
+                         "give no draft model")
+    if backend in ("hf", "llamacpp") or str(model).endswith(".gguf"):
+        raise ValueError("method 'mtp' runs the checkpoint's own multi-token prediction layer on specdec's torch "
+                         "runtime, read from its safetensors files: not on backend 'hf' or 'llamacpp', nor from "
+                         "a GGUF")
+    path = Path(model).expanduser() / "config.json" if isinstance(model, str) else None
+    if path is None or not path.is_file():
         return
     config = json.loads(path.read_text())
     if config.get("model_type") not in MTP_ARCHS or not config.get("num_nextn_predict_layers"):
@@ -342,15 +351,8 @@ class LLM:
         if uses_draft and not draft:
             raise ValueError(f"method {speculative.method!r} needs a draft model (draft=... / --draft, or "
                              "\"model\" in a speculative config)")
-        if draft and speculative.method == "mtp":
-            raise ValueError("method 'mtp' drafts with the target checkpoint's own multi-token prediction layer; "
-                             "give no draft model")
-        if speculative.method == "mtp" and (c.backend in ("hf", "llamacpp") or str(model).endswith(".gguf")):
-            raise ValueError("method 'mtp' runs the checkpoint's own multi-token prediction layer on specdec's torch "
-                             "runtime, read from its safetensors files: not on backend 'hf' or 'llamacpp', nor from "
-                             "a GGUF")
-        if speculative.method == "mtp" and isinstance(model, str):
-            check_mtp_config(Path(model).expanduser() / "config.json")
+        if speculative.method == "mtp":
+            check_mtp(model, draft, c.backend)
         if draft and not uses_draft:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
                              "use method 'draft', 'hybrid', 'eagle' or 'eagle3'")

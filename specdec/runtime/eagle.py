@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .cuda_graphs import CudaGraphs
+from .linear import pick_linear
 from .ops import rms_norm
 from .torch_llama import CheckpointReader, Family, KVCache, TorchLlama, decoder_layer
 
@@ -321,13 +322,13 @@ class MtpHead(EagleHead):
         self.norm = r.norm(pre + "shared_head.norm.weight")
         # the embedding and head the layer was trained with: the checkpoint's copies where it has
         # them and they differ from the model's (DeepSeek-V3's are equal: the model's serve), else the model's
-        embed = "model.embed_tokens.weight"
-        head = "lm_head.weight" if "lm_head.weight" in weights else embed  # tied
-        own = {n: n in weights and not torch.equal(weights[n], weights[m])
-               for n, m in ((pre + "embed_tokens.weight", embed), (pre + "shared_head.head.weight", head))}
-        self.embed = r.get(pre + "embed_tokens.weight") if own[pre + "embed_tokens.weight"] else target.embed
-        self.lm_head = r.linear(r.get(pre + "shared_head.head.weight"), None) if own[pre + "shared_head.head.weight"] \
-            else target.lm_head
+        def differs(own: str, model: str) -> bool:
+            return own in weights and not torch.equal(weights[own], weights[model])
+
+        embed, head = pre + "embed_tokens.weight", pre + "shared_head.head.weight"
+        model_head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"  # tied
+        self.embed = r.get(embed) if differs(embed, "model.embed_tokens.weight") else target.embed
+        self.lm_head = r.linear(r.get(head), None) if differs(head, model_head) else target.lm_head
         self.vocab_size = target.vocab_size
         self.reads = (target.num_layers,)  # the last hidden state, after the final norm
         self.to_target, self.logit_scale = None, 1.0
@@ -339,11 +340,17 @@ class MtpHead(EagleHead):
         return h, rms_norm(h, L["attn_norm"], self.eps)
 
 
+def head_linear(rt: TorchLlama, quantize: str) -> str:
+    """A head's linears' kind beside the target runtime ``rt``: ``quantize`` is
+    ``draft_quantization`` (auto: int8 on a CPU in float32)."""
+    int8 = quantize == "int8" or (quantize == "auto" and rt.device.type == "cpu" and rt.dtype == torch.float32)
+    return pick_linear(rt.device, rt.dtype, int8)
+
+
 def load_mtp(target, quantize: str = "auto"):
     """``target``'s own multi-token prediction layer (an ``MtpHead`` over the weights in its
     checkpoint) as a ``LoadedModel`` beside it; ``quantize``: ``draft_quantization``."""
     from .loading import LoadedModel, Weights
-    from .linear import pick_linear
 
     rt = target.runtime
     if type(rt) is not TorchLlama:
@@ -354,8 +361,7 @@ def load_mtp(target, quantize: str = "auto"):
     except ValueError:  # a GGUF's directory, or no weights at all
         raise ValueError(f"method 'mtp' reads the MTP layer from the checkpoint's safetensors files; {target.path} "
                          "has none") from None
-    int8 = quantize == "int8" or (quantize == "auto" and rt.device.type == "cpu" and rt.dtype == torch.float32)
-    head = MtpHead(target.config, weights, rt, pick_linear(rt.device, rt.dtype, int8), cuda_graphs=rt.graphs is not None)
+    head = MtpHead(target.config, weights, rt, head_linear(rt, quantize), cuda_graphs=rt.graphs is not None)
     return LoadedModel(f"{target.name} (MTP)", target.path, head, target.tokenizer, target.eos_ids, target.config)
 
 
@@ -382,7 +388,6 @@ def load_eagle(draft: str, kind: str, target, quantize: str = "auto", revision: 
     from transformers import AutoConfig
 
     from .loading import LoadedModel, Weights, resolve
-    from .linear import pick_linear
 
     rt = target.runtime
     if type(rt) is not TorchLlama:
@@ -390,7 +395,5 @@ def load_eagle(draft: str, kind: str, target, quantize: str = "auto", revision: 
                          "gives: run the target with backend 'torch' (or 'auto', for an architecture it runs)")
     path = resolve(draft, weights=True, revision=revision)
     config = AutoConfig.from_pretrained(path)
-    int8 = quantize == "int8" or (quantize == "auto" and rt.device.type == "cpu" and rt.dtype == torch.float32)
-    head = EagleHead(kind, config, Weights(path), rt, pick_linear(rt.device, rt.dtype, int8),
-                     cuda_graphs=rt.graphs is not None)
+    head = EagleHead(kind, config, Weights(path), rt, head_linear(rt, quantize), cuda_graphs=rt.graphs is not None)
     return LoadedModel(str(draft), path, head, target.tokenizer, target.eos_ids, config)

@@ -120,12 +120,8 @@ class Routing:
         if self.sigmoid:
             scores = logits.sigmoid()  # [N, experts]
             choice = scores if correction is None else scores + correction
-            if self.groups > 1:
-                N, E = choice.shape
-                by_group = choice.view(N, self.groups, E // self.groups)
-                best = by_group.topk(2, dim=-1)[0].sum(dim=-1).topk(self.top_groups, dim=-1, sorted=False)[1]
-                keep = torch.zeros(N, self.groups, dtype=torch.bool, device=logits.device).scatter_(1, best, True)
-                choice = choice.masked_fill(~keep[..., None].expand_as(by_group).reshape(N, E), float("-inf"))
+            if self.groups > 1:  # each group by its best two
+                choice = self._best_groups(choice, lambda g: g.topk(2, dim=-1)[0].sum(dim=-1), float("-inf"))
             chosen = choice.topk(self.top_k, dim=-1, sorted=False)[1]
             weights = scores.gather(1, chosen)
             if self.renormalize:
@@ -133,17 +129,22 @@ class Routing:
             return weights * self.scale, chosen
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, experts]
         if self.groups > 1:  # DeepSeek-V2's group_limited_greedy: each group by its best expert
-            N, E = scores.shape
-            by_group = scores.view(N, self.groups, E // self.groups)
-            best = by_group.max(dim=-1).values.topk(self.top_groups, dim=-1, sorted=False)[1]
-            keep = torch.zeros(N, self.groups, dtype=torch.bool, device=logits.device).scatter_(1, best, True)
-            scores = scores.masked_fill(~keep[..., None].expand_as(by_group).reshape(N, E), 0.0)
+            scores = self._best_groups(scores, lambda g: g.max(dim=-1).values, 0.0)
         weights, chosen = scores.topk(self.top_k, dim=-1)
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.scale != 1.0:
             weights = weights * self.scale
         return (weights if self.float_weights else weights.to(logits.dtype)), chosen
+
+    def _best_groups(self, scores: torch.Tensor, rank, fill: float) -> torch.Tensor:
+        """``scores [N, experts]`` with those outside each token's ``top_groups`` best groups
+        (by ``rank [N, groups, per group] -> [N, groups]``) set to ``fill``."""
+        N, E = scores.shape
+        by_group = scores.view(N, self.groups, E // self.groups)
+        best = rank(by_group).topk(self.top_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros(N, self.groups, dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+        return scores.masked_fill(~keep[..., None].expand_as(by_group).reshape(N, E), fill)
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if not self.gpt_oss:
