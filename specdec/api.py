@@ -22,6 +22,7 @@ from .cost import DraftCost, Planner, forward_costs
 from .engine import Engine
 from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
+from .runtime.base import NO_TREES
 from .runtime.eagle import EAGLE_KINDS, MTP_ARCHS, EagleHead, eagle_checkpoint, load_eagle, load_mtp
 from .runtime.loading import quantization_of
 from .sampling import make_generator
@@ -127,7 +128,8 @@ def vllm_logprobs(tokens: list[int], entries: list[TokenLogprobs], decode) -> li
 def check_mtp(model, draft, backend: str) -> None:
     """Refuse method mtp before loading: with a draft model, on backend hf or llamacpp, for a
     GGUF, or where a local checkpoint's config says it has no MTP layer
-    (``num_nextn_predict_layers``, of an architecture that has them)."""
+    (``num_nextn_predict_layers``, Qwen's ``mtp_num_hidden_layers``, of an architecture that has
+    them)."""
     if draft:
         raise ValueError("method 'mtp' drafts with the target checkpoint's own multi-token prediction layer; "
                          "give no draft model")
@@ -139,10 +141,12 @@ def check_mtp(model, draft, backend: str) -> None:
     if path is None or not path.is_file():
         return
     config = json.loads(path.read_text())
-    if config.get("model_type") not in MTP_ARCHS or not config.get("num_nextn_predict_layers"):
+    text = config.get("text_config") or {}
+    if config.get("model_type") not in MTP_ARCHS or not any(
+            c.get(n) for c in (config, text) for n in ("num_nextn_predict_layers", "mtp_num_hidden_layers")):
         raise ValueError(f"this {config.get('model_type')} checkpoint has no multi-token prediction layer "
-                         "(its config gives no num_nextn_predict_layers): method 'mtp' needs one (DeepSeek-V3's, "
-                         "GLM-4.5's)")
+                         "(its config gives no num_nextn_predict_layers or mtp_num_hidden_layers): method 'mtp' "
+                         "needs one (DeepSeek-V3's, GLM-4.5's, Qwen3.5's)")
 
 
 def check_tree_rows(spec: SpecConfig, num_slots: int, target: LoadedModel, draft: LoadedModel | None) -> None:
@@ -383,6 +387,8 @@ class LLM:
             if m is not None and speculative.method != "none" and not getattr(m.runtime, "rewinds", True):
                 raise ValueError(f"the {side} model keeps a recurrent state ({m.config.model_type}), which cannot go "
                                  "back to drop rejected drafts: it decodes without speculation only (method 'none')")
+            if m is not None and hasattr(m.runtime, "state_depth"):  # DeltaNet states: as many as a round rewinds
+                m.runtime.state_depth = speculative.depth + 2 if speculative.method != "none" else 2
         # the target's context: a draft model with a shorter one drafts while a round fits in it
         if c.max_model_len is not None and c.max_model_len > self.target.max_context:
             trained = getattr(self.target.runtime, "trained_context", self.target.max_context)
@@ -392,8 +398,7 @@ class LLM:
                                          if trained > self.target.max_context else ""))
         self.context_window = c.max_model_len or self.target.max_context  # tokens (prompt + output) a request may span
         if speculative.tree_topk > 1 and not self.target.runtime.supports_masks:
-            raise ValueError("token trees need the torch or llama.cpp runtime (tree attention masks); "
-                             "the transformers fallback runs chains only")
+            raise ValueError(NO_TREES)
         if speculative.tree_topk > 1:
             check_tree_rows(speculative, c.max_batch_size, self.target, self.draft)
         whole = getattr(self.target.runtime, "whole_prompts", False)

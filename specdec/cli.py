@@ -42,7 +42,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="drafter (default: draft when --draft is given, else none); hybrid = "
                         "n-gram when the lookup matches, else the draft model; eagle / eagle3 = --draft is an "
                         "EAGLE or EAGLE-3 head over the target's hidden states (draft with one becomes its kind); "
-                        "mtp = the model's own multi-token prediction layer (DeepSeek-V3, GLM-4.5; no --draft)")
+                        "mtp = the model's own multi-token prediction layer (DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5; "
+                        "no --draft)")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=SpecConfig.num_draft_tokens,
                    help="draft tokens per round, k (default %(default)s)")
     g.add_argument("--ngram-max", type=int, default=SpecConfig.ngram_max,
@@ -67,7 +68,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="auto (default): float32 on cpu, bfloat16 on cuda")
     g.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="torch = specdec's own runtime (Llama, Mistral, Qwen2/3, Phi-3, Granite, SmolLM3, GLM-4, Gemma, Gemma 2, "
-                        "Gemma 3, Mixtral, Qwen2/3-MoE, GPT-OSS, GLM-4.5, DeepSeek-V2/V3, GLM-4.7-Flash), "
+                        "Gemma 3, Mixtral, Qwen2/3-MoE, GPT-OSS, GLM-4.5, DeepSeek-V2/V3, GLM-4.7-Flash, Qwen3-Next, "
+                        "Qwen3.5 (-MoE)), "
                         "hf = transformers' model, "
                         "llamacpp = llama.cpp on a .gguf (pip install 'specdec[llamacpp]'); "
                         "auto picks torch when the architecture allows")

@@ -32,7 +32,7 @@ DRAFT_METHODS = ("draft", "hybrid", "eagle", "eagle3")
 MODEL_METHODS = DRAFT_METHODS + ("self", "mtp")
 # vLLM's speculative_config, as SpecConfig.from_vllm reads it: its method names and keys
 VLLM_SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "eagle": "eagle", "eagle3": "eagle3", "mtp": "mtp",
-                     "deepseek_mtp": "mtp", "glm4_moe_mtp": "mtp"}
+                     "deepseek_mtp": "mtp", "glm4_moe_mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
 VLLM_SPEC_KEYS = {"num_speculative_tokens": "num_draft_tokens", "prompt_lookup_max": "ngram_max",
                   "prompt_lookup_min": "ngram_min", "revision": "draft_revision"}
 BACKENDS = ("auto", "torch", "hf", "llamacpp")
@@ -333,7 +333,7 @@ class SpecConfig:
 
     # hybrid: n-gram when it matches, else draft (with the cost model: the faster expected)
     # eagle / eagle3: the draft is an EAGLE or EAGLE-3 head (method draft with one becomes its kind)
-    # mtp: the target checkpoint's own multi-token prediction layer (DeepSeek-V3's, GLM-4.5's)
+    # mtp: the target checkpoint's own multi-token prediction layer (DeepSeek-V3's, GLM-4.5's, Qwen3.5's)
     method: str = "none"  # none | draft | ngram | self | hybrid | eagle | eagle3 | mtp
     num_draft_tokens: int = 4  # k
     ngram_max: int = 3  # longest suffix n-gram the lookup tries first

@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import MOE, make_tiny, noisy_copy  # noqa: E402
+from tiny import DELTA_NET, MOE, make_tiny, noisy_copy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +31,7 @@ def tiny_dirs(tmp_path_factory):
         "gptoss": make_tiny(root / "gptoss", "gpt_oss", seed=12, **MOE["gpt_oss"], sliding_window=6),  # sinks
         "glm45": make_tiny(root / "glm45", "glm4_moe", seed=13, **MOE["glm4_moe"]),
         "deepseek": make_tiny(root / "deepseek", "deepseek_v3", seed=14, **MOE["deepseek_v3"]),  # latent attention
+        "qwen35": make_tiny(root / "qwen35", "qwen3_5_text", seed=15, **DELTA_NET),  # recurrent states
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

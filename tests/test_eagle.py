@@ -300,12 +300,15 @@ def test_two_heads_on_one_target(dirs):
 def mtp_dirs(tmp_path_factory):
     """Tiny checkpoints with a multi-token prediction layer: DeepSeek-V3's (latent attention,
     experts) sharing the model's embedding and head, GLM-4.5's (grouped-query attention, half
-    of each head rotated, experts) with a head of its own; and one without."""
-    from tiny import MOE, add_mtp
+    of each head rotated, experts) with a head of its own; Qwen3.5's (DeltaNet target, a
+    gated attention layer) and Qwen3-Next's (experts); and one without."""
+    from tiny import DELTA_NET, MOE, add_mtp
 
     root = tmp_path_factory.mktemp("mtp")
     return {"deepseek": add_mtp(make_tiny(root / "deepseek", "deepseek_v3", seed=4, **MOE["deepseek_v3"]), seed=5),
             "glm45": add_mtp(make_tiny(root / "glm45", "glm4_moe", seed=6, **MOE["glm4_moe"]), seed=7, own_head=True),
+            "qwen35": add_mtp(make_tiny(root / "qwen35", "qwen3_5_text", seed=8, **DELTA_NET), seed=9),
+            "qwen3next": add_mtp(make_tiny(root / "qwen3next", "qwen3_next", seed=10, **MOE["qwen3_next"]), seed=11),
             "none": make_tiny(root / "none", "deepseek_v3", seed=4, **MOE["deepseek_v3"])}
 
 
@@ -314,16 +317,28 @@ def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
     from scratch as vLLM lays them out: row j is ``eh_proj([enorm(embedding of token j + 1);
     hnorm(the target's last hidden state at j)])`` at position j, through transformers' own
     decoder layer (a model one layer deeper holds the MTP block as its last), then
-    ``shared_head``; a drafted token's row takes the layer's output of the row before it."""
+    ``shared_head``; a drafted token's row takes the layer's output of the row before it.
+    Qwen's: ``fc([pre_fc_norm_embedding(e); pre_fc_norm_hidden(h)])``, norms of 1 + weight,
+    and the layer's output after ``mtp.norm`` is both the head's input and the next row's."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
     L, eps = config.num_hidden_layers, config.rms_norm_eps
-    w = {k.removeprefix(f"model.layers.{L}."): v for k, v in load_file(path / "model.safetensors").items()}
+    tensors = load_file(path / "model.safetensors")
+    w = {k.removeprefix(f"model.layers.{L}."): v for k, v in tensors.items()}
+    qwen = "mtp.fc.weight" in tensors
+    if qwen:  # Qwen's names, as DeepSeek's; the model's head; norms of 1 + weight
+        w = {k.removeprefix("mtp.layers.0."): v for k, v in tensors.items()}
+        w.update({"enorm.weight": 1 + tensors["mtp.pre_fc_norm_embedding.weight"],
+                  "hnorm.weight": 1 + tensors["mtp.pre_fc_norm_hidden.weight"], "eh_proj.weight": tensors["mtp.fc.weight"],
+                  "shared_head.norm.weight": 1 + tensors["mtp.norm.weight"], "shared_head.head.weight": tensors["lm_head.weight"]})
+    more = dict(layer_types=config.layer_types + ["full_attention"]) if qwen else {}
     target = AutoModelForCausalLM.from_pretrained(path).eval()
-    deeper = AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=L + 1).eval()
+    deeper = AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=L + 1, **more).eval()
     layer, rotary = deeper.model.layers[L], deeper.model.rotary_emb
+    if qwen:  # (transformers reads no mtp. weights)
+        layer.load_state_dict({k.removeprefix("mtp.layers.0."): v for k, v in tensors.items() if k.startswith("mtp.layers.0.")})
     feats = target.model(torch.tensor([ids])).last_hidden_state[0]  # after the final norm
     rows_h, rows_t, out = list(feats[:-1]), ids[1:], []
     for step in range(len(chain) + 1):
@@ -332,14 +347,15 @@ def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
                      w["eh_proj.weight"])[None]  # [1, R, hidden]
         pos = torch.arange(x.shape[1])[None]
         y = layer(x, attention_mask=None, position_ids=pos, position_embeddings=rotary(x, pos))[0]  # causal
-        out.append(F.linear(rms(y[-1], w["shared_head.norm.weight"], eps), w["shared_head.head.weight"]))
+        normed = rms(y[-1], w["shared_head.norm.weight"], eps)
+        out.append(F.linear(normed, w["shared_head.head.weight"]))
         if step < len(chain):
-            rows_h.append(y[-1])
+            rows_h.append(normed if qwen else y[-1])
             rows_t.append(chain[step])
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("name", ["deepseek", "glm45"])
+@pytest.mark.parametrize("name", ["deepseek", "glm45", "qwen35", "qwen3next"])
 @torch.inference_mode()
 def test_mtp_drafts_as_vllm_lays_them_out(mtp_dirs, name):
     """The MTP layer's logits after a prompt (the target's features handed over per prefill
@@ -350,7 +366,7 @@ def test_mtp_drafts_as_vllm_lays_them_out(mtp_dirs, name):
     llm = LLM(str(mtp_dirs[name]), device="cpu", speculative=SpecConfig(method="mtp", draft_quantization="none"))
     head, target = llm.draft.runtime, llm.target.runtime
     assert isinstance(head, MtpHead) and head.reads == (target.num_layers,)
-    assert (head.embed is target.embed) and ((head.lm_head is target.lm_head) == (name == "deepseek"))
+    assert (head.embed is target.embed) and ((head.lm_head is target.lm_head) == (name != "glm45"))
     ids = list(b"the quick brown fox")
     tcache, cache = target.new_cache(1), head.new_cache(1)
     for chunk in (ids[:7], ids[7:-1]):
@@ -365,15 +381,15 @@ def test_mtp_drafts_as_vllm_lays_them_out(mtp_dirs, name):
     torch.testing.assert_close(torch.stack(got[1:]), ref, **CLOSE)
 
 
-@pytest.mark.parametrize("name,topk", [("deepseek", 1), ("deepseek", 2), ("glm45", 1)])
+@pytest.mark.parametrize("name,topk", [("deepseek", 1), ("deepseek", 2), ("glm45", 1), ("qwen35", 1), ("qwen3next", 1)])
 def test_greedy_with_mtp_equals_the_target_alone(mtp_dirs, name, topk):
     """Greedy decoding drafting with the checkpoint's MTP layer (chains and trees, three
     requests in one batch, prompts prefilled in chunks, int8 on the CPU) gives the target's
     own tokens; vLLM's names for the method are read."""
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in LLM(str(mtp_dirs[name]), device="cpu").generate(PROMPTS, sp)]
-    spec, _ = SpecConfig.from_vllm({"method": "deepseek_mtp" if name == "deepseek" else "glm4_moe_mtp",
-                                    "num_speculative_tokens": 3}, tree_topk=topk)
+    method = {"deepseek": "deepseek_mtp", "glm45": "glm4_moe_mtp", "qwen35": "qwen3_5_mtp"}.get(name, "qwen3_next_mtp")
+    spec, _ = SpecConfig.from_vllm({"method": method, "num_speculative_tokens": 3}, tree_topk=topk)
     llm = LLM(str(mtp_dirs[name]), device="cpu", chunked_prefill_size=8, speculative=spec)
     assert spec.method == "mtp" and isinstance(llm.engine.drafters["draft"], EagleDrafter)
     outs = llm.generate(PROMPTS, sp)
@@ -386,7 +402,7 @@ def test_mtp_refusals(mtp_dirs, dirs):
     loading; one whose weights lack it, after), on the torch runtime, and no draft model."""
     with pytest.raises(ValueError, match="no multi-token prediction layer"):
         LLM(str(mtp_dirs["none"]), device="cpu", speculative=SpecConfig(method="mtp"))
-    with pytest.raises(ValueError, match="config gives no num_nextn_predict_layers"):  # before loading
+    with pytest.raises(ValueError, match="config gives no num_nextn_predict_layers or mtp_num_hidden_layers"):  # before loading
         LLM(str(dirs["target"]), device="cpu", speculative=SpecConfig(method="mtp"))
     with pytest.raises(ValueError, match="give no draft model"):
         LLM(str(mtp_dirs["deepseek"]), draft=str(dirs["target"]), device="cpu", speculative=SpecConfig(method="mtp"))

@@ -547,6 +547,42 @@ def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, back
         assert max(o.metrics["cached_prompt_tokens"] for o in outs) > 0
 
 
+def test_delta_net_speculates_as_transformers_decodes(loaded, tiny_dirs):
+    """Qwen3.5's DeltaNet layers (a recurrent state per slot, rewound through the states kept
+    for its last tokens) decode as transformers' model does, plain and under speculation:
+    drafts always right (self, 3 and 8 deep; under the cost model, which times forwards and
+    rewinds), mostly wrong (a random draft model: most drafts rolled back), the n-gram lookup,
+    in batches of 3 with chunked prompts, twice over. As a draft model (for a Llama target)
+    its own rewinds span several one-token forwards. Trees are refused, and say why."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.runtime.base import NO_TREES
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen35"]).eval()
+    want = []
+    for p in PROMPTS:  # greedy by whole forwards
+        ids = LLM(loaded("qwen35")).encode(p)
+        with torch.no_grad():
+            for _ in range(40):
+                ids.append(hf(torch.tensor([ids])).logits[0, -1].argmax().item())
+        want.append(ids[-40:])
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    for method, k, extra in [("none", 1, {}), ("self", 3, {}), ("self", 8, {}), ("self", 4, {"cost_model": True}),
+                             ("draft", 4, {}), ("ngram", 3, {})]:
+        llm = LLM(loaded("qwen35"), draft=loaded("draft") if method == "draft" else None, chunked_prefill_size=4,
+                  max_batch_size=3, speculative=SpecConfig(method=method, num_draft_tokens=k, **extra))
+        for _ in range(2):
+            outs = llm.generate(PROMPTS, sp)
+            assert [o.token_ids for o in outs] == want, (method, k)
+        if method == "self" and not extra:
+            assert min(o.metrics["acceptance_rate"] for o in outs) == 1
+    want = [o.token_ids for o in plain(loaded, "llama", sp=sp)]
+    drafted = LLM(loaded("llama"), draft=loaded("qwen35"), max_batch_size=3, speculative=SpecConfig(method="draft"))
+    assert [o.token_ids for o in drafted.generate(PROMPTS, sp)] == want
+    with pytest.raises(ValueError, match=NO_TREES.split(":")[0]):
+        LLM(loaded("qwen35"), speculative=SpecConfig(method="self", tree_topk=2))
+
+
 def test_engine_usable_after_a_step_raised(loaded, monkeypatch):
     """An exception (or Ctrl-C) inside ``generate`` drops that call's requests; the next call
     runs from clean slots and drafter state, with the same output as a fresh engine."""

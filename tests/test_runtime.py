@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import MOE
+from tiny import DELTA_NET, MOE
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -116,6 +116,12 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "gptoss-yarn-clamped": ("gpt_oss", dict(MOE["gpt_oss"], num_local_experts=8, num_experts_per_tok=3, swiglu_limit=0.3, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
+    # Qwen3.5: DeltaNet layers (recurrent states, short convolutions) beside gated attention
+    # with a quarter of each head rotated, norms of 1 + weight; an attention bias
+    "qwen35-delta-net": ("qwen3_5_text", DELTA_NET),
+    "qwen35-bias-conv-kernel-2": ("qwen3_5_text", dict(DELTA_NET, attention_bias=True, linear_conv_kernel_dim=2)),
+    "qwen3next-experts-dense-layer": ("qwen3_next", MOE["qwen3_next"]),
+    "qwen35moe-experts": ("qwen3_5_moe_text", MOE["qwen3_5_moe_text"]),
 }
 
 
@@ -145,7 +151,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
 
 @pytest.mark.parametrize("arch", ["llama", "granite", "gemma2", "gemma3_text", "mixtral-window",
                                   "qwen2moe-shared-expert-dense-layer", "qwen3moe", "gptoss-sinks-window",
-                                  "glm45-groups-shared", "glm4-interleaved-partial-rope"])
+                                  "glm45-groups-shared", "glm4-interleaved-partial-rope", "qwen35-delta-net",
+                                  "qwen3next-experts-dense-layer", "qwen35moe-experts"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -258,13 +265,15 @@ def test_multimodal_gemma3_text_model(tmp_path):
     assert (logits[0] - logits[1]).abs().max().item() < ATOL
 
 
-@pytest.mark.parametrize("kind", ["mistral3", "llava", "qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("kind", ["mistral3", "llava", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_vision_language_text_model(tmp_path, kind):
     """Mistral 3's, LLaVA's, Qwen2.5-VL's and Qwen3-VL's checkpoints (no causal LMs in
-    transformers: its hf runtime cannot run them) run their text model on the torch runtime:
-    logits equal transformers' image-text-to-text model's on text (bit for bit, float32 and
-    bfloat16; the Qwens' multimodal rope on text alone), greedy output under speculation
-    equal to its argmax, a window on Mistral 3's layers, dummy weights."""
+    transformers: its hf runtime cannot run them) and Qwen3.5's, as released, run their text
+    model on the torch runtime: logits equal transformers' image-text-to-text model's on text
+    (bit for bit, float32 and bfloat16; the Qwens' multimodal rope on text alone; Qwen3.5's
+    DeltaNet layers' fused input products round otherwise in float32: within rounding there),
+    greedy output under speculation equal to its argmax (chains only through Qwen3.5's
+    recurrent states), a window on Mistral 3's layers, dummy weights."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from specdec import LLM, SamplingParams, SpecConfig
@@ -280,7 +289,11 @@ def test_vision_language_text_model(tmp_path, kind):
         hf = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval()
         with torch.no_grad():
             ref = hf(input_ids=ids).logits[0].float()
-        assert torch.equal(rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0], ref), dtype
+        ours = rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0]
+        if kind == "qwen3_5" and dtype == torch.float32:
+            assert (ours - ref).abs().max() < ATOL * ref.abs().max()
+        else:
+            assert torch.equal(ours, ref), dtype
     model = load_model(str(path))
     assert isinstance(model.runtime, TorchLlama) and 257 in model.eos_ids
     hf = AutoModelForImageTextToText.from_pretrained(path).eval()
@@ -292,12 +305,14 @@ def test_vision_language_text_model(tmp_path, kind):
             for _ in range(20):
                 seq.append(hf(input_ids=torch.tensor([seq])).logits[0, -1].argmax().item())
         want.append(seq[-20:])
-    for kw in (dict(), dict(speculative="self"), dict(speculative=SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3))):
+    ngram = SpecConfig(method="ngram", tree_topk=1 if kind == "qwen3_5" else 2, num_draft_tokens=3)
+    for kw in (dict(), dict(speculative="self"), dict(speculative=ngram)):
         assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
     dummy = load_model(str(path), load_format="dummy").runtime
     assert dummy.forward(dummy.new_cache(1), [0], [ids[0].tolist()])[0].std().item() > 0.1
-    with pytest.raises(ValueError, match=f"no causal LM for '{kind}' .* use backend 'torch' or 'auto'"):
-        load_model(str(path), backend="hf")
+    if kind != "qwen3_5":  # (transformers has a causal LM for Qwen3.5's)
+        with pytest.raises(ValueError, match=f"no causal LM for '{kind}' .* use backend 'torch' or 'auto'"):
+            load_model(str(path), backend="hf")
     import json  # a processor's chat template (LLaVA's), where the tokenizer has none
 
     (path / "chat_template.jinja").unlink()  # one that reads content parts only (LLaVA's kind), in transformers' tags
@@ -329,7 +344,7 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     assert "gpt2" in unsupported(AutoConfig.for_model("gpt2"))
     assert "gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="gelu"))
     assert "not 'awq' ones" in unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "awq"}))
-    assert "a part of each head for phi3, glm4, glm4_moe only" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
+    assert "a part of each head for phi3, glm4, glm4_moe, qwen3_next" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
     assert "bidirectional" in unsupported(AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True))
     per_type = AutoConfig.for_model("gemma3_text", rope_parameters={  # each layer type's rope is checked
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
@@ -1139,3 +1154,47 @@ def test_deepseek_v2_routing_in_bfloat16(method):
     order, want = chosen.sort(dim=-1), want_e.sort(dim=-1)
     assert torch.equal(order.values, want.values)
     assert torch.equal(weights.gather(1, order.indices), want_w.gather(1, want.indices))
+
+
+def test_delta_net_states_rewind_and_batch(tmp_path):
+    """Qwen3.5's DeltaNet layers keep a recurrent state per slot: in a batch, a row's padding
+    leaves its state as it is (two rows of 3 and 7 tokens give what each gives alone); a
+    rewind into the last forwards (a verify's rejected drafts, 1-token draft steps) restores
+    the state there, as does a rewind to the start of a prompt-sized forward (the chunked
+    rule); a rewind past the states kept raises, rather than decoding from a wrong state."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny
+
+    path = make_tiny(tmp_path / "qwen35", "qwen3_5_text", seed=5, **DELTA_NET)
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
+    assert (rt.supports_masks, rt.reuses_prefixes, rt.kv_layers, rt.state_layers) == (False, False, 1, 2)
+    ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()(torch.tensor([ids])).logits[0]  # [80, vocab]
+
+    def close(ours, a, b):  # (the chunked rule cut elsewhere than transformers' rounds differently)
+        assert (ours - ref[a:b]).abs().max().item() < 10 * ATOL * ref.abs().max().item(), (a, b)
+
+    cache = rt.new_cache(3)
+    rt.forward(cache, [0, 2], [ids[:10], ids[:20]])
+    out = rt.forward(cache, [0, 2], [ids[10:13], ids[20:27]])  # [2, 7, vocab]
+    close(out[0, :3], 10, 13)
+    close(out[1], 20, 27)
+    cache.rewind(2, 22)  # 5 of 7 rejected
+    close(rt.forward(cache, [2], [ids[22:26]])[0], 22, 26)
+    for i in range(26, 30):  # draft steps, one token each, then back over all of them
+        rt.forward(cache, [2], [ids[i:i + 1]])
+    cache.rewind(2, 25)
+    close(rt.forward(cache, [2], [ids[25:30]])[0], 25, 30)
+    first = rt.forward(cache, [2], [ids[30:80]])[0]  # longer than the ring: the chunked rule
+    close(first, 30, 80)
+    cache.rewind(2, 30)
+    assert torch.equal(rt.forward(cache, [2], [ids[30:80]])[0], first)
+    with pytest.raises(RuntimeError, match="cannot go back 20 tokens"):
+        cache.rewind(2, 60)
+    cache.rewind(2, 0)
+    close(rt.forward(cache, [2], [ids[:5]])[0], 0, 5)
+

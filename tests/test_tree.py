@@ -379,5 +379,5 @@ def test_tree_metrics_by_depth(loaded):
 def test_tree_config_errors(loaded):
     with pytest.raises(ValueError, match="need a drafter"):
         SpecConfig(method="none", tree_topk=2)
-    with pytest.raises(ValueError, match="torch or llama.cpp runtime"):
+    with pytest.raises(ValueError, match="transformers fallback runs chains only"):
         LLM(loaded("llama", backend="hf"), speculative=SpecConfig(method="self", tree_topk=2))

@@ -8,6 +8,9 @@ import torch
 
 SPECIALS = ["<s>", "</s>"]  # ids 256, 257: bos, eos
 VOCAB = 256 + len(SPECIALS) + 6  # a few padded rows the tokenizer never emits
+# Qwen3.5's DeltaNet layers beside gated attention: 2 key heads of 8 for 4 value heads of 12
+DELTA_NET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                 layer_types=["linear_attention", "full_attention", "linear_attention"], layers=3)
 MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields)
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -17,6 +20,11 @@ MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields
                     layer_types=["sliding_attention", "full_attention"]),
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, n_shared_experts=1,
                      first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, layers=3),
+    # DeltaNet layers: Qwen3-Next's input products grouped per key head, its dense layer; Qwen3.5-MoE's
+    "qwen3_next": dict(DELTA_NET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1]),
+    "qwen3_5_moe_text": dict(DELTA_NET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=48),
 }
 # latent attention (DeepSeek's MLA): a key/value latent of 24, the query's own of 20, heads of 12 + 8
 # (rotated) query/key and 10 value dimensions; every head its own (transformers expands the latent to them)
@@ -114,7 +122,7 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                   initializer_range=std, tie_word_embeddings=False)
-    if arch in ("qwen3", "qwen3_moe", "gpt_oss", "glm4_moe"):
+    if arch in ("qwen3", "qwen3_moe", "gpt_oss", "glm4_moe", "qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"):
         common["head_dim"] = 16
     config = AutoConfig.for_model(arch, **{**common, **config})
     torch.manual_seed(seed)
@@ -138,18 +146,30 @@ def add_mtp(path: Path, seed: int = 0, std: float = 0.2, own_head: bool = False)
     prediction layer after its last, as their checkpoints store one (``model.layers.{L}.``:
     ``enorm``, ``hnorm``, ``eh_proj``, a decoder layer of the model's kind, experts included,
     ``shared_head.norm`` / ``.head`` and ``embed_tokens``: copies of the model's, but for a
-    head of its own with ``own_head``), and ``num_nextn_predict_layers`` 1 in its config."""
+    head of its own with ``own_head``), and ``num_nextn_predict_layers`` 1 in its config. A
+    Qwen3-Next or Qwen3.5 checkpoint gets Qwen's (``mtp.``: ``pre_fc_norm_embedding``,
+    ``pre_fc_norm_hidden``, ``fc``, an attention layer ``layers.0``, ``norm``; the model's
+    embedding and head) and ``mtp_num_hidden_layers`` 1."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = json.loads((path / "config.json").read_text())
     L, h = config["num_hidden_layers"], config["hidden_size"]
+    qwen = "layer_types" in config and "linear_attention" in config["layer_types"]
     torch.manual_seed(seed)
-    deeper = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, num_hidden_layers=L + 1))
-    tensors, pre = load_file(path / "model.safetensors"), f"model.layers.{L}."
+    more = dict(layer_types=config["layer_types"] + ["full_attention"]) if qwen else {}
+    deeper = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, num_hidden_layers=L + 1, **more))
+    tensors, pre = load_file(path / "model.safetensors"), "mtp.layers.0." if qwen else f"model.layers.{L}."
     for name, t in {**dict(deeper.model.layers[L].named_parameters()), **dict(deeper.model.layers[L].named_buffers())}.items():
         random = 1 + 0.1 * torch.randn_like(t) if "norm" in name else std * torch.randn_like(t)
         tensors[pre + name] = random.detach().contiguous()
+    if qwen:
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            tensors[f"mtp.{name}.weight"] = 0.1 * torch.randn(h)  # of 1 + weight
+        tensors["mtp.fc.weight"] = std * torch.randn(h, 2 * h)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}, indent=2))
+        return path
     for name in ("enorm", "hnorm", "shared_head.norm"):
         tensors[pre + name + ".weight"] = 1 + 0.1 * torch.randn(h)
     tensors[pre + "eh_proj.weight"] = std * torch.randn(h, 2 * h)
@@ -182,6 +202,12 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
                                                     "mrope_interleaved": True}),
                  dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),
                  dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3)),
+    # DeltaNet layers beside gated attention, its norms of 1 + weight (but the DeltaNet output's)
+    "qwen3_5": (dict(head_dim=16, **{k: v for k, v in DELTA_NET.items() if k != "layers"}, num_hidden_layers=3,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1e7, "mrope_section": [1, 1, 0],
+                                      "mrope_interleaved": True, "partial_rotary_factor": 0.25}),
+                dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),
+                dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3)),
 }
 
 
@@ -191,7 +217,7 @@ def make_tiny_vision_language(path: Path, kind: str, seed: int = 0, **text) -> P
     also loads as a causal LM), or one that is no causal LM in transformers: ``mistral3``
     (Mistral Small 3.1 and up: a Mistral text model, Pixtral vision), ``llava`` (a Llama text
     model, CLIP vision), ``qwen2_5_vl`` (saved with its text model under ``model.``, as
-    released) or ``qwen3_vl``; ``text``: more text config fields."""
+    released), ``qwen3_vl`` or ``qwen3_5``; ``text``: more text config fields."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     tok = byte_tokenizer()
@@ -200,14 +226,14 @@ def make_tiny_vision_language(path: Path, kind: str, seed: int = 0, **text) -> P
                    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False),
             **own_text, **text}
-    gemma = kind == "gemma3"  # its norms scale by 1 + weight: weights near 0
+    offset = kind in ("gemma3", "qwen3_5")  # their norms scale by 1 + weight: weights near 0
     config = AutoConfig.for_model(kind, text_config=text, vision_config=vision, **own)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
+                p.copy_((0.0 if offset and "linear_attn" not in name else 1.0) + 0.1 * torch.randn_like(p))
             elif name.endswith("bias") and "language_model" in name:
                 p.copy_(0.2 * torch.randn_like(p))
     model.save_pretrained(path)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..runtime.base import NO_TREES
 from ..sampling import probs_from_logits, sample, sequence_logits
 from ..sequence import Sequence, common_prefix
 from ..tree import DraftTree
@@ -98,8 +99,7 @@ class ModelDrafter:
                  max_nodes: int | None = None, max_catch_up: int = 0, max_rows: int | None = None,
                  prefix_caching: bool = True):
         if topk > 1 and not runtime.supports_masks:
-            raise ValueError("draft-model trees need the torch or llama.cpp runtime (tree attention masks); "
-                             "the transformers fallback drafts chains only")
+            raise ValueError("draft-model " + NO_TREES)
         self.runtime = runtime
         # positions the draft may feed: its own context (a draft model's may be shorter than
         # the target's; the engine drafts with it only while a round fits, ``room``)

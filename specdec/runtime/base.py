@@ -12,6 +12,10 @@ from typing import Protocol, Sequence
 import torch
 
 
+NO_TREES = ("token trees need tree attention masks: the torch and llama.cpp runtimes draw them, but not "
+            "through a recurrent state (Qwen3.5's DeltaNet layers), and the transformers fallback runs chains only")
+
+
 class Cache(Protocol):
     lengths: list[int]  # tokens with valid KV, per slot
 
@@ -31,7 +35,7 @@ class Runtime(Protocol):
     device: torch.device
     vocab_size: int  # width of the logits
     max_context: int  # positions the model supports
-    supports_masks: bool  # custom chunk masks and positions (trees)
+    supports_masks: bool  # custom chunk masks and positions (trees; ``NO_TREES``)
     # how ``forward`` runs a batch's chunks (``cost.BATCH_LAYOUTS``): "padded" (one forward,
     # each chunk padded to the longest), "packed" (one forward over their rows), "serial"
     batch_layout: str
@@ -41,7 +45,8 @@ class Runtime(Protocol):
     # a prompt must go in one forward (no chunked prefill) for the logits to be the model's
     # (transformers' longrope picks its frequencies from a forward's last position)
     whole_prompts: bool
-    # the cache goes back to any earlier length (not a recurrent state's): drafts can be rejected
+    # the cache goes back to an earlier length (not transformers' recurrent states): drafts
+    # can be rejected (the torch runtime's DeltaNet states go back ``state_depth - 1`` tokens)
     rewinds: bool
 
     @property

@@ -27,7 +27,10 @@ token itself. The checkpoints, as SGLang and vLLM load them:
   that; its output is the next step's feature, and through ``shared_head`` the logits. The
   feature is EAGLE's, the target's last hidden state after its final norm, as vLLM and SGLang
   hand it over. Drafting k > 1 tokens runs the layer again on its own output (vLLM's way with
-  one layer; further MTP layers of a checkpoint are not read).
+  one layer; further MTP layers of a checkpoint are not read). Qwen3-Next's and Qwen3.5's
+  (``mtp_num_hidden_layers``) are the same in other names (``mtp.``: ``pre_fc_norm_embedding``,
+  ``pre_fc_norm_hidden``, ``fc``, ``layers.0``, ``norm``; the model's embedding and head), but
+  for the feature: the layer's output after ``mtp.norm``, as vLLM hands it to the next step.
 
 Rows: the head's cache row of the token at position ``p`` holds the pair (feature of
 position ``p - 1``, token ``p``): the target's feature while ``p`` is committed (``store``),
@@ -48,10 +51,12 @@ import torch.nn.functional as F
 from .cuda_graphs import CudaGraphs
 from .linear import pick_linear
 from .ops import rms_norm
-from .torch_llama import CheckpointReader, Family, KVCache, TorchLlama, decoder_layer
+from .torch_llama import CheckpointReader, Family, KVCache, TorchLlama, decoder_layer, text_model
 
 EAGLE_KINDS = ("eagle", "eagle3")
-MTP_ARCHS = ("deepseek_v3", "glm4_moe", "glm4_moe_lite")  # whose checkpoints may hold MTP layers
+# whose checkpoints may hold MTP layers (Qwen3.5's also as the multimodal checkpoints they are released as)
+MTP_ARCHS = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5",
+             "qwen3_5_moe")
 
 
 def eagle_kind(path: Path, names: Sequence[str] | None = None) -> str | None:
@@ -224,6 +229,7 @@ class EagleHead(TorchLlama):
         else:
             self.norm, self.lm_head = None, target.lm_head  # the target's own
         self.logit_scale = float(getattr(config, "logit_scale", 1.0) or 1.0)
+        self.normed_feature = False  # the next step's feature: the layer's output (True: after ``norm``)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = CudaGraphs(self) if use_graphs else None
 
@@ -280,12 +286,14 @@ class EagleHead(TorchLlama):
         L = self.layers[0]
         residual, a = self._inputs(L, F.embedding(x.ids, self.embed), x.hidden)
         attend = self._attend_latent if self.latent else self._attend
-        h = residual + self._residual(attend(cache, x, 0, L, a, self._rope(x.pos)), L["post_attn_norm"])
-        h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])  # next feature
-        cache.hidden[x.slots[:, None], x.write] = h
+        h = residual + self._residual(attend(cache, x, L, a, self._rope(x.pos)), L["post_attn_norm"])
+        h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])
+        if self.normed_feature:
+            h = rms_norm(h, self.norm, self.eps)
+        cache.hidden[x.slots[:, None], x.write] = h  # the next step's feature
         if last is not None:
             h = h[torch.arange(B, device=h.device), last]  # [B, hidden]
-        logits = self.lm_head(h if self.norm is None else rms_norm(h, self.norm, self.eps))
+        logits = self.lm_head(h if self.norm is None or self.normed_feature else rms_norm(h, self.norm, self.eps))
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
         if self.to_target is not None:  # [..., draft vocab] -> [..., vocab]; ids it never drafts: -inf
@@ -297,13 +305,15 @@ class EagleHead(TorchLlama):
 class MtpHead(EagleHead):
     """A checkpoint's own multi-token prediction layer (see the module's docstring) as an
     ``EagleHead`` of kind ``"mtp"``, drafting for ``target``: its layer is the target's kind
-    (latent attention, experts), with the target's rope tables and family."""
+    (latent attention, experts, gated attention), with the target's rope tables and family."""
 
     def __init__(self, config, weights, target: TorchLlama, linear: str, cuda_graphs: bool | None = None):
-        pre = f"model.layers.{config.num_hidden_layers}."
-        if config.model_type not in MTP_ARCHS or pre + "eh_proj.weight" not in weights:
-            raise ValueError(f"this {config.model_type} checkpoint has no multi-token prediction layer "
-                             f"({pre}eh_proj.weight): method 'mtp' needs one (DeepSeek-V3's, GLM-4.5's)")
+        kind, (config, _) = config.model_type, text_model(config)
+        qwen = "mtp.fc.weight" in weights  # Qwen3-Next's, Qwen3.5's names
+        pre = "mtp.layers.0." if qwen else f"model.layers.{config.num_hidden_layers}."
+        if kind not in MTP_ARCHS or not (qwen or pre + "eh_proj.weight" in weights):
+            raise ValueError(f"this {kind} checkpoint has no multi-token prediction layer ({pre}eh_proj.weight, "
+                             "mtp.fc.weight): method 'mtp' needs one (DeepSeek-V3's, GLM-4.5's, Qwen3.5's)")
         self.kind, self.target = "mtp", target
         self.device, self.dtype = target.device, target.dtype
         self.num_layers, self.num_heads, self.kv_heads = 1, target.num_heads, target.kv_heads
@@ -313,10 +323,20 @@ class MtpHead(EagleHead):
         self.multi_row = self.one_row_packed = False
         self.taps, self.features = (), None
         r = CheckpointReader(weights, self.device, self.dtype, self.family, linear, multi_row=False)
-        moe = pre + "mlp.gate.weight" in weights  # DeepSeek-V3's and GLM-4.5's: experts
+        moe = pre + "mlp.gate.weight" in weights  # DeepSeek-V3's, GLM-4.5's, Qwen3-Next's: experts
         self.layers = [decoder_layer(r, config, pre, moe, latent=self.latent)]
         if self.layers[0]["rope"] not in self.rope:
             raise ValueError("this MTP layer's rope table is not the target's")
+        self.to_target, self.logit_scale, self.normed_feature = None, 1.0, qwen
+        self.vocab_size = target.vocab_size
+        self.reads = (target.num_layers,)  # the last hidden state, after the final norm
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = CudaGraphs(self) if use_graphs else None
+        if qwen:
+            self.enorm, self.hnorm = r.norm("mtp.pre_fc_norm_embedding.weight"), r.norm("mtp.pre_fc_norm_hidden.weight")
+            self.fc, self.norm = r.linear(r.get("mtp.fc.weight"), None), r.norm("mtp.norm.weight")
+            self.embed, self.lm_head = target.embed, target.lm_head
+            return
         self.enorm, self.hnorm = r.norm(pre + "enorm.weight"), r.norm(pre + "hnorm.weight")
         self.fc = r.linear(r.get(pre + "eh_proj.weight"), None)
         self.norm = r.norm(pre + "shared_head.norm.weight")
@@ -329,11 +349,6 @@ class MtpHead(EagleHead):
         model_head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"  # tied
         self.embed = r.get(embed) if differs(embed, "model.embed_tokens.weight") else target.embed
         self.lm_head = r.linear(r.get(head), None) if differs(head, model_head) else target.lm_head
-        self.vocab_size = target.vocab_size
-        self.reads = (target.num_layers,)  # the last hidden state, after the final norm
-        self.to_target, self.logit_scale = None, 1.0
-        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.graphs = CudaGraphs(self) if use_graphs else None
 
     def _inputs(self, L: dict, e: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.fc(torch.cat([rms_norm(e, self.enorm, self.eps), rms_norm(feature, self.hnorm, self.eps)], dim=-1))

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .moe import moe_layers, num_experts
+from .recurrent import LINEAR_ATTENTION, DeltaNet
 
 
 LINEAR_KINDS = ("dense", "onednn", "int8")
@@ -94,7 +95,7 @@ MULTI_ROW_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
 
 
 def linear_bytes(config) -> int:
-    """fp32 bytes of a model's ``Linear`` weights (from its config): attention's (latent or not), the dense
+    """fp32 bytes of a model's ``Linear`` weights (from its config): attention's (latent or not) or DeltaNet's, the dense
     MLPs' (a MoE layer's shared experts': Qwen2-MoE's, GLM-4.5's) and the head; not ``Experts``'."""
     h, heads = config.hidden_size, config.num_attention_heads
     d = getattr(config, "head_dim", None) or h // heads
@@ -102,7 +103,11 @@ def linear_bytes(config) -> int:
     shared = getattr(config, "shared_expert_intermediate_size", 0) or \
         (getattr(config, "n_shared_experts", 0) or 0) * (getattr(config, "moe_intermediate_size", 0) or 0)
     mlp = sum(shared if moe else config.intermediate_size for moe in moe_layers(config))
-    attention = config.num_hidden_layers * ((heads * d + 2 * kv * d) * h + h * heads * d)
+    net = DeltaNet.of(config)  # Qwen3.5's DeltaNet layers beside its gated attention (queries' gates too)
+    attended = config.num_hidden_layers - (config.layer_types.count(LINEAR_ATTENTION) if net else 0)
+    attention = attended * ((heads * d * (2 if net else 1) + 2 * kv * d) * h + h * heads * d)
+    if net:
+        attention += (config.num_hidden_layers - attended) * net.projection_params(h)
     if getattr(config, "kv_lora_rank", None) is not None:  # latent attention (``torch_llama.Latent``)
         q, r, rope = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
         query = heads * (config.qk_nope_head_dim + rope)

@@ -10,20 +10,22 @@ import torch.nn.functional as F
 
 from .ops import ACTIVATIONS
 
-# their MLPs (some, or all) are ``Experts``; the last three attend through latents (``torch_llama.Latent``)
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+# their MLPs (some, or all) are ``Experts``; DeepSeek's and GLM-4.7-Flash's attend through latents
+# (``torch_llama.Latent``), Qwen3-Next's and Qwen3.5's have DeltaNet layers (``recurrent``)
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
+             "qwen3_next", "qwen3_5_moe_text")
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")  # GLM-4.5's router (``Routing.sigmoid``)
 
 
 def moe_layers(config) -> list[bool]:
     """Which layers' MLP is ``Experts``, as each architecture's transformers model places them:
-    Mixtral's and GPT-OSS's every layer; GLM-4.5's and DeepSeek's from ``first_k_dense_replace``
+    Mixtral's, GPT-OSS's and Qwen3.5's every layer; GLM-4.5's and DeepSeek's from ``first_k_dense_replace``
     on; GLM-4.7-Flash's where ``mlp_layer_types`` says "sparse"; Qwen2-MoE's and Qwen3-MoE's every ``decoder_sparse_step``-th but those in
-    ``mlp_only_layers`` (a dense MLP)."""
+    ``mlp_only_layers`` (a dense MLP), and Qwen3-Next's so."""
     n, kind = config.num_hidden_layers, config.model_type
     if kind not in MOE_ARCHS:
         return [False] * n
-    if kind in ("mixtral", "gpt_oss"):
+    if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text"):
         return [True] * n
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
         return [i >= config.first_k_dense_replace for i in range(n)]
@@ -107,7 +109,7 @@ class Routing:
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob,
                        activation=getattr(config, "hidden_act", "silu"), sigmoid=True, float_router=True,
                        groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor)
-        return cls(config.num_experts_per_tok, renormalize=kind == "mixtral" or config.norm_topk_prob,
+        return cls(config.num_experts_per_tok, renormalize=kind in ("mixtral", "qwen3_5_moe_text") or config.norm_topk_prob,
                    float_weights=kind == "mixtral", activation=getattr(config, "hidden_act", "silu"))
 
     def weights(self, logits: torch.Tensor, correction: torch.Tensor | None = None

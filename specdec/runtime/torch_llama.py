@@ -1,16 +1,19 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
 Granite, SmolLM3, GLM-4), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS,
 GLM-4.5: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
-GLM-4.7-Flash: ``Latent``) and Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
-``text_model``), whose layers differ from Llama's only in small ways (``Family``).
+GLM-4.7-Flash: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
+``text_model``), whose layers differ from Llama's only in small ways (``Family``), and the
+hybrids of Gated DeltaNet layers and gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE:
+``recurrent``, whose states rewind with the cache).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
 HF directory and GGUF tensors dequantized by transformers load the same way. The KV cache
 is position-indexed per slot: token ``j`` of a sequence lives at index ``j`` of its slot,
 and a rollback only rewinds the slot's length.
 
-Beside it: ``moe`` (the experts), ``linear`` (``Linear``'s kinds), ``ops`` (norms,
-attention, rotary embeddings) and ``cuda_graphs`` (``CudaGraphs``).
+Beside it: ``moe`` (the experts), ``recurrent`` (DeltaNet layers and their states),
+``linear`` (``Linear``'s kinds), ``ops`` (norms, attention, rotary embeddings) and
+``cuda_graphs`` (``CudaGraphs``).
 """
 from __future__ import annotations
 
@@ -29,15 +32,21 @@ from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
 from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
 from .ops import ACTIVATIONS, attention, rms_norm, rotate, softcap
+from .recurrent import (DEFAULT_DEPTH, LINEAR_ATTENTION, DeltaNet, RecurrentStates, StatePlan, delta_net,
+                        delta_net_weights)
 
 log = logging.getLogger(__name__)
 
 QWEN_VL_TEXT = ("qwen2_5_vl_text", "qwen3_vl_text")  # Qwen2 and Qwen3 on text alone (text_model)
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "glm4", "gemma", "gemma2",
-         "gemma3_text") + MOE_ARCHS + QWEN_VL_TEXT  # HF model_type; biases, q/k norms, Phi-3's fused projections
-# and Gemma 2/3's norms after attention and MLP come from the weights
+# DeltaNet layers beside gated attention (``recurrent``): Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's (text
+# models: the "qwen3_5" and "qwen3_5_moe" checkpoints hold them)
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+ARCHS = tuple(dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "glm4", "gemma",
+                             "gemma2", "gemma3_text") + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS))  # HF model_type;
+# biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
-PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe")  # whose transformers model rotates a part of each head where the config says
+# whose transformers model rotates a part of each head where the config says
+PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe") + HYBRID_ARCHS
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
@@ -45,6 +54,8 @@ MULTIMODAL = dict.fromkeys(("gemma3", "mistral3", "llava"), ("language_model.mod
 # Qwen2.5-VL's and Qwen3-VL's (their multimodal rope, on text alone, is the text model's: its three
 # position streams are equal); Qwen2.5-VL's released checkpoints keep the text model under "model."
 MULTIMODAL.update(dict.fromkeys(("qwen2_5_vl", "qwen3_vl"), ("model.language_model.", "language_model.model.", "model.")))
+# (Qwen3.5's under "model." too: transformers' causal LM of its config, dummy weights' names)
+MULTIMODAL.update(dict.fromkeys(("qwen3_5", "qwen3_5_moe"), ("model.language_model.", "language_model.model.", "model.")))
 
 
 class TextWeights:
@@ -81,7 +92,8 @@ def text_model(config, weights=None):
 @dataclass(frozen=True)
 class Family:
     """Where a model's layers depart from Llama's (all as transformers computes them).
-    ``gemma``: norms scale by ``1 + weight``, in float32 (the weights are kept so);
+    ``offset_norms``: norms scale by ``1 + weight``, in float32 (the weights are kept so; Gemma's,
+    and Qwen3-Next's and Qwen3.5's but for the DeltaNet output's norm);
     ``embed_scale``: the embeddings' factor (Gemma's sqrt(hidden size) rounded to the model's
     dtype, Granite's ``embedding_multiplier``); ``attn_scale``: queries' scale (Gemma's
     ``query_pre_attn_scalar ** -0.5``, Granite's ``attention_multiplier``; None:
@@ -96,7 +108,7 @@ class Family:
     float32, then cast (GPT-OSS's, as Gemma's without the 1 +; its weights as the model's
     dtype holds them, but for a float16 model, which transformers keeps them float32 for)."""
 
-    gemma: bool = False
+    offset_norms: bool = False
     embed_scale: float | None = None
     attn_scale: float | None = None
     residual_scale: float | None = None
@@ -119,10 +131,12 @@ class Family:
         if latent is not None:
             return cls(activation=act, attn_scale=latent.scale(config),
                        interleaved_rope=config.model_type == "deepseek_v2" or bool(config.rope_interleave))
+        if config.model_type in HYBRID_ARCHS:
+            return cls(activation=act, offset_norms=True)
         if config.model_type not in GEMMAS:
             return cls(activation=act, float_norms=config.model_type == "gpt_oss",
                        interleaved_rope=config.model_type == "glm4")
-        return cls(gemma=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
+        return cls(offset_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
                    # Gemma 3's config has the field too, but transformers' model never reads it
                    attn_softcap=config.attn_logit_softcapping if config.model_type == "gemma2" else None,
@@ -188,17 +202,19 @@ class KVCache:
     slot's rows, not ``num_slots``' (8x the memory). A slot that keeps a finished prompt for
     prefix reuse is taken only for a matching prefix or once no other is free, so requests
     with distinct prompts one after another do grow the slots up to ``num_slots``.
-    ``keys_only``: V is None, the values are the keys' first dimensions (``Latent``'s rows)."""
+    ``keys_only``: V is None, the values are the keys' first dimensions (``Latent``'s rows).
+    ``states``: the DeltaNet layers' (``recurrent.RecurrentStates``), which rewind with it."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype, capacity: int = 256, max_rows: int | None = None,
-                 keys_only: bool = False):
+                 keys_only: bool = False, states: RecurrentStates | None = None):
         self.limit = None if max_rows is None else max_rows + GRAPH_MAX_TOKENS
         capacity = min(capacity, self.limit or capacity)
         shape = (num_layers, 1, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = None if keys_only else torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = [0] * num_slots
+        self.states = states
 
     @property
     def buffers(self) -> tuple[str, ...]:
@@ -222,12 +238,15 @@ class KVCache:
 
     def rewind(self, slot: int, length: int, idle: bool = False) -> None:
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
+        if self.states is not None:
+            self.states.rewind(slot, length, self.lengths[slot])
         self.lengths[slot] = length
 
     @torch.inference_mode()
     def copy(self, src: int, dst: int, length: int) -> None:
         """``dst`` holds ``src``'s first ``length`` rows (and nothing after them); the rows
         ``dst`` has are the same as ``src``'s, so only the ones after them are copied."""
+        assert self.states is None, "a recurrent state is not copied"
         assert self.lengths[dst] <= length <= self.lengths[src], (self.lengths[dst], length, self.lengths[src])
         self.ensure(length, dst + 1)
         start = self.lengths[dst]
@@ -240,6 +259,7 @@ class KVCache:
     def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
         """Keep only KV rows ``start + rows[i]`` (increasing), moved to ``start + i``: the
         accepted path of a token tree becomes consecutive, the rest is rewound."""
+        assert self.states is None, "a recurrent state takes no tree"
         assert list(rows) == sorted(rows) and start + rows[-1] < self.lengths[slot]
         src = torch.tensor([start + r for r in rows], device=self.k.device)
         dst = torch.arange(start, start + len(rows), device=self.k.device)
@@ -264,6 +284,7 @@ class Batch:
     # cache, one per run, not over a gathered copy of it
     runs: tuple[tuple[int, int, int], ...] | None = None
     hidden: torch.Tensor | None = None  # [B, T, hidden] an EAGLE head's hidden inputs (``eagle.EagleHead``)
+    states: StatePlan | None = None  # where the DeltaNet layers' states go (``recurrent``)
 
 
 RUNS_FROM_KEYS = 256  # a batch in several runs of slots attends run by run from this many keys
@@ -371,10 +392,10 @@ class CheckpointReader:
         return self.get(name) if name in self.weights else None
 
     def norm(self, name: str) -> torch.Tensor | None:
-        """A norm's weight: Gemma's as 1 + weight in float32, GPT-OSS's in float32 (both as the
-        model's dtype holds them, as transformers; GPT-OSS's exact for a float16 model, which
-        transformers keeps them float32 for)."""
-        if name not in self.weights or not (self.family.gemma or self.family.float_norms):
+        """A norm's weight: Gemma's, Qwen3-Next's and Qwen3.5's as 1 + weight in float32, GPT-OSS's
+        in float32 (both as the model's dtype holds them, as transformers; GPT-OSS's exact for a
+        float16 model, which transformers keeps them float32 for)."""
+        if name not in self.weights or not (self.family.offset_norms or self.family.float_norms):
             return self.opt(name)
         if self.family.float_norms:
             exact = self.dtype == torch.float16
@@ -421,14 +442,43 @@ def latent_attention(r: CheckpointReader, a: str, latent: Latent) -> dict:
     }
 
 
+def gated_attention(r: CheckpointReader, a: str, config) -> dict:
+    """Qwen3-Next's and Qwen3.5's attention under ``a``: its ``q_proj`` gives each head's query
+    and then the gate of its output (``sigmoid(gate) * output``, before ``o_proj``): the
+    queries, keys, values and gates fused in that order."""
+    H, hidden = config.num_attention_heads, config.hidden_size
+    q, gate = r.get(a + "q_proj.weight").view(H, 2, -1, hidden).unbind(1)  # [H, D, hidden] each
+    bias = r.opt(a + "q_proj.bias")
+    qb, gate_b = (None, None) if bias is None else (b.flatten() for b in bias.view(H, 2, -1).unbind(1))
+    return {"qkv": r.linear(torch.cat([q.reshape(-1, hidden), r.get(a + "k_proj.weight"), r.get(a + "v_proj.weight"),
+                                       gate.reshape(-1, hidden)]),
+                            cat_or_none([qb, r.opt(a + "k_proj.bias"), r.opt(a + "v_proj.bias"), gate_b])),
+            "gated": True}
+
+
 def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, sliding: bool = False,
-                  rope: str | None = None, rotates: bool = True, latent: Latent | None = None) -> dict:
+                  rope: str | None = None, rotates: bool = True, latent: Latent | None = None,
+                  net: DeltaNet | None = None, index: int = 0) -> dict:
     """The weights of the decoder layer under ``pre`` (``model.layers.{i}.``) as
     ``TorchLlama._layers`` reads them: ``moe``: its MLP is experts (with shared ones where the
     checkpoint has them); ``sliding``: it attends within the window; ``rope``: its rope
     table's key (a layer type, or None); ``rotates``: it applies rope at all (SmolLM3's);
-    ``latent``: its attention is latent (``latent_attention``'s weights)."""
+    ``latent``: its attention is latent (``latent_attention``'s weights); ``net``: it is a
+    DeltaNet layer, no attention (``recurrent.delta_net_weights``); ``index``: its KV's (or
+    states') index in the cache, among the layers of its kind."""
     a = pre + "self_attn."
+    if net is not None:
+        mixer = delta_net_weights(r, pre + "linear_attn.", net)
+    else:
+        mixer = {
+            **(latent_attention(r, a, latent) if latent else gated_attention(r, a, config)
+               if config.model_type in HYBRID_ARCHS else {
+                "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]),
+                                cat_or_none([r.opt(a + f"{n}_proj.bias") for n in "qkv"]))}),
+            "o": r.linear(r.get(a + "o_proj.weight"), r.opt(a + "o_proj.bias")),
+            "sinks": r.opt(a + "sinks"),  # [H] GPT-OSS's
+            **({} if latent else {"q_norm": r.norm(a + "q_norm.weight"), "k_norm": r.norm(a + "k_norm.weight")}),
+        }
     shared = ("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in r else "shared_expert.") \
         if moe else ""  # GLM-4.5's, Qwen2-MoE's
     gate_up, down = r.mlp(pre + "mlp." + shared, optional=moe)
@@ -436,12 +486,7 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
     glm4 = pre + "post_self_attn_layernorm.weight" in r  # GLM-4's norms after, named its way
     return {
         "attn_norm": r.norm(pre + "input_layernorm.weight"),
-        **(latent_attention(r, a, latent) if latent else {
-            "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]),
-                            cat_or_none([r.opt(a + f"{n}_proj.bias") for n in "qkv"]))}),
-        "o": r.linear(r.get(a + "o_proj.weight"), r.opt(a + "o_proj.bias")),
-        "sinks": r.opt(a + "sinks"),  # [H] GPT-OSS's
-        **({} if latent else {"q_norm": r.norm(a + "q_norm.weight"), "k_norm": r.norm(a + "k_norm.weight")}),
+        **mixer,
         "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich else
         r.norm(pre + "post_self_attn_layernorm.weight") if glm4 else None,
         "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm") + ".weight"),
@@ -454,13 +499,17 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         "sliding": sliding,
         "rope": rope,  # its rope table's key
         "rotates": rotates,
+        "index": index,
     }
 
 
 class TorchLlama:
-    """Runtime for Llama- and Gemma-family checkpoints and mixtures of experts (see ``ARCHS``,
-    ``Family``, ``Experts``). ``cuda_graphs`` (default: on a CUDA device; for experts, where
-    ``grouped_mm_graphable``) replays small forwards as CUDA graphs (``CudaGraphs``)."""
+    """Runtime for Llama- and Gemma-family checkpoints, mixtures of experts and Qwen3-Next's
+    and Qwen3.5's DeltaNet layers (see ``ARCHS``, ``Family``, ``Experts``, ``recurrent``).
+    ``cuda_graphs`` (default: on a CUDA device; for experts, where ``grouped_mm_graphable``;
+    not with DeltaNet layers) replays small forwards as CUDA graphs (``CudaGraphs``). With DeltaNet layers a
+    slot rewinds by up to ``state_depth - 1`` tokens (``recurrent.RecurrentStates``), its rows
+    are not reused for another request's prompt, and drafts are chains."""
 
     supports_masks = True
     batch_layout = "padded"
@@ -499,11 +548,19 @@ class TorchLlama:
         r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row)
         self.embed = r.get("model.embed_tokens.weight")
         self.vocab_size = self.embed.shape[0]
-        self.layers = []
+        self.net = DeltaNet.of(config)
+        self.layers, kinds = [], [0, 0]  # layers so far: attention, DeltaNet
         for i, moe in enumerate(moe_layers(config)):
+            net = self.net if types[i] == LINEAR_ATTENTION else None
             self.layers.append(decoder_layer(r, config, f"model.layers.{i}.", moe, sliding=sliding[i],
                                              rope=types[i] if types[i] in self.rope else None,
-                                             rotates=bool(rotates[i]), latent=self.latent))
+                                             rotates=bool(rotates[i]), latent=self.latent, net=net,
+                                             index=kinds[net is not None]))
+            kinds[net is not None] += 1
+        self.kv_layers, self.state_layers = kinds
+        if self.net is not None:  # a recurrent state: no rows to reuse, no tree, no graph (yet)
+            self.reuses_prefixes = self.supports_masks = False
+            self.state_depth = DEFAULT_DEPTH
         self.norm = r.norm("model.norm.weight")
         self.taps: tuple[int, ...] = ()  # hidden states each forward keeps (``capture``)
         self.features: torch.Tensor | None = None  # the last forward's: [B, T, len(taps) * hidden]
@@ -511,7 +568,9 @@ class TorchLlama:
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         graphable = not any(layer["experts"] for layer in self.layers) or grouped_mm_graphable(device, dtype)
-        use_graphs = device.type == "cuda" and graphable if cuda_graphs is None else cuda_graphs
+        if cuda_graphs and self.net is not None:
+            raise ValueError("CUDA graphs do not hold DeltaNet layers' states yet")
+        use_graphs = device.type == "cuda" and graphable and self.net is None if cuda_graphs is None else cuda_graphs
         self.graphs = CudaGraphs(self) if use_graphs else None
         self.one_row_packed = all(lin.multi is not None for lin in self._linears()) and self._packed_one_row_pays()
         for lin in self._linears():  # if so, the packed copy serves every product, the other goes
@@ -533,7 +592,8 @@ class TorchLlama:
             self.graphs = CudaGraphs(self)
 
     def _linears(self) -> list[Linear]:
-        return [layer[n] for layer in self.layers for n in ("qkv", "q_b", "o", "gate_up", "down") if layer.get(n)] \
+        return [layer[n] for layer in self.layers for n in ("qkv", "q_b", "o", "mix_in", "mix_out", "gate_up", "down")
+                if layer.get(n)] \
             + [self.lm_head]
 
     def _packed_one_row_pays(self) -> bool:
@@ -594,13 +654,16 @@ class TorchLlama:
     @property
     def speed_key(self) -> str:
         """The linears' kinds (and their multi-row copies), CUDA graphs, dtype and device."""
-        kinds = sorted({layer["qkv"].kind for layer in self.layers}) + (["multi-row"] if self.multi_row else []) \
-            + (["packed-one-row"] if self.one_row_packed else []) + (["cuda-graphs"] if self.graphs else [])
+        kinds = sorted({(layer.get("qkv") or layer["mix_in"]).kind for layer in self.layers}) \
+            + (["multi-row"] if self.multi_row else []) + (["packed-one-row"] if self.one_row_packed else []) \
+            + (["cuda-graphs"] if self.graphs else [])
         return ",".join(kinds + [str(self.dtype), str(self.device)])
 
     def new_cache(self, num_slots: int, max_rows: int | None = None) -> KVCache:
-        return KVCache(self.num_layers, num_slots, self.kv_heads, self.head_dim, self.device, self.dtype,
-                       max_rows=max_rows, keys_only=self.latent is not None)
+        states = None if self.net is None else \
+            RecurrentStates(self.state_layers, self.net, self.state_depth, self.device, self.dtype)
+        return KVCache(self.kv_layers, num_slots, self.kv_heads, self.head_dim, self.device, self.dtype,
+                       max_rows=max_rows, keys_only=self.latent is not None, states=states)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots, tokens, *, positions=None, chunk_masks=None,
@@ -613,6 +676,8 @@ class TorchLlama:
         # a CUDA graph attends over the cache's whole capacity (its shapes are fixed), masked
         batch = self._batch(cache, starts, slots, tokens, positions, chunk_masks, width,
                             cache.capacity if graphed else None)
+        if cache.states is not None:
+            batch.states = cache.states.plan(list(slots), starts, [len(t) for t in tokens], width)
         last = torch.tensor([len(t) - 1 for t in tokens], device=self.device) if last_only else None  # [B]
         if graphed:
             logits, self.features = self.graphs.run(cache, batch, T)  # [B, T, vocab], [B, T, features]
@@ -665,8 +730,11 @@ class TorchLlama:
             if li in self.taps:
                 tapped[li] = h
             a = rms_norm(h, L["attn_norm"], self.eps)
-            attend = self._attend_latent if self.latent else self._attend
-            h = h + self._residual(attend(cache, x, li, L, a, rope), L["post_attn_norm"])
+            if "mix_in" in L:  # a DeltaNet layer
+                mixed = delta_net(cache.states, L["index"], x.slots, x.states, L, a, self.eps)
+            else:
+                mixed = (self._attend_latent if self.latent else self._attend)(cache, x, L, a, rope)
+            h = h + self._residual(mixed, L["post_attn_norm"])
             h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])
         if self.num_layers in self.taps:  # transformers' last hidden state: after the final norm
             h = tapped[self.num_layers] = rms_norm(h, self.norm, self.eps)
@@ -689,14 +757,14 @@ class TorchLlama:
             rope[layer_type] = ((emb.cos() * scale).to(self.dtype)[:, None], (emb.sin() * scale).to(self.dtype)[:, None])
         return rope
 
-    def _attend(self, cache: KVCache, x: "Batch", li: int, L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
-        """Layer ``li``'s attention over ``a [B, T, in]`` (its input, normed): writes the new
+    def _attend(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
+        """Layer ``L``'s attention over ``a [B, T, in]`` (its input, normed): writes the new
         tokens' K/V to the cache and returns the output projection's ``[B, T, hidden]``."""
         fam, (B, T) = self.family, x.ids.shape
         S = x.mask.shape[-1]
         H, KV, D = self.num_heads, self.kv_heads, self.head_dim
-        qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D]
-        q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+        qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D], Qwen3-Next's / 3.5's gates after them: + H D
+        q, k, v, *gate = qkv.split([H * D, KV * D, KV * D] + [H * D] * L.get("gated", False), dim=-1)
         q = q.view(B, T, H, D)
         k = k.view(B, T, KV, D)
         v = v.view(B, T, KV, D)
@@ -708,7 +776,7 @@ class TorchLlama:
         if L["rotates"]:
             cos, sin = rope[L["rope"]]
             q, k = rotate(q, cos, sin, fam.interleaved_rope), rotate(k, cos, sin, fam.interleaved_rope)
-        kc, vc = cache.k[li], cache.v[li]  # [slots, KV, cap, D]
+        kc, vc = cache.k[L["index"]], cache.v[L["index"]]  # [slots, KV, cap, D]
         kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
         vc[x.slots[:, None], :, x.write] = v
         mask = x.sliding if L["sliding"] else x.mask
@@ -719,10 +787,10 @@ class TorchLlama:
         else:  # a gathered copy [B, KV, S, D]
             o = attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], mask, fam.attn_scale, fam.attn_softcap,
                           L["sinks"])
-        return L["o"](o.transpose(1, 2).reshape(B, T, H * D))  # [B, T, hidden]
+        o = o.transpose(1, 2).reshape(B, T, H * D)
+        return L["o"](o * torch.sigmoid(gate[0]) if gate else o)  # [B, T, hidden]
 
-    def _attend_latent(self, cache: KVCache, x: "Batch", li: int, L: dict, a: torch.Tensor,
-                       rope: dict) -> torch.Tensor:
+    def _attend_latent(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
         """``_attend`` for latent attention (``Latent``): the cache's rows are ``[c, k_rope]``."""
         lat, (B, T), H = self.latent, x.ids.shape, self.num_heads
         S = x.mask.shape[-1]
@@ -732,7 +800,7 @@ class TorchLlama:
         cos, sin = rope[L["rope"]]  # [B, 1, T, rope]
         q_rope = rotate(q_rope, cos, sin, self.family.interleaved_rope)  # [B, H, T, rope]
         k_rope = rotate(k_rope[:, None], cos, sin, self.family.interleaved_rope)  # [B, 1, T, rope]
-        kc = cache.k[li]  # [slots, 1, cap, rank + rope]
+        kc = cache.k[L["index"]]  # [slots, 1, cap, rank + rope]
         kc[x.slots[:, None], 0, x.write] = torch.cat([rms_norm(c, L["kv_norm"], LATENT_NORM_EPS), k_rope[:, 0]], dim=-1)
         expand = lat.expands(T)
         query = torch.cat([q_nope if expand else q_nope @ L["uk"], q_rope], dim=-1)  # [B, H, T, nope or rank + rope]
