@@ -387,7 +387,7 @@ class LLM:
             if m is not None and speculative.method != "none" and not getattr(m.runtime, "rewinds", True):
                 raise ValueError(f"the {side} model keeps a recurrent state ({m.config.model_type}), which cannot go "
                                  "back to drop rejected drafts: it decodes without speculation only (method 'none')")
-            if m is not None and hasattr(m.runtime, "state_depth"):  # DeltaNet states: as many as a round rewinds
+            if m is not None and hasattr(m.runtime, "state_depth"):  # recurrent states: as many as a round rewinds
                 m.runtime.state_depth = speculative.depth + 2 if speculative.method != "none" else 2
         # the target's context: a draft model with a shorter one drafts while a round fits in it
         if c.max_model_len is not None and c.max_model_len > self.target.max_context:

@@ -68,8 +68,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="auto (default): float32 on cpu, bfloat16 on cuda")
     g.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="torch = specdec's own runtime (Llama, Mistral, Qwen2/3, Phi-3, Granite, SmolLM3, GLM-4, Gemma, Gemma 2, "
-                        "Gemma 3, Mixtral, Qwen2/3-MoE, GPT-OSS, GLM-4.5, DeepSeek-V2/V3, GLM-4.7-Flash, Qwen3-Next, "
-                        "Qwen3.5 (-MoE)), "
+                        "Gemma 3, Mixtral, Qwen2/3-MoE, Granite MoE, GPT-OSS, GLM-4.5, DeepSeek-V2/V3, GLM-4.7-Flash, "
+                        "Qwen3-Next, Qwen3.5 (-MoE), Granite 4.0 (-H), Bamba), "
                         "hf = transformers' model, "
                         "llamacpp = llama.cpp on a .gguf (pip install 'specdec[llamacpp]'); "
                         "auto picks torch when the architecture allows")

@@ -32,6 +32,7 @@ def tiny_dirs(tmp_path_factory):
         "glm45": make_tiny(root / "glm45", "glm4_moe", seed=13, **MOE["glm4_moe"]),
         "deepseek": make_tiny(root / "deepseek", "deepseek_v3", seed=14, **MOE["deepseek_v3"]),  # latent attention
         "qwen35": make_tiny(root / "qwen35", "qwen3_5_text", seed=15, **DELTA_NET),  # recurrent states
+        "granite4h": make_tiny(root / "granite4h", "granitemoehybrid", seed=16, **MOE["granitemoehybrid"]),  # Mamba-2
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

@@ -26,6 +26,22 @@ def spec(loaded, arch, method, k=4, draft=None, **kw):
                speculative=SpecConfig(method=method, num_draft_tokens=k), **kw)
 
 
+def transformers_greedy(loaded, path, name: str, n: int = 40) -> list[list[int]]:
+    """The last ``n`` tokens of greedy decoding of each of ``PROMPTS`` by transformers' model of
+    ``path``, a whole forward per token (generate's min_new_tokens would hide the eos)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    want = []
+    for p in PROMPTS:
+        ids = LLM(loaded(name)).encode(p)
+        with torch.no_grad():
+            for _ in range(n):
+                ids.append(hf(torch.tensor([ids])).logits[0, -1].argmax().item())
+        want.append(ids[-n:])
+    return want
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_self_draft_equal_and_forward_count(loaded, arch, batch):
@@ -525,16 +541,7 @@ def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, back
     (rewinds past the window: transformers' own ``crop`` of a window layer keeps only the
     window). So does latent attention (DeepSeek-V3's), whose cache rows are latents: rewound,
     gathered along a tree's accepted path and shared between slots as K and V rows are."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs[name]).eval()
-    want = []
-    for p in PROMPTS:  # greedy by whole forwards (generate's min_new_tokens would hide the eos)
-        ids = LLM(loaded(name)).encode(p)
-        with torch.no_grad():
-            for _ in range(40):
-                ids.append(hf(torch.tensor([ids])).logits[0, -1].argmax().item())
-        want.append(ids[-40:])
+    want = transformers_greedy(loaded, tiny_dirs[name], name)
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     # trees: 3 deep, and 8 deep, past the window (a node's row is past its position there)
     methods = [("none", 1, 3), ("self", 1, 3), ("ngram", 1, 3)] + [("self", 2, 3), ("self", 2, 8)] * (backend == "torch")
@@ -547,29 +554,22 @@ def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, back
         assert max(o.metrics["cached_prompt_tokens"] for o in outs) > 0
 
 
-def test_delta_net_speculates_as_transformers_decodes(loaded, tiny_dirs):
-    """Qwen3.5's DeltaNet layers (a recurrent state per slot, rewound through the states kept
-    for its last tokens) decode as transformers' model does, plain and under speculation:
+@pytest.mark.parametrize("name", ["qwen35", "granite4h"])
+def test_recurrent_model_speculates_as_transformers_decodes(loaded, tiny_dirs, name):
+    """Qwen3.5's DeltaNet layers and Granite 4.0's Mamba-2 layers (a recurrent state per slot,
+    rewound through the states kept for its last tokens) decode as transformers' model does,
+    plain and under speculation:
     drafts always right (self, 3 and 8 deep; under the cost model, which times forwards and
     rewinds), mostly wrong (a random draft model: most drafts rolled back), the n-gram lookup,
     in batches of 3 with chunked prompts, twice over. As a draft model (for a Llama target)
     its own rewinds span several one-token forwards. Trees are refused, and say why."""
-    from transformers import AutoModelForCausalLM
-
     from specdec.runtime.base import NO_TREES
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_dirs["qwen35"]).eval()
-    want = []
-    for p in PROMPTS:  # greedy by whole forwards
-        ids = LLM(loaded("qwen35")).encode(p)
-        with torch.no_grad():
-            for _ in range(40):
-                ids.append(hf(torch.tensor([ids])).logits[0, -1].argmax().item())
-        want.append(ids[-40:])
+    want = transformers_greedy(loaded, tiny_dirs[name], name)
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     for method, k, extra in [("none", 1, {}), ("self", 3, {}), ("self", 8, {}), ("self", 4, {"cost_model": True}),
                              ("draft", 4, {}), ("ngram", 3, {})]:
-        llm = LLM(loaded("qwen35"), draft=loaded("draft") if method == "draft" else None, chunked_prefill_size=4,
+        llm = LLM(loaded(name), draft=loaded("draft") if method == "draft" else None, chunked_prefill_size=4,
                   max_batch_size=3, speculative=SpecConfig(method=method, num_draft_tokens=k, **extra))
         for _ in range(2):
             outs = llm.generate(PROMPTS, sp)
@@ -577,10 +577,10 @@ def test_delta_net_speculates_as_transformers_decodes(loaded, tiny_dirs):
         if method == "self" and not extra:
             assert min(o.metrics["acceptance_rate"] for o in outs) == 1
     want = [o.token_ids for o in plain(loaded, "llama", sp=sp)]
-    drafted = LLM(loaded("llama"), draft=loaded("qwen35"), max_batch_size=3, speculative=SpecConfig(method="draft"))
+    drafted = LLM(loaded("llama"), draft=loaded(name), max_batch_size=3, speculative=SpecConfig(method="draft"))
     assert [o.token_ids for o in drafted.generate(PROMPTS, sp)] == want
     with pytest.raises(ValueError, match=NO_TREES.split(":")[0]):
-        LLM(loaded("qwen35"), speculative=SpecConfig(method="self", tree_topk=2))
+        LLM(loaded(name), speculative=SpecConfig(method="self", tree_topk=2))
 
 
 def test_engine_usable_after_a_step_raised(loaded, monkeypatch):

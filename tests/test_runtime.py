@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import DELTA_NET, MOE
+from tiny import BAMBA, DELTA_NET, GRANITE_HYBRID_DENSE, MOE
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -122,6 +122,15 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "qwen35-bias-conv-kernel-2": ("qwen3_5_text", dict(DELTA_NET, attention_bias=True, linear_conv_kernel_dim=2)),
     "qwen3next-experts-dense-layer": ("qwen3_next", MOE["qwen3_next"]),
     "qwen35moe-experts": ("qwen3_5_moe_text", MOE["qwen3_5_moe_text"]),
+    # Granite's mixtures: softmax over the top k logits, shared experts beside them; Granite 4.0's hybrids:
+    # Mamba-2 layers (states in groups of heads, convolutions with a bias; a prompt's scan in several
+    # chunks) beside attention without rope and experts, or with rope and a dense MLP; Bamba's beside
+    # attention that rotates half of each head
+    "granitemoe": ("granitemoe", MOE["granitemoe"]),
+    "granitemoeshared": ("granitemoeshared", MOE["granitemoeshared"]),
+    "granite4h-mamba2-experts": ("granitemoehybrid", MOE["granitemoehybrid"]),
+    "granite4h-dense-rope": ("granitemoehybrid", GRANITE_HYBRID_DENSE),
+    "bamba-half-rope": ("bamba", BAMBA),
 }
 
 
@@ -152,7 +161,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
 @pytest.mark.parametrize("arch", ["llama", "granite", "gemma2", "gemma3_text", "mixtral-window",
                                   "qwen2moe-shared-expert-dense-layer", "qwen3moe", "gptoss-sinks-window",
                                   "glm45-groups-shared", "glm4-interleaved-partial-rope", "qwen35-delta-net",
-                                  "qwen3next-experts-dense-layer", "qwen35moe-experts"])
+                                  "qwen3next-experts-dense-layer", "qwen35moe-experts", "granitemoe", "granitemoeshared"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -207,11 +216,12 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
     assert (ours[2][0] - ref[1, 38:]).abs().max().item() < ATOL * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
-def test_latent_attention_in_bfloat16(tmp_path, arch):
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "granite4h-dense-rope", "bamba-half-rope"])
+def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
-    transformers' (which expands every cached latent to keys and values), so in bfloat16 its
-    logits are not transformers' bit for bit; they are as close to the float32 logits as
+    transformers' (which expands every cached latent to keys and values), and Mamba-2 layers
+    scan in float32 where transformers' one-token step rounds to bfloat16, so in bfloat16
+    their logits are not transformers' bit for bit; they are as close to the float32 logits as
     transformers' bfloat16 logits are (within 1.5x of that error, relative to the largest
     logit; dense layers, as near-ties in routing flip experts under either rounding)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -220,7 +230,8 @@ def test_latent_attention_in_bfloat16(tmp_path, arch):
 
     from tiny import make_tiny
 
-    path = make_tiny(tmp_path / arch, arch, seed=5, **dict(MOE[arch], first_k_dense_replace=3))
+    arch, config = VARIANTS[arch] if arch in VARIANTS else (arch, dict(MOE[arch], first_k_dense_replace=3))
+    path = make_tiny(tmp_path / arch, arch, seed=5, **config)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits[0]  # [40, vocab] float32
@@ -229,7 +240,7 @@ def test_latent_attention_in_bfloat16(tmp_path, arch):
     cache = rt.new_cache(1)
     ours = torch.cat([rt.forward(cache, [0], [ids[0, a:b].tolist()])[0] for a, b in [(0, 30)] + [(i, i + 1) for i in range(30, 40)]])
     assert (ours - ref).abs().max() <= 1.5 * (theirs - ref).abs().max()
-    assert (ours - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (ours - ref).abs().max() < 0.1 * ref.abs().max()  # (not garbage: both are this far in Bamba's)
 
 
 def test_multimodal_gemma3_text_model(tmp_path):
@@ -1156,8 +1167,10 @@ def test_deepseek_v2_routing_in_bfloat16(method):
     assert torch.equal(weights.gather(1, order.indices), want_w.gather(1, want.indices))
 
 
-def test_delta_net_states_rewind_and_batch(tmp_path):
-    """Qwen3.5's DeltaNet layers keep a recurrent state per slot: in a batch, a row's padding
+@pytest.mark.parametrize("arch", ["qwen35-delta-net", "granite4h-dense-rope"])
+def test_recurrent_states_rewind_and_batch(tmp_path, arch):
+    """Qwen3.5's DeltaNet layers and Granite 4.0's Mamba-2 layers keep a recurrent state per
+    slot: in a batch, a row's padding
     leaves its state as it is (two rows of 3 and 7 tokens give what each gives alone); a
     rewind into the last forwards (a verify's rejected drafts, 1-token draft steps) restores
     the state there, as does a rewind to the start of a prompt-sized forward (the chunked
@@ -1168,7 +1181,7 @@ def test_delta_net_states_rewind_and_batch(tmp_path):
 
     from tiny import make_tiny
 
-    path = make_tiny(tmp_path / "qwen35", "qwen3_5_text", seed=5, **DELTA_NET)
+    path = make_tiny(tmp_path / arch, VARIANTS[arch][0], seed=5, **VARIANTS[arch][1])
     rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
     assert (rt.supports_masks, rt.reuses_prefixes, rt.kv_layers, rt.state_layers) == (False, False, 1, 2)
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(0)).tolist()

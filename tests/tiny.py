@@ -11,6 +11,16 @@ VOCAB = 256 + len(SPECIALS) + 6  # a few padded rows the tokenizer never emits
 # Qwen3.5's DeltaNet layers beside gated attention: 2 key heads of 8 for 4 value heads of 12
 DELTA_NET = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
                  layer_types=["linear_attention", "full_attention", "linear_attention"], layers=3)
+# Mamba-2 layers beside attention (Granite 4.0's hybrids, Bamba): 4 heads of 32 channels, states of 16, in 2
+# groups; chunks of 8 (a prompt's scan runs several)
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8,
+              layer_types=["mamba", "attention", "mamba"], layers=3)
+GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.3, residual_multiplier=0.5, logits_scaling=2.5)
+# Granite 4.0's dense hybrid (H-Micro's kind: a dense MLP, its shared_mlp), here with rope; Bamba's attention
+# rotates half of each head
+GRANITE_HYBRID_DENSE = dict(GRANITE, **MAMBA2, num_local_experts=0, shared_intermediate_size=96,
+                            position_embedding_type="rope")
+BAMBA = dict({k: v for k, v in MAMBA2.items() if k != "layer_types"}, attn_layer_indices=[1])
 MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields)
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -25,6 +35,13 @@ MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields
                        shared_expert_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1]),
     "qwen3_5_moe_text": dict(DELTA_NET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                              shared_expert_intermediate_size=48),
+    # Granite's: softmax over the top k logits; shared experts beside them (granitemoeshared); Granite 4.0's
+    # Mamba-2 layers beside attention without rope
+    "granitemoe": dict(GRANITE, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    "granitemoeshared": dict(GRANITE, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                             shared_intermediate_size=48),
+    "granitemoehybrid": dict(GRANITE, **MAMBA2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+                             shared_intermediate_size=48),
 }
 # latent attention (DeepSeek's MLA): a key/value latent of 24, the query's own of 20, heads of 12 + 8
 # (rotated) query/key and 10 value dimensions; every head its own (transformers expands the latent to them)

@@ -13,7 +13,8 @@ import torch
 
 
 NO_TREES = ("token trees need tree attention masks: the torch and llama.cpp runtimes draw them, but not "
-            "through a recurrent state (Qwen3.5's DeltaNet layers), and the transformers fallback runs chains only")
+            "through a recurrent state (Qwen3.5's DeltaNet layers, Granite 4.0's Mamba-2 layers), and the transformers "
+            "fallback runs chains only")
 
 
 class Cache(Protocol):
@@ -46,7 +47,7 @@ class Runtime(Protocol):
     # (transformers' longrope picks its frequencies from a forward's last position)
     whole_prompts: bool
     # the cache goes back to an earlier length (not transformers' recurrent states): drafts
-    # can be rejected (the torch runtime's DeltaNet states go back ``state_depth - 1`` tokens)
+    # can be rejected (the torch runtime's recurrent states go back ``state_depth - 1`` tokens)
     rewinds: bool
 
     @property

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .moe import moe_layers, num_experts
-from .recurrent import LINEAR_ATTENTION, DeltaNet
+from .recurrent import LINEAR_ATTENTION, DeltaNet, recurrent_mixer
 
 
 LINEAR_KINDS = ("dense", "onednn", "int8")
@@ -95,19 +95,21 @@ MULTI_ROW_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
 
 
 def linear_bytes(config) -> int:
-    """fp32 bytes of a model's ``Linear`` weights (from its config): attention's (latent or not) or DeltaNet's, the dense
-    MLPs' (a MoE layer's shared experts': Qwen2-MoE's, GLM-4.5's) and the head; not ``Experts``'."""
+    """fp32 bytes of a model's ``Linear`` weights (from its config): attention's (latent or not) or a recurrent layer's,
+    the dense MLPs' (a MoE layer's shared experts': Qwen2-MoE's, GLM-4.5's, Granite's) and the head; not ``Experts``'."""
     h, heads = config.hidden_size, config.num_attention_heads
     d = getattr(config, "head_dim", None) or h // heads
     kv = config.num_key_value_heads or heads
-    shared = getattr(config, "shared_expert_intermediate_size", 0) or \
-        (getattr(config, "n_shared_experts", 0) or 0) * (getattr(config, "moe_intermediate_size", 0) or 0)
-    mlp = sum(shared if moe else config.intermediate_size for moe in moe_layers(config))
-    net = DeltaNet.of(config)  # Qwen3.5's DeltaNet layers beside its gated attention (queries' gates too)
-    attended = config.num_hidden_layers - (config.layer_types.count(LINEAR_ATTENTION) if net else 0)
-    attention = attended * ((heads * d * (2 if net else 1) + 2 * kv * d) * h + h * heads * d)
-    if net:
-        attention += (config.num_hidden_layers - attended) * net.projection_params(h)
+    shared = getattr(config, "shared_expert_intermediate_size", 0) or getattr(config, "shared_intermediate_size", 0) \
+        or (getattr(config, "n_shared_experts", 0) or 0) * (getattr(config, "moe_intermediate_size", 0) or 0)
+    dense = shared if config.model_type == "granitemoehybrid" else config.intermediate_size  # (its shared_mlp)
+    mlp = sum(shared if moe else dense for moe in moe_layers(config))
+    rec = recurrent_mixer(config)  # Qwen3.5's DeltaNet layers beside its gated attention (queries' gates too)
+    gated = isinstance(rec, DeltaNet)
+    attended = config.num_hidden_layers - (config.layer_types.count(LINEAR_ATTENTION) if rec else 0)
+    attention = attended * ((heads * d * (2 if gated else 1) + 2 * kv * d) * h + h * heads * d)
+    if rec:
+        attention += (config.num_hidden_layers - attended) * rec.projection_params(h)
     if getattr(config, "kv_lora_rank", None) is not None:  # latent attention (``torch_llama.Latent``)
         q, r, rope = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
         query = heads * (config.qk_nope_head_dim + rope)

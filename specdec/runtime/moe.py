@@ -13,20 +13,21 @@ from .ops import ACTIVATIONS
 # their MLPs (some, or all) are ``Experts``; DeepSeek's and GLM-4.7-Flash's attend through latents
 # (``torch_llama.Latent``), Qwen3-Next's and Qwen3.5's have DeltaNet layers (``recurrent``)
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
-             "qwen3_next", "qwen3_5_moe_text")
+             "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid")
+GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # ``block_sparse_moe``, routed as GPT-OSS's
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")  # GLM-4.5's router (``Routing.sigmoid``)
 
 
 def moe_layers(config) -> list[bool]:
     """Which layers' MLP is ``Experts``, as each architecture's transformers model places them:
-    Mixtral's, GPT-OSS's and Qwen3.5's every layer; GLM-4.5's and DeepSeek's from ``first_k_dense_replace``
+    Mixtral's, GPT-OSS's, Qwen3.5's and Granite's every layer; GLM-4.5's and DeepSeek's from ``first_k_dense_replace``
     on; GLM-4.7-Flash's where ``mlp_layer_types`` says "sparse"; Qwen2-MoE's and Qwen3-MoE's every ``decoder_sparse_step``-th but those in
     ``mlp_only_layers`` (a dense MLP), and Qwen3-Next's so."""
     n, kind = config.num_hidden_layers, config.model_type
     if kind not in MOE_ARCHS:
         return [False] * n
-    if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text"):
-        return [True] * n
+    if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text") + GRANITE_MOES:
+        return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
         return [i >= config.first_k_dense_replace for i in range(n)]
     if kind == "glm4_moe_lite":
@@ -74,7 +75,8 @@ class Routing:
     Qwens' ``norm_topk_prob``; weights in float32 where ``float_weights``, Mixtral's, else the
     model's dtype), ``activation(gate) * up``; GPT-OSS (``gpt_oss``): the softmax of the top k
     logits, in the model's dtype, and ``(up + 1) * gate * sigmoid(alpha * gate)`` with gate
-    and up clamped at ``limit``; GLM-4.5, DeepSeek-V3, GLM-4.7-Flash (``sigmoid``): the router
+    and up clamped at ``limit``; Granite's (``top_softmax``): the softmax of the top k logits
+    in float32, then the model's dtype, ``activation(gate) * up``; GLM-4.5, DeepSeek-V3, GLM-4.7-Flash (``sigmoid``): the router
     in float32 (``float_router``), sigmoid scores, the top k of those plus a correction bias
     among the ``top_groups`` best of ``groups`` groups of experts (each group by its best
     two), their scores renormalised and times ``scale``, in float32; DeepSeek-V2: the router
@@ -87,6 +89,7 @@ class Routing:
     float_weights: bool = False
     activation: str = "silu"
     gpt_oss: bool = False
+    top_softmax: bool = False
     alpha: float = 1.702
     limit: float = 7.0
     sigmoid: bool = False
@@ -100,6 +103,8 @@ class Routing:
         kind = config.model_type
         if kind == "gpt_oss":
             return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+        if kind in GRANITE_MOES:
+            return cls(config.num_experts_per_tok, top_softmax=True, activation=config.hidden_act)
         if kind == "deepseek_v2":
             grouped = config.topk_method == "group_limited_greedy"
             return cls(config.num_experts_per_tok, float_weights=True, activation=getattr(config, "hidden_act", "silu"),
@@ -116,9 +121,9 @@ class Routing:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights, experts)`` ``[N, top_k]`` of router ``logits [N, experts]`` (``correction
         [experts]``: GLM-4.5's bias on the scores that choose)."""
-        if self.gpt_oss:
+        if self.gpt_oss or self.top_softmax:
             top, chosen = logits.topk(self.top_k, dim=-1)
-            return torch.softmax(top, dim=-1, dtype=top.dtype), chosen
+            return torch.softmax(top, dim=-1, dtype=top.dtype if self.gpt_oss else torch.float32).to(top.dtype), chosen
         if self.sigmoid:
             scores = logits.sigmoid()  # [N, experts]
             choice = scores if correction is None else scores + correction
@@ -192,11 +197,14 @@ class Experts:
                 torch.cat([t.to(device=device, dtype=dtype) for t in expert], out=out[e])
             return out
 
-        mixtral = config.model_type == "mixtral"
-        block = layer + ("block_sparse_moe." if mixtral and layer + "mlp.gate.weight" not in weights else "mlp.")
-        if block + "experts.gate_up_proj" in weights:  # fused, [experts, out, in]
-            gate_up, down = (weights[block + "experts." + n].to(device=device, dtype=dtype, copy=True)
-                             for n in ("gate_up_proj", "down_proj"))
+        mixtral, granite = config.model_type == "mixtral", config.model_type in GRANITE_MOES
+        block = layer + ("block_sparse_moe." if granite or mixtral and layer + "mlp.gate.weight" not in weights
+                         else "mlp.")
+        fused = [block + "experts.gate_up_proj", block + "experts.down_proj"]
+        if block + "input_linear.weight" in weights:  # Granite's as saved
+            fused = [block + "input_linear.weight", block + "output_linear.weight"]
+        if fused[0] in weights:  # fused, [experts, out, in]
+            gate_up, down = (weights[n].to(device=device, dtype=dtype, copy=True) for n in fused)
         else:
             gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
             experts = [f"{block}experts.{i}." for i in range(num_experts(config))]
@@ -204,7 +212,9 @@ class Experts:
             down = stacked([[x + down + ".weight"] for x in experts])
 
         routing = Routing.of(config)
-        router = weights[block + "gate.weight"].to(
+        router = next(block + n for n in ("gate.weight", "router.layer.weight", "router.weight")
+                      if block + n in weights)  # (Granite's as saved, as transformers names it)
+        router = weights[router].to(
             device=device, dtype=torch.float32 if routing.float_router else dtype, copy=True)
         correction = block + "gate.e_score_correction_bias"
         return cls(routing, router, gate_up.transpose(1, 2), down.transpose(1, 2),

@@ -1,11 +1,13 @@
-"""Linear attention with a recurrent state for the torch runtime: the Gated DeltaNet layers of
-Qwen3-Next and Qwen3.5 (``DeltaNet``, ``delta_net``), and the states they keep per slot
-(``RecurrentStates``), which a rewind takes back.
+"""Layers with a recurrent state for the torch runtime: the Gated DeltaNet layers of Qwen3-Next
+and Qwen3.5 (``DeltaNet``) and the Mamba-2 layers of Granite 4.0's hybrids and Bamba
+(``Mamba2``), and the states they keep per slot (``RecurrentStates``), which a rewind takes back.
 
-A DeltaNet layer keeps no row per token. Each slot holds, per layer, the last ``kernel - 1``
-inputs of its short convolution (``conv``) and one ``[v_heads, k_dim, v_dim]`` matrix, the
-delta rule's state (``ssm``). A token's step: the state decays by ``exp(g)``, then moves
-towards ``k -> v`` by ``beta`` (``S += beta k (v - k S)``); the token reads ``q S``.
+Such a layer keeps no row per token. Each slot holds, per layer, the last ``kernel - 1``
+inputs of its short convolution (``conv``) and one matrix per head that every token updates
+(``ssm``). DeltaNet's ``[v_heads, k_dim, v_dim]``: the state decays by ``exp(g)``, then moves
+towards ``k -> v`` by ``beta`` (``S += beta k (v - k S)``); the token reads ``q S``. Mamba-2's
+``[heads, head_dim, d_state]``: the state decays by ``exp(dt A)`` and takes in ``dt x B``; the
+token reads ``S C + D x``.
 
 Speculation drops rejected drafts, and a state cannot subtract the tokens it has taken in.
 So each slot also keeps a ring of its states *before* each of its last ``depth`` tokens,
@@ -17,14 +19,22 @@ keeps only the state it started from.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .ops import rms_norm
 
-LINEAR_ATTENTION = "linear_attention"  # its name in ``layer_types``
+LINEAR_ATTENTION = "linear_attention"  # their name in ``layer_types`` (transformers reads Granite's "mamba" so)
 DEFAULT_DEPTH = 18  # ring rows per slot: a rewind of up to 17 tokens (16 drafts and the bonus token)
+
+
+def recurrent_mixer(config) -> "DeltaNet | Mamba2 | None":
+    """The recurrent layers' kind of ``config`` (None: it has none)."""
+    if LINEAR_ATTENTION not in (getattr(config, "layer_types", None) or ()):
+        return None
+    return Mamba2.of(config) if hasattr(config, "mamba_n_heads") else DeltaNet.of(config)
 
 
 @dataclass(frozen=True)
@@ -40,9 +50,7 @@ class DeltaNet:
     kernel: int
 
     @classmethod
-    def of(cls, config) -> "DeltaNet | None":
-        if LINEAR_ATTENTION not in (getattr(config, "layer_types", None) or ()):
-            return None
+    def of(cls, config) -> "DeltaNet":
         return cls(config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                    config.linear_value_head_dim, config.linear_conv_kernel_dim)
 
@@ -55,35 +63,169 @@ class DeltaNet:
     def value_width(self) -> int:
         return self.v_heads * self.v_dim
 
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return self.v_heads, self.k_dim, self.v_dim
+
     def projection_params(self, hidden: int) -> int:
         """One layer's linears' weights (``linear.linear_bytes``)."""
         return hidden * (self.conv_dim + 2 * self.value_width + 2 * self.v_heads)
 
+    def weights(self, r, pre: str) -> dict:
+        """The weights of the layer under ``pre`` (``...linear_attn.``): ``mix_in`` the input's four products
+        fused (queries, keys and values as convolved; then the output gate ``z``; ``b``, beta's;
+        ``a``, the decay's), ``conv [conv_dim, kernel]``, ``decay`` ``-exp(A_log)`` (float32) and
+        ``dt_bias``, as transformers computes ``g``, ``gate_norm`` (the output's norm, of plain
+        weight) and ``mix_out``. Qwen3-Next stores the products grouped per key head
+        (``in_proj_qkvz``, ``in_proj_ba``): they are reordered into Qwen3.5's layout."""
+        a = pre + "linear_attn."
+        if a + "in_proj_qkvz.weight" in r:
+            per = self.v_heads // self.k_heads  # value heads per key head
+            qkvz = r.get(a + "in_proj_qkvz.weight").view(self.k_heads, -1, r.get(a + "out_proj.weight").shape[0])
+            q, k, v, z = qkvz.split([self.k_dim, self.k_dim, per * self.v_dim, per * self.v_dim], dim=1)
+            ba = r.get(a + "in_proj_ba.weight").view(self.k_heads, 2 * per, -1)
+            b, a_ = ba.split([per, per], dim=1)
+            parts = [t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a_)]
+        else:
+            parts = [r.get(a + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]
+        return {
+            "mix_in": r.linear(torch.cat(parts), None),
+            "conv": r.get(a + "conv1d.weight")[:, 0],  # [conv_dim, kernel]
+            "conv_bias": None,
+            "decay": -torch.exp(r.get(a + "A_log").float()),  # [v_heads], A_log as the model's dtype holds it
+            "dt_bias": r.get(a + "dt_bias"),  # [v_heads]
+            "gate_norm": r.get(a + "norm.weight"),  # [v_dim]
+            "mix_out": r.linear(r.get(a + "out_proj.weight"), None),
+        }
 
-def delta_net_weights(r, a: str, net: DeltaNet) -> dict:
-    """The weights under ``a`` (``...linear_attn.``): ``mix_in`` the input's four products
-    fused (queries, keys and values as convolved; then the output gate ``z``; ``b``, beta's;
-    ``a``, the decay's), ``conv [conv_dim, kernel]``, ``decay`` ``-exp(A_log)`` (float32) and
-    ``dt_bias``, as transformers computes ``g``, ``gate_norm`` (the output's norm, of plain
-    weight) and ``mix_out``. Qwen3-Next stores the products grouped per key head
-    (``in_proj_qkvz``, ``in_proj_ba``): they are reordered into Qwen3.5's layout."""
-    if a + "in_proj_qkvz.weight" in r:
-        per = net.v_heads // net.k_heads  # value heads per key head
-        qkvz = r.get(a + "in_proj_qkvz.weight").view(net.k_heads, -1, r.get(a + "out_proj.weight").shape[0])
-        q, k, v, z = qkvz.split([net.k_dim, net.k_dim, per * net.v_dim, per * net.v_dim], dim=1)
-        ba = r.get(a + "in_proj_ba.weight").view(net.k_heads, 2 * per, -1)
-        b, a_ = ba.split([per, per], dim=1)
-        parts = [t.reshape(-1, t.shape[-1]) for t in (q, k, v, z, b, a_)]
-    else:
-        parts = [r.get(a + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]
-    return {
-        "mix_in": r.linear(torch.cat(parts), None),
-        "conv": r.get(a + "conv1d.weight")[:, 0],  # [conv_dim, kernel]
-        "decay": -torch.exp(r.get(a + "A_log").float()),  # [v_heads], A_log as the model's dtype holds it
-        "dt_bias": r.get(a + "dt_bias"),  # [v_heads]
-        "gate_norm": r.get(a + "norm.weight"),  # [v_dim]
-        "mix_out": r.linear(r.get(a + "out_proj.weight"), None),
-    }
+    def forward(self, states: "RecurrentStates", li: int, slots: torch.Tensor, plan: "StatePlan", L: dict,
+                a: torch.Tensor, eps: float) -> torch.Tensor:
+        """Layer ``li`` (its index among them) over ``a [B, T, hidden]`` (its input, normed) for
+        the rows of ``slots [B]``: advances their states and returns ``[B, T, hidden]``, as
+        transformers' Qwen3.5 computes it (the rule in float32; queries and keys L2-normed, the
+        queries scaled by ``k_dim ** -0.5``; the output normed, then gated by ``silu(z)``)."""
+        B, T, _ = a.shape
+        mixed, z, b, g_in = L["mix_in"](a).split([self.conv_dim, self.value_width, self.v_heads, self.v_heads], dim=-1)
+        conv = convolve(states, li, slots, plan, mixed, L).to(a.dtype)  # [B, T, conv_dim]
+        q, k, v = conv.split([self.k_heads * self.k_dim] * 2 + [self.value_width], dim=-1)
+        per = self.v_heads // self.k_heads
+        q = q.reshape(B, T, self.k_heads, self.k_dim).repeat_interleave(per, dim=2).float()  # [B, T, Hv, dk]
+        k = k.reshape(B, T, self.k_heads, self.k_dim).repeat_interleave(per, dim=2).float()
+        v = v.reshape(B, T, self.v_heads, self.v_dim).float()  # [B, T, Hv, dv]
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)  # L2-normed (FLA's eps)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        valid = plan.valid[:, :, None]  # [B, T, 1]: padding neither decays the state nor writes to it
+        beta = torch.where(valid, b.sigmoid().float(), 0.0)  # [B, T, Hv]
+        g = torch.where(valid, L["decay"] * F.softplus(g_in.float() + L["dt_bias"]), 0.0)
+        scale = self.k_dim ** -0.5
+
+        def step(state, t):  # [B, Hv, dk, dv]
+            state = state * g[:, t].exp()[..., None, None]
+            kt = k[:, t, :, None, :]  # [B, Hv, 1, dk]
+            delta = (v[:, t] - (kt @ state)[:, :, 0]) * beta[:, t, :, None]  # [B, Hv, dv]
+            state = state + kt.transpose(-1, -2) @ delta[:, :, None, :]
+            return state, (q[:, t, :, None, :] * scale @ state)[:, :, 0]  # [B, Hv, dv]
+
+        def chunked(state):  # transformers' own (it scales the queries)
+            from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+            o, state = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state,
+                                                    output_final_state=True)
+            return o.float(), state
+
+        o = scan(states, li, slots, plan, step, chunked)  # [B, T, Hv, dv]
+        o = rms_norm(o.to(a.dtype), L["gate_norm"], eps) * F.silu(z.view(B, T, self.v_heads, self.v_dim).float())
+        return L["mix_out"](o.to(a.dtype).reshape(B, T, self.value_width))
+
+
+@dataclass(frozen=True)
+class Mamba2:
+    """A Mamba-2 layer's widths (Granite 4.0's hybrids', Bamba's): ``heads`` of ``head_dim``
+    channels, each with a ``[head_dim, d_state]`` state; ``groups`` of heads share their ``B``
+    and ``C`` (and a group of channels its output norm); the convolution's ``kernel``; the
+    chunked scan's ``chunk``; ``dt_limit``, the clamp of a prompt's time steps."""
+
+    heads: int
+    head_dim: int
+    d_state: int
+    groups: int
+    kernel: int
+    chunk: int
+    dt_limit: tuple[float, float]
+
+    @classmethod
+    def of(cls, config) -> "Mamba2":
+        head_dim = config.mamba_d_head
+        if head_dim == "auto":
+            head_dim = config.mamba_expand * config.hidden_size // config.mamba_n_heads
+        return cls(config.mamba_n_heads, head_dim, config.mamba_d_state, config.mamba_n_groups,
+                   config.mamba_d_conv, config.mamba_chunk_size, tuple(config.time_step_limit or (0.0, float("inf"))))
+
+    @property
+    def value_width(self) -> int:
+        """The inner channels (``mamba_expand * hidden``): x, the gate ``z``, the output."""
+        return self.heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: x, then ``B`` and ``C`` of each group."""
+        return self.value_width + 2 * self.groups * self.d_state
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        return self.heads, self.head_dim, self.d_state
+
+    def projection_params(self, hidden: int) -> int:
+        return hidden * (self.value_width + self.conv_dim + self.heads) + self.value_width * hidden
+
+    def weights(self, r, pre: str) -> dict:
+        """The weights of the layer under ``pre`` (``...mamba.``): ``mix_in`` (``in_proj``: the gate ``z``, the
+        convolved ``x B C``, then ``dt``), ``conv [conv_dim, kernel]`` and its bias, ``decay``
+        ``-exp(A_log)`` (float32), ``dt_bias``, ``skip`` (``D``), ``gate_norm`` (the grouped
+        output norm's, of plain weight) and ``mix_out``."""
+        a = pre + "mamba."
+        return {
+            "mix_in": r.linear(r.get(a + "in_proj.weight"), r.opt(a + "in_proj.bias")),
+            "conv": r.get(a + "conv1d.weight")[:, 0],  # [conv_dim, kernel]
+            "conv_bias": r.opt(a + "conv1d.bias"),
+            "decay": -torch.exp(r.get(a + "A_log").float()),  # [heads]
+            "dt_bias": r.get(a + "dt_bias"),  # [heads]
+            "skip": r.get(a + "D"),  # [heads]
+            "gate_norm": r.get(a + "norm.weight"),  # [value_width]
+            "mix_out": r.linear(r.get(a + "out_proj.weight"), r.opt(a + "out_proj.bias")),
+        }
+
+    def forward(self, states: "RecurrentStates", li: int, slots: torch.Tensor, plan: "StatePlan", L: dict,
+                a: torch.Tensor, eps: float) -> torch.Tensor:
+        """``DeltaNet.forward`` for a Mamba-2 layer, as transformers' Granite 4.0 and Bamba compute
+        it: the scan in float32; the output ``y * silu(z)`` normed per group of channels."""
+        B, T, _ = a.shape
+        H, P, N, G = self.heads, self.head_dim, self.d_state, self.groups
+        z, mixed, dt = L["mix_in"](a).split([self.value_width, self.conv_dim, H], dim=-1)
+        conv = convolve(states, li, slots, plan, mixed, L).to(a.dtype)  # [B, T, conv_dim]
+        x, b, c = conv.split([self.value_width, G * N, G * N], dim=-1)
+        x = x.reshape(B, T, H, P).float()
+        b = b.reshape(B, T, G, N).repeat_interleave(H // G, dim=2).float()  # [B, T, H, N]
+        c = c.reshape(B, T, G, N).repeat_interleave(H // G, dim=2).float()
+        dt = F.softplus(dt.float() + L["dt_bias"].float())  # [B, T, H]
+        dt = torch.where(plan.valid[:, :, None], dt, 0.0)  # padding neither decays the state nor writes to it
+        skip = L["skip"].float()[:, None]  # [H, 1]
+
+        def step(state, t):  # [B, H, P, N]
+            state = state * torch.exp(dt[:, t] * L["decay"])[..., None, None] \
+                + (dt[:, t, :, None] * b[:, t])[:, :, None, :] * x[:, t, ..., None]
+            return state, (state @ c[:, t, ..., None])[..., 0] + x[:, t] * skip  # [B, H, P]
+
+        def chunked(state):  # transformers' own
+            from transformers.models.granitemoehybrid.modeling_granitemoehybrid import mamba2_chunk_scan
+
+            return mamba2_chunk_scan(x, dt.clamp(*self.dt_limit), L["decay"], b, c, self.chunk, D=L["skip"].float(),
+                                     initial_states=state, return_final_states=True)
+
+        y = scan(states, li, slots, plan, step, chunked).reshape(B, T, G, -1)  # [B, T, G, value_width / G]
+        y = y * F.silu(z.float()).view(B, T, G, -1)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+        return L["mix_out"]((L["gate_norm"] * y.reshape(B, T, -1).to(a.dtype)).to(a.dtype))
 
 
 @dataclass
@@ -100,16 +242,16 @@ class StatePlan:
 
 
 class RecurrentStates:
-    """Each slot's states per DeltaNet layer, after its ``lengths`` tokens (``conv [layers,
-    slots, conv_dim, kernel - 1]`` in the model's dtype, ``ssm [layers, slots, v_heads,
-    k_dim, v_dim]`` in float32), and the ring of earlier ones (``ring_conv``, ``ring_ssm``:
+    """Each slot's states per recurrent layer (``mixer``'s kind), after its ``lengths`` tokens
+    (``conv [layers, slots, conv_dim, kernel - 1]`` in the model's dtype, ``ssm [layers, slots,
+    *state_shape]`` in float32, as transformers keeps them), and the ring of earlier ones (``ring_conv``, ``ring_ssm``:
     ``depth + 1`` rows, the last for padding); ``held[slot][row]`` is the position a ring row
     holds (-1: none). Slots are allocated up to the highest one used."""
 
-    def __init__(self, layers: int, net: DeltaNet, depth: int, device: torch.device, dtype: torch.dtype):
-        self.net, self.depth = net, depth
-        self.conv = torch.zeros(layers, 0, net.conv_dim, net.kernel - 1, device=device, dtype=dtype)
-        self.ssm = torch.zeros(layers, 0, net.v_heads, net.k_dim, net.v_dim, device=device, dtype=torch.float32)
+    def __init__(self, layers: int, mixer: DeltaNet | Mamba2, depth: int, device: torch.device, dtype: torch.dtype):
+        self.depth = depth
+        self.conv = torch.zeros(layers, 0, mixer.conv_dim, mixer.kernel - 1, device=device, dtype=dtype)
+        self.ssm = torch.zeros(layers, 0, *mixer.state_shape, device=device, dtype=torch.float32)
         self.ring_conv = torch.zeros(layers, 0, depth + 1, *self.conv.shape[2:], device=device, dtype=dtype)
         self.ring_ssm = torch.zeros(layers, 0, depth + 1, *self.ssm.shape[2:], device=device, dtype=torch.float32)
         self.held: list[list[int]] = []
@@ -158,50 +300,38 @@ class RecurrentStates:
         self.held[slot] = [p if p <= length else -1 for p in held]
 
 
-def delta_net(states: RecurrentStates, li: int, slots: torch.Tensor, plan: StatePlan, L: dict,
-              a: torch.Tensor, eps: float) -> torch.Tensor:
-    """DeltaNet layer ``li`` (its index among them) over ``a [B, T, hidden]`` (its input, normed)
-    for the rows of ``slots [B]``: advances their states and returns ``[B, T, hidden]``, as
-    transformers' Qwen3.5 computes it (the rule in float32; queries and keys L2-normed, the
-    queries scaled by ``k_dim ** -0.5``; the output normed, then gated by ``silu(z)``)."""
-    net, (B, T, _) = states.net, a.shape
-    mixed, z, b, g_in = L["mix_in"](a).split([net.conv_dim, net.value_width, net.v_heads, net.v_heads], dim=-1)
-    # the short convolution over the slot's last inputs and the new ones: [B, conv_dim, K - 1 + T]
-    seq = torch.cat([states.conv[li, slots], mixed.transpose(1, 2).to(states.conv.dtype)], dim=-1)
-    conv = F.silu(F.conv1d(seq, L["conv"][:, None], groups=net.conv_dim))  # [B, conv_dim, T]
-    windows = seq.unfold(-1, net.kernel - 1, 1)  # [B, conv_dim, T + 1, K - 1]: after 0..T tokens
-    q, k, v = conv.transpose(1, 2).to(a.dtype).split([net.k_heads * net.k_dim] * 2 + [net.value_width], dim=-1)
-    per = net.v_heads // net.k_heads
-    q = q.reshape(B, T, net.k_heads, net.k_dim).repeat_interleave(per, dim=2).float()  # [B, T, Hv, dk]
-    k = k.reshape(B, T, net.k_heads, net.k_dim).repeat_interleave(per, dim=2).float()
-    v = v.reshape(B, T, net.v_heads, net.v_dim).float()  # [B, T, Hv, dv]
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)  # L2-normed (FLA's eps)
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    valid = plan.valid[:, :, None]  # [B, T, 1]: padding neither decays the state nor writes to it
-    beta = torch.where(valid, b.sigmoid().float(), 0.0)  # [B, T, Hv]
-    g = torch.where(valid, L["decay"] * F.softplus(g_in.float() + L["dt_bias"]), 0.0)
-    state, scale = states.ssm[li, slots], net.k_dim ** -0.5  # [B, Hv, dk, dv]
-    if plan.every:  # token by token, keeping the state before each
-        before, outs = [], []
-        for t in range(T):
-            before.append(state)
-            state = state * g[:, t].exp()[..., None, None]
-            kt = k[:, t, :, None, :]  # [B, Hv, 1, dk]
-            delta = (v[:, t] - (kt @ state)[:, :, 0]) * beta[:, t, :, None]  # [B, Hv, dv]
-            state = state + kt.transpose(-1, -2) @ delta[:, :, None, :]
-            outs.append((q[:, t, :, None, :] * scale @ state)[:, :, 0])  # [B, Hv, dv]
-        o = torch.stack(outs, dim=1)  # [B, T, Hv, dv]
-        states.ring_ssm[li, slots[:, None], plan.ring] = torch.stack(before, dim=1)  # [B, T, Hv, dk, dv]
-        states.ring_conv[li, slots[:, None], plan.ring] = windows[:, :, :T].transpose(1, 2)
-    else:  # a prompt: the rule in chunks (transformers' own), keeping the state it started from
-        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+def convolve(states: RecurrentStates, li: int, slots: torch.Tensor, plan: StatePlan, mixed: torch.Tensor,
+             L: dict) -> torch.Tensor:
+    """Layer ``li``'s short convolution (``L["conv"]``, ``L["conv_bias"]``) over ``mixed [B, T,
+    conv_dim]`` after each slot's last inputs, through silu: ``[B, T, conv_dim]``; keeps each
+    slot's window after its tokens, and in the ring the ones before them (``plan``)."""
+    B, T, C = mixed.shape
+    seq = torch.cat([states.conv[li, slots], mixed.transpose(1, 2).to(states.conv.dtype)], dim=-1)  # [B, C, K - 1 + T]
+    out = F.silu(F.conv1d(seq, L["conv"][:, None], L["conv_bias"], groups=C))  # [B, C, T]
+    windows = seq.unfold(-1, states.conv.shape[-1], 1)  # [B, C, T + 1, K - 1]: after 0..T tokens
+    states.ring_conv[li, slots[:, None], plan.ring] = windows[:, :, :plan.ring.shape[1]].transpose(1, 2)
+    states.conv[li, slots] = windows[torch.arange(B, device=mixed.device), :, plan.last]  # after each row's tokens
+    return out.transpose(1, 2)
 
-        states.ring_ssm[li, slots[:, None], plan.ring] = state[:, None]
-        states.ring_conv[li, slots[:, None], plan.ring] = windows[:, :, :1].transpose(1, 2)
-        o, state = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state,
-                                                output_final_state=True)  # (it scales the queries)
-        o = o.float()
+
+def scan(states: RecurrentStates, li: int, slots: torch.Tensor, plan: StatePlan,
+         step: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+         chunked: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Layer ``li``'s recurrence over a forward's ``T`` tokens from each slot's state ``[B,
+    *state_shape]``: token by token (``step(state, t) -> (state, output [B, ...])``) keeping
+    the state before each in the ring, or for a prompt in chunks (``chunked(state) -> (outputs
+    [B, T, ...], state)``) keeping the one it started from. Returns the outputs."""
+    state = states.ssm[li, slots]
+    if plan.every:
+        before, outs = [], []
+        for t in range(plan.valid.shape[1]):
+            before.append(state)
+            state, o = step(state, t)
+            outs.append(o)
+        kept, o = torch.stack(before, dim=1), torch.stack(outs, dim=1)  # [B, T, *state_shape], [B, T, ...]
+    else:
+        kept = state[:, None]
+        o, state = chunked(state)
+    states.ring_ssm[li, slots[:, None], plan.ring] = kept
     states.ssm[li, slots] = state
-    states.conv[li, slots] = windows[torch.arange(B, device=a.device), :, plan.last]  # after each row's tokens
-    o = rms_norm(o.to(a.dtype), L["gate_norm"], eps) * F.silu(z.view(B, T, net.v_heads, net.v_dim).float())
-    return L["mix_out"](o.to(a.dtype).reshape(B, T, net.value_width))
+    return o

@@ -1,17 +1,18 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
 Granite, SmolLM3, GLM-4), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS,
-GLM-4.5: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
+GLM-4.5, Granite's: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
 GLM-4.7-Flash: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``), and the
-hybrids of Gated DeltaNet layers and gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE:
-``recurrent``, whose states rewind with the cache).
+hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the
+cache): Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2
+layers beside attention (Granite 4.0's hybrids, Bamba).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
 HF directory and GGUF tensors dequantized by transformers load the same way. The KV cache
 is position-indexed per slot: token ``j`` of a sequence lives at index ``j`` of its slot,
 and a rollback only rewinds the slot's length.
 
-Beside it: ``moe`` (the experts), ``recurrent`` (DeltaNet layers and their states),
+Beside it: ``moe`` (the experts), ``recurrent`` (DeltaNet and Mamba-2 layers, their states),
 ``linear`` (``Linear``'s kinds), ``ops`` (norms, attention, rotary embeddings) and
 ``cuda_graphs`` (``CudaGraphs``).
 """
@@ -32,8 +33,7 @@ from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
 from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
 from .ops import ACTIVATIONS, attention, rms_norm, rotate, softcap
-from .recurrent import (DEFAULT_DEPTH, LINEAR_ATTENTION, DeltaNet, RecurrentStates, StatePlan, delta_net,
-                        delta_net_weights)
+from .recurrent import DEFAULT_DEPTH, LINEAR_ATTENTION, DeltaNet, Mamba2, RecurrentStates, StatePlan, recurrent_mixer
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +41,16 @@ QWEN_VL_TEXT = ("qwen2_5_vl_text", "qwen3_vl_text")  # Qwen2 and Qwen3 on text a
 # DeltaNet layers beside gated attention (``recurrent``): Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's (text
 # models: the "qwen3_5" and "qwen3_5_moe" checkpoints hold them)
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-ARCHS = tuple(dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "glm4", "gemma",
-                             "gemma2", "gemma3_text") + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS))  # HF model_type;
-# biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the weights
+# Granite's multipliers; Granite 4.0's hybrids (granitemoehybrid, with or without experts) have Mamba-2 layers
+# beside attention without rope, as Bamba's beside attention with rope on half of each head
+GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
+ARCHS = tuple(dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "glm4", "gemma", "gemma2",
+                             "gemma3_text", "bamba") + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS))  # HF
+# model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
+# weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe") + HYBRID_ARCHS
+PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba") + HYBRID_ARCHS
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
@@ -123,7 +127,7 @@ class Family:
     def of(cls, config, dtype: torch.dtype = torch.float32) -> "Family":
         gemma23 = config.model_type in ("gemma2", "gemma3_text")  # the fields only their models read
         act = (config.hidden_activation if gemma23 else None) or getattr(config, "hidden_act", "silu")
-        if config.model_type == "granite":
+        if config.model_type in GRANITES:
             return cls(embed_scale=config.embedding_multiplier, attn_scale=config.attention_multiplier,
                        residual_scale=config.residual_multiplier, logits_divisor=config.logits_scaling,
                        activation=act)
@@ -203,7 +207,7 @@ class KVCache:
     prefix reuse is taken only for a matching prefix or once no other is free, so requests
     with distinct prompts one after another do grow the slots up to ``num_slots``.
     ``keys_only``: V is None, the values are the keys' first dimensions (``Latent``'s rows).
-    ``states``: the DeltaNet layers' (``recurrent.RecurrentStates``), which rewind with it."""
+    ``states``: the recurrent layers' (``recurrent.RecurrentStates``), which rewind with it."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype, capacity: int = 256, max_rows: int | None = None,
@@ -284,7 +288,7 @@ class Batch:
     # cache, one per run, not over a gathered copy of it
     runs: tuple[tuple[int, int, int], ...] | None = None
     hidden: torch.Tensor | None = None  # [B, T, hidden] an EAGLE head's hidden inputs (``eagle.EagleHead``)
-    states: StatePlan | None = None  # where the DeltaNet layers' states go (``recurrent``)
+    states: StatePlan | None = None  # where the recurrent layers' states go (``recurrent``)
 
 
 RUNS_FROM_KEYS = 256  # a batch in several runs of slots attends run by run from this many keys
@@ -411,7 +415,11 @@ class CheckpointReader:
 
     def mlp(self, prefix: str, optional: bool = False) -> tuple[Linear | None, Linear | None]:
         """``(gate_up, down)`` of the gated MLP under ``prefix`` (``None, None`` where it is
-        ``optional`` and absent: a mixture's layer without shared experts)."""
+        ``optional`` and absent: a mixture's layer without shared experts); Granite's gate and up
+        fused as ``input_linear``, its down ``output_linear``."""
+        if prefix + "output_linear.weight" in self.weights:
+            return self.linear(self.get(prefix + "input_linear.weight"), None), \
+                self.linear(self.get(prefix + "output_linear.weight"), None)
         if optional and prefix + "down_proj.weight" not in self.weights:
             return None, None
         gate_up = self.fused(prefix + "gate_up_proj.weight", [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
@@ -458,17 +466,17 @@ def gated_attention(r: CheckpointReader, a: str, config) -> dict:
 
 def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, sliding: bool = False,
                   rope: str | None = None, rotates: bool = True, latent: Latent | None = None,
-                  net: DeltaNet | None = None, index: int = 0) -> dict:
+                  recurrent: DeltaNet | Mamba2 | None = None, index: int = 0) -> dict:
     """The weights of the decoder layer under ``pre`` (``model.layers.{i}.``) as
     ``TorchLlama._layers`` reads them: ``moe``: its MLP is experts (with shared ones where the
     checkpoint has them); ``sliding``: it attends within the window; ``rope``: its rope
     table's key (a layer type, or None); ``rotates``: it applies rope at all (SmolLM3's);
-    ``latent``: its attention is latent (``latent_attention``'s weights); ``net``: it is a
-    DeltaNet layer, no attention (``recurrent.delta_net_weights``); ``index``: its KV's (or
+    ``latent``: its attention is latent (``latent_attention``'s weights); ``recurrent``: it is
+    a recurrent layer of that kind, no attention (``recurrent``); ``index``: its KV's (or
     states') index in the cache, among the layers of its kind."""
     a = pre + "self_attn."
-    if net is not None:
-        mixer = delta_net_weights(r, pre + "linear_attn.", net)
+    if recurrent is not None:
+        mixer = recurrent.weights(r, pre)
     else:
         mixer = {
             **(latent_attention(r, a, latent) if latent else gated_attention(r, a, config)
@@ -481,7 +489,9 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         }
     shared = ("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in r else "shared_expert.") \
         if moe else ""  # GLM-4.5's, Qwen2-MoE's
-    gate_up, down = r.mlp(pre + "mlp." + shared, optional=moe)
+    mlp = next((pre + m for m, down in (("shared_mlp.", "output_linear"), ("feed_forward.", "down_proj"))
+                if pre + m + down + ".weight" in r), pre + "mlp." + shared)  # Granite's, Bamba's
+    gate_up, down = r.mlp(mlp, optional=moe)
     sandwich = pre + "pre_feedforward_layernorm.weight" in r  # Gemma 2/3: norms after, too
     glm4 = pre + "post_self_attn_layernorm.weight" in r  # GLM-4's norms after, named its way
     return {
@@ -489,7 +499,8 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         **mixer,
         "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich else
         r.norm(pre + "post_self_attn_layernorm.weight") if glm4 else None,
-        "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm") + ".weight"),
+        "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "pre_ff_layernorm"
+                                  if pre + "pre_ff_layernorm.weight" in r else "post_attention_layernorm") + ".weight"),
         "post_mlp_norm": r.norm(pre + ("post_feedforward_layernorm" if sandwich else "post_mlp_layernorm") + ".weight")
         if sandwich or glm4 else None,
         "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
@@ -504,10 +515,10 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
 
 
 class TorchLlama:
-    """Runtime for Llama- and Gemma-family checkpoints, mixtures of experts and Qwen3-Next's
-    and Qwen3.5's DeltaNet layers (see ``ARCHS``, ``Family``, ``Experts``, ``recurrent``).
+    """Runtime for Llama- and Gemma-family checkpoints, mixtures of experts and hybrids with
+    recurrent layers (see ``ARCHS``, ``Family``, ``Experts``, ``recurrent``).
     ``cuda_graphs`` (default: on a CUDA device; for experts, where ``grouped_mm_graphable``;
-    not with DeltaNet layers) replays small forwards as CUDA graphs (``CudaGraphs``). With DeltaNet layers a
+    not with recurrent layers) replays small forwards as CUDA graphs (``CudaGraphs``). With recurrent layers a
     slot rewinds by up to ``state_depth - 1`` tokens (``recurrent.RecurrentStates``), its rows
     are not reused for another request's prompt, and drafts are chains."""
 
@@ -538,6 +549,8 @@ class TorchLlama:
         self.window, sliding = sliding_layers(config)
         types = getattr(config, "layer_types", None) or [None] * self.num_layers
         rotates = getattr(config, "no_rope_layers", None) or [1] * self.num_layers  # SmolLM3's: 0 = no rope
+        if config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope":
+            rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention
         linear = linear or pick_linear(device, dtype)
         assert linear in LINEAR_KINDS, linear
         if multi_row is None:  # the verify-packed copy, when the weights and it fit in memory
@@ -548,29 +561,29 @@ class TorchLlama:
         r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row)
         self.embed = r.get("model.embed_tokens.weight")
         self.vocab_size = self.embed.shape[0]
-        self.net = DeltaNet.of(config)
-        self.layers, kinds = [], [0, 0]  # layers so far: attention, DeltaNet
+        self.recurrent = recurrent_mixer(config)  # DeltaNet, Mamba2 or None
+        self.layers, kinds = [], [0, 0]  # layers so far: attention, recurrent
         for i, moe in enumerate(moe_layers(config)):
-            net = self.net if types[i] == LINEAR_ATTENTION else None
+            rec = self.recurrent if types[i] == LINEAR_ATTENTION else None
             self.layers.append(decoder_layer(r, config, f"model.layers.{i}.", moe, sliding=sliding[i],
                                              rope=types[i] if types[i] in self.rope else None,
-                                             rotates=bool(rotates[i]), latent=self.latent, net=net,
-                                             index=kinds[net is not None]))
-            kinds[net is not None] += 1
+                                             rotates=bool(rotates[i]), latent=self.latent, recurrent=rec,
+                                             index=kinds[rec is not None]))
+            kinds[rec is not None] += 1
         self.kv_layers, self.state_layers = kinds
-        if self.net is not None:  # a recurrent state: no rows to reuse, no tree, no graph (yet)
+        if self.recurrent is not None:  # a recurrent state: no rows to reuse, no tree, no graph (yet)
             self.reuses_prefixes = self.supports_masks = False
             self.state_depth = DEFAULT_DEPTH
-        self.norm = r.norm("model.norm.weight")
+        self.norm = r.norm("model.norm.weight" if "model.norm.weight" in r else "model.final_layernorm.weight")  # Bamba's
         self.taps: tuple[int, ...] = ()  # hidden states each forward keeps (``capture``)
         self.features: torch.Tensor | None = None  # the last forward's: [B, T, len(taps) * hidden]
         self.lm_head = r.linear(r.get("lm_head.weight") if "lm_head.weight" in r else self.embed, None)  # tied
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         graphable = not any(layer["experts"] for layer in self.layers) or grouped_mm_graphable(device, dtype)
-        if cuda_graphs and self.net is not None:
-            raise ValueError("CUDA graphs do not hold DeltaNet layers' states yet")
-        use_graphs = device.type == "cuda" and graphable and self.net is None if cuda_graphs is None else cuda_graphs
+        if cuda_graphs and self.recurrent is not None:
+            raise ValueError("CUDA graphs do not hold recurrent layers' states yet")
+        use_graphs = device.type == "cuda" and graphable and self.recurrent is None if cuda_graphs is None else cuda_graphs
         self.graphs = CudaGraphs(self) if use_graphs else None
         self.one_row_packed = all(lin.multi is not None for lin in self._linears()) and self._packed_one_row_pays()
         for lin in self._linears():  # if so, the packed copy serves every product, the other goes
@@ -660,8 +673,8 @@ class TorchLlama:
         return ",".join(kinds + [str(self.dtype), str(self.device)])
 
     def new_cache(self, num_slots: int, max_rows: int | None = None) -> KVCache:
-        states = None if self.net is None else \
-            RecurrentStates(self.state_layers, self.net, self.state_depth, self.device, self.dtype)
+        states = None if self.recurrent is None else \
+            RecurrentStates(self.state_layers, self.recurrent, self.state_depth, self.device, self.dtype)
         return KVCache(self.kv_layers, num_slots, self.kv_heads, self.head_dim, self.device, self.dtype,
                        max_rows=max_rows, keys_only=self.latent is not None, states=states)
 
@@ -730,8 +743,8 @@ class TorchLlama:
             if li in self.taps:
                 tapped[li] = h
             a = rms_norm(h, L["attn_norm"], self.eps)
-            if "mix_in" in L:  # a DeltaNet layer
-                mixed = delta_net(cache.states, L["index"], x.slots, x.states, L, a, self.eps)
+            if "mix_in" in L:  # a recurrent layer
+                mixed = self.recurrent.forward(cache.states, L["index"], x.slots, x.states, L, a, self.eps)
             else:
                 mixed = (self._attend_latent if self.latent else self._attend)(cache, x, L, a, rope)
             h = h + self._residual(mixed, L["post_attn_norm"])
