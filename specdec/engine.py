@@ -101,8 +101,8 @@ class Engine:
         taps = {t for d in self.readers for t in d.taps}
         if not taps <= set(getattr(self.runtime, "taps", ())):
             self.runtime.capture(sorted(taps | set(self.runtime.taps)))
-        self.reuses_prefixes = prefix_caching and chunked_prefill_size > 0 and \
-            getattr(self.runtime, "reuses_prefixes", False)
+        self.reuses_prefixes = prefix_caching and chunked_prefill_size > 0 and (
+            getattr(self.runtime, "reuses_prefixes", False) or getattr(self.runtime, "reuses_prompt_chunks", False))
         # running requests share whole chunks where the cache can copy rows between slots
         self.shares_chunks = self.reuses_prefixes and callable(getattr(self.cache, "copy", None))
         self._masking: ThreadPoolExecutor | None = None  # grammar masks beside the verify forward
@@ -327,6 +327,8 @@ class Engine:
         if logits.device.type == "cuda":  # the prefill's time, not its launch's
             torch.cuda.synchronize(logits.device)
         for b, (s, out, chunk) in enumerate(zip(batch, logits, chunks)):
+            if self.reuses_prefixes and self.cache.lengths[s.slot] % size == 0 and hasattr(self.cache, "save_prefix"):
+                self.cache.save_prefix(s.slot)  # a whole chunk's end, where prefix reuse may come back (recurrent states)
             self._hand_features(s, self.cache.lengths[s.slot] - len(chunk), b, range(len(chunk)))
             s.metrics.target_forwards += 1
             row = out  # [vocab]: the logits after the chunk's last token
@@ -381,10 +383,18 @@ class Engine:
         size, prompt = self.chunked_prefill_size, s.ids[:s.prompt_len - 1]
         best, n = None, floor
         for slot, kept in sources:
-            m = common_prefix(kept, prompt) // size * size
+            m = self._restorable(slot, common_prefix(kept, prompt) // size * size, n)
             if m > n:
                 best, n = slot, m
         return best, n
+
+    def _restorable(self, slot: int, m: int, floor: int = 0) -> int:
+        """The most of ``slot``'s first ``m`` tokens, in whole chunks, that its cache can go back
+        to (and copy), down to ``floor``: all, but for recurrent states (``holds``)."""
+        holds = getattr(self.cache, "holds", None)
+        while holds is not None and m > floor and not holds(slot, m):
+            m -= self.chunked_prefill_size
+        return m
 
     def _computed_beside(self, s: Sequence, batch: list[Sequence]) -> bool:
         """Whether a request already in this prefill ``batch`` computes the whole chunk ``s``
@@ -456,7 +466,7 @@ class Engine:
             kept = 0
             if self.reuses_prefixes and s.finish_reason != "error":  # the prompt's KV in whole chunks stays
                 size = self.chunked_prefill_size
-                kept = min(self.cache.lengths[s.slot], s.prompt_len) // size * size
+                kept = self._restorable(s.slot, min(self.cache.lengths[s.slot], s.prompt_len) // size * size)
                 if kept:
                     self.retained[s.slot] = s.ids[:kept]
             self.cache.rewind(s.slot, kept, idle=True)

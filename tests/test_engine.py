@@ -583,6 +583,28 @@ def test_recurrent_model_speculates_as_transformers_decodes(loaded, tiny_dirs, n
         LLM(loaded(name), speculative=SpecConfig(method="self", tree_topk=2))
 
 
+@pytest.mark.parametrize("name", ["qwen35", "granite4h"])
+def test_recurrent_prefix_reuse(loaded, name):
+    """Recurrent states are kept at a few of a prompt's chunk ends (the first 3 and the last):
+    a new prompt that starts as the slot's last one resumes from the longest whole chunk they
+    share that the slot keeps (a conversation's next turn: the last one), with the same output
+    as from scratch, plain and under speculation; n completions of one prompt prefill it once
+    (the states copied between slots)."""
+    size, sp = 4, SamplingParams(max_tokens=10, ignore_eos=True)
+    first = PROMPTS[2]
+    longer = [first + " and then some more words", first[:30] + " xyz", first]
+    for method in ("none", "self"):
+        llm = spec(loaded, name, method, k=3, chunked_prefill_size=size, max_batch_size=1)
+        n = len(llm.generate(first, sp)[0].prompt_token_ids)
+        outs = [llm.generate(p, sp)[0] for p in longer]
+        ref = [spec(loaded, name, method, k=3, chunked_prefill_size=size).generate(p, sp)[0] for p in longer]
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], method
+        assert [o.metrics["cached_prompt_tokens"] for o in outs] == [n // size * size, 12, 12], method
+        shared = spec(loaded, name, method, k=3, chunked_prefill_size=size, max_batch_size=3).generate([longer[0]] * 3, sp)
+        assert all(o.token_ids == ref[0].token_ids for o in shared)
+        assert sum(o.metrics["cached_prompt_tokens"] for o in shared) > 0
+
+
 def test_engine_usable_after_a_step_raised(loaded, monkeypatch):
     """An exception (or Ctrl-C) inside ``generate`` drops that call's requests; the next call
     runs from clean slots and drafter state, with the same output as a fresh engine."""

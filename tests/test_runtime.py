@@ -1174,7 +1174,9 @@ def test_recurrent_states_rewind_and_batch(tmp_path, arch):
     leaves its state as it is (two rows of 3 and 7 tokens give what each gives alone); a
     rewind into the last forwards (a verify's rejected drafts, 1-token draft steps) restores
     the state there, as does a rewind to the start of a prompt-sized forward (the chunked
-    rule); a rewind past the states kept raises, rather than decoding from a wrong state."""
+    rule); a rewind past the states kept raises, rather than decoding from a wrong state; a
+    state saved at a prompt chunk's end (prefix reuse) is rewound to, and copied to another
+    slot, much later."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specdec.runtime.loading import Weights
@@ -1210,4 +1212,13 @@ def test_recurrent_states_rewind_and_batch(tmp_path, arch):
         cache.rewind(2, 60)
     cache.rewind(2, 0)
     close(rt.forward(cache, [2], [ids[:5]])[0], 0, 5)
+    # a prompt chunk's end kept (prefix reuse): rewound to, and copied to another slot, long after
+    rt.forward(cache, [2], [ids[5:8]])
+    cache.save_prefix(2)
+    rt.forward(cache, [2], [ids[8:40]])
+    assert cache.holds(2, 8) and cache.holds(2, 40) and not cache.holds(2, 12)
+    cache.copy(2, 1, 8)
+    close(rt.forward(cache, [1], [ids[8:12]])[0], 8, 12)
+    cache.rewind(2, 8)
+    close(rt.forward(cache, [2], [ids[8:12]])[0], 8, 12)
 

@@ -41,7 +41,9 @@ class Runtime(Protocol):
     # each chunk padded to the longest), "packed" (one forward over their rows), "serial"
     batch_layout: str
     # a rewound slot keeps its rows before the cut valid, so the engine may leave a finished
-    # prompt's KV in its slot for a new prompt that starts the same (prefix reuse)
+    # prompt's KV in its slot for a new prompt that starts the same (prefix reuse); where only
+    # at some of its prompt chunks' ends (the torch runtime's recurrent states), it is False, an
+    # optional ``reuses_prompt_chunks`` is True, and the cache's ``holds(slot, length)`` says where
     reuses_prefixes: bool
     # a prompt must go in one forward (no chunked prefill) for the logits to be the model's
     # (transformers' longrope picks its frequencies from a forward's last position)

@@ -13,8 +13,14 @@ Speculation drops rejected drafts, and a state cannot subtract the tokens it has
 So each slot also keeps a ring of its states *before* each of its last ``depth`` tokens,
 the ring row of position ``p`` being ``p % depth`` (SGLang and vLLM keep one state per draft
 token the same way). A rewind to length ``L`` copies the ring's state of position ``L`` back.
+A Mamba-2 state is cheaper to recompute than to store per token (``replays``): its ring keeps
+the state before each forward and each token's inputs (its decay, ``dt x`` and ``B``), a
+forward runs in closed form (one chunk of the scan), and a rewind replays the tokens between
+the last state kept and ``L``.
 A forward of more than ``depth`` tokens (a prompt) takes the chunked form of the rule and
-keeps only the state it started from.
+keeps only the state it started from. For prefix reuse, a slot also keeps its states at the
+ends of its prompt's chunks (``save``: up to ``PREFIX_STATES`` of them), which a rewind or a
+copy to another slot reads.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from .ops import rms_norm
 
 LINEAR_ATTENTION = "linear_attention"  # their name in ``layer_types`` (transformers reads Granite's "mamba" so)
 DEFAULT_DEPTH = 18  # ring rows per slot: a rewind of up to 17 tokens (16 drafts and the bonus token)
+PREFIX_STATES = 4  # states kept per slot at its prompt chunks' ends, for prefix reuse: the first 3 and the last
 
 
 def recurrent_mixer(config) -> "DeltaNet | Mamba2 | None":
@@ -48,6 +55,7 @@ class DeltaNet:
     k_dim: int
     v_dim: int
     kernel: int
+    replays = False  # (not a field) its ring keeps the state before each token
 
     @classmethod
     def of(cls, config) -> "DeltaNet":
@@ -119,12 +127,11 @@ class DeltaNet:
         g = torch.where(valid, L["decay"] * F.softplus(g_in.float() + L["dt_bias"]), 0.0)
         scale = self.k_dim ** -0.5
 
-        def step(state, t):  # [B, Hv, dk, dv]
-            state = state * g[:, t].exp()[..., None, None]
-            kt = k[:, t, :, None, :]  # [B, Hv, 1, dk]
-            delta = (v[:, t] - (kt @ state)[:, :, 0]) * beta[:, t, :, None]  # [B, Hv, dv]
-            state = state + kt.transpose(-1, -2) @ delta[:, :, None, :]
-            return state, (q[:, t, :, None, :] * scale @ state)[:, :, 0]  # [B, Hv, dv]
+        def step(state, t):  # [B, Hv, dk, dv], in place
+            state.mul_(g[:, t].exp()[..., None, None])
+            delta = (v[:, t] - (k[:, t, :, None, :] @ state)[:, :, 0]) * beta[:, t, :, None]  # [B, Hv, dv]
+            state.addcmul_(k[:, t, :, :, None], delta[:, :, None, :])
+            return (q[:, t, :, None, :] * scale @ state)[:, :, 0]  # [B, Hv, dv]
 
         def chunked(state):  # transformers' own (it scales the queries)
             from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
@@ -152,6 +159,7 @@ class Mamba2:
     kernel: int
     chunk: int
     dt_limit: tuple[float, float]
+    replays = True  # (not a field) its ring keeps each token's inputs: a rewind replays them (``RecurrentStates``)
 
     @classmethod
     def of(cls, config) -> "Mamba2":
@@ -174,6 +182,11 @@ class Mamba2:
     @property
     def state_shape(self) -> tuple[int, int, int]:
         return self.heads, self.head_dim, self.d_state
+
+    @property
+    def input_shape(self) -> tuple[int, int]:
+        """A token's inputs to the state, per head: its decay ``dt A``, ``dt x``, ``B``."""
+        return self.heads, 1 + self.head_dim + self.d_state
 
     def projection_params(self, hidden: int) -> int:
         return hidden * (self.value_width + self.conv_dim + self.heads) + self.value_width * hidden
@@ -208,21 +221,25 @@ class Mamba2:
         b = b.reshape(B, T, G, N).repeat_interleave(H // G, dim=2).float()  # [B, T, H, N]
         c = c.reshape(B, T, G, N).repeat_interleave(H // G, dim=2).float()
         dt = F.softplus(dt.float() + L["dt_bias"].float())  # [B, T, H]
+        if not plan.every:  # a prompt's time steps clamped, as transformers' scan (not its one-token step)
+            dt = dt.clamp(*self.dt_limit)
         dt = torch.where(plan.valid[:, :, None], dt, 0.0)  # padding neither decays the state nor writes to it
-        skip = L["skip"].float()[:, None]  # [H, 1]
+        if plan.every:  # each token's inputs, which a rewind replays
+            states.ring_inputs[li, slots[:, None], plan.ring] = torch.cat(
+                [(dt * L["decay"])[..., None], dt[..., None] * x, b], dim=-1)  # [B, T, H, 1 + P + N]
 
-        def step(state, t):  # [B, H, P, N]
-            state = state * torch.exp(dt[:, t] * L["decay"])[..., None, None] \
-                + (dt[:, t, :, None] * b[:, t])[:, :, None, :] * x[:, t, ..., None]
-            return state, (state @ c[:, t, ..., None])[..., 0] + x[:, t] * skip  # [B, H, P]
+        def step(state, t):  # [B, H, P, N], in place: one token (a draft step), as transformers' own
+            state.mul_(torch.exp(dt[:, t] * L["decay"])[..., None, None])
+            state.addcmul_((dt[:, t, :, None] * b[:, t])[:, :, None, :], x[:, t, ..., None])
+            return (state @ c[:, t, ..., None])[..., 0] + x[:, t] * L["skip"].float()[:, None]  # [B, H, P]
 
-        def chunked(state):  # transformers' own
+        def chunked(state):  # transformers' scan; a verify's in one chunk: closed form
             from transformers.models.granitemoehybrid.modeling_granitemoehybrid import mamba2_chunk_scan
 
-            return mamba2_chunk_scan(x, dt.clamp(*self.dt_limit), L["decay"], b, c, self.chunk, D=L["skip"].float(),
+            return mamba2_chunk_scan(x, dt, L["decay"], b, c, T if plan.every else self.chunk, D=L["skip"].float(),
                                      initial_states=state, return_final_states=True)
 
-        y = scan(states, li, slots, plan, step, chunked).reshape(B, T, G, -1)  # [B, T, G, value_width / G]
+        y = scan(states, li, slots, plan, step if T == 1 else None, chunked).reshape(B, T, G, -1)  # [B, T, G, ...]
         y = y * F.silu(z.float()).view(B, T, G, -1)
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
         return L["mix_out"]((L["gate_norm"] * y.reshape(B, T, -1).to(a.dtype)).to(a.dtype))
@@ -246,7 +263,9 @@ class RecurrentStates:
     (``conv [layers, slots, conv_dim, kernel - 1]`` in the model's dtype, ``ssm [layers, slots,
     *state_shape]`` in float32, as transformers keeps them), and the ring of earlier ones (``ring_conv``, ``ring_ssm``:
     ``depth + 1`` rows, the last for padding); ``held[slot][row]`` is the position a ring row
-    holds (-1: none). Slots are allocated up to the highest one used."""
+    holds (-1: none); ``saved[slot]``: position -> ``(conv, ssm)`` after it, a prompt chunk's
+    end (``save``: where the engine reuses prefixes). Slots are allocated up to the highest one
+    used."""
 
     def __init__(self, layers: int, mixer: DeltaNet | Mamba2, depth: int, device: torch.device, dtype: torch.dtype):
         self.depth = depth
@@ -255,17 +274,25 @@ class RecurrentStates:
         self.ring_conv = torch.zeros(layers, 0, depth + 1, *self.conv.shape[2:], device=device, dtype=dtype)
         self.ring_ssm = torch.zeros(layers, 0, depth + 1, *self.ssm.shape[2:], device=device, dtype=torch.float32)
         self.held: list[list[int]] = []
+        self.replays = mixer.replays
+        if self.replays:  # each token's inputs (``fed[slot][row]``: whose), and states only before forwards
+            self.ring_inputs = torch.zeros(layers, 0, depth + 1, *mixer.input_shape, device=device, dtype=torch.float32)
+            self.fed: list[list[int]] = []
+        self.saved: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
 
     def ensure(self, slots: int) -> None:
         have = self.conv.shape[1]
         if slots <= have:
             return
-        for name in ("conv", "ssm", "ring_conv", "ring_ssm"):
+        for name in ("conv", "ssm", "ring_conv", "ring_ssm") + ("ring_inputs",) * self.replays:
             old = getattr(self, name)
             new = old.new_zeros(old.shape[0], slots, *old.shape[2:])
             new[:, :have] = old
             setattr(self, name, new)
         self.held += [[-1] * self.depth for _ in range(slots - have)]
+        self.saved += [{} for _ in range(slots - have)]
+        if self.replays:
+            self.fed += [[-1] * self.depth for _ in range(slots - have)]
 
     def plan(self, slots: list[int], starts: list[int], counts: list[int], T: int) -> StatePlan:
         """The plan of a forward of ``counts[b]`` tokens into ``slots[b]`` after ``starts[b]``
@@ -275,29 +302,97 @@ class RecurrentStates:
         ring = torch.full((len(slots), T if every else 1), self.depth, dtype=torch.long)
         for b, (slot, start, n) in enumerate(zip(slots, starts, counts)):
             for j in range(n if every else min(n, 1)):
-                ring[b, j] = (start + j) % self.depth
-                self.held[slot][(start + j) % self.depth] = start + j
+                row = ring[b, j] = (start + j) % self.depth
+                if j == 0 or not self.replays:
+                    self.held[slot][row] = start + j
+                if self.replays:  # (a prompt's forward overwrites the conv window of its first row)
+                    self.fed[slot][row] = start + j if every else -1
         valid = torch.arange(T)[None, :] < torch.tensor(counts)[:, None]
         dev = self.conv.device
         return StatePlan(valid.to(dev), torch.tensor(counts, device=dev), ring.to(dev), every)
+
+    @torch.inference_mode()
+    def save(self, slot: int, position: int) -> None:
+        """Keep ``slot``'s states after its ``position`` tokens, a prompt chunk's end (the first
+        ``PREFIX_STATES - 1`` such, a shared system prompt's, and the last, a conversation's so
+        far)."""
+        self.ensure(slot + 1)
+        saved = self.saved[slot]
+        if position not in saved:
+            if len(saved) >= PREFIX_STATES:
+                del saved[max(saved)]
+            saved[position] = (self.conv[:, slot].clone(), self.ssm[:, slot].clone())
+
+    def holds(self, slot: int, length: int, current: int) -> bool:
+        """Whether slot ``slot`` (at ``current`` tokens) can go back to ``length``."""
+        return length in (0, current) or slot < len(self.held) and self._kept(slot, length) is not None
+
+    def _kept(self, slot: int, length: int) -> int | None:
+        """Where slot ``slot``'s states after ``length`` tokens come from: ``length`` (kept in the
+        ring or saved), an earlier position whose state a replay of the tokens since then
+        advances to ``length`` (``replays``), or None (not kept)."""
+        if self.held[slot][length % self.depth] == length or length in self.saved[slot]:
+            return length
+        if not self.replays or self.fed[slot][length % self.depth] != length:  # (its conv window: with its inputs)
+            return None
+        for p in range(length - 1, max(length - self.depth, -1), -1):  # the inputs of p .. length - 1, kept
+            if self.fed[slot][p % self.depth] != p:
+                return None
+            if self.held[slot][p % self.depth] == p or p in self.saved[slot]:
+                return p
+        return None
+
+    def _at(self, slot: int, length: int, current: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Slot ``slot``'s ``(conv, ssm)`` after ``length`` of its ``current`` tokens (None: zeros)."""
+        if length == 0:
+            return None
+        if length == current:
+            return self.conv[:, slot], self.ssm[:, slot]
+        p, row = self._kept(slot, length), length % self.depth
+        if p is None:
+            raise RuntimeError(f"a recurrent state cannot go back {current - length} tokens to {length}: it keeps the "
+                               f"states of its last {self.depth} tokens and of a few prompt chunks' ends, not {length}'s")
+        if p == length and length in self.saved[slot]:
+            return self.saved[slot][length]
+        conv = self.ring_conv[:, slot, row]  # the window before token ``length``
+        ssm = self.saved[slot][p][1] if p in self.saved[slot] and self.held[slot][p % self.depth] != p \
+            else self.ring_ssm[:, slot, p % self.depth]
+        return conv, ssm if p == length else self._replay(slot, ssm, p, length)
+
+    def _replay(self, slot: int, ssm: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Mamba-2's states ``ssm [layers, H, P, N]`` before token ``start`` advanced over the
+        tokens ``start .. end - 1`` (their inputs in the ring), in closed form."""
+        rows = torch.tensor([p % self.depth for p in range(start, end)], device=ssm.device)
+        a, dx, b = self.ring_inputs[:, slot, rows].split([1, ssm.shape[-2], ssm.shape[-1]], dim=-1)  # [layers, n, H, .]
+        a = a[..., 0]  # [layers, n, H]: each token's log decay
+        after = a.flip(1).cumsum(1).flip(1) - a  # [layers, n, H]: the decay after each token, to the end
+        return torch.exp(a.sum(1))[..., None, None] * ssm + torch.einsum("lsh,lshp,lshn->lhpn", after.exp(), dx, b)
 
     @torch.inference_mode()
     def rewind(self, slot: int, length: int, current: int) -> None:
         """Slot ``slot``'s states after its first ``length`` tokens (it holds ``current``)."""
         if length == current or slot >= len(self.held):
             return
-        held = self.held[slot]
-        if length == 0:
-            self.conv[:, slot] = 0
-            self.ssm[:, slot] = 0
-        else:
-            row = length % self.depth
-            if held[row] != length:
-                raise RuntimeError(f"a recurrent state cannot go back {current - length} tokens to {length}: "
-                                   f"it keeps the states of its last {self.depth} tokens, and not {length}'s")
-            self.conv[:, slot] = self.ring_conv[:, slot, row]
-            self.ssm[:, slot] = self.ring_ssm[:, slot, row]
-        self.held[slot] = [p if p <= length else -1 for p in held]
+        self._put(slot, self._at(slot, length, current))
+        self.held[slot] = [p if p <= length else -1 for p in self.held[slot]]
+        self.saved[slot] = {p: v for p, v in self.saved[slot].items() if p <= length}
+        if self.replays:
+            self.fed[slot] = [p if p < length else -1 for p in self.fed[slot]]
+
+    @torch.inference_mode()
+    def copy(self, src: int, dst: int, length: int, current: int) -> None:
+        """Slot ``dst``'s states: ``src``'s after ``length`` of its ``current`` tokens, with the
+        prompt chunks' ends it keeps up to there."""
+        self.ensure(max(src, dst) + 1)
+        self._put(dst, self._at(src, length, current))
+        self.held[dst] = [-1] * self.depth
+        if self.replays:
+            self.fed[dst] = [-1] * self.depth
+        self.saved[dst] = {p: v for p, v in self.saved[src].items() if p <= length}
+
+    def _put(self, slot: int, state: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        for mine, theirs in zip((self.conv, self.ssm), state or (0, 0)):
+            mine[:, slot] = theirs
 
 
 def convolve(states: RecurrentStates, li: int, slots: torch.Tensor, plan: StatePlan, mixed: torch.Tensor,
@@ -315,23 +410,22 @@ def convolve(states: RecurrentStates, li: int, slots: torch.Tensor, plan: StateP
 
 
 def scan(states: RecurrentStates, li: int, slots: torch.Tensor, plan: StatePlan,
-         step: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]],
+         step: Callable[[torch.Tensor, int], torch.Tensor] | None,
          chunked: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Layer ``li``'s recurrence over a forward's ``T`` tokens from each slot's state ``[B,
-    *state_shape]``: token by token (``step(state, t) -> (state, output [B, ...])``) keeping
-    the state before each in the ring, or for a prompt in chunks (``chunked(state) -> (outputs
-    [B, T, ...], state)``) keeping the one it started from. Returns the outputs."""
-    state = states.ssm[li, slots]
-    if plan.every:
-        before, outs = [], []
+    *state_shape]``: token by token (``step(state, t) -> output [B, ...]``, advancing the state
+    in place: a verify is memory-bound on it) keeping the state before each in the ring, or for
+    a prompt in chunks (``chunked(state) -> (outputs [B, T, ...], state)``) keeping the one it
+    started from (no ``step``: always so; ``replays``). Returns the outputs."""
+    state = states.ssm[li, slots]  # (a copy)
+    if plan.every and step is not None:
+        outs = []
         for t in range(plan.valid.shape[1]):
-            before.append(state)
-            state, o = step(state, t)
-            outs.append(o)
-        kept, o = torch.stack(before, dim=1), torch.stack(outs, dim=1)  # [B, T, *state_shape], [B, T, ...]
+            states.ring_ssm[li, slots, plan.ring[:, t]] = state
+            outs.append(step(state, t))
+        o = torch.stack(outs, dim=1)  # [B, T, ...]
     else:
-        kept = state[:, None]
+        states.ring_ssm[li, slots, plan.ring[:, 0]] = state
         o, state = chunked(state)
-    states.ring_ssm[li, slots[:, None], plan.ring] = kept
     states.ssm[li, slots] = state
     return o

@@ -240,6 +240,17 @@ class KVCache:
             new[:, :have_slots, :, :have] = old
             setattr(self, name, new)
 
+    def save_prefix(self, slot: int) -> None:
+        """Keep what going back to ``slot``'s length later needs (a prompt chunk's end, for
+        prefix reuse): its recurrent states (KV rows stay valid anyway)."""
+        if self.states is not None:
+            self.states.save(slot, self.lengths[slot])
+
+    def holds(self, slot: int, length: int) -> bool:
+        """Whether ``slot`` can go back to (or be copied at) ``length``: always, but for recurrent
+        states, kept for the last tokens and a few prompt chunks' ends."""
+        return self.states is None or self.states.holds(slot, length, self.lengths[slot])
+
     def rewind(self, slot: int, length: int, idle: bool = False) -> None:
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         if self.states is not None:
@@ -249,9 +260,11 @@ class KVCache:
     @torch.inference_mode()
     def copy(self, src: int, dst: int, length: int) -> None:
         """``dst`` holds ``src``'s first ``length`` rows (and nothing after them); the rows
-        ``dst`` has are the same as ``src``'s, so only the ones after them are copied."""
-        assert self.states is None, "a recurrent state is not copied"
+        ``dst`` has are the same as ``src``'s, so only the ones after them are copied (recurrent
+        states: ``src``'s at ``length``, which it must hold, ``holds``)."""
         assert self.lengths[dst] <= length <= self.lengths[src], (self.lengths[dst], length, self.lengths[src])
+        if self.states is not None:
+            self.states.copy(src, dst, length, self.lengths[src])
         self.ensure(length, dst + 1)
         start = self.lengths[dst]
         for name in self.buffers:
@@ -571,8 +584,9 @@ class TorchLlama:
                                              index=kinds[rec is not None]))
             kinds[rec is not None] += 1
         self.kv_layers, self.state_layers = kinds
-        if self.recurrent is not None:  # a recurrent state: no rows to reuse, no tree, no graph (yet)
-            self.reuses_prefixes = self.supports_masks = False
+        if self.recurrent is not None:  # a recurrent state: no tree, no graph (yet); prefixes in whole prompt
+            self.reuses_prefixes = self.supports_masks = False  # chunks only (their ends' states are kept)
+            self.reuses_prompt_chunks = True
             self.state_depth = DEFAULT_DEPTH
         self.norm = r.norm("model.norm.weight" if "model.norm.weight" in r else "model.final_layernorm.weight")  # Bamba's
         self.taps: tuple[int, ...] = ()  # hidden states each forward keeps (``capture``)
