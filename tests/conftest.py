@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import DELTA_NET, MOE, make_tiny, noisy_copy  # noqa: E402
+from tiny import DELTA_NET, MOE, NEMOTRON_H, make_tiny, noisy_copy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +33,7 @@ def tiny_dirs(tmp_path_factory):
         "deepseek": make_tiny(root / "deepseek", "deepseek_v3", seed=14, **MOE["deepseek_v3"]),  # latent attention
         "qwen35": make_tiny(root / "qwen35", "qwen3_5_text", seed=15, **DELTA_NET),  # recurrent states
         "granite4h": make_tiny(root / "granite4h", "granitemoehybrid", seed=16, **MOE["granitemoehybrid"]),  # Mamba-2
+        "nemotronh": make_tiny(root / "nemotronh", "nemotron_h", seed=17, **NEMOTRON_H),  # one mixer or MLP a block
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import BAMBA, DELTA_NET, GRANITE_HYBRID_DENSE, MOE
+from tiny import BAMBA, DELTA_NET, GRANITE_HYBRID_DENSE, MOE, NEMOTRON_H
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -131,6 +131,9 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "granite4h-mamba2-experts": ("granitemoehybrid", MOE["granitemoehybrid"]),
     "granite4h-dense-rope": ("granitemoehybrid", GRANITE_HYBRID_DENSE),
     "bamba-half-rope": ("bamba", BAMBA),
+    # Nemotron-H: blocks of one mixer or one MLP each (Mamba-2, experts of relu2 not gated under sigmoid
+    # routing in groups with a shared expert, attention without rope, a dense MLP), its names (backbone.)
+    "nemotronh-blocks": ("nemotron_h", NEMOTRON_H),
 }
 
 
@@ -216,7 +219,8 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
     assert (ours[2][0] - ref[1, 38:]).abs().max().item() < ATOL * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "granite4h-dense-rope", "bamba-half-rope"])
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "granite4h-dense-rope", "bamba-half-rope",
+                                  "nemotronh-blocks"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), and Mamba-2 layers
@@ -736,7 +740,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
     assert gpt2["transformer.ln_f.bias"].eq(0).all()
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama", "qwen35", "granite4h",
+                                  "nemotronh"])
 def test_weight_bytes_from_the_config(tiny_dirs, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -749,7 +754,7 @@ def test_weight_bytes_from_the_config(tiny_dirs, name):
     params = dict(AutoModelForCausalLM.from_config(config).named_parameters())
     experts = sum(p.numel() for n, p in params.items() if ".experts." in n and p.dim() == 3)
     linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n and "embed" not in n
-                  and not n.endswith(("mlp.gate.weight", "router.weight", "shared_expert_gate.weight")))
+                  and not n.endswith(("mlp.gate.weight", "mixer.gate.weight", "router.weight", "shared_expert_gate.weight")))
     assert (expert_bytes(config), linear_bytes(config)) == (4 * experts, 4 * linears)
 
 

@@ -21,6 +21,13 @@ GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.3, residual_mult
 GRANITE_HYBRID_DENSE = dict(GRANITE, **MAMBA2, num_local_experts=0, shared_intermediate_size=96,
                             position_embedding_type="rope")
 BAMBA = dict({k: v for k, v in MAMBA2.items() if k != "layer_types"}, attn_layer_indices=[1])
+# Nemotron-H's blocks, each one mixer or one MLP (relu2, not gated): Mamba-2, experts (sigmoid routing in groups,
+# a shared expert), attention without rope, a dense MLP, Mamba-2 again
+NEMOTRON_H = dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention"], layers=5,
+                  mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=8,
+                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+                  head_dim=16)
 MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields)
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

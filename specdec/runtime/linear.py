@@ -105,6 +105,11 @@ def linear_bytes(config) -> int:
     dense = shared if config.model_type == "granitemoehybrid" else config.intermediate_size  # (its shared_mlp)
     mlp = sum(shared if moe else dense for moe in moe_layers(config))
     rec = recurrent_mixer(config)  # Qwen3.5's DeltaNet layers beside its gated attention (queries' gates too)
+    if config.model_type == "nemotron_h":  # blocks of one mixer or one MLP (not gated) each
+        types = config.layer_types
+        mlp = types.count("mlp") * config.intermediate_size + types.count("moe") * config.moe_shared_expert_intermediate_size
+        return 4 * (types.count("full_attention") * ((heads * d + 2 * kv * d) * h + h * heads * d)
+                    + types.count(LINEAR_ATTENTION) * rec.projection_params(h) + 2 * h * mlp + config.vocab_size * h)
     gated = isinstance(rec, DeltaNet)
     attended = config.num_hidden_layers - (config.layer_types.count(LINEAR_ATTENTION) if rec else 0)
     attention = attended * ((heads * d * (2 if gated else 1) + 2 * kv * d) * h + h * heads * d)
@@ -122,7 +127,8 @@ def linear_bytes(config) -> int:
 def expert_bytes(config) -> int:
     """fp32 bytes of a model's ``Experts`` (from its config; 0 without)."""
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-    return 4 * sum(moe_layers(config)) * num_experts(config) * 3 * config.hidden_size * inter
+    per = 2 if config.model_type == "nemotron_h" else 3  # (Nemotron-H's experts are not gated)
+    return 4 * sum(moe_layers(config)) * num_experts(config) * per * config.hidden_size * inter
 
 
 def mem_available() -> int:

@@ -13,9 +13,9 @@ from .ops import ACTIVATIONS
 # their MLPs (some, or all) are ``Experts``; DeepSeek's and GLM-4.7-Flash's attend through latents
 # (``torch_llama.Latent``), Qwen3-Next's and Qwen3.5's have DeltaNet layers (``recurrent``)
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
-             "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid")
+             "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h")
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # ``block_sparse_moe``, routed as GPT-OSS's
-SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")  # GLM-4.5's router (``Routing.sigmoid``)
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h")  # GLM-4.5's router (``Routing.sigmoid``)
 
 
 def moe_layers(config) -> list[bool]:
@@ -32,6 +32,8 @@ def moe_layers(config) -> list[bool]:
         return [i >= config.first_k_dense_replace for i in range(n)]
     if kind == "glm4_moe_lite":
         return [t == "sparse" for t in config.mlp_layer_types]
+    if kind == "nemotron_h":  # its blocks: one mixer or one MLP each
+        return [t == "moe" for t in config.layer_types]
     dense = set(config.mlp_only_layers or [])
     return [i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
             for i in range(n)]
@@ -90,6 +92,7 @@ class Routing:
     activation: str = "silu"
     gpt_oss: bool = False
     top_softmax: bool = False
+    gated: bool = True
     alpha: float = 1.702
     limit: float = 7.0
     sigmoid: bool = False
@@ -111,8 +114,10 @@ class Routing:
                        float_router=True, groups=config.n_group if grouped else 1,
                        top_groups=config.topk_group if grouped else 1, scale=config.routed_scaling_factor)
         if kind in SIGMOID_ROUTED:
-            return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob,
-                       activation=getattr(config, "hidden_act", "silu"), sigmoid=True, float_router=True,
+            nemotron = kind == "nemotron_h"  # its experts not gated: relu2(up)
+            return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, gated=not nemotron,
+                       activation=config.mlp_hidden_act if nemotron else getattr(config, "hidden_act", "silu"),
+                       sigmoid=True, float_router=True,
                        groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor)
         return cls(config.num_experts_per_tok, renormalize=kind in ("mixtral", "qwen3_5_moe_text") or config.norm_topk_prob,
                    float_weights=kind == "mixtral", activation=getattr(config, "hidden_act", "silu"))
@@ -153,7 +158,10 @@ class Routing:
         keep = torch.zeros(N, self.groups, dtype=torch.bool, device=scores.device).scatter_(1, best, True)
         return scores.masked_fill(~keep[..., None].expand_as(by_group).reshape(N, E), fill)
 
-    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    def glu(self, gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' activation of ``gate`` times ``up`` (of ``gate`` alone, not ``gated``)."""
+        if not self.gated:
+            return ACTIVATIONS[self.activation](gate)
         if not self.gpt_oss:
             return ACTIVATIONS[self.activation](gate) * up
         gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
@@ -200,18 +208,19 @@ class Experts:
         mixtral, granite = config.model_type == "mixtral", config.model_type in GRANITE_MOES
         block = layer + ("block_sparse_moe." if granite or mixtral and layer + "mlp.gate.weight" not in weights
                          else "mlp.")
-        fused = [block + "experts.gate_up_proj", block + "experts.down_proj"]
+        routing = Routing.of(config)
+        fused = [block + "experts." + ("gate_up_proj" if routing.gated else "up_proj"), block + "experts.down_proj"]
         if block + "input_linear.weight" in weights:  # Granite's as saved
             fused = [block + "input_linear.weight", block + "output_linear.weight"]
         if fused[0] in weights:  # fused, [experts, out, in]
             gate_up, down = (weights[n].to(device=device, dtype=dtype, copy=True) for n in fused)
-        else:
-            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        else:  # (not gated: the up projection alone, Nemotron-H's)
+            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj" if routing.gated else "up_proj", "up_proj",
+                                                                 "down_proj")
             experts = [f"{block}experts.{i}." for i in range(num_experts(config))]
-            gate_up = stacked([[x + gate + ".weight", x + up + ".weight"] for x in experts])
+            gate_up = stacked([list(dict.fromkeys([x + gate + ".weight", x + up + ".weight"])) for x in experts])
             down = stacked([[x + down + ".weight"] for x in experts])
 
-        routing = Routing.of(config)
         router = next(block + n for n in ("gate.weight", "router.layer.weight", "router.weight")
                       if block + n in weights)  # (Granite's as saved, as transformers names it)
         router = weights[router].to(
@@ -254,7 +263,7 @@ class Experts:
         h = grouped_mm(flat[order // k], self.gate_up, offs=ends)  # [N k, 2 inter]
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[expert]
-        out = grouped_mm(self.routing.glu(*h.chunk(2, dim=-1)), self.down, offs=ends)  # [N k, hidden]
+        out = grouped_mm(self.routing.glu(*h.chunk(1 + self.routing.gated, dim=-1)), self.down, offs=ends)  # [N k, hidden]
         if self.down_bias is not None:
             out = out + self.down_bias[expert]
         out = out * weights.flatten()[order, None]

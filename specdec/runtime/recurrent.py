@@ -41,7 +41,8 @@ def recurrent_mixer(config) -> "DeltaNet | Mamba2 | None":
     """The recurrent layers' kind of ``config`` (None: it has none)."""
     if LINEAR_ATTENTION not in (getattr(config, "layer_types", None) or ()):
         return None
-    return Mamba2.of(config) if hasattr(config, "mamba_n_heads") else DeltaNet.of(config)
+    return Mamba2.of(config) if hasattr(config, "mamba_n_heads") or config.model_type == "nemotron_h" \
+        else DeltaNet.of(config)
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class DeltaNet:
 
 @dataclass(frozen=True)
 class Mamba2:
-    """A Mamba-2 layer's widths (Granite 4.0's hybrids', Bamba's): ``heads`` of ``head_dim``
+    """A Mamba-2 layer's widths (Granite 4.0's hybrids', Bamba's, Nemotron-H's): ``heads`` of ``head_dim``
     channels, each with a ``[head_dim, d_state]`` state; ``groups`` of heads share their ``B``
     and ``C`` (and a group of channels its output norm); the convolution's ``kernel``; the
     chunked scan's ``chunk``; ``dt_limit``, the clamp of a prompt's time steps."""
@@ -163,6 +164,9 @@ class Mamba2:
 
     @classmethod
     def of(cls, config) -> "Mamba2":
+        if config.model_type == "nemotron_h":  # its names; a prompt's time steps clamped from below
+            return cls(config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size, config.n_groups,
+                       config.conv_kernel, config.chunk_size, (config.time_step_min, float("inf")))
         head_dim = config.mamba_d_head
         if head_dim == "auto":
             head_dim = config.mamba_expand * config.hidden_size // config.mamba_n_heads
@@ -249,8 +253,9 @@ class Mamba2:
 class StatePlan:
     """Where one forward's states go (device tensors, built on the host): ``valid [B, T]``
     the rows' real tokens (padding leaves a state as it is); ``last [B]`` each row's count of
-    them; ``ring [B, T or 1]`` the ring row of the state before each token (or before the
-    forward alone: ``every`` False), ``depth`` (a spare row) for padding."""
+    them; ``ring [B, T or 1]`` each token's ring row (or the first's alone: ``every`` False, a
+    prompt), where its conv window and the state before it go (``replays``: its inputs, and
+    the state only before the first), ``depth`` (a spare row) for padding."""
 
     valid: torch.Tensor
     last: torch.Tensor
@@ -296,7 +301,7 @@ class RecurrentStates:
 
     def plan(self, slots: list[int], starts: list[int], counts: list[int], T: int) -> StatePlan:
         """The plan of a forward of ``counts[b]`` tokens into ``slots[b]`` after ``starts[b]``
-        (``T``: the padded width), its ring rows marked held."""
+        (``T``: the padded width), its ring rows marked ``held`` (and ``fed``)."""
         self.ensure(max(slots) + 1)
         every = T <= self.depth
         ring = torch.full((len(slots), T if every else 1), self.depth, dtype=torch.long)

@@ -5,7 +5,7 @@ GLM-4.7-Flash: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``), and the
 hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the
 cache): Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2
-layers beside attention (Granite 4.0's hybrids, Bamba).
+layers beside attention (Granite 4.0's hybrids, Bamba, Nemotron-H: ``NemotronWeights``).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
 HF directory and GGUF tensors dequantized by transformers load the same way. The KV cache
@@ -45,7 +45,7 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # beside attention without rope, as Bamba's beside attention with rope on half of each head
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 ARCHS = tuple(dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "glm4", "gemma", "gemma2",
-                             "gemma3_text", "bamba") + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS))  # HF
+                             "gemma3_text", "bamba", "nemotron_h") + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
@@ -79,10 +79,41 @@ class TextWeights:
         return self._name(name) in self.weights
 
 
+class NemotronWeights:
+    """Nemotron-H's weights under Llama's names: its blocks hold one mixer each (``mixer.``:
+    attention, Mamba-2, an MLP or experts) after one norm (``norm``), under ``backbone.`` as
+    saved (``model.`` as transformers names it), its embedding ``embeddings``, final norm
+    ``norm_f``."""
+
+    PARTS = {"input_layernorm": "norm", "post_attention_layernorm": "norm", "self_attn": "mixer", "mamba": "mixer",
+             "mlp": "mixer"}
+
+    def __init__(self, weights):
+        self.weights = weights
+        self.prefix = "backbone." if "backbone.embeddings.weight" in weights else "model."
+
+    def _name(self, name: str) -> str:
+        if not name.startswith("model."):
+            return name  # lm_head
+        rest = {"model.embed_tokens.weight": "embeddings.weight", "model.norm.weight": "norm_f.weight"}.get(name)
+        if rest is None:
+            _, _, i, part, rest = name.split(".", 4)  # model.layers.{i}.{part}.{rest}
+            rest = f"layers.{i}.{self.PARTS.get(part, part)}.{rest}"
+        return self.prefix + rest
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights[self._name(name)]
+
+    def __contains__(self, name: str) -> bool:
+        return self._name(name) in self.weights
+
+
 def text_model(config, weights=None):
-    """``(config, weights)`` of the text model the torch runtime runs: a multimodal
-    checkpoint's (``MULTIMODAL``: Gemma 3 4B and up, Mistral 3, LLaVA, Qwen2.5-VL, Qwen3-VL; ``text_config``,
-    ``TextWeights``; text prompts only), else as given."""
+    """``(config, weights)`` of the text model the torch runtime runs, under Llama's names: a
+    multimodal checkpoint's (``MULTIMODAL``: Gemma 3 4B and up, Mistral 3, LLaVA, Qwen2.5-VL, Qwen3-VL; ``text_config``,
+    ``TextWeights``; text prompts only), Nemotron-H's (``NemotronWeights``), else as given."""
+    if config.model_type == "nemotron_h" and weights is not None:
+        return config, NemotronWeights(weights)
     if config.model_type not in MULTIMODAL:
         return config, weights
     if weights is not None:
@@ -122,6 +153,7 @@ class Family:
     activation: str = "silu"
     interleaved_rope: bool = False
     float_norms: bool = False
+    gated_mlp: bool = True
 
     @classmethod
     def of(cls, config, dtype: torch.dtype = torch.float32) -> "Family":
@@ -137,6 +169,8 @@ class Family:
                        interleaved_rope=config.model_type == "deepseek_v2" or bool(config.rope_interleave))
         if config.model_type in HYBRID_ARCHS:
             return cls(activation=act, offset_norms=True)
+        if config.model_type == "nemotron_h":
+            return cls(activation=config.mlp_hidden_act, gated_mlp=False)
         if config.model_type not in GEMMAS:
             return cls(activation=act, float_norms=config.model_type == "gpt_oss",
                        interleaved_rope=config.model_type == "glm4")
@@ -353,6 +387,8 @@ def unsupported(config) -> str | None:
     act = Family.of(config).activation
     if act not in ACTIVATIONS:
         return f"the torch runtime supports the {' and '.join(ACTIVATIONS)} activations, not {act!r}"
+    if getattr(config, "moe_latent_size", None):  # Nemotron-H's experts in a latent width
+        return "the torch runtime runs experts in the model's width, not through moe_latent_size projections"
     if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder
         return "the torch runtime runs causal attention, not bidirectional"
     for params in rope_types(config).values():
@@ -433,6 +469,9 @@ class CheckpointReader:
         if prefix + "output_linear.weight" in self.weights:
             return self.linear(self.get(prefix + "input_linear.weight"), None), \
                 self.linear(self.get(prefix + "output_linear.weight"), None)
+        if not self.family.gated_mlp:  # Nemotron-H's: up alone
+            return self.linear(self.get(prefix + "up_proj.weight"), self.opt(prefix + "up_proj.bias")), \
+                self.linear(self.get(prefix + "down_proj.weight"), self.opt(prefix + "down_proj.bias"))
         if optional and prefix + "down_proj.weight" not in self.weights:
             return None, None
         gate_up = self.fused(prefix + "gate_up_proj.weight", [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
@@ -479,16 +518,20 @@ def gated_attention(r: CheckpointReader, a: str, config) -> dict:
 
 def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, sliding: bool = False,
                   rope: str | None = None, rotates: bool = True, latent: Latent | None = None,
-                  recurrent: DeltaNet | Mamba2 | None = None, index: int = 0) -> dict:
+                  recurrent: DeltaNet | Mamba2 | None = None, index: int = 0, block: str | None = None) -> dict:
     """The weights of the decoder layer under ``pre`` (``model.layers.{i}.``) as
     ``TorchLlama._layers`` reads them: ``moe``: its MLP is experts (with shared ones where the
     checkpoint has them); ``sliding``: it attends within the window; ``rope``: its rope
     table's key (a layer type, or None); ``rotates``: it applies rope at all (SmolLM3's);
     ``latent``: its attention is latent (``latent_attention``'s weights); ``recurrent``: it is
     a recurrent layer of that kind, no attention (``recurrent``); ``index``: its KV's (or
-    states') index in the cache, among the layers of its kind."""
+    states') index in the cache, among the layers of its kind; ``block``: Nemotron-H's block
+    type, a mixer alone or an MLP ("mlp", "moe") alone (None: both)."""
     a = pre + "self_attn."
-    if recurrent is not None:
+    mixes, mlps = block not in ("mlp", "moe"), block is None or block in ("mlp", "moe")
+    if not mixes:
+        mixer = {}
+    elif recurrent is not None:
         mixer = recurrent.weights(r, pre)
     else:
         mixer = {
@@ -504,16 +547,17 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         if moe else ""  # GLM-4.5's, Qwen2-MoE's
     mlp = next((pre + m for m, down in (("shared_mlp.", "output_linear"), ("feed_forward.", "down_proj"))
                 if pre + m + down + ".weight" in r), pre + "mlp." + shared)  # Granite's, Bamba's
-    gate_up, down = r.mlp(mlp, optional=moe)
+    gate_up, down = r.mlp(mlp, optional=moe) if mlps else (None, None)
     sandwich = pre + "pre_feedforward_layernorm.weight" in r  # Gemma 2/3: norms after, too
     glm4 = pre + "post_self_attn_layernorm.weight" in r  # GLM-4's norms after, named its way
     return {
-        "attn_norm": r.norm(pre + "input_layernorm.weight"),
+        "attn_norm": r.norm(pre + "input_layernorm.weight") if mixes else None,
         **mixer,
         "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich else
         r.norm(pre + "post_self_attn_layernorm.weight") if glm4 else None,
         "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "pre_ff_layernorm"
-                                  if pre + "pre_ff_layernorm.weight" in r else "post_attention_layernorm") + ".weight"),
+                                  if pre + "pre_ff_layernorm.weight" in r else "post_attention_layernorm") + ".weight")
+        if mlps else None,
         "post_mlp_norm": r.norm(pre + ("post_feedforward_layernorm" if sandwich else "post_mlp_layernorm") + ".weight")
         if sandwich or glm4 else None,
         "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
@@ -556,14 +600,15 @@ class TorchLlama:
         self.latent = Latent.of(config)
         if self.latent is not None:  # the cache's one row per token (``Latent``)
             self.kv_heads, self.head_dim = 1, self.latent.rank + self.latent.rope
-        self.eps = config.rms_norm_eps
+        self.eps = getattr(config, "rms_norm_eps", None) or config.layer_norm_epsilon  # (Nemotron-H's name)
         self.max_context = config.max_position_embeddings
         self.family = Family.of(config, dtype)
         self.window, sliding = sliding_layers(config)
         types = getattr(config, "layer_types", None) or [None] * self.num_layers
         rotates = getattr(config, "no_rope_layers", None) or [1] * self.num_layers  # SmolLM3's: 0 = no rope
-        if config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope":
-            rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention
+        if config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope" or \
+                config.model_type == "nemotron_h":
+            rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's: no rope
         linear = linear or pick_linear(device, dtype)
         assert linear in LINEAR_KINDS, linear
         if multi_row is None:  # the verify-packed copy, when the weights and it fit in memory
@@ -578,11 +623,12 @@ class TorchLlama:
         self.layers, kinds = [], [0, 0]  # layers so far: attention, recurrent
         for i, moe in enumerate(moe_layers(config)):
             rec = self.recurrent if types[i] == LINEAR_ATTENTION else None
+            block = types[i] if config.model_type == "nemotron_h" else None  # (its MLP blocks: no mixer)
             self.layers.append(decoder_layer(r, config, f"model.layers.{i}.", moe, sliding=sliding[i],
                                              rope=types[i] if types[i] in self.rope else None,
                                              rotates=bool(rotates[i]), latent=self.latent, recurrent=rec,
-                                             index=kinds[rec is not None]))
-            kinds[rec is not None] += 1
+                                             index=kinds[rec is not None], block=block))
+            kinds[rec is not None] += block not in ("mlp", "moe")
         self.kv_layers, self.state_layers = kinds
         if self.recurrent is not None:  # a recurrent state: no tree, no graph (yet); prefixes in whole prompt
             self.reuses_prefixes = self.supports_masks = False  # chunks only (their ends' states are kept)
@@ -681,7 +727,8 @@ class TorchLlama:
     @property
     def speed_key(self) -> str:
         """The linears' kinds (and their multi-row copies), CUDA graphs, dtype and device."""
-        kinds = sorted({(layer.get("qkv") or layer["mix_in"]).kind for layer in self.layers}) \
+        kinds = sorted({next(layer[n] for n in ("qkv", "mix_in", "gate_up") if layer.get(n)).kind
+                        for layer in self.layers}) \
             + (["multi-row"] if self.multi_row else []) + (["packed-one-row"] if self.one_row_packed else []) \
             + (["cuda-graphs"] if self.graphs else [])
         return ",".join(kinds + [str(self.dtype), str(self.device)])
@@ -756,13 +803,15 @@ class TorchLlama:
         for li, L in enumerate(self.layers):
             if li in self.taps:
                 tapped[li] = h
-            a = rms_norm(h, L["attn_norm"], self.eps)
-            if "mix_in" in L:  # a recurrent layer
-                mixed = self.recurrent.forward(cache.states, L["index"], x.slots, x.states, L, a, self.eps)
-            else:
-                mixed = (self._attend_latent if self.latent else self._attend)(cache, x, L, a, rope)
-            h = h + self._residual(mixed, L["post_attn_norm"])
-            h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])
+            if L["attn_norm"] is not None:  # (Nemotron-H's blocks: a mixer, or an MLP, alone)
+                a = rms_norm(h, L["attn_norm"], self.eps)
+                if "mix_in" in L:  # a recurrent layer
+                    mixed = self.recurrent.forward(cache.states, L["index"], x.slots, x.states, L, a, self.eps)
+                else:
+                    mixed = (self._attend_latent if self.latent else self._attend)(cache, x, L, a, rope)
+                h = h + self._residual(mixed, L["post_attn_norm"])
+            if L["mlp_norm"] is not None:
+                h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])
         if self.num_layers in self.taps:  # transformers' last hidden state: after the final norm
             h = tapped[self.num_layers] = rms_norm(h, self.norm, self.eps)
         if last is not None:
@@ -854,8 +903,9 @@ class TorchLlama:
         experts (GLM-4.5's; Qwen2-MoE's under a sigmoid gate)."""
         out = None
         if L["gate_up"] is not None:
-            gate, up = L["gate_up"](a).chunk(2, dim=-1)
-            out = L["down"](ACTIVATIONS[self.family.activation](gate) * up)
+            gate, *up = L["gate_up"](a).chunk(1 + self.family.gated_mlp, dim=-1)  # (not gated: Nemotron-H's)
+            h = ACTIVATIONS[self.family.activation](gate)
+            out = L["down"](h * up[0] if up else h)
             if L["shared_gate"] is not None:
                 out = torch.sigmoid(F.linear(a, L["shared_gate"])) * out
         if L["experts"] is not None:
