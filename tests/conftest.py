@@ -34,6 +34,7 @@ def tiny_dirs(tmp_path_factory):
         "qwen35": make_tiny(root / "qwen35", "qwen3_5_text", seed=15, **DELTA_NET),  # recurrent states
         "granite4h": make_tiny(root / "granite4h", "granitemoehybrid", seed=16, **MOE["granitemoehybrid"]),  # Mamba-2
         "nemotronh": make_tiny(root / "nemotronh", "nemotron_h", seed=17, **NEMOTRON_H),  # one mixer or MLP a block
+        "lfm2": make_tiny(root / "lfm2", "lfm2", seed=18, layers=3, layer_types=["conv", "full_attention", "conv"]),
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

@@ -26,15 +26,16 @@ def spec(loaded, arch, method, k=4, draft=None, **kw):
                speculative=SpecConfig(method=method, num_draft_tokens=k), **kw)
 
 
-def transformers_greedy(loaded, path, name: str, n: int = 40) -> list[list[int]]:
-    """The last ``n`` tokens of greedy decoding of each of ``PROMPTS`` by transformers' model of
-    ``path``, a whole forward per token (generate's min_new_tokens would hide the eos)."""
+def transformers_greedy(path, prompts: list[list[int]], n: int = 40) -> list[list[int]]:
+    """The ``n`` tokens greedy decoding gives after each of ``prompts`` (token ids) by
+    transformers' model of ``path``, a whole forward per token (generate's min_new_tokens
+    would hide the eos)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     want = []
-    for p in PROMPTS:
-        ids = LLM(loaded(name)).encode(p)
+    for p in prompts:
+        ids = list(p)
         with torch.no_grad():
             for _ in range(n):
                 ids.append(hf(torch.tensor([ids])).logits[0, -1].argmax().item())
@@ -510,23 +511,27 @@ def test_longrope_equal_to_transformers(tmp_path, arch):
         LLM(str(target), chunked_prefill_size=8)
 
 
-def test_conv_state_rewinds(tmp_path):
-    """LFM2's short convolutions (transformers' fallback) keep a state per layer that a rewind
-    cuts with the rows: a prompt reusing fewer kept chunks than the one before it, and drafts
-    rolled back, give what the prompt gives alone (the conv states are sliced, not cropped to
-    the kernel, which left nothing below the crop for the next rewind)."""
+@pytest.mark.parametrize("backend", ["hf", "torch"])
+def test_conv_state_rewinds(tmp_path, backend):
+    """LFM2's short convolutions keep a state per layer that a rewind takes back: on
+    transformers' fallback cut with the rows, on the torch runtime from the states kept for
+    the last tokens and a few prompt chunks' ends (``recurrent.ShortConv``). A prompt reusing
+    fewer kept chunks than the one before it, and drafts rolled back, give what the prompt
+    gives alone (on transformers' the conv states are sliced, not cropped to the kernel,
+    which left nothing below the crop for the next rewind)."""
     from tiny import make_tiny
 
     path = make_tiny(tmp_path / "lfm2", "lfm2", layer_types=["conv", "full_attention"])
     shared = list(range(40, 120))
     a, b, c = shared + [5, 6, 7], shared + [9, 9], shared[:40] + [3, 4, 5, 6]
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
-    alone = [LLM(str(path), device="cpu", chunked_prefill_size=16).generate({"prompt_token_ids": p}, sp)[0].token_ids
-             for p in (b, c)]
-    llm = LLM(str(path), device="cpu", chunked_prefill_size=16, max_batch_size=1)
+    alone = [LLM(str(path), device="cpu", chunked_prefill_size=16, backend=backend).generate(
+        {"prompt_token_ids": p}, sp)[0].token_ids for p in (b, c)]
+    assert alone == transformers_greedy(path, [b, c], 24)
+    llm = LLM(str(path), device="cpu", chunked_prefill_size=16, max_batch_size=1, backend=backend)
     outs = [llm.generate({"prompt_token_ids": p}, sp)[0] for p in (a, b, c)]
     assert [o.token_ids for o in outs[1:]] == alone and [o.metrics["cached_prompt_tokens"] for o in outs] == [0, 80, 32]
-    drafted = LLM(str(path), device="cpu", chunked_prefill_size=16, max_batch_size=1,
+    drafted = LLM(str(path), device="cpu", chunked_prefill_size=16, max_batch_size=1, backend=backend,
                   speculative=SpecConfig(method="ngram", num_draft_tokens=4))
     outs = [drafted.generate({"prompt_token_ids": p}, sp)[0] for p in (a, b, c)]
     assert [o.token_ids for o in outs[1:]] == alone
@@ -541,7 +546,7 @@ def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, back
     (rewinds past the window: transformers' own ``crop`` of a window layer keeps only the
     window). So does latent attention (DeepSeek-V3's), whose cache rows are latents: rewound,
     gathered along a tree's accepted path and shared between slots as K and V rows are."""
-    want = transformers_greedy(loaded, tiny_dirs[name], name)
+    want = transformers_greedy(tiny_dirs[name], [LLM(loaded(name)).encode(p) for p in PROMPTS])
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     # trees: 3 deep, and 8 deep, past the window (a node's row is past its position there)
     methods = [("none", 1, 3), ("self", 1, 3), ("ngram", 1, 3)] + [("self", 2, 3), ("self", 2, 8)] * (backend == "torch")
@@ -554,9 +559,10 @@ def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, back
         assert max(o.metrics["cached_prompt_tokens"] for o in outs) > 0
 
 
-@pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh"])
+@pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2"])
 def test_recurrent_model_speculates_as_transformers_decodes(loaded, tiny_dirs, name):
-    """Qwen3.5's DeltaNet layers and Granite 4.0's and Nemotron-H's Mamba-2 layers (a recurrent state per slot,
+    """Qwen3.5's DeltaNet layers, Granite 4.0's and Nemotron-H's Mamba-2 layers and LFM2's short
+    convolutions (a recurrent state per slot,
     rewound through the states kept for its last tokens) decode as transformers' model does,
     plain and under speculation:
     drafts always right (self, 3 and 8 deep; under the cost model, which times forwards and
@@ -565,7 +571,7 @@ def test_recurrent_model_speculates_as_transformers_decodes(loaded, tiny_dirs, n
     its own rewinds span several one-token forwards. Trees are refused, and say why."""
     from specdec.runtime.base import NO_TREES
 
-    want = transformers_greedy(loaded, tiny_dirs[name], name)
+    want = transformers_greedy(tiny_dirs[name], [LLM(loaded(name)).encode(p) for p in PROMPTS])
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     for method, k, extra in [("none", 1, {}), ("self", 3, {}), ("self", 8, {}), ("self", 4, {"cost_model": True}),
                              ("draft", 4, {}), ("ngram", 3, {})]:
@@ -583,7 +589,7 @@ def test_recurrent_model_speculates_as_transformers_decodes(loaded, tiny_dirs, n
         LLM(loaded(name), speculative=SpecConfig(method="self", tree_topk=2))
 
 
-@pytest.mark.parametrize("name", ["qwen35", "granite4h"])
+@pytest.mark.parametrize("name", ["qwen35", "granite4h", "lfm2"])
 def test_recurrent_prefix_reuse(loaded, name):
     """Recurrent states are kept at a few of a prompt's chunk ends (the first 3 and the last):
     a new prompt that starts as the slot's last one resumes from the longest whole chunk they

@@ -134,6 +134,8 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # Nemotron-H: blocks of one mixer or one MLP each (Mamba-2, experts of relu2 not gated under sigmoid
     # routing in groups with a shared expert, attention without rope, a dense MLP), its names (backbone.)
     "nemotronh-blocks": ("nemotron_h", NEMOTRON_H),
+    # LFM2: short convolutions (B * x convolved, times C) beside attention with q/k norms, its names
+    "lfm2-conv": ("lfm2", dict(layer_types=["conv", "full_attention", "conv"], layers=3)),
 }
 
 
@@ -164,7 +166,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
 @pytest.mark.parametrize("arch", ["llama", "granite", "gemma2", "gemma3_text", "mixtral-window",
                                   "qwen2moe-shared-expert-dense-layer", "qwen3moe", "gptoss-sinks-window",
                                   "glm45-groups-shared", "glm4-interleaved-partial-rope", "qwen35-delta-net",
-                                  "qwen3next-experts-dense-layer", "qwen35moe-experts", "granitemoe", "granitemoeshared"])
+                                  "qwen3next-experts-dense-layer", "qwen35moe-experts", "granitemoe", "granitemoeshared",
+                                  "lfm2-conv"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -359,7 +362,7 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     assert "gpt2" in unsupported(AutoConfig.for_model("gpt2"))
     assert "gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="gelu"))
     assert "not 'awq' ones" in unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "awq"}))
-    assert "a part of each head for phi3, glm4, glm4_moe, qwen3_next" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
+    assert "a part of each head for phi3, glm4, glm4_moe, bamba, qwen3_next" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
     assert "bidirectional" in unsupported(AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True))
     per_type = AutoConfig.for_model("gemma3_text", rope_parameters={  # each layer type's rope is checked
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
@@ -741,7 +744,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama", "qwen35", "granite4h",
-                                  "nemotronh"])
+                                  "nemotronh", "lfm2"])
 def test_weight_bytes_from_the_config(tiny_dirs, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .moe import moe_layers, num_experts
-from .recurrent import LINEAR_ATTENTION, DeltaNet, recurrent_mixer
+from .recurrent import LINEAR_ATTENTION, RECURRENT_TYPES, DeltaNet, recurrent_mixer
 
 
 LINEAR_KINDS = ("dense", "onednn", "int8")
@@ -103,6 +103,11 @@ def linear_bytes(config) -> int:
     shared = getattr(config, "shared_expert_intermediate_size", 0) or getattr(config, "shared_intermediate_size", 0) \
         or (getattr(config, "n_shared_experts", 0) or 0) * (getattr(config, "moe_intermediate_size", 0) or 0)
     dense = shared if config.model_type == "granitemoehybrid" else config.intermediate_size  # (its shared_mlp)
+    if config.model_type == "lfm2" and config.block_auto_adjust_ff_dim:  # its MLP's width, as transformers sizes it
+        dense = int(2 * dense / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            m = config.block_multiple_of
+            dense = m * ((int(config.block_ffn_dim_multiplier * dense) + m - 1) // m)
     mlp = sum(shared if moe else dense for moe in moe_layers(config))
     rec = recurrent_mixer(config)  # Qwen3.5's DeltaNet layers beside its gated attention (queries' gates too)
     if config.model_type == "nemotron_h":  # blocks of one mixer or one MLP (not gated) each
@@ -111,7 +116,7 @@ def linear_bytes(config) -> int:
         return 4 * (types.count("full_attention") * ((heads * d + 2 * kv * d) * h + h * heads * d)
                     + types.count(LINEAR_ATTENTION) * rec.projection_params(h) + 2 * h * mlp + config.vocab_size * h)
     gated = isinstance(rec, DeltaNet)
-    attended = config.num_hidden_layers - (config.layer_types.count(LINEAR_ATTENTION) if rec else 0)
+    attended = config.num_hidden_layers - (sum(map(config.layer_types.count, RECURRENT_TYPES)) if rec else 0)
     attention = attended * ((heads * d * (2 if gated else 1) + 2 * kv * d) * h + h * heads * d)
     if rec:
         attention += (config.num_hidden_layers - attended) * rec.projection_params(h)

@@ -1,6 +1,7 @@
 """Layers with a recurrent state for the torch runtime: the Gated DeltaNet layers of Qwen3-Next
-and Qwen3.5 (``DeltaNet``) and the Mamba-2 layers of Granite 4.0's hybrids and Bamba
-(``Mamba2``), and the states they keep per slot (``RecurrentStates``), which a rewind takes back.
+and Qwen3.5 (``DeltaNet``), the Mamba-2 layers of Granite 4.0's hybrids, Bamba and Nemotron-H
+(``Mamba2``) and LFM2's short convolutions (``ShortConv``: a conv window, no matrix), and the
+states they keep per slot (``RecurrentStates``), which a rewind takes back.
 
 Such a layer keeps no row per token. Each slot holds, per layer, the last ``kernel - 1``
 inputs of its short convolution (``conv``) and one matrix per head that every token updates
@@ -33,14 +34,17 @@ import torch.nn.functional as F
 from .ops import rms_norm
 
 LINEAR_ATTENTION = "linear_attention"  # their name in ``layer_types`` (transformers reads Granite's "mamba" so)
+RECURRENT_TYPES = (LINEAR_ATTENTION, "conv")  # (LFM2's)
 DEFAULT_DEPTH = 18  # ring rows per slot: a rewind of up to 17 tokens (16 drafts and the bonus token)
 PREFIX_STATES = 4  # states kept per slot at its prompt chunks' ends, for prefix reuse: the first 3 and the last
 
 
-def recurrent_mixer(config) -> "DeltaNet | Mamba2 | None":
+def recurrent_mixer(config) -> "DeltaNet | Mamba2 | ShortConv | None":
     """The recurrent layers' kind of ``config`` (None: it has none)."""
-    if LINEAR_ATTENTION not in (getattr(config, "layer_types", None) or ()):
+    if not set(RECURRENT_TYPES) & set(getattr(config, "layer_types", None) or ()):
         return None
+    if config.model_type == "lfm2":
+        return ShortConv(config.hidden_size, config.conv_L_cache)
     return Mamba2.of(config) if hasattr(config, "mamba_n_heads") or config.model_type == "nemotron_h" \
         else DeltaNet.of(config)
 
@@ -249,6 +253,35 @@ class Mamba2:
         return L["mix_out"]((L["gate_norm"] * y.reshape(B, T, -1).to(a.dtype)).to(a.dtype))
 
 
+@dataclass(frozen=True)
+class ShortConv:
+    """LFM2's convolution layer: ``B, C, x = in_proj(input)``, then ``C * conv(B * x)`` (a
+    causal depthwise convolution of ``kernel``, no activation) through ``out_proj``. Its state
+    is the convolution's window alone (no matrix: ``state_shape`` ``()``)."""
+
+    conv_dim: int
+    kernel: int
+    replays = False
+    state_shape = ()
+
+    def projection_params(self, hidden: int) -> int:
+        return 4 * hidden * hidden
+
+    def weights(self, r, pre: str) -> dict:
+        a = pre + "conv."
+        return {
+            "mix_in": r.linear(r.get(a + "in_proj.weight"), r.opt(a + "in_proj.bias")),
+            "conv": r.get(a + "conv.weight")[:, 0],  # [hidden, kernel]
+            "conv_bias": r.opt(a + "conv.bias"),
+            "mix_out": r.linear(r.get(a + "out_proj.weight"), r.opt(a + "out_proj.bias")),
+        }
+
+    def forward(self, states: "RecurrentStates", li: int, slots: torch.Tensor, plan: "StatePlan", L: dict,
+                a: torch.Tensor, eps: float) -> torch.Tensor:
+        b, c, x = L["mix_in"](a).chunk(3, dim=-1)  # [B, T, hidden] each
+        return L["mix_out"](c * convolve(states, li, slots, plan, b * x, L, act=None).to(a.dtype))
+
+
 @dataclass
 class StatePlan:
     """Where one forward's states go (device tensors, built on the host): ``valid [B, T]``
@@ -272,7 +305,8 @@ class RecurrentStates:
     end (``save``: where the engine reuses prefixes). Slots are allocated up to the highest one
     used."""
 
-    def __init__(self, layers: int, mixer: DeltaNet | Mamba2, depth: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, layers: int, mixer: DeltaNet | Mamba2 | ShortConv, depth: int, device: torch.device,
+                 dtype: torch.dtype):
         self.depth = depth
         self.conv = torch.zeros(layers, 0, mixer.conv_dim, mixer.kernel - 1, device=device, dtype=dtype)
         self.ssm = torch.zeros(layers, 0, *mixer.state_shape, device=device, dtype=torch.float32)
@@ -401,13 +435,14 @@ class RecurrentStates:
 
 
 def convolve(states: RecurrentStates, li: int, slots: torch.Tensor, plan: StatePlan, mixed: torch.Tensor,
-             L: dict) -> torch.Tensor:
+             L: dict, act=F.silu) -> torch.Tensor:
     """Layer ``li``'s short convolution (``L["conv"]``, ``L["conv_bias"]``) over ``mixed [B, T,
-    conv_dim]`` after each slot's last inputs, through silu: ``[B, T, conv_dim]``; keeps each
-    slot's window after its tokens, and in the ring the ones before them (``plan``)."""
+    conv_dim]`` after each slot's last inputs, through ``act`` (None: none): ``[B, T, conv_dim]``;
+    keeps each slot's window after its tokens, and in the ring the ones before them (``plan``)."""
     B, T, C = mixed.shape
     seq = torch.cat([states.conv[li, slots], mixed.transpose(1, 2).to(states.conv.dtype)], dim=-1)  # [B, C, K - 1 + T]
-    out = F.silu(F.conv1d(seq, L["conv"][:, None], L["conv_bias"], groups=C))  # [B, C, T]
+    out = F.conv1d(seq, L["conv"][:, None], L["conv_bias"], groups=C)  # [B, C, T]
+    out = out if act is None else act(out)
     windows = seq.unfold(-1, states.conv.shape[-1], 1)  # [B, C, T + 1, K - 1]: after 0..T tokens
     states.ring_conv[li, slots[:, None], plan.ring] = windows[:, :, :plan.ring.shape[1]].transpose(1, 2)
     states.conv[li, slots] = windows[torch.arange(B, device=mixed.device), :, plan.last]  # after each row's tokens

@@ -5,7 +5,8 @@ GLM-4.7-Flash: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``), and the
 hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the
 cache): Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2
-layers beside attention (Granite 4.0's hybrids, Bamba, Nemotron-H: ``NemotronWeights``).
+layers beside attention (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``), LFM2's
+short convolutions beside attention.
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
 HF directory and GGUF tensors dequantized by transformers load the same way. The KV cache
@@ -33,7 +34,8 @@ from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
 from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
 from .ops import ACTIVATIONS, attention, rms_norm, rotate, softcap
-from .recurrent import DEFAULT_DEPTH, LINEAR_ATTENTION, DeltaNet, Mamba2, RecurrentStates, StatePlan, recurrent_mixer
+from .recurrent import (DEFAULT_DEPTH, RECURRENT_TYPES, DeltaNet, Mamba2, RecurrentStates, ShortConv, StatePlan,
+                        recurrent_mixer)
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # beside attention without rope, as Bamba's beside attention with rope on half of each head
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 ARCHS = tuple(dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "glm4", "gemma", "gemma2",
-                             "gemma3_text", "bamba", "nemotron_h") + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS))  # HF
+                             "gemma3_text", "bamba", "nemotron_h", "lfm2") + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
@@ -79,27 +81,31 @@ class TextWeights:
         return self._name(name) in self.weights
 
 
-class NemotronWeights:
-    """Nemotron-H's weights under Llama's names: its blocks hold one mixer each (``mixer.``:
-    attention, Mamba-2, an MLP or experts) after one norm (``norm``), under ``backbone.`` as
-    saved (``model.`` as transformers names it), its embedding ``embeddings``, final norm
-    ``norm_f``."""
+class RenamedWeights:
+    """A checkpoint's weights under Llama's names (``model.layers.{i}.self_attn.q_proj.weight``...),
+    each name's parts replaced in turn by ``renames[model_type]`` (``(old, new)``), then its
+    ``model.`` by ``prefix``: Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
+    Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
+    transformers names it); LFM2's norms, attention and MLP go by their own names."""
 
-    PARTS = {"input_layernorm": "norm", "post_attention_layernorm": "norm", "self_attn": "mixer", "mamba": "mixer",
-             "mlp": "mixer"}
+    RENAMES = {
+        "nemotron_h": [(".input_layernorm.", ".norm."), (".post_attention_layernorm.", ".norm."),
+                       (".self_attn.", ".mixer."), (".mamba.", ".mixer."), (".mlp.", ".mixer."),
+                       ("model.embed_tokens.", "model.embeddings."), ("model.norm.", "model.norm_f.")],
+        "lfm2": [(".input_layernorm.", ".operator_norm."), (".post_attention_layernorm.", ".ffn_norm."),
+                 (".q_norm.", ".q_layernorm."), (".k_norm.", ".k_layernorm."), (".o_proj.", ".out_proj."),
+                 (".mlp.gate_proj.", ".feed_forward.w1."), (".mlp.up_proj.", ".feed_forward.w3."),
+                 (".mlp.down_proj.", ".feed_forward.w2."), ("model.norm.", "model.embedding_norm.")],
+    }
 
-    def __init__(self, weights):
-        self.weights = weights
+    def __init__(self, weights, model_type: str):
+        self.weights, self.renames = weights, self.RENAMES[model_type]
         self.prefix = "backbone." if "backbone.embeddings.weight" in weights else "model."
 
     def _name(self, name: str) -> str:
-        if not name.startswith("model."):
-            return name  # lm_head
-        rest = {"model.embed_tokens.weight": "embeddings.weight", "model.norm.weight": "norm_f.weight"}.get(name)
-        if rest is None:
-            _, _, i, part, rest = name.split(".", 4)  # model.layers.{i}.{part}.{rest}
-            rest = f"layers.{i}.{self.PARTS.get(part, part)}.{rest}"
-        return self.prefix + rest
+        for old, new in self.renames:
+            name = name.replace(old, new)
+        return self.prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.weights[self._name(name)]
@@ -111,9 +117,9 @@ class NemotronWeights:
 def text_model(config, weights=None):
     """``(config, weights)`` of the text model the torch runtime runs, under Llama's names: a
     multimodal checkpoint's (``MULTIMODAL``: Gemma 3 4B and up, Mistral 3, LLaVA, Qwen2.5-VL, Qwen3-VL; ``text_config``,
-    ``TextWeights``; text prompts only), Nemotron-H's (``NemotronWeights``), else as given."""
-    if config.model_type == "nemotron_h" and weights is not None:
-        return config, NemotronWeights(weights)
+    ``TextWeights``; text prompts only), Nemotron-H's and LFM2's (``RenamedWeights``), else as given."""
+    if config.model_type in RenamedWeights.RENAMES and weights is not None:
+        return config, RenamedWeights(weights, config.model_type)
     if config.model_type not in MULTIMODAL:
         return config, weights
     if weights is not None:
@@ -518,7 +524,8 @@ def gated_attention(r: CheckpointReader, a: str, config) -> dict:
 
 def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, sliding: bool = False,
                   rope: str | None = None, rotates: bool = True, latent: Latent | None = None,
-                  recurrent: DeltaNet | Mamba2 | None = None, index: int = 0, block: str | None = None) -> dict:
+                  recurrent: DeltaNet | Mamba2 | ShortConv | None = None, index: int = 0,
+                  block: str | None = None) -> dict:
     """The weights of the decoder layer under ``pre`` (``model.layers.{i}.``) as
     ``TorchLlama._layers`` reads them: ``moe``: its MLP is experts (with shared ones where the
     checkpoint has them); ``sliding``: it attends within the window; ``rope``: its rope
@@ -600,7 +607,8 @@ class TorchLlama:
         self.latent = Latent.of(config)
         if self.latent is not None:  # the cache's one row per token (``Latent``)
             self.kv_heads, self.head_dim = 1, self.latent.rank + self.latent.rope
-        self.eps = getattr(config, "rms_norm_eps", None) or config.layer_norm_epsilon  # (Nemotron-H's name)
+        self.eps = next(getattr(config, n) for n in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps")
+                        if getattr(config, n, None))  # (Nemotron-H's name, LFM2's)
         self.max_context = config.max_position_embeddings
         self.family = Family.of(config, dtype)
         self.window, sliding = sliding_layers(config)
@@ -622,7 +630,7 @@ class TorchLlama:
         self.recurrent = recurrent_mixer(config)  # DeltaNet, Mamba2 or None
         self.layers, kinds = [], [0, 0]  # layers so far: attention, recurrent
         for i, moe in enumerate(moe_layers(config)):
-            rec = self.recurrent if types[i] == LINEAR_ATTENTION else None
+            rec = self.recurrent if types[i] in RECURRENT_TYPES else None
             block = types[i] if config.model_type == "nemotron_h" else None  # (its MLP blocks: no mixer)
             self.layers.append(decoder_layer(r, config, f"model.layers.{i}.", moe, sliding=sliding[i],
                                              rope=types[i] if types[i] in self.rope else None,
