@@ -136,6 +136,7 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "nemotronh-blocks": ("nemotron_h", NEMOTRON_H),
     # LFM2: short convolutions (B * x convolved, times C) beside attention with q/k norms, its names
     "lfm2-conv": ("lfm2", dict(layer_types=["conv", "full_attention", "conv"], layers=3)),
+    "lfm2moe-expert-bias": ("lfm2_moe", MOE["lfm2_moe"]),
 }
 
 
@@ -167,7 +168,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "qwen2moe-shared-expert-dense-layer", "qwen3moe", "gptoss-sinks-window",
                                   "glm45-groups-shared", "glm4-interleaved-partial-rope", "qwen35-delta-net",
                                   "qwen3next-experts-dense-layer", "qwen35moe-experts", "granitemoe", "granitemoeshared",
-                                  "lfm2-conv"])
+                                  "lfm2-conv", "lfm2moe-expert-bias"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -1173,6 +1174,62 @@ def test_deepseek_v2_routing_in_bfloat16(method):
     order, want = chosen.sort(dim=-1), want_e.sort(dim=-1)
     assert torch.equal(order.values, want.values)
     assert torch.equal(weights.gather(1, order.indices), want_w.gather(1, want.indices))
+
+
+@pytest.mark.parametrize("arch", ["qwen35-delta-net", "granite4h-dense-rope", "lfm2-conv"])
+def test_recurrent_states_random_rewinds(tmp_path, arch):
+    """Random forwards (1 to 7 tokens, now and then a prompt-sized chunk), rewinds to any
+    length the cache says it holds, prompt chunk ends saved and copies between slots, on two
+    slots at once: each forward's logits are those of the whole sequence so far computed from
+    scratch, so the ring, its replays (Mamba-2) and the saved states never give a wrong state;
+    a state the cache does not hold raises rather than being guessed."""
+    import random
+
+    from transformers import AutoConfig
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny
+
+    path = make_tiny(tmp_path / arch, VARIANTS[arch][0], seed=5, **VARIANTS[arch][1])
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
+    rt.state_depth = 8
+    rng = random.Random(0)
+    cache, seqs = rt.new_cache(2), [[], []]
+
+    def fresh(ids):  # the last len(new) rows of the whole sequence, one forward from scratch
+        return rt.forward(rt.new_cache(1), [0], [ids])[0]
+
+    for step in range(60):
+        slot = rng.randrange(2)
+        op = rng.random()
+        if op < 0.55 or not seqs[slot]:
+            n = rng.choice([1, 1, 2, 3, 5, 7] + [20] * (step % 9 == 0))
+            new = [rng.randrange(256) for _ in range(n)]
+            out = rt.forward(cache, [slot], [new])[0]
+            seqs[slot] += new
+            ref = fresh(seqs[slot])[-n:]
+            assert (out - ref).abs().max().item() < 10 * ATOL * ref.abs().max().item(), (step, slot, n)
+            if rng.random() < 0.3:
+                cache.save_prefix(slot)
+        elif op < 0.85:
+            held = [m for m in range(len(seqs[slot]) + 1) if cache.holds(slot, m)]
+            missing = [m for m in range(len(seqs[slot]) + 1) if m not in held]
+            if missing and rng.random() < 0.2:
+                with pytest.raises(RuntimeError, match="cannot go back"):
+                    cache.rewind(slot, rng.choice(missing))
+                continue
+            m = rng.choice(held)
+            cache.rewind(slot, m)
+            del seqs[slot][m:]
+        else:
+            other = 1 - slot
+            held = [m for m in range(len(seqs[other]) + 1) if cache.holds(other, m) and m >= cache.lengths[slot]
+                    and seqs[other][:cache.lengths[slot]] == seqs[slot]]
+            if held:
+                m = rng.choice(held)
+                cache.copy(other, slot, m)
+                seqs[slot] = seqs[other][:m]
 
 
 @pytest.mark.parametrize("arch", ["qwen35-delta-net", "granite4h-dense-rope"])

@@ -49,6 +49,9 @@ MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields
                              shared_intermediate_size=48),
     "granitemoehybrid": dict(GRANITE, **MAMBA2, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
                              shared_intermediate_size=48),
+    # LFM2-MoE's: short convolutions beside attention, a dense first layer, sigmoid routing with an expert bias
+    "lfm2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1,
+                     routed_scaling_factor=1.5, layer_types=["conv", "full_attention", "conv"], layers=3),
 }
 # latent attention (DeepSeek's MLA): a key/value latent of 24, the query's own of 20, heads of 12 + 8
 # (rotated) query/key and 10 value dimensions; every head its own (transformers expands the latent to them)
@@ -157,8 +160,8 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(std * torch.randn_like(p))
-        for name, b in model.named_buffers():  # GLM-4.5's router correction
-            if name.endswith("e_score_correction_bias"):
+        for name, b in model.named_buffers():  # GLM-4.5's router correction, LFM2-MoE's expert bias
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(std * torch.randn_like(b))
     model.save_pretrained(path)
     tok.save_pretrained(path)

@@ -1,6 +1,7 @@
 """Sparse mixtures of experts for the torch runtime: which layers are ``Experts``, how a
 router picks and weights them (``Routing``), and the grouped products that run them (Mixtral,
-Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash)."""
+Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
+Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,7 +14,8 @@ from .ops import ACTIVATIONS
 # their MLPs (some, or all) are ``Experts``; DeepSeek's and GLM-4.7-Flash's attend through latents
 # (``torch_llama.Latent``), Qwen3-Next's and Qwen3.5's have DeltaNet layers (``recurrent``)
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
-             "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h")
+             "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
+             "lfm2_moe")
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # ``block_sparse_moe``, routed as GPT-OSS's
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h")  # GLM-4.5's router (``Routing.sigmoid``)
 
@@ -34,6 +36,8 @@ def moe_layers(config) -> list[bool]:
         return [t == "sparse" for t in config.mlp_layer_types]
     if kind == "nemotron_h":  # its blocks: one mixer or one MLP each
         return [t == "moe" for t in config.layer_types]
+    if kind == "lfm2_moe":
+        return [i >= config.num_dense_layers for i in range(n)]
     dense = set(config.mlp_only_layers or [])
     return [i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
             for i in range(n)]
@@ -84,7 +88,8 @@ class Routing:
     two), their scores renormalised and times ``scale``, in float32; DeepSeek-V2: the router
     in float32, the top k of the softmax among the ``top_groups`` best of ``groups`` groups
     (each by its best one: ``group_limited_greedy``; one group: ``greedy``), times ``scale``,
-    in float32."""
+    in float32; LFM2-MoE's (``sigmoid`` too): the top k of the sigmoid scores in the model's
+    dtype plus an expert bias, renormalised (``renorm_eps`` 1e-6) and times ``scale``."""
 
     top_k: int
     renormalize: bool = False
@@ -100,6 +105,7 @@ class Routing:
     groups: int = 1
     top_groups: int = 1
     scale: float = 1.0
+    renorm_eps: float = 1e-20
 
     @classmethod
     def of(cls, config) -> "Routing":
@@ -108,6 +114,9 @@ class Routing:
             return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
         if kind in GRANITE_MOES:
             return cls(config.num_experts_per_tok, top_softmax=True, activation=config.hidden_act)
+        if kind == "lfm2_moe":  # sigmoid scores in the model's dtype, an expert bias on the choice
+            return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True,
+                       scale=config.routed_scaling_factor, renorm_eps=1e-6)
         if kind == "deepseek_v2":
             grouped = config.topk_method == "group_limited_greedy"
             return cls(config.num_experts_per_tok, float_weights=True, activation=getattr(config, "hidden_act", "silu"),
@@ -137,7 +146,7 @@ class Routing:
             chosen = choice.topk(self.top_k, dim=-1, sorted=False)[1]
             weights = scores.gather(1, chosen)
             if self.renormalize:
-                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + self.renorm_eps)
             return weights * self.scale, chosen
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, experts]
         if self.groups > 1:  # DeepSeek-V2's group_limited_greedy: each group by its best expert
@@ -215,8 +224,9 @@ class Experts:
         if fused[0] in weights:  # fused, [experts, out, in]
             gate_up, down = (weights[n].to(device=device, dtype=dtype, copy=True) for n in fused)
         else:  # (not gated: the up projection alone, Nemotron-H's)
-            gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj" if routing.gated else "up_proj", "up_proj",
-                                                                 "down_proj")
+            w123 = mixtral or block + "experts.0.w1.weight" in weights  # (Mixtral's names, LFM2-MoE's)
+            gate, up, down = ("w1", "w3", "w2") if w123 else ("gate_proj" if routing.gated else "up_proj", "up_proj",
+                                                              "down_proj")
             experts = [f"{block}experts.{i}." for i in range(num_experts(config))]
             gate_up = stacked([list(dict.fromkeys([x + gate + ".weight", x + up + ".weight"])) for x in experts])
             down = stacked([[x + down + ".weight"] for x in experts])
@@ -225,10 +235,11 @@ class Experts:
                       if block + n in weights)  # (Granite's as saved, as transformers names it)
         router = weights[router].to(
             device=device, dtype=torch.float32 if routing.float_router else dtype, copy=True)
-        correction = block + "gate.e_score_correction_bias"
+        correction = next((block + n for n in ("gate.e_score_correction_bias", "expert_bias") if block + n in weights),
+                          None)  # GLM-4.5's, LFM2-MoE's
         return cls(routing, router, gate_up.transpose(1, 2), down.transpose(1, 2),
                    correction=weights[correction].to(device=device, dtype=torch.float32, copy=True)
-                   if correction in weights else None)
+                   if correction else None)
 
     @classmethod
     def _load_gpt_oss(cls, config, weights, mlp: str, device: torch.device, dtype: torch.dtype) -> "Experts":

@@ -43,7 +43,7 @@ def recurrent_mixer(config) -> "DeltaNet | Mamba2 | ShortConv | None":
     """The recurrent layers' kind of ``config`` (None: it has none)."""
     if not set(RECURRENT_TYPES) & set(getattr(config, "layer_types", None) or ()):
         return None
-    if config.model_type == "lfm2":
+    if config.model_type in ("lfm2", "lfm2_moe"):
         return ShortConv(config.hidden_size, config.conv_L_cache)
     return Mamba2.of(config) if hasattr(config, "mamba_n_heads") or config.model_type == "nemotron_h" \
         else DeltaNet.of(config)
@@ -342,8 +342,9 @@ class RecurrentStates:
         for b, (slot, start, n) in enumerate(zip(slots, starts, counts)):
             for j in range(n if every else min(n, 1)):
                 row = ring[b, j] = (start + j) % self.depth
-                if j == 0 or not self.replays:
-                    self.held[slot][row] = start + j
+                # the row's conv window is token j's: its state is the one before it, or (``replays``,
+                # which keep a state before the first token alone) none
+                self.held[slot][row] = start + j if j == 0 or not self.replays else -1
                 if self.replays:  # (a prompt's forward overwrites the conv window of its first row)
                     self.fed[slot][row] = start + j if every else -1
         valid = torch.arange(T)[None, :] < torch.tensor(counts)[:, None]

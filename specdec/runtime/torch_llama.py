@@ -86,7 +86,7 @@ class RenamedWeights:
     each name's parts replaced in turn by ``renames[model_type]`` (``(old, new)``), then its
     ``model.`` by ``prefix``: Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
     Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
-    transformers names it); LFM2's norms, attention and MLP go by their own names."""
+    transformers names it); LFM2's (and LFM2-MoE's) norms, attention and MLP go by their own names."""
 
     RENAMES = {
         "nemotron_h": [(".input_layernorm.", ".norm."), (".post_attention_layernorm.", ".norm."),
@@ -97,6 +97,7 @@ class RenamedWeights:
                  (".mlp.gate_proj.", ".feed_forward.w1."), (".mlp.up_proj.", ".feed_forward.w3."),
                  (".mlp.down_proj.", ".feed_forward.w2."), ("model.norm.", "model.embedding_norm.")],
     }
+    RENAMES["lfm2_moe"] = RENAMES["lfm2"] + [(".mlp.", ".feed_forward.")]  # (its experts, router, expert_bias)
 
     def __init__(self, weights, model_type: str):
         self.weights, self.renames = weights, self.RENAMES[model_type]
