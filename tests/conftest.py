@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import DELTA_NET, MOE, NEMOTRON_H, make_tiny, noisy_copy  # noqa: E402
+from tiny import DELTA_NET, FALCON_H1, MOE, NEMOTRON_H, make_tiny, noisy_copy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +35,7 @@ def tiny_dirs(tmp_path_factory):
         "granite4h": make_tiny(root / "granite4h", "granitemoehybrid", seed=16, **MOE["granitemoehybrid"]),  # Mamba-2
         "nemotronh": make_tiny(root / "nemotronh", "nemotron_h", seed=17, **NEMOTRON_H),  # one mixer or MLP a block
         "lfm2": make_tiny(root / "lfm2", "lfm2", seed=18, layers=3, layer_types=["conv", "full_attention", "conv"]),
+        "falconh1": make_tiny(root / "falconh1", "falcon_h1", seed=19, **FALCON_H1),  # attention beside Mamba-2
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import BAMBA, DELTA_NET, GRANITE_HYBRID_DENSE, MOE, NEMOTRON_H
+from tiny import BAMBA, DELTA_NET, FALCON_H1, GRANITE_HYBRID_DENSE, MOE, NEMOTRON_H
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -137,6 +137,10 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # LFM2: short convolutions (B * x convolved, times C) beside attention with q/k norms, its names
     "lfm2-conv": ("lfm2", dict(layer_types=["conv", "full_attention", "conv"], layers=3)),
     "lfm2moe-expert-bias": ("lfm2_moe", MOE["lfm2_moe"]),
+    # Falcon-H1: attention and Mamba-2 side by side, its muP multipliers; the Mamba-2 output normed before the
+    # gate, or not normed
+    "falconh1-parallel-mup": ("falcon_h1", FALCON_H1),
+    "falconh1-no-mamba-norm": ("falcon_h1", dict(FALCON_H1, mamba_rms_norm=False)),
 }
 
 
@@ -224,7 +228,7 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "granite4h-dense-rope", "bamba-half-rope",
-                                  "nemotronh-blocks"])
+                                  "nemotronh-blocks", "falconh1-parallel-mup"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), and Mamba-2 layers
@@ -745,7 +749,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama", "qwen35", "granite4h",
-                                  "nemotronh", "lfm2"])
+                                  "nemotronh", "lfm2", "falconh1"])
 def test_weight_bytes_from_the_config(tiny_dirs, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1176,7 +1180,7 @@ def test_deepseek_v2_routing_in_bfloat16(method):
     assert torch.equal(weights.gather(1, order.indices), want_w.gather(1, want.indices))
 
 
-@pytest.mark.parametrize("arch", ["qwen35-delta-net", "granite4h-dense-rope", "lfm2-conv"])
+@pytest.mark.parametrize("arch", ["qwen35-delta-net", "granite4h-dense-rope", "lfm2-conv", "falconh1-parallel-mup"])
 def test_recurrent_states_random_rewinds(tmp_path, arch):
     """Random forwards (1 to 7 tokens, now and then a prompt-sized chunk), rewinds to any
     length the cache says it holds, prompt chunk ends saved and copies between slots, on two

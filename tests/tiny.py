@@ -21,6 +21,13 @@ GRANITE = dict(embedding_multiplier=3.0, attention_multiplier=0.3, residual_mult
 GRANITE_HYBRID_DENSE = dict(GRANITE, **MAMBA2, num_local_experts=0, shared_intermediate_size=96,
                             position_embedding_type="rope")
 BAMBA = dict({k: v for k, v in MAMBA2.items() if k != "layer_types"}, attn_layer_indices=[1])
+# Falcon-H1: attention and a Mamba-2 layer side by side in each layer (its d_ssm narrower than 2 x hidden), its
+# muP multipliers, the Mamba-2 output normed before the gate
+FALCON_H1 = dict(mamba_d_ssm=96, mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+                 mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True, embedding_multiplier=1.5,
+                 lm_head_multiplier=0.7, attention_in_multiplier=0.8, attention_out_multiplier=1.3, key_multiplier=0.6,
+                 ssm_in_multiplier=1.2, ssm_out_multiplier=0.9, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+                 mlp_multipliers=[0.7, 1.4], layers=3)
 # Nemotron-H's blocks, each one mixer or one MLP (relu2, not gated): Mamba-2, experts (sigmoid routing in groups,
 # a shared expert), attention without rope, a dense MLP, Mamba-2 again
 NEMOTRON_H = dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention"], layers=5,

@@ -116,10 +116,11 @@ def linear_bytes(config) -> int:
         return 4 * (types.count("full_attention") * ((heads * d + 2 * kv * d) * h + h * heads * d)
                     + types.count(LINEAR_ATTENTION) * rec.projection_params(h) + 2 * h * mlp + config.vocab_size * h)
     gated = isinstance(rec, DeltaNet)
-    attended = config.num_hidden_layers - (sum(map(config.layer_types.count, RECURRENT_TYPES)) if rec else 0)
+    recurrent = sum(map(config.layer_types.count, RECURRENT_TYPES)) if rec else 0
+    attended = config.num_hidden_layers - recurrent + (config.layer_types.count("hybrid") if rec else 0)  # (Falcon-H1's)
     attention = attended * ((heads * d * (2 if gated else 1) + 2 * kv * d) * h + h * heads * d)
     if rec:
-        attention += (config.num_hidden_layers - attended) * rec.projection_params(h)
+        attention += recurrent * rec.projection_params(h)
     if getattr(config, "kv_lora_rank", None) is not None:  # latent attention (``torch_llama.Latent``)
         q, r, rope = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
         query = heads * (config.qk_nope_head_dim + rope)

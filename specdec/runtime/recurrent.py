@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from .ops import rms_norm
 
 LINEAR_ATTENTION = "linear_attention"  # their name in ``layer_types`` (transformers reads Granite's "mamba" so)
-RECURRENT_TYPES = (LINEAR_ATTENTION, "conv")  # (LFM2's)
+RECURRENT_TYPES = (LINEAR_ATTENTION, "conv", "hybrid")  # (LFM2's; Falcon-H1's, beside attention in every layer)
 DEFAULT_DEPTH = 18  # ring rows per slot: a rewind of up to 17 tokens (16 drafts and the bonus token)
 PREFIX_STATES = 4  # states kept per slot at its prompt chunks' ends, for prefix reuse: the first 3 and the last
 
@@ -155,7 +155,8 @@ class Mamba2:
     """A Mamba-2 layer's widths (Granite 4.0's hybrids', Bamba's, Nemotron-H's): ``heads`` of ``head_dim``
     channels, each with a ``[head_dim, d_state]`` state; ``groups`` of heads share their ``B``
     and ``C`` (and a group of channels its output norm); the convolution's ``kernel``; the
-    chunked scan's ``chunk``; ``dt_limit``, the clamp of a prompt's time steps."""
+    chunked scan's ``chunk``; ``dt_limit``, the clamp of a prompt's time steps; ``norm``: where
+    the output's norm goes (Falcon-H1's: before the gate, or none)."""
 
     heads: int
     head_dim: int
@@ -164,6 +165,7 @@ class Mamba2:
     kernel: int
     chunk: int
     dt_limit: tuple[float, float]
+    norm: str = "after"  # the output's grouped norm: of y * silu(z) ("after"), of y before the gate ("before"), none
     replays = True  # (not a field) its ring keeps each token's inputs: a rewind replays them (``RecurrentStates``)
 
     @classmethod
@@ -174,8 +176,12 @@ class Mamba2:
         head_dim = config.mamba_d_head
         if head_dim == "auto":
             head_dim = config.mamba_expand * config.hidden_size // config.mamba_n_heads
+        norm = "after"
+        if config.model_type == "falcon_h1":
+            norm = ("before" if config.mamba_norm_before_gate else "after") if config.mamba_rms_norm else "none"
         return cls(config.mamba_n_heads, head_dim, config.mamba_d_state, config.mamba_n_groups,
-                   config.mamba_d_conv, config.mamba_chunk_size, tuple(config.time_step_limit or (0.0, float("inf"))))
+                   config.mamba_d_conv, config.mamba_chunk_size, tuple(config.time_step_limit or (0.0, float("inf"))),
+                   norm)
 
     @property
     def value_width(self) -> int:
@@ -212,7 +218,7 @@ class Mamba2:
             "decay": -torch.exp(r.get(a + "A_log").float()),  # [heads]
             "dt_bias": r.get(a + "dt_bias"),  # [heads]
             "skip": r.get(a + "D"),  # [heads]
-            "gate_norm": r.get(a + "norm.weight"),  # [value_width]
+            "gate_norm": r.opt(a + "norm.weight"),  # [value_width] (none without a norm)
             "mix_out": r.linear(r.get(a + "out_proj.weight"), r.opt(a + "out_proj.bias")),
         }
 
@@ -248,9 +254,15 @@ class Mamba2:
                                      initial_states=state, return_final_states=True)
 
         y = scan(states, li, slots, plan, step if T == 1 else None, chunked).reshape(B, T, G, -1)  # [B, T, G, ...]
-        y = y * F.silu(z.float()).view(B, T, G, -1)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-        return L["mix_out"]((L["gate_norm"] * y.reshape(B, T, -1).to(a.dtype)).to(a.dtype))
+        gate = F.silu(z.float()).view(B, T, G, -1)
+        if self.norm != "before":
+            y = y * gate
+        if self.norm != "none":
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+            y = L["gate_norm"].view(G, -1) * y.to(a.dtype)
+        if self.norm == "before":
+            y = y * gate
+        return L["mix_out"](y.reshape(B, T, -1).to(a.dtype))
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ GLM-4.7-Flash: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``), and the
 hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the
 cache): Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2
-layers beside attention (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``), LFM2's
-short convolutions beside attention.
+layers beside attention (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's
+side by side in each layer: ``ScaledWeights``), LFM2's short convolutions beside attention.
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
 HF directory and GGUF tensors dequantized by transformers load the same way. The KV cache
@@ -47,7 +47,7 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # beside attention without rope, as Bamba's beside attention with rope on half of each head
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 ARCHS = tuple(dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "glm4", "gemma", "gemma2",
-                             "gemma3_text", "bamba", "nemotron_h", "lfm2") + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS))  # HF
+                             "gemma3_text", "bamba", "nemotron_h", "lfm2", "falcon_h1") + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
@@ -115,12 +115,50 @@ class RenamedWeights:
         return self._name(name) in self.weights
 
 
+class ScaledWeights:
+    """Falcon-H1's weights with its muP multipliers folded in (each scales a product's input or
+    output, so its weight, and its bias where it scales the output): attention's input
+    (``attention_in_multiplier``), keys (``key_multiplier``) and output; the Mamba-2 layer's
+    input (``ssm_in_multiplier``), its input products' five parts (``ssm_multipliers``: z, x,
+    B, C, dt; transformers' ``compute_mup_vector``) and output; the MLP's gate (inside the
+    activation) and down products (``mlp_multipliers``)."""
+
+    def __init__(self, weights, config):
+        from transformers.models.falcon_h1.modeling_falcon_h1 import compute_mup_vector
+
+        self.weights = weights
+        mup = compute_mup_vector(config).flatten()  # [in_proj rows]
+        attn_in, key, attn_out = config.attention_in_multiplier, config.key_multiplier, config.attention_out_multiplier
+        gate, down = config.mlp_multipliers
+        self.scales = {  # name's end -> (weight's factor, bias's)
+            "self_attn.q_proj": (attn_in, 1.0), "self_attn.k_proj": (attn_in * key, key),
+            "self_attn.v_proj": (attn_in, 1.0), "self_attn.o_proj": (attn_out, attn_out),
+            "mamba.in_proj": (config.ssm_in_multiplier * mup[:, None], mup),
+            "mamba.out_proj": (config.ssm_out_multiplier, config.ssm_out_multiplier),
+            "feed_forward.gate_proj": (gate, gate), "feed_forward.down_proj": (down, down),
+        }
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self.weights[name]
+        module, _, kind = name.rpartition(".")
+        scale = next((s for end, s in self.scales.items() if module.endswith(end)), None)
+        if scale is None or kind not in ("weight", "bias"):
+            return t
+        return (t.float() * scale[kind == "bias"]).to(t.dtype)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+
 def text_model(config, weights=None):
     """``(config, weights)`` of the text model the torch runtime runs, under Llama's names: a
     multimodal checkpoint's (``MULTIMODAL``: Gemma 3 4B and up, Mistral 3, LLaVA, Qwen2.5-VL, Qwen3-VL; ``text_config``,
-    ``TextWeights``; text prompts only), Nemotron-H's and LFM2's (``RenamedWeights``), else as given."""
+    ``TextWeights``; text prompts only), Nemotron-H's and LFM2's (``RenamedWeights``), Falcon-H1's
+    (``ScaledWeights``), else as given."""
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
         return config, RenamedWeights(weights, config.model_type)
+    if config.model_type == "falcon_h1" and weights is not None:
+        return config, ScaledWeights(weights, config)
     if config.model_type not in MULTIMODAL:
         return config, weights
     if weights is not None:
@@ -178,6 +216,9 @@ class Family:
             return cls(activation=act, offset_norms=True)
         if config.model_type == "nemotron_h":
             return cls(activation=config.mlp_hidden_act, gated_mlp=False)
+        if config.model_type == "falcon_h1":  # (its other multipliers: in the weights, ``ScaledWeights``)
+            return cls(activation=act, embed_scale=config.embedding_multiplier,
+                       logits_divisor=1 / config.lm_head_multiplier)
         if config.model_type not in GEMMAS:
             return cls(activation=act, float_norms=config.model_type == "gpt_oss",
                        interleaved_rope=config.model_type == "glm4")
@@ -534,12 +575,13 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
     ``latent``: its attention is latent (``latent_attention``'s weights); ``recurrent``: it is
     a recurrent layer of that kind, no attention (``recurrent``); ``index``: its KV's (or
     states') index in the cache, among the layers of its kind; ``block``: Nemotron-H's block
-    type, a mixer alone or an MLP ("mlp", "moe") alone (None: both)."""
+    type, a mixer alone or an MLP ("mlp", "moe") alone, or Falcon-H1's "hybrid" (attention and
+    the recurrent layer side by side, their outputs summed; None: a mixer and an MLP)."""
     a = pre + "self_attn."
-    mixes, mlps = block not in ("mlp", "moe"), block is None or block in ("mlp", "moe")
+    mixes, mlps = block not in ("mlp", "moe"), block in (None, "mlp", "moe", "hybrid")
     if not mixes:
         mixer = {}
-    elif recurrent is not None:
+    elif recurrent is not None and block != "hybrid":
         mixer = recurrent.weights(r, pre)
     else:
         mixer = {
@@ -550,6 +592,7 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
             "o": r.linear(r.get(a + "o_proj.weight"), r.opt(a + "o_proj.bias")),
             "sinks": r.opt(a + "sinks"),  # [H] GPT-OSS's
             **({} if latent else {"q_norm": r.norm(a + "q_norm.weight"), "k_norm": r.norm(a + "k_norm.weight")}),
+            **(recurrent.weights(r, pre) if block == "hybrid" else {}),
         }
     shared = ("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in r else "shared_expert.") \
         if moe else ""  # GLM-4.5's, Qwen2-MoE's
@@ -632,12 +675,13 @@ class TorchLlama:
         self.layers, kinds = [], [0, 0]  # layers so far: attention, recurrent
         for i, moe in enumerate(moe_layers(config)):
             rec = self.recurrent if types[i] in RECURRENT_TYPES else None
-            block = types[i] if config.model_type == "nemotron_h" else None  # (its MLP blocks: no mixer)
+            block = types[i] if config.model_type in ("nemotron_h", "falcon_h1") else None  # (see decoder_layer)
             self.layers.append(decoder_layer(r, config, f"model.layers.{i}.", moe, sliding=sliding[i],
                                              rope=types[i] if types[i] in self.rope else None,
                                              rotates=bool(rotates[i]), latent=self.latent, recurrent=rec,
                                              index=kinds[rec is not None], block=block))
             kinds[rec is not None] += block not in ("mlp", "moe")
+            kinds[0] += block == "hybrid"  # (its attention too: the same index, every layer being so)
         self.kv_layers, self.state_layers = kinds
         if self.recurrent is not None:  # a recurrent state: no tree, no graph (yet); prefixes in whole prompt
             self.reuses_prefixes = self.supports_masks = False  # chunks only (their ends' states are kept)
@@ -814,10 +858,11 @@ class TorchLlama:
                 tapped[li] = h
             if L["attn_norm"] is not None:  # (Nemotron-H's blocks: a mixer, or an MLP, alone)
                 a = rms_norm(h, L["attn_norm"], self.eps)
-                if "mix_in" in L:  # a recurrent layer
+                mixed = 0
+                if "mix_in" in L:  # a recurrent layer (beside attention: Falcon-H1's)
                     mixed = self.recurrent.forward(cache.states, L["index"], x.slots, x.states, L, a, self.eps)
-                else:
-                    mixed = (self._attend_latent if self.latent else self._attend)(cache, x, L, a, rope)
+                if "qkv" in L:
+                    mixed = mixed + (self._attend_latent if self.latent else self._attend)(cache, x, L, a, rope)
                 h = h + self._residual(mixed, L["post_attn_norm"])
             if L["mlp_norm"] is not None:
                 h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])
