@@ -26,9 +26,10 @@ SOURCE = Path(__file__).resolve().parents[1] / "specdec" / "engine.py"
 
 
 def timed(llm: LLM, reuse: bool, warm, run) -> tuple[float, list[list[int]]]:
-    """``run(llm)``'s seconds and token ids on a new engine: with reuse, after ``warm(llm)``
-    (the first turn, which leaves its prompt in the slots); without, from scratch."""
-    llm.engine.reuses_prefixes = reuse
+    """``run(llm)``'s seconds and token ids on a new engine (made with ``enable_prefix_caching``
+    as ``reuse`` says: off, neither a kept prompt nor running requests' shared chunks, the
+    target's or a draft model's, are reused): with reuse, after ``warm(llm)`` (the first turn,
+    which leaves its prompt in the slots); without, from scratch."""
     if warm and reuse:
         warm(llm)
     t = time.perf_counter()
@@ -51,13 +52,14 @@ def main() -> int:
     follow = turn + [{"role": "assistant", "content": first.text},
                      {"role": "user", "content": "Rewrite the first function with type hints."}]
     cases = {
-        "turn2": (lambda: LLM(base.target), lambda m: m.chat(turn, SamplingParams(max_tokens=16)),
+        "turn2": (lambda reuse: LLM(base.target, enable_prefix_caching=reuse),
+                  lambda m: m.chat(turn, SamplingParams(max_tokens=16)),
                   lambda m: m.chat(follow, SamplingParams(max_tokens=1))),
-        "n4": (lambda: LLM(base.target), None,
+        "n4": (lambda reuse: LLM(base.target, enable_prefix_caching=reuse), None,
                lambda m: m.chat(turn, SamplingParams(max_tokens=16, n=4, temperature=0.8, seed=1))),
     }
     if a.draft:
-        cases["turn2-draft"] = (lambda: LLM(base.target, draft=base.draft),
+        cases["turn2-draft"] = (lambda reuse: LLM(base.target, draft=base.draft, enable_prefix_caching=reuse),
                                 lambda m: m.chat(turn, SamplingParams(max_tokens=16)),
                                 lambda m: m.chat(follow, SamplingParams(max_tokens=a.max_new_tokens)))
     cases = {name: case for name, case in cases.items() if name in a.cases.split(",")}
@@ -67,7 +69,7 @@ def main() -> int:
         times, outs = {True: [], False: []}, {}
         for _ in range(a.repeats):
             for reuse in (False, True):
-                seconds, outs[reuse] = timed(make(), reuse, warm, run)
+                seconds, outs[reuse] = timed(make(reuse), reuse, warm, run)
                 times[reuse].append(seconds)
         on, off = statistics.median(times[True]), statistics.median(times[False])
         same = outs[True] == outs[False]
