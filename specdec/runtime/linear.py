@@ -110,15 +110,15 @@ def linear_bytes(config) -> int:
             dense = m * ((int(config.block_ffn_dim_multiplier * dense) + m - 1) // m)
     mlp = sum(shared if moe else dense for moe in moe_layers(config))
     rec = recurrent_mixer(config)  # Qwen3.5's DeltaNet layers beside its gated attention (queries' gates too)
+    per_attention = (heads * d * (2 if isinstance(rec, DeltaNet) else 1) + 2 * kv * d) * h + h * heads * d
     if config.model_type == "nemotron_h":  # blocks of one mixer or one MLP (not gated) each
         types = config.layer_types
         mlp = types.count("mlp") * config.intermediate_size + types.count("moe") * config.moe_shared_expert_intermediate_size
-        return 4 * (types.count("full_attention") * ((heads * d + 2 * kv * d) * h + h * heads * d)
-                    + types.count(LINEAR_ATTENTION) * rec.projection_params(h) + 2 * h * mlp + config.vocab_size * h)
-    gated = isinstance(rec, DeltaNet)
+        return 4 * (types.count("full_attention") * per_attention + types.count(LINEAR_ATTENTION) * rec.projection_params(h)
+                    + 2 * h * mlp + config.vocab_size * h)
     recurrent = sum(map(config.layer_types.count, RECURRENT_TYPES)) if rec else 0
     attended = config.num_hidden_layers - recurrent + (config.layer_types.count("hybrid") if rec else 0)  # (Falcon-H1's)
-    attention = attended * ((heads * d * (2 if gated else 1) + 2 * kv * d) * h + h * heads * d)
+    attention = attended * per_attention
     if rec:
         attention += recurrent * rec.projection_params(h)
     if getattr(config, "kv_lora_rank", None) is not None:  # latent attention (``torch_llama.Latent``)

@@ -208,7 +208,7 @@ class Mamba2:
     def weights(self, r, pre: str) -> dict:
         """The weights of the layer under ``pre`` (``...mamba.``): ``mix_in`` (``in_proj``: the gate ``z``, the
         convolved ``x B C``, then ``dt``), ``conv [conv_dim, kernel]`` and its bias, ``decay``
-        ``-exp(A_log)`` (float32), ``dt_bias``, ``skip`` (``D``), ``gate_norm`` (the grouped
+        ``-exp(A_log)`` (float32), ``dt_bias``, ``skip`` (``D``, float32), ``gate_norm`` (the grouped
         output norm's, of plain weight) and ``mix_out``."""
         a = pre + "mamba."
         return {
@@ -217,7 +217,7 @@ class Mamba2:
             "conv_bias": r.opt(a + "conv1d.bias"),
             "decay": -torch.exp(r.get(a + "A_log").float()),  # [heads]
             "dt_bias": r.get(a + "dt_bias"),  # [heads]
-            "skip": r.get(a + "D"),  # [heads]
+            "skip": r.get(a + "D").float(),  # [heads]
             "gate_norm": r.opt(a + "norm.weight"),  # [value_width] (none without a norm)
             "mix_out": r.linear(r.get(a + "out_proj.weight"), r.opt(a + "out_proj.bias")),
         }
@@ -245,12 +245,12 @@ class Mamba2:
         def step(state, t):  # [B, H, P, N], in place: one token (a draft step), as transformers' own
             state.mul_(torch.exp(dt[:, t] * L["decay"])[..., None, None])
             state.addcmul_((dt[:, t, :, None] * b[:, t])[:, :, None, :], x[:, t, ..., None])
-            return (state @ c[:, t, ..., None])[..., 0] + x[:, t] * L["skip"].float()[:, None]  # [B, H, P]
+            return (state @ c[:, t, ..., None])[..., 0] + x[:, t] * L["skip"][:, None]  # [B, H, P]
 
         def chunked(state):  # transformers' scan; a verify's in one chunk: closed form
             from transformers.models.granitemoehybrid.modeling_granitemoehybrid import mamba2_chunk_scan
 
-            return mamba2_chunk_scan(x, dt, L["decay"], b, c, T if plan.every else self.chunk, D=L["skip"].float(),
+            return mamba2_chunk_scan(x, dt, L["decay"], b, c, T if plan.every else self.chunk, D=L["skip"],
                                      initial_states=state, return_final_states=True)
 
         y = scan(states, li, slots, plan, step if T == 1 else None, chunked).reshape(B, T, G, -1)  # [B, T, G, ...]
@@ -400,16 +400,18 @@ class RecurrentStates:
             return None
         if length == current:
             return self.conv[:, slot], self.ssm[:, slot]
-        p, row = self._kept(slot, length), length % self.depth
+        p = self._kept(slot, length)
         if p is None:
             raise RuntimeError(f"a recurrent state cannot go back {current - length} tokens to {length}: it keeps the "
                                f"states of its last {self.depth} tokens and of a few prompt chunks' ends, not {length}'s")
-        if p == length and length in self.saved[slot]:
-            return self.saved[slot][length]
-        conv = self.ring_conv[:, slot, row]  # the window before token ``length``
-        ssm = self.saved[slot][p][1] if p in self.saved[slot] and self.held[slot][p % self.depth] != p \
-            else self.ring_ssm[:, slot, p % self.depth]
-        return conv, ssm if p == length else self._replay(slot, ssm, p, length)
+        conv, ssm = self._ring(slot, p) if self.held[slot][p % self.depth] == p else self.saved[slot][p]
+        if p == length:
+            return conv, ssm
+        return self._ring(slot, length)[0], self._replay(slot, ssm, p, length)  # (the window before ``length``)
+
+    def _ring(self, slot: int, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ring row of ``position``: the conv window and the state before that token."""
+        return self.ring_conv[:, slot, position % self.depth], self.ring_ssm[:, slot, position % self.depth]
 
     def _replay(self, slot: int, ssm: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Mamba-2's states ``ssm [layers, H, P, N]`` before token ``start`` advanced over the

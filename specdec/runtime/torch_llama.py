@@ -517,11 +517,11 @@ class CheckpointReader:
         if prefix + "output_linear.weight" in self.weights:
             return self.linear(self.get(prefix + "input_linear.weight"), None), \
                 self.linear(self.get(prefix + "output_linear.weight"), None)
+        if optional and prefix + "down_proj.weight" not in self.weights:
+            return None, None
         if not self.family.gated_mlp:  # Nemotron-H's: up alone
             return self.linear(self.get(prefix + "up_proj.weight"), self.opt(prefix + "up_proj.bias")), \
                 self.linear(self.get(prefix + "down_proj.weight"), self.opt(prefix + "down_proj.bias"))
-        if optional and prefix + "down_proj.weight" not in self.weights:
-            return None, None
         gate_up = self.fused(prefix + "gate_up_proj.weight", [prefix + "gate_proj.weight", prefix + "up_proj.weight"])
         biases = cat_or_none([self.opt(prefix + "gate_proj.bias"), self.opt(prefix + "up_proj.bias")])
         return self.linear(gate_up, biases), self.linear(self.get(prefix + "down_proj.weight"), self.opt(prefix + "down_proj.bias"))
@@ -627,8 +627,9 @@ class TorchLlama:
     recurrent layers (see ``ARCHS``, ``Family``, ``Experts``, ``recurrent``).
     ``cuda_graphs`` (default: on a CUDA device; for experts, where ``grouped_mm_graphable``;
     not with recurrent layers) replays small forwards as CUDA graphs (``CudaGraphs``). With recurrent layers a
-    slot rewinds by up to ``state_depth - 1`` tokens (``recurrent.RecurrentStates``), its rows
-    are not reused for another request's prompt, and drafts are chains."""
+    slot rewinds by up to ``state_depth - 1`` tokens (``recurrent.RecurrentStates``), another
+    request's prompt reuses its rows only at a kept prompt chunk's end (``reuses_prompt_chunks``),
+    and drafts are chains."""
 
     supports_masks = True
     batch_layout = "padded"
