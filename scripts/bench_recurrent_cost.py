@@ -1,10 +1,11 @@
 """Forward cost of T new tokens relative to one (a verify of T - 1 drafts against a decode
 step) on the torch runtime, after ``--context`` tokens, with random weights of each model's
 shapes (``DummyWeights``): a Llama and two hybrids of about its width, a Granite-4.0-H-1B-like
-one (Mamba-2 layers) and a Qwen3.5-0.8B-like one (DeltaNet layers). Medians of ``--repeats``,
-all in one process.
+one (Mamba-2 layers) and a Qwen3.5-0.8B-like one (DeltaNet layers), and two recurrent models of
+that width alone (48 blocks of one layer): a Mamba-790M-like one (Mamba's selective scan) and a
+Mamba2-780M-like one. Medians of ``--repeats``, all in one process.
 
-    python scripts/bench_recurrent_cost.py [--models llama,granite,qwen35] [--tokens 1,2,5,9,17]
+    python scripts/bench_recurrent_cost.py [--models llama,granite,qwen35,mamba,mamba2] [--tokens 1,2,5,9,17]
         [--device cpu] [--dtype float32]
 """
 from __future__ import annotations
@@ -38,12 +39,16 @@ def configs() -> dict:
             num_attention_heads=8, num_key_value_heads=2, head_dim=256, intermediate_size=3584,
             linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
             tie_word_embeddings=True),
+        "mamba": AutoConfig.for_model("mamba", vocab_size=50280, hidden_size=1536, num_hidden_layers=2 * n,
+                                      state_size=16, expand=2),
+        "mamba2": AutoConfig.for_model("mamba2", vocab_size=50280, hidden_size=1536, num_hidden_layers=2 * n,
+                                       num_heads=48, head_dim=64, state_size=128, n_groups=1, tie_word_embeddings=True),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="llama,granite,qwen35")
+    ap.add_argument("--models", default="llama,granite,qwen35,mamba,mamba2")
     ap.add_argument("--tokens", default="1,2,5,9,17")
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)

@@ -69,7 +69,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="torch = specdec's own runtime (Llama, Mistral, Qwen2/3, Phi-3, Granite, SmolLM3, GLM-4, Gemma, Gemma 2, "
                         "Gemma 3, Mixtral, Qwen2/3-MoE, Granite MoE, GPT-OSS, GLM-4.5, DeepSeek-V2/V3, GLM-4.7-Flash, "
-                        "Qwen3-Next, Qwen3.5 (-MoE), Granite 4.0 (-H), Bamba, Nemotron-H, Falcon-H1, LFM2 (-MoE)), "
+                        "Qwen3-Next, Qwen3.5 (-MoE), Granite 4.0 (-H), Bamba, Nemotron-H, Falcon-H1, Jamba, LFM2 (-MoE), "
+                        "Mamba, Falcon-Mamba, Mamba-2), "
                         "hf = transformers' model, "
                         "llamacpp = llama.cpp on a .gguf (pip install 'specdec[llamacpp]'); "
                         "auto picks torch when the architecture allows")

@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import DELTA_NET, FALCON_H1, MOE, NEMOTRON_H, make_tiny, noisy_copy  # noqa: E402
+from tiny import DELTA_NET, FALCON_H1, JAMBA, MAMBA, MOE, NEMOTRON_H, make_tiny, noisy_copy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +36,8 @@ def tiny_dirs(tmp_path_factory):
         "nemotronh": make_tiny(root / "nemotronh", "nemotron_h", seed=17, **NEMOTRON_H),  # one mixer or MLP a block
         "lfm2": make_tiny(root / "lfm2", "lfm2", seed=18, layers=3, layer_types=["conv", "full_attention", "conv"]),
         "falconh1": make_tiny(root / "falconh1", "falcon_h1", seed=19, **FALCON_H1),  # attention beside Mamba-2
+        "mamba": make_tiny(root / "mamba", "falcon_mamba", seed=20, **MAMBA),  # a selective scan alone a block
+        "jamba": make_tiny(root / "jamba", "jamba", seed=21, **JAMBA),  # Mamba and attention, experts
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

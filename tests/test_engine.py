@@ -559,10 +559,10 @@ def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, back
         assert max(o.metrics["cached_prompt_tokens"] for o in outs) > 0
 
 
-@pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "falconh1"])
+@pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "falconh1", "mamba", "jamba"])
 def test_recurrent_model_speculates_as_transformers_decodes(loaded, tiny_dirs, name):
-    """Qwen3.5's DeltaNet layers, Granite 4.0's, Nemotron-H's and Falcon-H1's Mamba-2 layers and
-    LFM2's short convolutions (a recurrent state per slot,
+    """Qwen3.5's DeltaNet layers, Granite 4.0's, Nemotron-H's and Falcon-H1's Mamba-2 layers,
+    LFM2's short convolutions, Falcon-Mamba's and Jamba's Mamba layers (a recurrent state per slot,
     rewound through the states kept for its last tokens) decode as transformers' model does,
     plain and under speculation:
     drafts always right (self, 3 and 8 deep; under the cost model, which times forwards and
@@ -589,7 +589,7 @@ def test_recurrent_model_speculates_as_transformers_decodes(loaded, tiny_dirs, n
         LLM(loaded(name), speculative=SpecConfig(method="self", tree_topk=2))
 
 
-@pytest.mark.parametrize("name", ["qwen35", "granite4h", "lfm2"])
+@pytest.mark.parametrize("name", ["qwen35", "granite4h", "lfm2", "jamba"])
 def test_recurrent_prefix_reuse(loaded, name):
     """Recurrent states are kept at a few of a prompt's chunk ends (the first 3 and the last):
     a new prompt that starts as the slot's last one resumes from the longest whole chunk they

@@ -35,6 +35,13 @@ NEMOTRON_H = dict(layers_block_type=["linear_attention", "moe", "full_attention"
                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                   moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1, routed_scaling_factor=1.5,
                   head_dim=16)
+# Mamba's selective scan (Mamba, Falcon-Mamba: a Mamba layer alone in each block): 128 channels with states of 16
+MAMBA = dict(state_size=16, conv_kernel=4, expand=2, layers=2)
+# Mamba-2 alone in each block (Mamba-Codestral's kind): 4 heads of 32 channels in 2 groups, chunks of 8
+MAMBA2_ALONE = dict(num_heads=4, head_dim=32, state_size=16, n_groups=2, conv_kernel=4, chunk_size=8, layers=2)
+# Jamba: Mamba layers (dt, B and C normed) and attention without rope, every other layer's MLP experts
+JAMBA = dict(layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+             num_experts=4, num_experts_per_tok=2, mamba_d_state=16)
 MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields)
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

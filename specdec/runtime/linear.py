@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .moe import moe_layers, num_experts
-from .recurrent import LINEAR_ATTENTION, RECURRENT_TYPES, DeltaNet, recurrent_mixer
+from .recurrent import LINEAR_ATTENTION, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, recurrent_mixer
 
 
 LINEAR_KINDS = ("dense", "onednn", "int8")
@@ -97,9 +97,12 @@ MULTI_ROW_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
 def linear_bytes(config) -> int:
     """fp32 bytes of a model's ``Linear`` weights (from its config): attention's (latent or not) or a recurrent layer's,
     the dense MLPs' (a MoE layer's shared experts': Qwen2-MoE's, GLM-4.5's, Granite's) and the head; not ``Experts``'."""
-    h, heads = config.hidden_size, config.num_attention_heads
+    h, heads = config.hidden_size, getattr(config, "num_attention_heads", None) or 1
     d = getattr(config, "head_dim", None) or h // heads
-    kv = config.num_key_value_heads or heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    rec = recurrent_mixer(config)  # Qwen3.5's DeltaNet layers beside its gated attention (queries' gates too)
+    if config.model_type in PURE_RECURRENT:  # a Mamba layer alone in each block
+        return 4 * (config.num_hidden_layers * rec.projection_params(h) + config.vocab_size * h)
     shared = getattr(config, "shared_expert_intermediate_size", 0) or getattr(config, "shared_intermediate_size", 0) \
         or (getattr(config, "n_shared_experts", 0) or 0) * (getattr(config, "moe_intermediate_size", 0) or 0)
     dense = shared if config.model_type == "granitemoehybrid" else config.intermediate_size  # (its shared_mlp)
@@ -109,7 +112,6 @@ def linear_bytes(config) -> int:
             m = config.block_multiple_of
             dense = m * ((int(config.block_ffn_dim_multiplier * dense) + m - 1) // m)
     mlp = sum(shared if moe else dense for moe in moe_layers(config))
-    rec = recurrent_mixer(config)  # Qwen3.5's DeltaNet layers beside its gated attention (queries' gates too)
     per_attention = (heads * d * (2 if isinstance(rec, DeltaNet) else 1) + 2 * kv * d) * h + h * heads * d
     if config.model_type == "nemotron_h":  # blocks of one mixer or one MLP (not gated) each
         types = config.layer_types
@@ -132,6 +134,8 @@ def linear_bytes(config) -> int:
 
 def expert_bytes(config) -> int:
     """fp32 bytes of a model's ``Experts`` (from its config; 0 without)."""
+    if not any(moe_layers(config)):
+        return 0
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     per = 2 if config.model_type == "nemotron_h" else 3  # (Nemotron-H's experts are not gated)
     return 4 * sum(moe_layers(config)) * num_experts(config) * per * config.hidden_size * inter

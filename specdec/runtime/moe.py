@@ -1,7 +1,7 @@
 """Sparse mixtures of experts for the torch runtime: which layers are ``Experts``, how a
 router picks and weights them (``Routing``), and the grouped products that run them (Mixtral,
 Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
-Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE)."""
+Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +15,7 @@ from .ops import ACTIVATIONS
 # (``torch_llama.Latent``), Qwen3-Next's and Qwen3.5's have DeltaNet layers (``recurrent``)
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
-             "lfm2_moe")
+             "lfm2_moe", "jamba")
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # ``block_sparse_moe``, routed as GPT-OSS's
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h")  # GLM-4.5's router (``Routing.sigmoid``)
 
@@ -38,6 +38,8 @@ def moe_layers(config) -> list[bool]:
         return [t == "moe" for t in config.layer_types]
     if kind == "lfm2_moe":
         return [i >= config.num_dense_layers for i in range(n)]
+    if kind == "jamba":  # every ``expert_layer_period``-th from ``expert_layer_offset``
+        return [e > 1 for e in config.layers_num_experts]
     dense = set(config.mlp_only_layers or [])
     return [i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
             for i in range(n)]
@@ -114,6 +116,8 @@ class Routing:
             return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
         if kind in GRANITE_MOES:
             return cls(config.num_experts_per_tok, top_softmax=True, activation=config.hidden_act)
+        if kind == "jamba":  # the top k of the softmax, not renormalised
+            return cls(config.num_experts_per_tok, activation=config.hidden_act)
         if kind == "lfm2_moe":  # sigmoid scores in the model's dtype, an expert bias on the choice
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True,
                        scale=config.routed_scaling_factor, renorm_eps=1e-6)
@@ -216,7 +220,7 @@ class Experts:
 
         mixtral, granite = config.model_type == "mixtral", config.model_type in GRANITE_MOES
         block = layer + ("block_sparse_moe." if granite or mixtral and layer + "mlp.gate.weight" not in weights
-                         else "mlp.")
+                         else "feed_forward." if config.model_type == "jamba" else "mlp.")
         routing = Routing.of(config)
         fused = [block + "experts." + ("gate_up_proj" if routing.gated else "up_proj"), block + "experts.down_proj"]
         if block + "input_linear.weight" in weights:  # Granite's as saved

@@ -1,14 +1,16 @@
 """Layers with a recurrent state for the torch runtime: the Gated DeltaNet layers of Qwen3-Next
-and Qwen3.5 (``DeltaNet``), the Mamba-2 layers of Granite 4.0's hybrids, Bamba and Nemotron-H
-(``Mamba2``) and LFM2's short convolutions (``ShortConv``: a conv window, no matrix), and the
-states they keep per slot (``RecurrentStates``), which a rewind takes back.
+and Qwen3.5 (``DeltaNet``), the Mamba-2 layers of Granite 4.0's hybrids, Bamba, Nemotron-H,
+Falcon-H1 and Mamba-2 (``Mamba2``), the Mamba layers of Mamba, Falcon-Mamba and Jamba (``Mamba1``)
+and LFM2's short convolutions (``ShortConv``: a conv window, no matrix), and the states they
+keep per slot (``RecurrentStates``), which a rewind takes back.
 
 Such a layer keeps no row per token. Each slot holds, per layer, the last ``kernel - 1``
 inputs of its short convolution (``conv``) and one matrix per head that every token updates
 (``ssm``). DeltaNet's ``[v_heads, k_dim, v_dim]``: the state decays by ``exp(g)``, then moves
 towards ``k -> v`` by ``beta`` (``S += beta k (v - k S)``); the token reads ``q S``. Mamba-2's
 ``[heads, head_dim, d_state]``: the state decays by ``exp(dt A)`` and takes in ``dt x B``; the
-token reads ``S C + D x``.
+token reads ``S C + D x``. Mamba's ``[inner, d_state]``: the same with a decay per channel and
+state entry.
 
 Speculation drops rejected drafts, and a state cannot subtract the tokens it has taken in.
 So each slot also keeps a ring of its states *before* each of its last ``depth`` tokens,
@@ -35,16 +37,24 @@ from .ops import rms_norm
 
 LINEAR_ATTENTION = "linear_attention"  # their name in ``layer_types`` (transformers reads Granite's "mamba" so)
 RECURRENT_TYPES = (LINEAR_ATTENTION, "conv", "hybrid")  # (LFM2's; Falcon-H1's, beside attention in every layer)
+SCAN_CHUNK = 64  # tokens whose decays and inputs Mamba's scan (``selective_scan``) computes at once
 DEFAULT_DEPTH = 18  # ring rows per slot: a rewind of up to 17 tokens (16 drafts and the bonus token)
+MAMBA1_ARCHS = ("mamba", "falcon_mamba", "jamba")  # Mamba's selective scan (``Mamba1``); "mamba2": Mamba-2's
+# recurrent layers alone, each after one norm (no attention, no MLP): Mamba's, Falcon-Mamba's, Mamba-2's
+PURE_RECURRENT = ("mamba", "falcon_mamba", "mamba2")
 PREFIX_STATES = 4  # states kept per slot at its prompt chunks' ends, for prefix reuse: the first 3 and the last
 
 
-def recurrent_mixer(config) -> "DeltaNet | Mamba2 | ShortConv | None":
+def recurrent_mixer(config) -> "DeltaNet | Mamba2 | Mamba1 | ShortConv | None":
     """The recurrent layers' kind of ``config`` (None: it has none)."""
     if not set(RECURRENT_TYPES) & set(getattr(config, "layer_types", None) or ()):
         return None
     if config.model_type in ("lfm2", "lfm2_moe"):
         return ShortConv(config.hidden_size, config.conv_L_cache)
+    if config.model_type in MAMBA1_ARCHS:
+        return Mamba1.of(config)
+    if config.model_type == "mamba2":
+        return Mamba2.of(config)
     return Mamba2.of(config) if hasattr(config, "mamba_n_heads") or config.model_type == "nemotron_h" \
         else DeltaNet.of(config)
 
@@ -173,6 +183,9 @@ class Mamba2:
         if config.model_type == "nemotron_h":  # its names; a prompt's time steps clamped from below
             return cls(config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size, config.n_groups,
                        config.conv_kernel, config.chunk_size, (config.time_step_min, float("inf")))
+        if config.model_type == "mamba2":  # (Mamba-Codestral's)
+            return cls(config.num_heads, config.head_dim, config.state_size, config.n_groups, config.conv_kernel,
+                       config.chunk_size, tuple(config.time_step_limit))
         head_dim = config.mamba_d_head
         if head_dim == "auto":
             head_dim = config.mamba_expand * config.hidden_size // config.mamba_n_heads
@@ -263,6 +276,118 @@ class Mamba2:
         if self.norm == "before":
             y = y * gate
         return L["mix_out"](y.reshape(B, T, -1).to(a.dtype))
+
+
+@dataclass(frozen=True)
+class Mamba1:
+    """A Mamba (selective scan) layer's widths (Mamba's, Falcon-Mamba's, Jamba's): ``inner``
+    channels, each with a state of ``d_state`` and its own decays (``A [inner, d_state]``, where
+    Mamba-2's heads share one); ``dt_rank``, the time step's low-rank width; the convolution's
+    ``kernel``; ``norm_eps``: dt, B and C RMS-normed (Falcon-Mamba's without weights, Jamba's
+    with them; None: not normed)."""
+
+    inner: int
+    d_state: int
+    dt_rank: int
+    kernel: int
+    norm_eps: float | None = None
+    replays = False  # (not a field) its ring keeps the state before each token
+
+    @classmethod
+    def of(cls, config) -> "Mamba1":
+        if config.model_type == "jamba":
+            return cls(config.mamba_expand * config.hidden_size, config.mamba_d_state, config.mamba_dt_rank,
+                       config.mamba_d_conv, config.rms_norm_eps)
+        return cls(config.intermediate_size, config.state_size, config.time_step_rank, config.conv_kernel,
+                   config.mixer_rms_eps if config.model_type == "falcon_mamba" else None)
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner
+
+    @property
+    def value_width(self) -> int:
+        return self.inner
+
+    @property
+    def state_shape(self) -> tuple[int, int]:
+        return self.inner, self.d_state
+
+    def projection_params(self, hidden: int) -> int:
+        return hidden * 3 * self.inner + self.inner * (2 * self.dt_rank + 2 * self.d_state)
+
+    def weights(self, r, pre: str) -> dict:
+        """The weights of the layer under ``pre`` (``...mamba.``): ``mix_in`` (``in_proj``: x, then
+        the gate ``z``), ``conv [inner, kernel]`` and its bias, ``x_proj`` (dt's low rank, B, C),
+        ``dt_proj`` and its bias (float32), ``decay`` ``-exp(A_log)`` ``[inner, d_state]`` and
+        ``skip`` (``D``), float32, the norms of dt, B and C (Jamba's; None: of no weight) and
+        ``mix_out``."""
+        a = pre + "mamba."
+        return {
+            "mix_in": r.linear(r.get(a + "in_proj.weight"), r.opt(a + "in_proj.bias")),
+            "conv": r.get(a + "conv1d.weight")[:, 0],  # [inner, kernel]
+            "conv_bias": r.opt(a + "conv1d.bias"),
+            "x_proj": r.linear(r.get(a + "x_proj.weight"), None),
+            "dt_proj": r.linear(r.get(a + "dt_proj.weight"), None),
+            "dt_bias": r.get(a + "dt_proj.bias").float(),  # [inner]
+            "decay": -torch.exp(r.get(a + "A_log").float()),  # [inner, d_state]
+            "skip": r.get(a + "D").float(),  # [inner]
+            "dt_norm": r.opt(a + "dt_layernorm.weight"),
+            "b_norm": r.opt(a + "b_layernorm.weight"),
+            "c_norm": r.opt(a + "c_layernorm.weight"),
+            "mix_out": r.linear(r.get(a + "out_proj.weight"), r.opt(a + "out_proj.bias")),
+        }
+
+    def forward(self, states: "RecurrentStates", li: int, slots: torch.Tensor, plan: "StatePlan", L: dict,
+                a: torch.Tensor, eps: float) -> torch.Tensor:
+        """``DeltaNet.forward`` for a Mamba layer, as transformers' Mamba computes it: each
+        token's ``dt, B, C`` from its convolved input (``x_proj``), the scan in float32, the
+        output ``(y + D x) * silu(z)``."""
+        N = self.d_state
+        x, z = L["mix_in"](a).chunk(2, dim=-1)  # [B, T, inner] each
+        x = convolve(states, li, slots, plan, x, L).to(a.dtype)
+        dt, b, c = L["x_proj"](x).split([self.dt_rank, N, N], dim=-1)
+        if self.norm_eps is not None:
+            dt, b, c = (plain_rms_norm(t, L[n], self.norm_eps) for t, n in zip((dt, b, c), ("dt_norm", "b_norm", "c_norm")))
+        dt = F.softplus(L["dt_proj"](dt).float() + L["dt_bias"])  # [B, T, inner]
+        dt = torch.where(plan.valid[:, :, None], dt, 0.0)  # padding neither decays the state nor writes to it
+        x, b, c = x.float(), b.float(), c.float()
+
+        def chunked(state):  # (a verify's states before each token too, for the ring)
+            return selective_scan(x, dt, L["decay"], b, c, L["skip"], state, keep=plan.every)
+
+        y = scan(states, li, slots, plan, None, chunked)  # [B, T, inner]
+        return L["mix_out"]((y * F.silu(z.float())).to(a.dtype))
+
+
+def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``rms_norm``, or without a weight (Falcon-Mamba's norms of dt, B and C)."""
+    if weight is not None:
+        return rms_norm(x, weight, eps)
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def selective_scan(x: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                   skip: torch.Tensor, state: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, ...]:
+    """Mamba's scan over ``T`` tokens: ``x, dt [B, T, C]`` (float32), ``decay [C, N]``, ``b, c
+    [B, T, N]``, ``skip [C]``, from ``state [B, C, N]``. Per chunk of tokens, each token's decay
+    ``exp(dt A)`` and input ``dt x B`` at once, then one fused product per token (``h = h dA +
+    dBx``: the recurrence is cheaper than a closed form, whose cost grows with T squared), then
+    the outputs ``h C + D x`` at once. Returns ``(y [B, T, C], the last state)``, and with
+    ``keep`` the states before each token ``[B, T, C, N]`` (a verify's, for the ring)."""
+    B, T, C = x.shape
+    ys, kept = [], []
+    for s in range(0, T, SCAN_CHUNK):
+        e = min(T, s + SCAN_CHUNK)
+        decays = torch.exp(dt[:, s:e, :, None] * decay)  # [B, t, C, N]
+        h = (dt[:, s:e] * x[:, s:e])[..., None] * b[:, s:e, None, :]  # [B, t, C, N]: each token's input, then its state
+        if keep:
+            kept += [state[:, None], h[:, :-1]]  # (h's rows: the states after each token, once the loop has run)
+        for t in range(e - s):
+            state = h[:, t].addcmul_(state, decays[:, t])
+        ys.append(torch.einsum("btcn,btn->btc", h, c[:, s:e]))
+    return (torch.cat(ys, dim=1) + x * skip, state) + ((torch.cat(kept, dim=1),) if keep else ())
 
 
 @dataclass(frozen=True)
@@ -469,9 +594,10 @@ def scan(states: RecurrentStates, li: int, slots: torch.Tensor, plan: StatePlan,
          chunked: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Layer ``li``'s recurrence over a forward's ``T`` tokens from each slot's state ``[B,
     *state_shape]``: token by token (``step(state, t) -> output [B, ...]``, advancing the state
-    in place: a verify is memory-bound on it) keeping the state before each in the ring, or for
-    a prompt in chunks (``chunked(state) -> (outputs [B, T, ...], state)``) keeping the one it
-    started from (no ``step``: always so; ``replays``). Returns the outputs."""
+    in place: a verify is memory-bound on it) keeping the state before each in the ring, or in
+    chunks (``chunked(state) -> (outputs [B, T, ...], state)``; no ``step``: always so) keeping
+    the one it started from (a prompt's; ``replays``), or the states before each token where it
+    returns them too (``[B, T, ...]``: Mamba's verify). Returns the outputs."""
     state = states.ssm[li, slots]  # (a copy)
     if plan.every and step is not None:
         outs = []
@@ -481,6 +607,8 @@ def scan(states: RecurrentStates, li: int, slots: torch.Tensor, plan: StatePlan,
         o = torch.stack(outs, dim=1)  # [B, T, ...]
     else:
         states.ring_ssm[li, slots, plan.ring[:, 0]] = state
-        o, state = chunked(state)
+        o, state, *before = chunked(state)
+        if plan.every and before:
+            states.ring_ssm[li, slots[:, None], plan.ring] = before[0]
     states.ssm[li, slots] = state
     return o

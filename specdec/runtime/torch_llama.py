@@ -6,14 +6,15 @@ GLM-4.7-Flash: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model
 hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the
 cache): Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2
 layers beside attention (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's
-side by side in each layer: ``ScaledWeights``), LFM2's short convolutions beside attention.
+side by side in each layer: ``ScaledWeights``), Mamba layers beside attention (Jamba), LFM2's short
+convolutions beside attention, and Mamba, Falcon-Mamba and Mamba-2 (recurrent layers alone).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
 HF directory and GGUF tensors dequantized by transformers load the same way. The KV cache
 is position-indexed per slot: token ``j`` of a sequence lives at index ``j`` of its slot,
 and a rollback only rewinds the slot's length.
 
-Beside it: ``moe`` (the experts), ``recurrent`` (DeltaNet and Mamba-2 layers, their states),
+Beside it: ``moe`` (the experts), ``recurrent`` (DeltaNet, Mamba-2 and Mamba layers, their states),
 ``linear`` (``Linear``'s kinds), ``ops`` (norms, attention, rotary embeddings) and
 ``cuda_graphs`` (``CudaGraphs``).
 """
@@ -34,8 +35,8 @@ from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
 from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
 from .ops import ACTIVATIONS, attention, rms_norm, rotate, softcap
-from .recurrent import (DEFAULT_DEPTH, RECURRENT_TYPES, DeltaNet, Mamba2, RecurrentStates, ShortConv, StatePlan,
-                        recurrent_mixer)
+from .recurrent import (DEFAULT_DEPTH, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, Mamba1, Mamba2, RecurrentStates,
+                        ShortConv, StatePlan, recurrent_mixer)
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # beside attention without rope, as Bamba's beside attention with rope on half of each head
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 ARCHS = tuple(dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "glm4", "gemma", "gemma2",
-                             "gemma3_text", "bamba", "nemotron_h", "lfm2", "falcon_h1") + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS))  # HF
+                             "gemma3_text", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba") + GRANITES + MOE_ARCHS
+                            + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
@@ -86,7 +88,8 @@ class RenamedWeights:
     each name's parts replaced in turn by ``renames[model_type]`` (``(old, new)``), then its
     ``model.`` by ``prefix``: Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
     Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
-    transformers names it); LFM2's (and LFM2-MoE's) norms, attention and MLP go by their own names."""
+    transformers names it), as Mamba's, Falcon-Mamba's and Mamba-2's blocks (a Mamba layer
+    each); LFM2's (and LFM2-MoE's) norms, attention and MLP go by their own names."""
 
     RENAMES = {
         "nemotron_h": [(".input_layernorm.", ".norm."), (".post_attention_layernorm.", ".norm."),
@@ -98,10 +101,14 @@ class RenamedWeights:
                  (".mlp.down_proj.", ".feed_forward.w2."), ("model.norm.", "model.embedding_norm.")],
     }
     RENAMES["lfm2_moe"] = RENAMES["lfm2"] + [(".mlp.", ".feed_forward.")]  # (its experts, router, expert_bias)
+    RENAMES.update(dict.fromkeys(PURE_RECURRENT, RENAMES["nemotron_h"]))
 
     def __init__(self, weights, model_type: str):
         self.weights, self.renames = weights, self.RENAMES[model_type]
-        self.prefix = "backbone." if "backbone.embeddings.weight" in weights else "model."
+        if "backbone.embedding.weight" in weights:  # (Mamba-2's original checkpoints; transformers renames it at load)
+            self.renames = self.renames + [("model.embeddings.", "model.embedding.")]
+        self.prefix = "backbone." if any(f"backbone.{e}.weight" in weights for e in ("embeddings", "embedding")) \
+            else "model."
 
     def _name(self, name: str) -> str:
         for old, new in self.renames:
@@ -566,7 +573,7 @@ def gated_attention(r: CheckpointReader, a: str, config) -> dict:
 
 def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, sliding: bool = False,
                   rope: str | None = None, rotates: bool = True, latent: Latent | None = None,
-                  recurrent: DeltaNet | Mamba2 | ShortConv | None = None, index: int = 0,
+                  recurrent: DeltaNet | Mamba2 | Mamba1 | ShortConv | None = None, index: int = 0,
                   block: str | None = None) -> dict:
     """The weights of the decoder layer under ``pre`` (``model.layers.{i}.``) as
     ``TorchLlama._layers`` reads them: ``moe``: its MLP is experts (with shared ones where the
@@ -646,22 +653,22 @@ class TorchLlama:
         config, weights = text_model(config, weights)
         self.device, self.dtype = device, dtype
         self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads or self.num_heads
+        self.num_heads = getattr(config, "num_attention_heads", None) or 1  # (1: none, Mamba's)
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.latent = Latent.of(config)
         if self.latent is not None:  # the cache's one row per token (``Latent``)
             self.kv_heads, self.head_dim = 1, self.latent.rank + self.latent.rope
         self.eps = next(getattr(config, n) for n in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps")
                         if getattr(config, n, None))  # (Nemotron-H's name, LFM2's)
-        self.max_context = config.max_position_embeddings
+        self.max_context = getattr(config, "max_position_embeddings", None) or 1 << 20  # (Mamba's: no bound)
         self.family = Family.of(config, dtype)
         self.window, sliding = sliding_layers(config)
         types = getattr(config, "layer_types", None) or [None] * self.num_layers
         rotates = getattr(config, "no_rope_layers", None) or [1] * self.num_layers  # SmolLM3's: 0 = no rope
         if config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope" or \
-                config.model_type == "nemotron_h":
-            rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's: no rope
+                config.model_type in ("nemotron_h", "jamba"):
+            rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's, Jamba's: no rope
         linear = linear or pick_linear(device, dtype)
         assert linear in LINEAR_KINDS, linear
         if multi_row is None:  # the verify-packed copy, when the weights and it fit in memory
@@ -672,11 +679,12 @@ class TorchLlama:
         r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row)
         self.embed = r.get("model.embed_tokens.weight")
         self.vocab_size = self.embed.shape[0]
-        self.recurrent = recurrent_mixer(config)  # DeltaNet, Mamba2 or None
+        self.recurrent = recurrent_mixer(config)  # DeltaNet, Mamba2, Mamba1, ShortConv or None
         self.layers, kinds = [], [0, 0]  # layers so far: attention, recurrent
         for i, moe in enumerate(moe_layers(config)):
             rec = self.recurrent if types[i] in RECURRENT_TYPES else None
-            block = types[i] if config.model_type in ("nemotron_h", "falcon_h1") else None  # (see decoder_layer)
+            # (see decoder_layer)
+            block = types[i] if config.model_type in ("nemotron_h", "falcon_h1") + PURE_RECURRENT else None
             self.layers.append(decoder_layer(r, config, f"model.layers.{i}.", moe, sliding=sliding[i],
                                              rope=types[i] if types[i] in self.rope else None,
                                              rotates=bool(rotates[i]), latent=self.latent, recurrent=rec,
