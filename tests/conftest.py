@@ -38,6 +38,8 @@ def tiny_dirs(tmp_path_factory):
         "falconh1": make_tiny(root / "falconh1", "falcon_h1", seed=19, **FALCON_H1),  # attention beside Mamba-2
         "mamba": make_tiny(root / "mamba", "falcon_mamba", seed=20, **MAMBA),  # a selective scan alone a block
         "jamba": make_tiny(root / "jamba", "jamba", seed=21, **JAMBA),  # Mamba and attention, experts
+        # OLMo 3: norms after attention and the MLP alone, q/k norms over all heads, windows on 3 layers of 4
+        "olmo3": make_tiny(root / "olmo3", "olmo3", seed=22, layers=4, sliding_window=6),
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

@@ -149,6 +149,23 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "mamba2-alone": ("mamba2", MAMBA2_ALONE),
     "jamba-experts": ("jamba", JAMBA),
     "jamba-dense": ("jamba", dict(JAMBA, num_experts=1)),
+    # norms after attention and the MLP alone (none before): OLMo 2's with q/k norms over all heads and rope in float32,
+    # OLMo 3's windows on 3 of 4 layers (a rope per layer type), Exaone 4's with q/k norms per head and no rope on
+    # the full-attention layers (or rope everywhere without windows); OLMoE's experts
+    "olmo2-norms-after": ("olmo2", {}),
+    "olmo3-windows": ("olmo3", dict(layers=4, sliding_window=6)),
+    "exaone4-windows-nope": ("exaone4", dict(layers=4, sliding_window=6, layer_types=["sliding_attention"] * 3
+                                             + ["full_attention"])),
+    "exaone4-no-windows": ("exaone4", dict(sliding_window=None, sliding_window_pattern=None,
+                                           layer_types=["full_attention"] * 2)),
+    "olmoe-experts": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32)),
+    # ERNIE 4.5: rotary pairs interleaved over whole heads, in float32, biases; Arcee: relu2(up), not gated; Seed-OSS:
+    # biases on q/k/v and on the output apart; Ministral: windows on one layer of two
+    "ernie45-interleaved-bias": ("ernie4_5", dict(use_bias=True)),
+    "arcee-relu2": ("arcee", dict(hidden_act="relu2")),
+    "seedoss-biases": ("seed_oss", dict(attention_bias=True, attention_out_bias=True, head_dim=16)),
+    "ministral-windows": ("ministral", dict(head_dim=16, sliding_window=6,
+                                            layer_types=["sliding_attention", "full_attention"])),
 }
 
 
@@ -180,7 +197,9 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "qwen2moe-shared-expert-dense-layer", "qwen3moe", "gptoss-sinks-window",
                                   "glm45-groups-shared", "glm4-interleaved-partial-rope", "qwen35-delta-net",
                                   "qwen3next-experts-dense-layer", "qwen35moe-experts", "granitemoe", "granitemoeshared",
-                                  "lfm2-conv", "lfm2moe-expert-bias"])
+                                  "lfm2-conv", "lfm2moe-expert-bias", "olmo2-norms-after", "olmo3-windows",
+                                  "exaone4-windows-nope", "olmoe-experts", "ernie45-interleaved-bias", "arcee-relu2",
+                                  "seedoss-biases", "ministral-windows"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -759,8 +778,9 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama", "qwen35", "granite4h",
-                                  "nemotronh", "lfm2", "falconh1", "mamba", "jamba"])
-def test_weight_bytes_from_the_config(tiny_dirs, name):
+                                  "nemotronh", "lfm2", "falconh1", "mamba", "jamba", "mamba2-alone", "arcee-relu2",
+                                  "olmoe-experts"])
+def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
     copy of the linears fits in memory beside them), are the model's."""
@@ -768,7 +788,10 @@ def test_weight_bytes_from_the_config(tiny_dirs, name):
 
     from specdec.runtime.linear import expert_bytes, linear_bytes
 
-    config = AutoConfig.from_pretrained(tiny_dirs[name])
+    from tiny import make_tiny
+
+    path = tiny_dirs[name] if name in tiny_dirs else make_tiny(tmp_path / name, VARIANTS[name][0], **VARIANTS[name][1])
+    config = AutoConfig.from_pretrained(path)
     params = dict(AutoModelForCausalLM.from_config(config).named_parameters())
     experts = sum(p.numel() for n, p in params.items() if ".experts." in n and p.dim() == 3)
     linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n and "embed" not in n

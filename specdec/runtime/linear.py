@@ -129,7 +129,8 @@ def linear_bytes(config) -> int:
         attention = config.num_hidden_layers * ((q * (h + query) if q else h * query) + (r + rope) * h
                                                 + r * heads * (config.qk_nope_head_dim + config.v_head_dim)
                                                 + heads * config.v_head_dim * h)
-    return 4 * (attention + 3 * h * mlp + config.vocab_size * h)
+    return 4 * (attention + (2 if config.model_type == "arcee" else 3) * h * mlp + config.vocab_size * h)  # (Arcee's
+    # MLP not gated)
 
 
 def expert_bytes(config) -> int:

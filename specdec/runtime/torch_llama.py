@@ -1,6 +1,6 @@
-"""A compact PyTorch forward pass for the Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-Granite, SmolLM3, GLM-4), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS,
-GLM-4.5, Granite's: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
+"""A compact PyTorch forward pass for the Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
+Granite, SmolLM3, GLM-4, OLMo 2 and 3, EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS), its mixtures of experts
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, GLM-4.5, Granite's: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
 GLM-4.7-Flash: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``), and the
 hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the
@@ -47,8 +47,9 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Granite's multipliers; Granite 4.0's hybrids (granitemoehybrid, with or without experts) have Mamba-2 layers
 # beside attention without rope, as Bamba's beside attention with rope on half of each head
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
-ARCHS = tuple(dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "glm4", "gemma", "gemma2",
-                             "gemma3_text", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba") + GRANITES + MOE_ARCHS
+ARCHS = tuple(dict.fromkeys(("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "glm4", "gemma",
+                             "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss",
+                             "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba") + GRANITES + MOE_ARCHS
                             + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -192,8 +193,10 @@ class Family:
     neighbouring dimensions, not halves (GLM-4's; DeepSeek-V2's, and V3's and GLM-4.7-Flash's
     where ``rope_interleave``: transformers moves their rotated halves apart afterwards, the
     same move in queries and keys, so the scores are the same); ``float_norms``: the norm's product in
-    float32, then cast (GPT-OSS's, as Gemma's without the 1 +; its weights as the model's
-    dtype holds them, but for a float16 model, which transformers keeps them float32 for)."""
+    float32, then cast (GPT-OSS's, OLMo 2's, as Gemma's without the 1 +; its weights as the model's
+    dtype holds them, but for a float16 model, which transformers keeps them float32 for);
+    ``float_rope``: queries and keys rotated in float32, then cast (OLMo 2's, ERNIE 4.5's);
+    ``gated_mlp``: the MLP is ``down(act(gate) * up)`` (else ``down(act(up))``: Nemotron-H's, Arcee's)."""
 
     offset_norms: bool = False
     embed_scale: float | None = None
@@ -205,6 +208,7 @@ class Family:
     activation: str = "silu"
     interleaved_rope: bool = False
     float_norms: bool = False
+    float_rope: bool = False
     gated_mlp: bool = True
 
     @classmethod
@@ -223,12 +227,15 @@ class Family:
             return cls(activation=act, offset_norms=True)
         if config.model_type == "nemotron_h":
             return cls(activation=config.mlp_hidden_act, gated_mlp=False)
+        if config.model_type == "arcee":  # its MLP not gated: relu2(up)
+            return cls(activation=act, gated_mlp=False)
         if config.model_type == "falcon_h1":  # (its other multipliers: in the weights, ``ScaledWeights``)
             return cls(activation=act, embed_scale=config.embedding_multiplier,
                        logits_divisor=1 / config.lm_head_multiplier)
         if config.model_type not in GEMMAS:
-            return cls(activation=act, float_norms=config.model_type == "gpt_oss",
-                       interleaved_rope=config.model_type == "glm4")
+            return cls(activation=act, float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3"),
+                       interleaved_rope=config.model_type in ("glm4", "ernie4_5"),
+                       float_rope=config.model_type in ("olmo2", "olmo3", "ernie4_5"))
         return cls(offset_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
                    # Gemma 3's config has the field too, but transformers' model never reads it
@@ -442,6 +449,8 @@ def unsupported(config) -> str | None:
     act = Family.of(config).activation
     if act not in ACTIVATIONS:
         return f"the torch runtime supports the {' and '.join(ACTIVATIONS)} activations, not {act!r}"
+    if getattr(config, "clip_qkv", None) is not None:  # (OLMoE's, where set: no released one does)
+        return "the torch runtime does not clip queries, keys and values (clip_qkv)"
     if getattr(config, "moe_latent_size", None):  # Nemotron-H's experts in a latent width
         return "the torch runtime runs experts in the model's width, not through moe_latent_size projections"
     if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder
@@ -608,16 +617,18 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
     gate_up, down = r.mlp(mlp, optional=moe) if mlps else (None, None)
     sandwich = pre + "pre_feedforward_layernorm.weight" in r  # Gemma 2/3: norms after, too
     glm4 = pre + "post_self_attn_layernorm.weight" in r  # GLM-4's norms after, named its way
+    after = pre + "input_layernorm.weight" not in r and pre + "post_feedforward_layernorm.weight" in r  # OLMo 2's,
+    # Exaone 4's: norms after alone
     return {
         "attn_norm": r.norm(pre + "input_layernorm.weight") if mixes else None,
         **mixer,
-        "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich else
+        "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich or after else
         r.norm(pre + "post_self_attn_layernorm.weight") if glm4 else None,
         "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "pre_ff_layernorm"
                                   if pre + "pre_ff_layernorm.weight" in r else "post_attention_layernorm") + ".weight")
-        if mlps else None,
-        "post_mlp_norm": r.norm(pre + ("post_feedforward_layernorm" if sandwich else "post_mlp_layernorm") + ".weight")
-        if sandwich or glm4 else None,
+        if mlps and not after else None,
+        "post_mlp_norm": r.norm(pre + ("post_mlp_layernorm" if glm4 else "post_feedforward_layernorm") + ".weight")
+        if sandwich or glm4 or after else None,
         "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
         "down": down,
         "shared_gate": r.opt(pre + "mlp.shared_expert_gate.weight") if moe else None,  # [1, hidden]
@@ -669,6 +680,8 @@ class TorchLlama:
         if config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope" or \
                 config.model_type in ("nemotron_h", "jamba"):
             rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's, Jamba's: no rope
+        if config.model_type == "exaone4" and config.sliding_window:  # rope on the windowed layers alone
+            rotates = [t == "sliding_attention" for t in types]
         linear = linear or pick_linear(device, dtype)
         assert linear in LINEAR_KINDS, linear
         if multi_row is None:  # the verify-packed copy, when the weights and it fit in memory
@@ -865,16 +878,17 @@ class TorchLlama:
         for li, L in enumerate(self.layers):
             if li in self.taps:
                 tapped[li] = h
-            if L["attn_norm"] is not None:  # (Nemotron-H's blocks: a mixer, or an MLP, alone)
-                a = rms_norm(h, L["attn_norm"], self.eps)
+            if "qkv" in L or "mix_in" in L:  # (Nemotron-H's blocks: a mixer, or an MLP, alone)
+                a = h if L["attn_norm"] is None else rms_norm(h, L["attn_norm"], self.eps)  # (OLMo 2's: none before)
                 mixed = 0
                 if "mix_in" in L:  # a recurrent layer (beside attention: Falcon-H1's)
                     mixed = self.recurrent.forward(cache.states, L["index"], x.slots, x.states, L, a, self.eps)
                 if "qkv" in L:
                     mixed = mixed + (self._attend_latent if self.latent else self._attend)(cache, x, L, a, rope)
                 h = h + self._residual(mixed, L["post_attn_norm"])
-            if L["mlp_norm"] is not None:
-                h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])
+            if L["gate_up"] is not None or L["experts"] is not None:
+                a = h if L["mlp_norm"] is None else rms_norm(h, L["mlp_norm"], self.eps)
+                h = h + self._residual(self._mlp(L, a), L["post_mlp_norm"])
         if self.num_layers in self.taps:  # transformers' last hidden state: after the final norm
             h = tapped[self.num_layers] = rms_norm(h, self.norm, self.eps)
         if last is not None:
@@ -893,7 +907,8 @@ class TorchLlama:
         for layer_type, (inv_freq, scale) in self.rope.items():
             freqs = pos[..., None].float() * inv_freq  # [B, T, rotated/2]
             emb = freqs.repeat_interleave(2, dim=-1) if self.family.interleaved_rope else torch.cat((freqs, freqs), dim=-1)
-            rope[layer_type] = ((emb.cos() * scale).to(self.dtype)[:, None], (emb.sin() * scale).to(self.dtype)[:, None])
+            dtype = torch.float32 if self.family.float_rope else self.dtype
+            rope[layer_type] = ((emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None])
         return rope
 
     def _attend(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
@@ -904,17 +919,17 @@ class TorchLlama:
         H, KV, D = self.num_heads, self.kv_heads, self.head_dim
         qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D], Qwen3-Next's / 3.5's gates after them: + H D
         q, k, v, *gate = qkv.split([H * D, KV * D, KV * D] + [H * D] * L.get("gated", False), dim=-1)
+        if L["q_norm"] is not None:  # over each head, or over all heads (a weight of their width: OLMo 2's)
+            q = rms_norm(q.view(B, T, -1, L["q_norm"].shape[-1]), L["q_norm"], self.eps)
+            k = rms_norm(k.view(B, T, -1, L["k_norm"].shape[-1]), L["k_norm"], self.eps)
         q = q.view(B, T, H, D)
         k = k.view(B, T, KV, D)
         v = v.view(B, T, KV, D)
-        if L["q_norm"] is not None:
-            q = rms_norm(q, L["q_norm"], self.eps)
-            k = rms_norm(k, L["k_norm"], self.eps)
         q = q.transpose(1, 2)  # [B, H, T, D]
         k = k.transpose(1, 2)  # [B, KV, T, D]
         if L["rotates"]:
             cos, sin = rope[L["rope"]]
-            q, k = rotate(q, cos, sin, fam.interleaved_rope), rotate(k, cos, sin, fam.interleaved_rope)
+            q, k = (rotate(t, cos, sin, fam.interleaved_rope).to(t.dtype) for t in (q, k))  # (float_rope: cast back)
         kc, vc = cache.k[L["index"]], cache.v[L["index"]]  # [slots, KV, cap, D]
         kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
         vc[x.slots[:, None], :, x.write] = v
