@@ -166,6 +166,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "seedoss-biases": ("seed_oss", dict(attention_bias=True, attention_out_bias=True, head_dim=16)),
     "ministral-windows": ("ministral", dict(head_dim=16, sliding_window=6,
                                             layer_types=["sliding_attention", "full_attention"])),
+    # HunYuan: q/k norms after the rotation (its names), rope "dynamic" with a fixed alpha (a stretched base);
+    # dots.llm1: Qwen3's attention, DeepSeek-V3's experts (sigmoid routing in groups, shared experts, a dense layer)
+    "hunyuan-norms-after-rope-alpha": ("hunyuan_v1_dense", dict(head_dim=16, rope_parameters={
+        "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0})),
+    "dots1-experts": ("dots1", dict(MOE["glm4_moe"], head_dim=16, norm_topk_prob=True)),
 }
 
 
@@ -199,7 +204,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "qwen3next-experts-dense-layer", "qwen35moe-experts", "granitemoe", "granitemoeshared",
                                   "lfm2-conv", "lfm2moe-expert-bias", "olmo2-norms-after", "olmo3-windows",
                                   "exaone4-windows-nope", "olmoe-experts", "ernie45-interleaved-bias", "arcee-relu2",
-                                  "seedoss-biases", "ministral-windows"])
+                                  "seedoss-biases", "ministral-windows", "hunyuan-norms-after-rope-alpha",
+                                  "dots1-experts"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to

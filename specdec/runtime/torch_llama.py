@@ -1,6 +1,6 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
-Granite, SmolLM3, GLM-4, OLMo 2 and 3, EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS), its mixtures of experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GPT-OSS, GLM-4.5, Granite's: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
+Granite, SmolLM3, GLM-4, OLMo 2 and 3, EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan), its mixtures of
+experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, dots.llm1, GPT-OSS, GLM-4.5, Granite's: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
 GLM-4.7-Flash: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``), and the
 hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the
@@ -48,7 +48,7 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # beside attention without rope, as Bamba's beside attention with rope on half of each head
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 ARCHS = tuple(dict.fromkeys(("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "glm4", "gemma",
-                             "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss",
+                             "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense",
                              "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba") + GRANITES + MOE_ARCHS
                             + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
@@ -87,7 +87,7 @@ class TextWeights:
 class RenamedWeights:
     """A checkpoint's weights under Llama's names (``model.layers.{i}.self_attn.q_proj.weight``...),
     each name's parts replaced in turn by ``renames[model_type]`` (``(old, new)``), then its
-    ``model.`` by ``prefix``: Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
+    ``model.`` by ``prefix``: HunYuan's q/k norms are ``query_layernorm`` / ``key_layernorm``; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
     Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
     transformers names it), as Mamba's, Falcon-Mamba's and Mamba-2's blocks (a Mamba layer
     each); LFM2's (and LFM2-MoE's) norms, attention and MLP go by their own names."""
@@ -103,6 +103,7 @@ class RenamedWeights:
     }
     RENAMES["lfm2_moe"] = RENAMES["lfm2"] + [(".mlp.", ".feed_forward.")]  # (its experts, router, expert_bias)
     RENAMES.update(dict.fromkeys(PURE_RECURRENT, RENAMES["nemotron_h"]))
+    RENAMES["hunyuan_v1_dense"] = [(".q_norm.", ".query_layernorm."), (".k_norm.", ".key_layernorm.")]
 
     def __init__(self, weights, model_type: str):
         self.weights, self.renames = weights, self.RENAMES[model_type]
@@ -196,6 +197,7 @@ class Family:
     float32, then cast (GPT-OSS's, OLMo 2's, as Gemma's without the 1 +; its weights as the model's
     dtype holds them, but for a float16 model, which transformers keeps them float32 for);
     ``float_rope``: queries and keys rotated in float32, then cast (OLMo 2's, ERNIE 4.5's);
+    ``norm_after_rope``: the q/k norms after the rotation (HunYuan's), not before;
     ``gated_mlp``: the MLP is ``down(act(gate) * up)`` (else ``down(act(up))``: Nemotron-H's, Arcee's)."""
 
     offset_norms: bool = False
@@ -209,6 +211,7 @@ class Family:
     interleaved_rope: bool = False
     float_norms: bool = False
     float_rope: bool = False
+    norm_after_rope: bool = False
     gated_mlp: bool = True
 
     @classmethod
@@ -229,6 +232,8 @@ class Family:
             return cls(activation=config.mlp_hidden_act, gated_mlp=False)
         if config.model_type == "arcee":  # its MLP not gated: relu2(up)
             return cls(activation=act, gated_mlp=False)
+        if config.model_type == "hunyuan_v1_dense":
+            return cls(activation=act, norm_after_rope=True)
         if config.model_type == "falcon_h1":  # (its other multipliers: in the weights, ``ScaledWeights``)
             return cls(activation=act, embed_scale=config.embedding_multiplier,
                        logits_divisor=1 / config.lm_head_multiplier)
@@ -419,6 +424,12 @@ def slot_runs(slots: list[int], keys: int) -> tuple[tuple[int, int, int], ...] |
 POSITIONAL_ROPE = ("default", "linear", "yarn", "llama3")  # tables that depend on the position alone
 
 
+def ntk_alpha(params: dict) -> float | None:
+    """HunYuan's rope: "dynamic" with a fixed ``alpha``, which only stretches the base (``base
+    alpha ** (d / (d - 2))``: a table of the position alone, as transformers computes it)."""
+    return params.get("alpha") if params.get("rope_type") == "dynamic" else None
+
+
 def rope_types(config) -> dict[str | None, dict]:
     """The rope parameters per layer type (Gemma 3's ``full_attention`` / ``sliding_attention``),
     or ``{None: ...}`` for one set on every layer."""
@@ -457,7 +468,7 @@ def unsupported(config) -> str | None:
         return "the torch runtime runs causal attention, not bidirectional"
     for params in rope_types(config).values():
         rope = params.get("rope_type", "default")
-        if rope not in POSITIONAL_ROPE:  # dynamic, longrope: rescaled by the whole sequence's length
+        if rope not in POSITIONAL_ROPE and not ntk_alpha(params):  # dynamic, longrope: rescaled by the whole sequence's length
             return (f"the torch runtime supports rope types {', '.join(POSITIONAL_ROPE)}, not {rope!r} "
                     "(backend 'hf' runs transformers' own model)")
         if params.get("partial_rotary_factor", 1.0) != 1.0 and config.model_type not in PARTIAL_ROTARY:
@@ -790,9 +801,10 @@ class TorchLlama:
         self.rope = {}
         for layer_type, params in rope_types(config).items():
             rope_type = params.get("rope_type", "default")
-            if rope_type == "default":
+            if rope_type == "default" or ntk_alpha(params):
                 base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
                 d = self.latent.rope if self.latent else int(self.head_dim * params.get("partial_rotary_factor", 1.0))
+                base *= ntk_alpha(params) ** (d / (d - 2)) if ntk_alpha(params) else 1.0
                 inv_freq, scale = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
             else:
                 kw = {"layer_type": layer_type} if layer_type is not None else {}
@@ -919,7 +931,7 @@ class TorchLlama:
         H, KV, D = self.num_heads, self.kv_heads, self.head_dim
         qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D], Qwen3-Next's / 3.5's gates after them: + H D
         q, k, v, *gate = qkv.split([H * D, KV * D, KV * D] + [H * D] * L.get("gated", False), dim=-1)
-        if L["q_norm"] is not None:  # over each head, or over all heads (a weight of their width: OLMo 2's)
+        if L["q_norm"] is not None and not fam.norm_after_rope:  # over each head, or all (a weight that wide: OLMo 2's)
             q = rms_norm(q.view(B, T, -1, L["q_norm"].shape[-1]), L["q_norm"], self.eps)
             k = rms_norm(k.view(B, T, -1, L["k_norm"].shape[-1]), L["k_norm"], self.eps)
         q = q.view(B, T, H, D)
@@ -930,6 +942,8 @@ class TorchLlama:
         if L["rotates"]:
             cos, sin = rope[L["rope"]]
             q, k = (rotate(t, cos, sin, fam.interleaved_rope).to(t.dtype) for t in (q, k))  # (float_rope: cast back)
+        if L["q_norm"] is not None and fam.norm_after_rope:
+            q, k = rms_norm(q, L["q_norm"], self.eps), rms_norm(k, L["k_norm"], self.eps)
         kc, vc = cache.k[L["index"]], cache.v[L["index"]]  # [slots, KV, cap, D]
         kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
         vc[x.slots[:, None], :, x.write] = v
