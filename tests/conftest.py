@@ -40,6 +40,8 @@ def tiny_dirs(tmp_path_factory):
         "jamba": make_tiny(root / "jamba", "jamba", seed=21, **JAMBA),  # Mamba and attention, experts
         # OLMo 3: norms after attention and the MLP alone, q/k norms over all heads, windows on 3 layers of 4
         "olmo3": make_tiny(root / "olmo3", "olmo3", seed=22, layers=4, sliding_window=6),
+        # Command R7B: layer norms, attention and the MLP side by side, windows on 3 layers of 4 (no rope on the 4th)
+        "cohere2": make_tiny(root / "cohere2", "cohere2", seed=23, layers=4, sliding_window=6, logit_scale=0.3),
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

@@ -538,11 +538,12 @@ def test_conv_state_rewinds(tmp_path, backend):
 
 
 @pytest.mark.parametrize("name,backend", [("windowed", "torch"), ("windowed", "hf"), ("gemma3", "torch"),
-                                          ("olmo3", "torch"), ("mixtral", "torch"), ("gptoss", "torch"),
+                                          ("olmo3", "torch"), ("cohere2", "torch"), ("mixtral", "torch"),
+                                          ("gptoss", "torch"),
                                           ("deepseek", "torch")])
 def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, backend):
     """A sliding-window model (Mistral's and Mixtral's, 6 tokens on every layer; Gemma 3's and GPT-OSS's on one of two,
-    OLMo 3's on three of four)
+    OLMo 3's and Command R7B's on three of four)
     decodes as transformers' model does, far past the window, plain and under speculation
     (chains; trees on the torch runtime), with prompt chunks kept for the next request
     (rewinds past the window: transformers' own ``crop`` of a window layer keeps only the

@@ -171,6 +171,12 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "hunyuan-norms-after-rope-alpha": ("hunyuan_v1_dense", dict(head_dim=16, rope_parameters={
         "rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_theta": 10000.0})),
     "dots1-experts": ("dots1", dict(MOE["glm4_moe"], head_dim=16, norm_topk_prob=True)),
+    # layer norms: Cohere's (no bias, in float32) before attention and the MLP side by side, rotary pairs interleaved,
+    # the logits scaled; Command R7B's (cohere2) windows on 3 layers of 4 and no rope on the others; StarCoder2's
+    # (biases, as on every projection), its MLP gelu(c_fc) not gated, windows
+    "cohere-parallel-layernorm": ("cohere", dict(logit_scale=0.3)),
+    "cohere2-windows-nope": ("cohere2", dict(layers=4, sliding_window=6, logit_scale=0.3)),
+    "starcoder2-layernorm-biases": ("starcoder2", dict(use_bias=True, sliding_window=6, hidden_act="gelu_pytorch_tanh")),
 }
 
 
@@ -205,7 +211,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "lfm2-conv", "lfm2moe-expert-bias", "olmo2-norms-after", "olmo3-windows",
                                   "exaone4-windows-nope", "olmoe-experts", "ernie45-interleaved-bias", "arcee-relu2",
                                   "seedoss-biases", "ministral-windows", "hunyuan-norms-after-rope-alpha",
-                                  "dots1-experts"])
+                                  "dots1-experts", "cohere-parallel-layernorm", "cohere2-windows-nope",
+                                  "starcoder2-layernorm-biases"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -785,7 +792,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama", "qwen35", "granite4h",
                                   "nemotronh", "lfm2", "falconh1", "mamba", "jamba", "mamba2-alone", "arcee-relu2",
-                                  "olmoe-experts"])
+                                  "olmoe-experts", "starcoder2-layernorm-biases"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

@@ -2,6 +2,8 @@
 an EAGLE head (``eagle``): norms, attention, rotary embeddings, activations."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -17,6 +19,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if weight.dtype == torch.float32:
         return (h * weight).to(x.dtype)
     return weight * h.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class LayerNorm:
+    """A layer norm's weights (StarCoder2's, with a bias), which ``norm`` reads; ``in_float``:
+    computed in float32, then cast (Cohere's, without a bias)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    in_float: bool = False
+
+
+def norm(x: torch.Tensor, weight: "torch.Tensor | LayerNorm", eps: float) -> torch.Tensor:
+    """``rms_norm``, or a ``LayerNorm``'s."""
+    if not isinstance(weight, LayerNorm):
+        return rms_norm(x, weight, eps)
+    if weight.in_float:
+        bias = None if weight.bias is None else weight.bias.float()
+        return F.layer_norm(x.float(), x.shape[-1:], weight.weight.float(), bias, eps).to(x.dtype)
+    return F.layer_norm(x, x.shape[-1:], weight.weight, weight.bias, eps)
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

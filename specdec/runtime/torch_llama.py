@@ -1,5 +1,6 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
-Granite, SmolLM3, GLM-4, OLMo 2 and 3, EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan), its mixtures of
+Granite, SmolLM3, GLM-4, OLMo 2 and 3, EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan, Cohere, Command R7B,
+StarCoder2), its mixtures of
 experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, dots.llm1, GPT-OSS, GLM-4.5, Granite's: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
 GLM-4.7-Flash: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``), and the
@@ -34,7 +35,7 @@ from .. import disk_cache
 from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
 from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
-from .ops import ACTIVATIONS, attention, rms_norm, rotate, softcap
+from .ops import ACTIVATIONS, LayerNorm, attention, norm, rms_norm, rotate, softcap
 from .recurrent import (DEFAULT_DEPTH, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, Mamba1, Mamba2, RecurrentStates,
                         ShortConv, StatePlan, recurrent_mixer)
 
@@ -49,6 +50,7 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 ARCHS = tuple(dict.fromkeys(("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "glm4", "gemma",
                              "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense",
+                             "cohere", "cohere2", "starcoder2",
                              "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba") + GRANITES + MOE_ARCHS
                             + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
@@ -87,7 +89,8 @@ class TextWeights:
 class RenamedWeights:
     """A checkpoint's weights under Llama's names (``model.layers.{i}.self_attn.q_proj.weight``...),
     each name's parts replaced in turn by ``renames[model_type]`` (``(old, new)``), then its
-    ``model.`` by ``prefix``: HunYuan's q/k norms are ``query_layernorm`` / ``key_layernorm``; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
+    ``model.`` by ``prefix``: HunYuan's q/k norms are ``query_layernorm`` / ``key_layernorm``,
+    StarCoder2's MLP ``c_fc`` / ``c_proj``; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
     Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
     transformers names it), as Mamba's, Falcon-Mamba's and Mamba-2's blocks (a Mamba layer
     each); LFM2's (and LFM2-MoE's) norms, attention and MLP go by their own names."""
@@ -104,6 +107,7 @@ class RenamedWeights:
     RENAMES["lfm2_moe"] = RENAMES["lfm2"] + [(".mlp.", ".feed_forward.")]  # (its experts, router, expert_bias)
     RENAMES.update(dict.fromkeys(PURE_RECURRENT, RENAMES["nemotron_h"]))
     RENAMES["hunyuan_v1_dense"] = [(".q_norm.", ".query_layernorm."), (".k_norm.", ".key_layernorm.")]
+    RENAMES["starcoder2"] = [(".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj.")]
 
     def __init__(self, weights, model_type: str):
         self.weights, self.renames = weights, self.RENAMES[model_type]
@@ -188,7 +192,8 @@ class Family:
     ``query_pre_attn_scalar ** -0.5``, Granite's ``attention_multiplier``; None:
     ``head_dim ** -0.5``); ``residual_scale``: what attention's and the MLP's outputs are
     scaled by before the residual sum (Granite's); ``logits_divisor``: Granite's
-    ``logits_scaling``; ``attn_softcap`` / ``final_softcap``: ``cap * tanh(x / cap)`` on
+    ``logits_scaling``; ``logits_scale``: the logits' factor (Cohere's ``logit_scale``, Falcon-H1's
+    ``lm_head_multiplier``); ``attn_softcap`` / ``final_softcap``: ``cap * tanh(x / cap)`` on
     attention scores (Gemma 2's) / the logits (Gemma 2's, Gemma 3's where set);
     ``activation``: the MLP's gate (``ACTIVATIONS``); ``interleaved_rope``: rotary pairs are
     neighbouring dimensions, not halves (GLM-4's; DeepSeek-V2's, and V3's and GLM-4.7-Flash's
@@ -196,7 +201,11 @@ class Family:
     same move in queries and keys, so the scores are the same); ``float_norms``: the norm's product in
     float32, then cast (GPT-OSS's, OLMo 2's, as Gemma's without the 1 +; its weights as the model's
     dtype holds them, but for a float16 model, which transformers keeps them float32 for);
-    ``float_rope``: queries and keys rotated in float32, then cast (OLMo 2's, ERNIE 4.5's);
+    ``rope_math``: queries and keys rotated in the model's dtype ("model"), in float32 then cast
+    ("float": OLMo 2's, ERNIE 4.5's), or so by a table rounded to the model's dtype ("float_math":
+    Cohere's); ``layer_norm``: the norms are layer norms (``ops.LayerNorm``), in the model's
+    dtype ("model": StarCoder2's) or float32 ("float": Cohere's); ``parallel``: attention and the
+    MLP read one normed input and add their outputs together (Cohere's);
     ``norm_after_rope``: the q/k norms after the rotation (HunYuan's), not before;
     ``gated_mlp``: the MLP is ``down(act(gate) * up)`` (else ``down(act(up))``: Nemotron-H's, Arcee's)."""
 
@@ -205,12 +214,15 @@ class Family:
     attn_scale: float | None = None
     residual_scale: float | None = None
     logits_divisor: float | None = None
+    logits_scale: float | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
     activation: str = "silu"
     interleaved_rope: bool = False
     float_norms: bool = False
-    float_rope: bool = False
+    rope_math: str = "model"
+    layer_norm: str | None = None
+    parallel: bool = False
     norm_after_rope: bool = False
     gated_mlp: bool = True
 
@@ -234,13 +246,18 @@ class Family:
             return cls(activation=act, gated_mlp=False)
         if config.model_type == "hunyuan_v1_dense":
             return cls(activation=act, norm_after_rope=True)
+        if config.model_type in ("cohere", "cohere2"):
+            return cls(activation=act, interleaved_rope=True, rope_math="float_math", layer_norm="float", parallel=True,
+                       logits_scale=config.logit_scale)
+        if config.model_type == "starcoder2":
+            return cls(activation=act, gated_mlp=False, layer_norm="model")
         if config.model_type == "falcon_h1":  # (its other multipliers: in the weights, ``ScaledWeights``)
             return cls(activation=act, embed_scale=config.embedding_multiplier,
-                       logits_divisor=1 / config.lm_head_multiplier)
+                       logits_scale=config.lm_head_multiplier)
         if config.model_type not in GEMMAS:
             return cls(activation=act, float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3"),
                        interleaved_rope=config.model_type in ("glm4", "ernie4_5"),
-                       float_rope=config.model_type in ("olmo2", "olmo3", "ernie4_5"))
+                       rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5") else "model")
         return cls(offset_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
                    # Gemma 3's config has the field too, but transformers' model never reads it
@@ -460,6 +477,8 @@ def unsupported(config) -> str | None:
     act = Family.of(config).activation
     if act not in ACTIVATIONS:
         return f"the torch runtime supports the {' and '.join(ACTIVATIONS)} activations, not {act!r}"
+    if getattr(config, "use_qk_norm", False) and config.model_type == "cohere":  # (Command R+'s: layer norms per head)
+        return "the torch runtime does not run Cohere's q/k layer norms (use_qk_norm)"
     if getattr(config, "clip_qkv", None) is not None:  # (OLMoE's, where set: no released one does)
         return "the torch runtime does not clip queries, keys and values (clip_qkv)"
     if getattr(config, "moe_latent_size", None):  # Nemotron-H's experts in a latent width
@@ -519,10 +538,14 @@ class CheckpointReader:
     def opt(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self.weights else None
 
-    def norm(self, name: str) -> torch.Tensor | None:
+    def norm(self, name: str) -> torch.Tensor | LayerNorm | None:
         """A norm's weight: Gemma's, Qwen3-Next's and Qwen3.5's as 1 + weight in float32, GPT-OSS's
         in float32 (both as the model's dtype holds them, as transformers; GPT-OSS's exact for a
-        float16 model, which transformers keeps them float32 for)."""
+        float16 model, which transformers keeps them float32 for); a layer norm's weight and bias
+        (``Family.layer_norm``)."""
+        if self.family.layer_norm and name in self.weights:
+            return LayerNorm(self.get(name), self.opt(name.removesuffix("weight") + "bias"),
+                             self.family.layer_norm == "float")
         if name not in self.weights or not (self.family.offset_norms or self.family.float_norms):
             return self.opt(name)
         if self.family.float_norms:
@@ -681,8 +704,9 @@ class TorchLlama:
         self.latent = Latent.of(config)
         if self.latent is not None:  # the cache's one row per token (``Latent``)
             self.kv_heads, self.head_dim = 1, self.latent.rank + self.latent.rope
-        self.eps = next(getattr(config, n) for n in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps")
-                        if getattr(config, n, None))  # (Nemotron-H's name, LFM2's)
+        self.eps = next(getattr(config, n) for n in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps", "layer_norm_eps",
+                                                     "norm_epsilon")
+                        if getattr(config, n, None))  # (Nemotron-H's name, LFM2's, Cohere's, StarCoder2's)
         self.max_context = getattr(config, "max_position_embeddings", None) or 1 << 20  # (Mamba's: no bound)
         self.family = Family.of(config, dtype)
         self.window, sliding = sliding_layers(config)
@@ -691,7 +715,7 @@ class TorchLlama:
         if config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope" or \
                 config.model_type in ("nemotron_h", "jamba"):
             rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's, Jamba's: no rope
-        if config.model_type == "exaone4" and config.sliding_window:  # rope on the windowed layers alone
+        if config.model_type in ("exaone4", "cohere2") and config.sliding_window:  # rope on the windowed layers alone
             rotates = [t == "sliding_attention" for t in types]
         linear = linear or pick_linear(device, dtype)
         assert linear in LINEAR_KINDS, linear
@@ -891,25 +915,29 @@ class TorchLlama:
             if li in self.taps:
                 tapped[li] = h
             if "qkv" in L or "mix_in" in L:  # (Nemotron-H's blocks: a mixer, or an MLP, alone)
-                a = h if L["attn_norm"] is None else rms_norm(h, L["attn_norm"], self.eps)  # (OLMo 2's: none before)
+                a = h if L["attn_norm"] is None else norm(h, L["attn_norm"], self.eps)  # (OLMo 2's: none before)
                 mixed = 0
                 if "mix_in" in L:  # a recurrent layer (beside attention: Falcon-H1's)
                     mixed = self.recurrent.forward(cache.states, L["index"], x.slots, x.states, L, a, self.eps)
                 if "qkv" in L:
                     mixed = mixed + (self._attend_latent if self.latent else self._attend)(cache, x, L, a, rope)
                 h = h + self._residual(mixed, L["post_attn_norm"])
-            if L["gate_up"] is not None or L["experts"] is not None:
-                a = h if L["mlp_norm"] is None else rms_norm(h, L["mlp_norm"], self.eps)
+                if fam.parallel:  # (Cohere's: the MLP of the same input, beside attention)
+                    h = h + self._mlp(L, a)
+            if (L["gate_up"] is not None or L["experts"] is not None) and not fam.parallel:
+                a = h if L["mlp_norm"] is None else norm(h, L["mlp_norm"], self.eps)
                 h = h + self._residual(self._mlp(L, a), L["post_mlp_norm"])
         if self.num_layers in self.taps:  # transformers' last hidden state: after the final norm
-            h = tapped[self.num_layers] = rms_norm(h, self.norm, self.eps)
+            h = tapped[self.num_layers] = norm(h, self.norm, self.eps)
         if last is not None:
             h = h[torch.arange(B, device=h.device), last]  # [B, hidden]
         if self.num_layers not in self.taps:
-            h = rms_norm(h, self.norm, self.eps)
+            h = norm(h, self.norm, self.eps)
         logits = softcap(self.lm_head(h), fam.final_softcap)
         if fam.logits_divisor is not None:
             logits = logits / fam.logits_divisor
+        if fam.logits_scale is not None:
+            logits = logits * fam.logits_scale
         features = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits.float() if to_float else logits, features
 
@@ -919,7 +947,7 @@ class TorchLlama:
         for layer_type, (inv_freq, scale) in self.rope.items():
             freqs = pos[..., None].float() * inv_freq  # [B, T, rotated/2]
             emb = freqs.repeat_interleave(2, dim=-1) if self.family.interleaved_rope else torch.cat((freqs, freqs), dim=-1)
-            dtype = torch.float32 if self.family.float_rope else self.dtype
+            dtype = torch.float32 if self.family.rope_math == "float" else self.dtype
             rope[layer_type] = ((emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None])
         return rope
 
@@ -941,7 +969,8 @@ class TorchLlama:
         k = k.transpose(1, 2)  # [B, KV, T, D]
         if L["rotates"]:
             cos, sin = rope[L["rope"]]
-            q, k = (rotate(t, cos, sin, fam.interleaved_rope).to(t.dtype) for t in (q, k))  # (float_rope: cast back)
+            q, k = (rotate(t if fam.rope_math == "model" else t.float(), cos, sin, fam.interleaved_rope).to(t.dtype)
+                    for t in (q, k))
         if L["q_norm"] is not None and fam.norm_after_rope:
             q, k = rms_norm(q, L["q_norm"], self.eps), rms_norm(k, L["k_norm"], self.eps)
         kc, vc = cache.k[L["index"]], cache.v[L["index"]]  # [slots, KV, cap, D]
@@ -1008,7 +1037,7 @@ class TorchLlama:
         """What attention's or the MLP's ``out`` adds to the residual stream: normed after
         (Gemma 2/3) or scaled (Granite) where the family says so."""
         if post_norm is not None:
-            out = rms_norm(out, post_norm, self.eps)
+            out = norm(out, post_norm, self.eps)
         return out if self.family.residual_scale is None else out * self.family.residual_scale
 
     def _mask(self, starts: list[int], S: int, T: int, chunk_masks, dev: torch.device,
