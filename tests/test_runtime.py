@@ -5,7 +5,8 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import BAMBA, DELTA_NET, FALCON_H1, GRANITE_HYBRID_DENSE, JAMBA, MAMBA, MAMBA2_ALONE, MOE, NEMOTRON_H
+from tiny import (BAMBA, DELTA_NET, FALCON_H1, GRANITE_HYBRID_DENSE, JAMBA, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE,
+                  NEMOTRON_H)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -177,6 +178,8 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "cohere-parallel-layernorm": ("cohere", dict(logit_scale=0.3)),
     "cohere2-windows-nope": ("cohere2", dict(layers=4, sliding_window=6, logit_scale=0.3)),
     "starcoder2-layernorm-biases": ("starcoder2", dict(use_bias=True, sliding_window=6, hidden_act="gelu_pytorch_tanh")),
+    # Ministral 3 (Mistral 3's text model): yarn, queries scaled by 1 + beta log(1 + floor(position / 16)) past 16
+    "ministral3-yarn-temperature": ("ministral3", dict(head_dim=16, rope_parameters=MINISTRAL3_ROPE)),
 }
 
 
@@ -212,7 +215,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "exaone4-windows-nope", "olmoe-experts", "ernie45-interleaved-bias", "arcee-relu2",
                                   "seedoss-biases", "ministral-windows", "hunyuan-norms-after-rope-alpha",
                                   "dots1-experts", "cohere-parallel-layernorm", "cohere2-windows-nope",
-                                  "starcoder2-layernorm-biases"])
+                                  "starcoder2-layernorm-biases", "ministral3-yarn-temperature"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -329,9 +332,10 @@ def test_multimodal_gemma3_text_model(tmp_path):
     assert (logits[0] - logits[1]).abs().max().item() < ATOL
 
 
-@pytest.mark.parametrize("kind", ["mistral3", "llava", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_vision_language_text_model(tmp_path, kind):
-    """Mistral 3's, LLaVA's, Qwen2.5-VL's and Qwen3-VL's checkpoints (no causal LMs in
+    """Mistral 3's (with a Mistral text model, or Ministral 3's: its queries scaled past the
+    original context), LLaVA's, Qwen2.5-VL's and Qwen3-VL's checkpoints (no causal LMs in
     transformers: its hf runtime cannot run them) and Qwen3.5's, as released, run their text
     model on the torch runtime: logits equal transformers' image-text-to-text model's on text
     (bit for bit, float32 and bfloat16; the Qwens' multimodal rope on text alone; Qwen3.5's
@@ -346,7 +350,10 @@ def test_vision_language_text_model(tmp_path, kind):
 
     from tiny import make_tiny_vision_language
 
-    path = make_tiny_vision_language(tmp_path / kind, kind, seed=3, **({"sliding_window": 6} if kind == "mistral3" else {}))
+    vl = "mistral3" if kind == "ministral3" else kind
+    text = {"mistral3": dict(sliding_window=6),
+            "ministral3": dict(model_type="ministral3", head_dim=16, rope_parameters=MINISTRAL3_ROPE)}.get(kind, {})
+    path = make_tiny_vision_language(tmp_path / kind, vl, seed=3, **text)
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     for dtype in (torch.float32, torch.bfloat16):
         rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), dtype)
@@ -375,7 +382,7 @@ def test_vision_language_text_model(tmp_path, kind):
     dummy = load_model(str(path), load_format="dummy").runtime
     assert dummy.forward(dummy.new_cache(1), [0], [ids[0].tolist()])[0].std().item() > 0.1
     if kind != "qwen3_5":  # (transformers has a causal LM for Qwen3.5's)
-        with pytest.raises(ValueError, match=f"no causal LM for '{kind}' .* use backend 'torch' or 'auto'"):
+        with pytest.raises(ValueError, match=f"no causal LM for '{vl}' .* use backend 'torch' or 'auto'"):
             load_model(str(path), backend="hf")
     import json  # a processor's chat template (LLaVA's), where the tokenizer has none
 

@@ -42,6 +42,9 @@ MAMBA2_ALONE = dict(num_heads=4, head_dim=32, state_size=16, n_groups=2, conv_ke
 # Jamba: Mamba layers (dt, B and C normed) and attention without rope, every other layer's MLP experts
 JAMBA = dict(layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
              num_experts=4, num_experts_per_tok=2, mamba_d_state=16)
+# Ministral 3's (Mistral 3's text model's) rope: yarn, and queries scaled past the original context (16 here)
+MINISTRAL3_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "llama_4_scaling_beta": 0.1}
 MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields)
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

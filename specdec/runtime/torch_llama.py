@@ -48,7 +48,7 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Granite's multipliers; Granite 4.0's hybrids (granitemoehybrid, with or without experts) have Mamba-2 layers
 # beside attention without rope, as Bamba's beside attention with rope on half of each head
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
-ARCHS = tuple(dict.fromkeys(("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "smollm3", "glm4", "gemma",
+ARCHS = tuple(dict.fromkeys(("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", "gemma",
                              "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense",
                              "cohere", "cohere2", "starcoder2",
                              "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba") + GRANITES + MOE_ARCHS
@@ -207,6 +207,8 @@ class Family:
     dtype ("model": StarCoder2's) or float32 ("float": Cohere's); ``parallel``: attention and the
     MLP read one normed input and add their outputs together (Cohere's);
     ``norm_after_rope``: the q/k norms after the rotation (HunYuan's), not before;
+    ``query_temperature``: ``(beta, span)``, queries scaled by ``1 + beta log(1 + floor(position /
+    span))`` after the rotation (Ministral 3's ``llama_4_scaling_beta``: 1 within its original context);
     ``gated_mlp``: the MLP is ``down(act(gate) * up)`` (else ``down(act(up))``: Nemotron-H's, Arcee's)."""
 
     offset_norms: bool = False
@@ -224,6 +226,7 @@ class Family:
     layer_norm: str | None = None
     parallel: bool = False
     norm_after_rope: bool = False
+    query_temperature: tuple[float, int] | None = None
     gated_mlp: bool = True
 
     @classmethod
@@ -251,6 +254,9 @@ class Family:
                        logits_scale=config.logit_scale)
         if config.model_type == "starcoder2":
             return cls(activation=act, gated_mlp=False, layer_norm="model")
+        beta = (getattr(config, "rope_parameters", None) or {}).get("llama_4_scaling_beta")
+        if config.model_type == "ministral3" and beta:
+            return cls(activation=act, query_temperature=(beta, config.rope_parameters["original_max_position_embeddings"]))
         if config.model_type == "falcon_h1":  # (its other multipliers: in the weights, ``ScaledWeights``)
             return cls(activation=act, embed_scale=config.embedding_multiplier,
                        logits_scale=config.lm_head_multiplier)
@@ -973,6 +979,9 @@ class TorchLlama:
                     for t in (q, k))
         if L["q_norm"] is not None and fam.norm_after_rope:
             q, k = rms_norm(q, L["q_norm"], self.eps), rms_norm(k, L["k_norm"], self.eps)
+        if fam.query_temperature is not None:
+            beta, span = fam.query_temperature
+            q = q * (1 + beta * torch.log1p(torch.floor(x.pos / span)))[:, None, :, None].to(q.dtype)
         kc, vc = cache.k[L["index"]], cache.v[L["index"]]  # [slots, KV, cap, D]
         kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
         vc[x.slots[:, None], :, x.write] = v
