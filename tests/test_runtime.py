@@ -332,10 +332,11 @@ def test_multimodal_gemma3_text_model(tmp_path):
     assert (logits[0] - logits[1]).abs().max().item() < ATOL
 
 
-@pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "qwen2_5_vl", "qwen3_vl", "glm4v", "glm4v_moe",
+                                  "qwen3_5"])
 def test_vision_language_text_model(tmp_path, kind):
     """Mistral 3's (with a Mistral text model, or Ministral 3's: its queries scaled past the
-    original context), LLaVA's, Qwen2.5-VL's and Qwen3-VL's checkpoints (no causal LMs in
+    original context), LLaVA's, Qwen2.5-VL's, Qwen3-VL's, GLM-4.1V's and GLM-4.5V's checkpoints (no causal LMs in
     transformers: its hf runtime cannot run them) and Qwen3.5's, as released, run their text
     model on the torch runtime: logits equal transformers' image-text-to-text model's on text
     (bit for bit, float32 and bfloat16; the Qwens' multimodal rope on text alone; Qwen3.5's

@@ -225,6 +225,10 @@ def add_mtp(path: Path, seed: int = 0, std: float = 0.2, own_head: bool = False)
     return path
 
 
+GLM4V_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64, image_size=28,
+                    patch_size=14)
+GLM4V_TOKENS = dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, image_start_token_id=VOCAB - 3,
+                    image_end_token_id=VOCAB - 4, video_start_token_id=VOCAB - 5, video_end_token_id=VOCAB - 6)
 VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the model's own)
     # Gemma 3's 4B and up: windows on one layer of two, eos in the text config, tied embeddings
     "gemma3": (dict(model_type="gemma3_text", head_dim=16, sliding_window=6, query_pre_attn_scalar=24, pad_token_id=0,
@@ -246,6 +250,13 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
                                                     "mrope_interleaved": True}),
                  dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),
                  dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3)),
+    # GLM-4.1V: GLM-4's layers, rotary pairs interleaved on half of each head, in sections (on text: the text model's);
+    # GLM-4.5V: GLM-4.5's experts
+    "glm4v": (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2],
+                                    "partial_rotary_factor": 0.5}), GLM4V_VISION, GLM4V_TOKENS),
+    "glm4v_moe": (dict(head_dim=16, **{k: v for k, v in MOE["glm4_moe"].items() if k != "layers"}, num_hidden_layers=3,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2],
+                                        "partial_rotary_factor": 0.5}), GLM4V_VISION, GLM4V_TOKENS),
     # DeltaNet layers beside gated attention, its norms of 1 + weight (but the DeltaNet output's)
     "qwen3_5": (dict(head_dim=16, **{k: v for k, v in DELTA_NET.items() if k != "layers"}, num_hidden_layers=3,
                      rope_parameters={"rope_type": "default", "rope_theta": 1e7, "mrope_section": [1, 1, 0],

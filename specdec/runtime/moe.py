@@ -15,9 +15,9 @@ from .ops import ACTIVATIONS
 # (``torch_llama.Latent``), Qwen3-Next's and Qwen3.5's have DeltaNet layers (``recurrent``)
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
-             "lfm2_moe", "jamba", "olmoe", "dots1")
+             "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text")
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # ``block_sparse_moe``, routed as GPT-OSS's
-SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1")  # GLM-4.5's router (``Routing.sigmoid``)
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text")  # GLM-4.5's router (``Routing.sigmoid``)
 
 
 def moe_layers(config) -> list[bool]:
@@ -30,7 +30,7 @@ def moe_layers(config) -> list[bool]:
         return [False] * n
     if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text", "olmoe") + GRANITE_MOES:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
-    if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1"):
+    if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text"):
         return [i >= config.first_k_dense_replace for i in range(n)]
     if kind == "glm4_moe_lite":
         return [t == "sparse" for t in config.mlp_layer_types]

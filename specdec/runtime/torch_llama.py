@@ -42,13 +42,16 @@ from .recurrent import (DEFAULT_DEPTH, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet
 log = logging.getLogger(__name__)
 
 QWEN_VL_TEXT = ("qwen2_5_vl_text", "qwen3_vl_text")  # Qwen2 and Qwen3 on text alone (text_model)
+# GLM-4.1V's / GLM-4.6V-Flash's text model: GLM-4's layers (GLM-4.5V's and GLM-4.6V's: GLM-4.5's, ``moe``), its
+# multimodal rope on text alone the text model's
+GLM_VL_TEXT = ("glm4v_text",)
 # DeltaNet layers beside gated attention (``recurrent``): Qwen3-Next's, Qwen3.5's and Qwen3.5-MoE's (text
 # models: the "qwen3_5" and "qwen3_5_moe" checkpoints hold them)
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Granite's multipliers; Granite 4.0's hybrids (granitemoehybrid, with or without experts) have Mamba-2 layers
 # beside attention without rope, as Bamba's beside attention with rope on half of each head
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
-ARCHS = tuple(dict.fromkeys(("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", "gemma",
+ARCHS = tuple(dict.fromkeys(("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
                              "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense",
                              "cohere", "cohere2", "starcoder2",
                              "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba") + GRANITES + MOE_ARCHS
@@ -57,7 +60,7 @@ ARCHS = tuple(dict.fromkeys(("llama", "mistral", "ministral", "ministral3", "qwe
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba") + HYBRID_ARCHS
+PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba", "glm4v_moe_text") + GLM_VL_TEXT + HYBRID_ARCHS
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
@@ -67,6 +70,7 @@ MULTIMODAL = dict.fromkeys(("gemma3", "mistral3", "llava"), ("language_model.mod
 MULTIMODAL.update(dict.fromkeys(("qwen2_5_vl", "qwen3_vl"), ("model.language_model.", "language_model.model.", "model.")))
 # (Qwen3.5's under "model." too: transformers' causal LM of its config, dummy weights' names)
 MULTIMODAL.update(dict.fromkeys(("qwen3_5", "qwen3_5_moe"), ("model.language_model.", "language_model.model.", "model.")))
+MULTIMODAL.update(dict.fromkeys(("glm4v", "glm4v_moe"), ("model.language_model.", "language_model.model.")))  # GLM-4.1V+
 
 
 class TextWeights:
@@ -165,7 +169,7 @@ class ScaledWeights:
 
 def text_model(config, weights=None):
     """``(config, weights)`` of the text model the torch runtime runs, under Llama's names: a
-    multimodal checkpoint's (``MULTIMODAL``: Gemma 3 4B and up, Mistral 3, LLaVA, Qwen2.5-VL, Qwen3-VL; ``text_config``,
+    multimodal checkpoint's (``MULTIMODAL``: Gemma 3 4B and up, Mistral 3, LLaVA, Qwen2.5-VL, Qwen3-VL, GLM-4.1V+; ``text_config``,
     ``TextWeights``; text prompts only), Nemotron-H's and LFM2's (``RenamedWeights``), Falcon-H1's
     (``ScaledWeights``), else as given."""
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
@@ -262,7 +266,7 @@ class Family:
                        logits_scale=config.lm_head_multiplier)
         if config.model_type not in GEMMAS:
             return cls(activation=act, float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3"),
-                       interleaved_rope=config.model_type in ("glm4", "ernie4_5"),
+                       interleaved_rope=config.model_type in ("glm4", "ernie4_5") + GLM_VL_TEXT,
                        rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5") else "model")
         return cls(offset_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
@@ -511,7 +515,7 @@ def sliding_layers(config) -> tuple[int | None, list[bool]]:
     GLM-4: none."""
     n, kind = config.num_hidden_layers, config.model_type
     window = getattr(config, "sliding_window", None)
-    if kind in ("llama", "gemma", "granite", "glm4") or not window or \
+    if kind in ("llama", "gemma", "granite", "glm4", *GLM_VL_TEXT) or not window or \
             (kind in ("qwen2", "qwen3", "qwen2_moe", *QWEN_VL_TEXT) and not getattr(config, "use_sliding_window", False)):
         return None, [False] * n
     types = None if kind in ("mistral", "phi3", "mixtral", "qwen3_moe") else getattr(config, "layer_types", None)
