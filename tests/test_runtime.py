@@ -180,6 +180,10 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "starcoder2-layernorm-biases": ("starcoder2", dict(use_bias=True, sliding_window=6, hidden_act="gelu_pytorch_tanh")),
     # Ministral 3 (Mistral 3's text model): yarn, queries scaled by 1 + beta log(1 + floor(position / 16)) past 16
     "ministral3-yarn-temperature": ("ministral3", dict(head_dim=16, rope_parameters=MINISTRAL3_ROPE)),
+    # ERNIE 4.5's experts: chosen by the softmax plus a correction bias, weighted by the softmax renormalised, a shared
+    # expert beside them, a dense first layer; its interleaved rope in float32, biases
+    "ernie45moe-correction": ("ernie4_5_moe", dict(use_bias=True, moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
+                                                   moe_num_shared_experts=1, layers=3)),
 }
 
 
@@ -215,7 +219,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "exaone4-windows-nope", "olmoe-experts", "ernie45-interleaved-bias", "arcee-relu2",
                                   "seedoss-biases", "ministral-windows", "hunyuan-norms-after-rope-alpha",
                                   "dots1-experts", "cohere-parallel-layernorm", "cohere2-windows-nope",
-                                  "starcoder2-layernorm-biases", "ministral3-yarn-temperature"])
+                                  "starcoder2-layernorm-biases", "ministral3-yarn-temperature", "ernie45moe-correction"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -416,7 +420,7 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     assert "gpt2" in unsupported(AutoConfig.for_model("gpt2"))
     assert "gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="gelu"))
     assert "not 'awq' ones" in unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "awq"}))
-    assert "a part of each head for phi3, glm4, glm4_moe, bamba, qwen3_next" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
+    assert "rotates a part of each head for phi3, glm4, glm4_moe, bamba" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
     assert "bidirectional" in unsupported(AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True))
     per_type = AutoConfig.for_model("gemma3_text", rope_parameters={  # each layer type's rope is checked
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
@@ -800,7 +804,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama", "qwen35", "granite4h",
                                   "nemotronh", "lfm2", "falconh1", "mamba", "jamba", "mamba2-alone", "arcee-relu2",
-                                  "olmoe-experts", "starcoder2-layernorm-biases"])
+                                  "olmoe-experts", "starcoder2-layernorm-biases", "ernie45moe-correction"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -817,7 +821,8 @@ def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     experts = sum(p.numel() for n, p in params.items() if ".experts." in n and p.dim() == 3)
     linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n and "embed" not in n
                   and not n.endswith(("mlp.gate.weight", "mixer.gate.weight", "router.weight", "shared_expert_gate.weight",
-                                      "A_log")))  # (Mamba's decays: [channels, state])
+                                      "A_log", "e_score_correction_bias")))  # (Mamba's decays: [channels, state];
+    # ERNIE 4.5's correction: [1, experts])
     assert (expert_bytes(config), linear_bytes(config)) == (4 * experts, 4 * linears)
 
 

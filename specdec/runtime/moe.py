@@ -1,7 +1,7 @@
 """Sparse mixtures of experts for the torch runtime: which layers are ``Experts``, how a
 router picks and weights them (``Routing``), and the grouped products that run them (Mixtral,
 Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
-Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1)."""
+Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +15,7 @@ from .ops import ACTIVATIONS
 # (``torch_llama.Latent``), Qwen3-Next's and Qwen3.5's have DeltaNet layers (``recurrent``)
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
-             "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text")
+             "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe")
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # ``block_sparse_moe``, routed as GPT-OSS's
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text")  # GLM-4.5's router (``Routing.sigmoid``)
 
@@ -40,6 +40,9 @@ def moe_layers(config) -> list[bool]:
         return [i >= config.num_dense_layers for i in range(n)]
     if kind == "jamba":  # every ``expert_layer_period``-th from ``expert_layer_offset``
         return [e > 1 for e in config.layers_num_experts]
+    if kind == "ernie4_5_moe":  # every ``moe_layer_interval``-th from its start to its end index
+        return [(i + 1) % config.moe_layer_interval == 0 and config.moe_layer_start_index <= i <= config.moe_layer_end_index
+                for i in range(n)]
     dense = set(config.mlp_only_layers or [])
     return [i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
             for i in range(n)]
@@ -91,7 +94,9 @@ class Routing:
     in float32, the top k of the softmax among the ``top_groups`` best of ``groups`` groups
     (each by its best one: ``group_limited_greedy``; one group: ``greedy``), times ``scale``,
     in float32; LFM2-MoE's (``sigmoid`` too): the top k of the sigmoid scores in the model's
-    dtype plus an expert bias, renormalised (``renorm_eps`` 1e-6) and times ``scale``."""
+    dtype plus an expert bias, renormalised (``renorm_eps`` 1e-6) and times ``scale``; ERNIE
+    4.5's: the router in float32, the top k of the softmax plus a correction bias, their softmax
+    scores renormalised by a sum of at least ``renorm_min``."""
 
     top_k: int
     renormalize: bool = False
@@ -108,6 +113,7 @@ class Routing:
     top_groups: int = 1
     scale: float = 1.0
     renorm_eps: float = 1e-20
+    renorm_min: float | None = None
 
     @classmethod
     def of(cls, config) -> "Routing":
@@ -118,6 +124,9 @@ class Routing:
             return cls(config.num_experts_per_tok, top_softmax=True, activation=config.hidden_act)
         if kind == "jamba":  # the top k of the softmax, not renormalised
             return cls(config.num_experts_per_tok, activation=config.hidden_act)
+        if kind == "ernie4_5_moe":
+            return cls(config.num_experts_per_tok, renormalize=True, float_router=True, renorm_min=config.moe_norm_min,
+                       activation=config.hidden_act)
         if kind == "lfm2_moe":  # sigmoid scores in the model's dtype, an expert bias on the choice
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True,
                        scale=config.routed_scaling_factor, renorm_eps=1e-6)
@@ -135,10 +144,11 @@ class Routing:
         return cls(config.num_experts_per_tok, renormalize=kind in ("mixtral", "qwen3_5_moe_text") or config.norm_topk_prob,
                    float_weights=kind == "mixtral", activation=getattr(config, "hidden_act", "silu"))
 
-    def weights(self, logits: torch.Tensor, correction: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def weights(self, logits: torch.Tensor, correction: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights, experts)`` ``[N, top_k]`` of router ``logits [N, experts]`` (``correction
-        [experts]``: GLM-4.5's bias on the scores that choose)."""
+        [experts]``: GLM-4.5's, ERNIE 4.5's bias on the scores that choose; ``dtype``: the
+        input's, which a softmax's weights are cast to but for ``float_weights``)."""
         if self.gpt_oss or self.top_softmax:
             top, chosen = logits.topk(self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype if self.gpt_oss else torch.float32).to(top.dtype), chosen
@@ -155,12 +165,17 @@ class Routing:
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, experts]
         if self.groups > 1:  # DeepSeek-V2's group_limited_greedy: each group by its best expert
             scores = self._best_groups(scores, lambda g: g.max(dim=-1).values, 0.0)
-        weights, chosen = scores.topk(self.top_k, dim=-1)
+        if correction is None:
+            weights, chosen = scores.topk(self.top_k, dim=-1)
+        else:  # (ERNIE 4.5's: chosen with a bias, weighted without)
+            chosen = (scores + correction).topk(self.top_k, dim=-1)[1]
+            weights = scores.gather(1, chosen)
         if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total if self.renorm_min is None else total.clamp(min=self.renorm_min))
         if self.scale != 1.0:
             weights = weights * self.scale
-        return (weights if self.float_weights else weights.to(logits.dtype)), chosen
+        return (weights if self.float_weights else weights.to(dtype or logits.dtype)), chosen
 
     def _best_groups(self, scores: torch.Tensor, rank, fill: float) -> torch.Tensor:
         """``scores [N, experts]`` with those outside each token's ``top_groups`` best groups
@@ -239,10 +254,11 @@ class Experts:
                       if block + n in weights)  # (Granite's as saved, as transformers names it)
         router = weights[router].to(
             device=device, dtype=torch.float32 if routing.float_router else dtype, copy=True)
-        correction = next((block + n for n in ("gate.e_score_correction_bias", "expert_bias") if block + n in weights),
-                          None)  # GLM-4.5's, LFM2-MoE's
+        correction = next((block + n for n in ("gate.e_score_correction_bias", "expert_bias",
+                                               "moe_statics.e_score_correction_bias") if block + n in weights),
+                          None)  # GLM-4.5's, LFM2-MoE's, ERNIE 4.5's ([1, experts])
         return cls(routing, router, gate_up.transpose(1, 2), down.transpose(1, 2),
-                   correction=weights[correction].to(device=device, dtype=torch.float32, copy=True)
+                   correction=weights[correction].to(device=device, dtype=torch.float32, copy=True).flatten()
                    if correction else None)
 
     @classmethod
@@ -270,7 +286,7 @@ class Experts:
         flat = x.reshape(-1, x.shape[-1])  # [N, hidden]
         N, k, E = flat.shape[0], self.routing.top_k, self.router.shape[0]
         logits = F.linear(flat.float() if self.routing.float_router else flat, self.router, self.router_bias)
-        weights, chosen = self.routing.weights(logits, self.correction)  # [N, k]
+        weights, chosen = self.routing.weights(logits, self.correction, x.dtype)  # [N, k]
         expert, order = chosen.flatten().sort()  # [N k] pairs, grouped by expert
         counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
             0, expert, torch.ones_like(expert, dtype=torch.int32))

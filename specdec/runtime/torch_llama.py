@@ -266,8 +266,8 @@ class Family:
                        logits_scale=config.lm_head_multiplier)
         if config.model_type not in GEMMAS:
             return cls(activation=act, float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3"),
-                       interleaved_rope=config.model_type in ("glm4", "ernie4_5") + GLM_VL_TEXT,
-                       rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5") else "model")
+                       interleaved_rope=config.model_type in ("glm4", "ernie4_5", "ernie4_5_moe") + GLM_VL_TEXT,
+                       rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe") else "model")
         return cls(offset_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
                    # Gemma 3's config has the field too, but transformers' model never reads it
@@ -757,7 +757,8 @@ class TorchLlama:
         self.norm = r.norm("model.norm.weight" if "model.norm.weight" in r else "model.final_layernorm.weight")  # Bamba's
         self.taps: tuple[int, ...] = ()  # hidden states each forward keeps (``capture``)
         self.features: torch.Tensor | None = None  # the last forward's: [B, T, len(taps) * hidden]
-        self.lm_head = r.linear(r.get("lm_head.weight") if "lm_head.weight" in r else self.embed, None)  # tied
+        self.lm_head = r.linear(r.get("lm_head.weight"), r.opt("lm_head.bias")) if "lm_head.weight" in r \
+            else r.linear(self.embed, None)  # tied (a bias: ERNIE 4.5 MoE's)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         graphable = not any(layer["experts"] for layer in self.layers) or grouped_mm_graphable(device, dtype)
