@@ -184,6 +184,8 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # expert beside them, a dense first layer; its interleaved rope in float32, biases
     "ernie45moe-correction": ("ernie4_5_moe", dict(use_bias=True, moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
                                                    moe_num_shared_experts=1, layers=3)),
+    # Apertus: xIELU(up) of each layer's own trained parameters, not gated; q/k norms; its norms' names; llama3 rope
+    "apertus-xielu": ("apertus", dict(head_dim=16)),
 }
 
 
@@ -219,7 +221,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "exaone4-windows-nope", "olmoe-experts", "ernie45-interleaved-bias", "arcee-relu2",
                                   "seedoss-biases", "ministral-windows", "hunyuan-norms-after-rope-alpha",
                                   "dots1-experts", "cohere-parallel-layernorm", "cohere2-windows-nope",
-                                  "starcoder2-layernorm-biases", "ministral3-yarn-temperature", "ernie45moe-correction"])
+                                  "starcoder2-layernorm-biases", "ministral3-yarn-temperature", "ernie45moe-correction",
+                                  "apertus-xielu"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -804,7 +807,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama", "qwen35", "granite4h",
                                   "nemotronh", "lfm2", "falconh1", "mamba", "jamba", "mamba2-alone", "arcee-relu2",
-                                  "olmoe-experts", "starcoder2-layernorm-biases", "ernie45moe-correction"])
+                                  "olmoe-experts", "starcoder2-layernorm-biases", "ernie45moe-correction",
+                                  "apertus-xielu"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

@@ -130,7 +130,7 @@ def linear_bytes(config) -> int:
         attention = config.num_hidden_layers * ((q * (h + query) if q else h * query) + (r + rope) * h
                                                 + r * heads * (config.qk_nope_head_dim + config.v_head_dim)
                                                 + heads * config.v_head_dim * h)
-    gated = config.model_type not in ("arcee", "starcoder2")  # (their MLPs: up and down alone)
+    gated = config.model_type not in ("arcee", "starcoder2", "apertus")  # (their MLPs: up and down alone)
     return 4 * (attention + (3 if gated else 2) * h * mlp + config.vocab_size * h)
 
 

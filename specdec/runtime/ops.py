@@ -9,6 +9,15 @@ import torch.nn.functional as F
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                "relu2": lambda x: F.relu(x).square()}  # (Nemotron-H's, not gated)
+TRAINED_ACTIVATIONS = ("xielu",)  # of weights each layer keeps (``xielu``: Apertus's)
+
+
+def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: torch.Tensor,
+          eps: torch.Tensor) -> torch.Tensor:
+    """xIELU (Apertus's MLP activation, as transformers' Python form computes it), of the layer's
+    ``alpha_p``, ``alpha_n`` (before their softplus), ``beta`` and ``eps``."""
+    alpha_p, alpha_n = F.softplus(alpha_p), beta + F.softplus(alpha_n)
+    return torch.where(x > 0, alpha_p * x * x + beta * x, (torch.expm1(torch.min(x, eps)) - x) * alpha_n + beta * x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
 Granite, SmolLM3, GLM-4, OLMo 2 and 3, EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan, Cohere, Command R7B,
-StarCoder2), its mixtures of
+StarCoder2, Apertus), its mixtures of
 experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, dots.llm1, GPT-OSS, GLM-4.5, Granite's: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
 GLM-4.7-Flash: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``), and the
@@ -35,7 +35,7 @@ from .. import disk_cache
 from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
 from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
-from .ops import ACTIVATIONS, LayerNorm, attention, norm, rms_norm, rotate, softcap
+from .ops import ACTIVATIONS, TRAINED_ACTIVATIONS, LayerNorm, attention, norm, rms_norm, rotate, softcap, xielu
 from .recurrent import (DEFAULT_DEPTH, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, Mamba1, Mamba2, RecurrentStates,
                         ShortConv, StatePlan, recurrent_mixer)
 
@@ -53,7 +53,7 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 ARCHS = tuple(dict.fromkeys(("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
                              "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense",
-                             "cohere", "cohere2", "starcoder2",
+                             "cohere", "cohere2", "starcoder2", "apertus",
                              "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba") + GRANITES + MOE_ARCHS
                             + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
@@ -94,7 +94,7 @@ class RenamedWeights:
     """A checkpoint's weights under Llama's names (``model.layers.{i}.self_attn.q_proj.weight``...),
     each name's parts replaced in turn by ``renames[model_type]`` (``(old, new)``), then its
     ``model.`` by ``prefix``: HunYuan's q/k norms are ``query_layernorm`` / ``key_layernorm``,
-    StarCoder2's MLP ``c_fc`` / ``c_proj``; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
+    StarCoder2's MLP ``c_fc`` / ``c_proj``, Apertus's norms ``attention_layernorm`` / ``feedforward_layernorm``; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
     Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
     transformers names it), as Mamba's, Falcon-Mamba's and Mamba-2's blocks (a Mamba layer
     each); LFM2's (and LFM2-MoE's) norms, attention and MLP go by their own names."""
@@ -112,6 +112,8 @@ class RenamedWeights:
     RENAMES.update(dict.fromkeys(PURE_RECURRENT, RENAMES["nemotron_h"]))
     RENAMES["hunyuan_v1_dense"] = [(".q_norm.", ".query_layernorm."), (".k_norm.", ".key_layernorm.")]
     RENAMES["starcoder2"] = [(".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj.")]
+    RENAMES["apertus"] = [(".input_layernorm.", ".attention_layernorm."),
+                          (".post_attention_layernorm.", ".feedforward_layernorm.")]
 
     def __init__(self, weights, model_type: str):
         self.weights, self.renames = weights, self.RENAMES[model_type]
@@ -249,7 +251,7 @@ class Family:
             return cls(activation=act, offset_norms=True)
         if config.model_type == "nemotron_h":
             return cls(activation=config.mlp_hidden_act, gated_mlp=False)
-        if config.model_type == "arcee":  # its MLP not gated: relu2(up)
+        if config.model_type in ("arcee", "apertus"):  # their MLPs not gated: relu2(up), xielu(up)
             return cls(activation=act, gated_mlp=False)
         if config.model_type == "hunyuan_v1_dense":
             return cls(activation=act, norm_after_rope=True)
@@ -485,8 +487,8 @@ def unsupported(config) -> str | None:
         # experts are dequantized at load: ``mxfp4``)
         return f"the torch runtime reads unquantized checkpoints, not {quant_method(config)!r} ones"
     act = Family.of(config).activation
-    if act not in ACTIVATIONS:
-        return f"the torch runtime supports the {' and '.join(ACTIVATIONS)} activations, not {act!r}"
+    if act not in ACTIVATIONS and act not in TRAINED_ACTIVATIONS:
+        return f"the torch runtime supports the {', '.join([*ACTIVATIONS, *TRAINED_ACTIVATIONS])} activations, not {act!r}"
     if getattr(config, "use_qk_norm", False) and config.model_type == "cohere":  # (Command R+'s: layer norms per head)
         return "the torch runtime does not run Cohere's q/k layer norms (use_qk_norm)"
     if getattr(config, "clip_qkv", None) is not None:  # (OLMoE's, where set: no released one does)
@@ -674,6 +676,10 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         "post_mlp_norm": r.norm(pre + ("post_mlp_layernorm" if glm4 else "post_feedforward_layernorm") + ".weight")
         if sandwich or glm4 or after else None,
         "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
+        "xielu": [r.get(mlp + "act_fn." + n) if mlp + "act_fn." + n in r else torch.tensor(default, device=r.device,
+                                                                                            dtype=r.dtype)
+                  for n, default in (("alpha_p", 0.0), ("alpha_n", 0.0), ("beta", 0.5), ("eps", -1e-6))]
+        if r.family.activation == "xielu" and gate_up is not None else None,  # (Apertus's, of its weights)
         "down": down,
         "shared_gate": r.opt(pre + "mlp.shared_expert_gate.weight") if moe else None,  # [1, hidden]
         "experts": Experts.load(config, r.weights, pre, r.device, r.dtype) if moe else None,
@@ -1039,7 +1045,7 @@ class TorchLlama:
         out = None
         if L["gate_up"] is not None:
             gate, *up = L["gate_up"](a).chunk(1 + self.family.gated_mlp, dim=-1)  # (not gated: Nemotron-H's)
-            h = ACTIVATIONS[self.family.activation](gate)
+            h = xielu(gate, *L["xielu"]) if L["xielu"] else ACTIVATIONS[self.family.activation](gate)
             out = L["down"](h * up[0] if up else h)
             if L["shared_gate"] is not None:
                 out = torch.sigmoid(F.linear(a, L["shared_gate"])) * out
