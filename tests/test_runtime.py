@@ -339,17 +339,22 @@ def test_multimodal_gemma3_text_model(tmp_path):
     assert (logits[0] - logits[1]).abs().max().item() < ATOL
 
 
-@pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "qwen2_5_vl", "qwen3_vl", "glm4v", "glm4v_moe",
+RECURRENT_VL = ("qwen3_5", "lfm2_vl")  # text models with recurrent states: chains, float32 within rounding
+
+
+@pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "llava_next", "llava_onevision", "qwen2_vl",
+                                  "qwen2_5_vl", "qwen3_vl", "glm4v", "glm4v_moe", "internvl", "smolvlm", "lfm2_vl",
                                   "qwen3_5"])
 def test_vision_language_text_model(tmp_path, kind):
     """Mistral 3's (with a Mistral text model, or Ministral 3's: its queries scaled past the
-    original context), LLaVA's, Qwen2.5-VL's, Qwen3-VL's, GLM-4.1V's and GLM-4.5V's checkpoints (no causal LMs in
+    original context), LLaVA's, LLaVA-NeXT's, LLaVA-OneVision's, Qwen2-VL's to Qwen3-VL's, GLM-4.1V's, GLM-4.5V's, InternVL's, SmolVLM's (its text
+    model under model.text_model.) and LFM2-VL's checkpoints (no causal LMs in
     transformers: its hf runtime cannot run them) and Qwen3.5's, as released, run their text
     model on the torch runtime: logits equal transformers' image-text-to-text model's on text
     (bit for bit, float32 and bfloat16; the Qwens' multimodal rope on text alone; Qwen3.5's
-    DeltaNet layers' fused input products round otherwise in float32: within rounding there),
-    greedy output under speculation equal to its argmax (chains only through Qwen3.5's
-    recurrent states), a window on Mistral 3's layers, dummy weights."""
+    DeltaNet layers' fused input products and LFM2's convolutions round otherwise in float32:
+    within rounding there), greedy output under speculation equal to its argmax (chains only
+    through Qwen3.5's and LFM2's recurrent states), a window on Mistral 3's layers, dummy weights."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from specdec import LLM, SamplingParams, SpecConfig
@@ -369,7 +374,7 @@ def test_vision_language_text_model(tmp_path, kind):
         with torch.no_grad():
             ref = hf(input_ids=ids).logits[0].float()
         ours = rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0]
-        if kind == "qwen3_5" and dtype == torch.float32:
+        if kind in RECURRENT_VL and dtype == torch.float32:
             assert (ours - ref).abs().max() < ATOL * ref.abs().max()
         else:
             assert torch.equal(ours, ref), dtype
@@ -384,7 +389,7 @@ def test_vision_language_text_model(tmp_path, kind):
             for _ in range(20):
                 seq.append(hf(input_ids=torch.tensor([seq])).logits[0, -1].argmax().item())
         want.append(seq[-20:])
-    ngram = SpecConfig(method="ngram", tree_topk=1 if kind == "qwen3_5" else 2, num_draft_tokens=3)
+    ngram = SpecConfig(method="ngram", tree_topk=1 if kind in RECURRENT_VL else 2, num_draft_tokens=3)
     for kw in (dict(), dict(speculative="self"), dict(speculative=ngram)):
         assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
     dummy = load_model(str(path), load_format="dummy").runtime

@@ -244,6 +244,13 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
                  dict(image_token_index=VOCAB - 1)),
     "llava": (dict(model_type="llama"), dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
               num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14), dict(image_token_index=VOCAB - 1)),
+    # LLaVA-NeXT's (Mistral text), LLaVA-OneVision's (Qwen2 text, SigLIP vision)
+    "llava_next": (dict(model_type="mistral"), dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                   num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
+                   dict(image_token_index=VOCAB - 1, image_grid_pinpoints=[[28, 28]])),
+    "llava_onevision": (dict(model_type="qwen2"), dict(model_type="siglip_vision_model", hidden_size=32,
+                        intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
+                        dict(image_token_index=VOCAB - 1, video_token_index=VOCAB - 2, image_grid_pinpoints=[[28, 28]])),
     # multimodal rope in sections (interleaved for Qwen3-VL), biases on Qwen2.5-VL's q/k/v, q/k norms on Qwen3-VL's
     "qwen2_5_vl": (dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
                    dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),
@@ -259,6 +266,20 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
     "glm4v_moe": (dict(head_dim=16, **{k: v for k, v in MOE["glm4_moe"].items() if k != "layers"}, num_hidden_layers=3,
                        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2],
                                         "partial_rotary_factor": 0.5}), GLM4V_VISION, GLM4V_TOKENS),
+    # Qwen2-VL: Qwen2's layers, rope in sections; InternVL (its "-hf" checkpoints): Qwen2's, tied; SmolVLM: Llama's under
+    # model.text_model.; LFM2-VL: LFM2's convolutions
+    "qwen2_vl": (dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+                 dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2),
+                 dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3)),
+    "internvl": (dict(model_type="qwen2", tie_word_embeddings=True),
+                 dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=[28, 28], patch_size=[14, 14]), dict(image_token_id=VOCAB - 1)),
+    "smolvlm": (dict(model_type="llama"), dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=28, patch_size=14),
+                dict(image_token_id=VOCAB - 1)),
+    "lfm2_vl": (dict(model_type="lfm2", num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
+                dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_patches=16, patch_size=14), dict(image_token_id=VOCAB - 1)),
     # DeltaNet layers beside gated attention, its norms of 1 + weight (but the DeltaNet output's)
     "qwen3_5": (dict(head_dim=16, **{k: v for k, v in DELTA_NET.items() if k != "layers"}, num_hidden_layers=3,
                      rope_parameters={"rope_type": "default", "rope_theta": 1e7, "mrope_section": [1, 1, 0],

@@ -41,7 +41,7 @@ from .recurrent import (DEFAULT_DEPTH, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet
 
 log = logging.getLogger(__name__)
 
-QWEN_VL_TEXT = ("qwen2_5_vl_text", "qwen3_vl_text")  # Qwen2 and Qwen3 on text alone (text_model)
+QWEN_VL_TEXT = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")  # Qwen2 and Qwen3 on text alone (text_model)
 # GLM-4.1V's / GLM-4.6V-Flash's text model: GLM-4's layers (GLM-4.5V's and GLM-4.6V's: GLM-4.5's, ``moe``), its
 # multimodal rope on text alone the text model's
 GLM_VL_TEXT = ("glm4v_text",)
@@ -67,7 +67,14 @@ PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba", "glm4v_moe_text") + GLM_V
 MULTIMODAL = dict.fromkeys(("gemma3", "mistral3", "llava"), ("language_model.model.", "model.language_model."))
 # Qwen2.5-VL's and Qwen3-VL's (their multimodal rope, on text alone, is the text model's: its three
 # position streams are equal); Qwen2.5-VL's released checkpoints keep the text model under "model."
-MULTIMODAL.update(dict.fromkeys(("qwen2_5_vl", "qwen3_vl"), ("model.language_model.", "language_model.model.", "model.")))
+MULTIMODAL.update(dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
+                                ("model.language_model.", "language_model.model.", "model.")))
+# more that hold a text model the torch runtime runs: LLaVA-NeXT's and LLaVA-OneVision's, InternVL's (the "-hf"
+# checkpoints: Qwen2 / Qwen3 text), LFM2-VL's (LFM2's); SmolVLM's and Idefics3's (Llama). (Not Aya Vision's: its
+# transformers model leaves out its Command R7B text model's logit scale, where vLLM's keeps it.)
+MULTIMODAL.update(dict.fromkeys(("llava_next", "llava_onevision", "internvl", "lfm2_vl"),
+                                ("model.language_model.", "language_model.model.")))
+MULTIMODAL.update(dict.fromkeys(("smolvlm", "idefics3"), ("model.text_model.",)))
 # (Qwen3.5's under "model." too: transformers' causal LM of its config, dummy weights' names)
 MULTIMODAL.update(dict.fromkeys(("qwen3_5", "qwen3_5_moe"), ("model.language_model.", "language_model.model.", "model.")))
 MULTIMODAL.update(dict.fromkeys(("glm4v", "glm4v_moe"), ("model.language_model.", "language_model.model.")))  # GLM-4.1V+
@@ -171,21 +178,21 @@ class ScaledWeights:
 
 def text_model(config, weights=None):
     """``(config, weights)`` of the text model the torch runtime runs, under Llama's names: a
-    multimodal checkpoint's (``MULTIMODAL``: Gemma 3 4B and up, Mistral 3, LLaVA, Qwen2.5-VL, Qwen3-VL, GLM-4.1V+; ``text_config``,
-    ``TextWeights``; text prompts only), Nemotron-H's and LFM2's (``RenamedWeights``), Falcon-H1's
-    (``ScaledWeights``), else as given."""
+    multimodal checkpoint's (``MULTIMODAL``: Gemma 3 4B and up, Mistral 3, LLaVA and its kin, Qwen2-VL to Qwen3-VL,
+    GLM-4.1V+, InternVL, SmolVLM, LFM2-VL; ``text_config``, ``TextWeights``; text prompts only), then
+    Nemotron-H's, LFM2's... (``RenamedWeights``), Falcon-H1's (``ScaledWeights``), else as given."""
+    if config.model_type in MULTIMODAL:
+        if weights is not None:
+            prefix = next((p for p in MULTIMODAL[config.model_type] if p + "embed_tokens.weight" in weights),
+                          MULTIMODAL[config.model_type][0])
+            head = next((h for h in ("language_model.lm_head.weight", "lm_head.weight") if h in weights), "")
+            weights = TextWeights(weights, prefix, head)
+        config = config.get_text_config(decoder=True)
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
         return config, RenamedWeights(weights, config.model_type)
     if config.model_type == "falcon_h1" and weights is not None:
         return config, ScaledWeights(weights, config)
-    if config.model_type not in MULTIMODAL:
-        return config, weights
-    if weights is not None:
-        prefix = next((p for p in MULTIMODAL[config.model_type] if p + "embed_tokens.weight" in weights),
-                      MULTIMODAL[config.model_type][0])
-        head = next((h for h in ("language_model.lm_head.weight", "lm_head.weight") if h in weights), "")
-        weights = TextWeights(weights, prefix, head)
-    return config.get_text_config(decoder=True), weights
+    return config, weights
 
 
 @dataclass(frozen=True)
