@@ -17,7 +17,8 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe")
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # ``block_sparse_moe``, routed as GPT-OSS's
-SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text")  # GLM-4.5's router (``Routing.sigmoid``)
+# GLM-4.5's router (``Routing.sigmoid``)
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text")
 
 
 def moe_layers(config) -> list[bool]:
@@ -41,8 +42,8 @@ def moe_layers(config) -> list[bool]:
     if kind == "jamba":  # every ``expert_layer_period``-th from ``expert_layer_offset``
         return [e > 1 for e in config.layers_num_experts]
     if kind == "ernie4_5_moe":  # every ``moe_layer_interval``-th from its start to its end index
-        return [(i + 1) % config.moe_layer_interval == 0 and config.moe_layer_start_index <= i <= config.moe_layer_end_index
-                for i in range(n)]
+        first, last = config.moe_layer_start_index, config.moe_layer_end_index
+        return [(i + 1) % config.moe_layer_interval == 0 and first <= i <= last for i in range(n)]
     dense = set(config.mlp_only_layers or [])
     return [i not in dense and config.num_experts > 0 and (i + 1) % config.decoder_sparse_step == 0
             for i in range(n)]

@@ -348,7 +348,8 @@ class Mamba1:
         x = convolve(states, li, slots, plan, x, L).to(a.dtype)
         dt, b, c = L["x_proj"](x).split([self.dt_rank, N, N], dim=-1)
         if self.norm_eps is not None:
-            dt, b, c = (plain_rms_norm(t, L[n], self.norm_eps) for t, n in zip((dt, b, c), ("dt_norm", "b_norm", "c_norm")))
+            dt, b, c = (plain_rms_norm(t, L[n], self.norm_eps)
+                        for t, n in zip((dt, b, c), ("dt_norm", "b_norm", "c_norm")))
         dt = F.softplus(L["dt_proj"](dt).float() + L["dt_bias"])  # [B, T, inner]
         dt = torch.where(plan.valid[:, :, None], dt, 0.0)  # padding neither decays the state nor writes to it
         x, b, c = x.float(), b.float(), c.float()

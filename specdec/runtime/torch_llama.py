@@ -1,7 +1,7 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
 Granite, SmolLM3, GLM-4, OLMo 2 and 3, EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan, Cohere, Command R7B,
-StarCoder2, Apertus), its mixtures of
-experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, dots.llm1, GPT-OSS, GLM-4.5, Granite's: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
+StarCoder2, Apertus), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, dots.llm1, ERNIE 4.5,
+GPT-OSS, GLM-4.5, Granite's: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
 GLM-4.7-Flash: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``), and the
 hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the
@@ -51,11 +51,11 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Granite's multipliers; Granite 4.0's hybrids (granitemoehybrid, with or without experts) have Mamba-2 layers
 # beside attention without rope, as Bamba's beside attention with rope on half of each head
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
-ARCHS = tuple(dict.fromkeys(("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
-                             "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense",
-                             "cohere", "cohere2", "starcoder2", "apertus",
-                             "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba") + GRANITES + MOE_ARCHS
-                            + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
+ARCHS = tuple(dict.fromkeys((
+    "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
+    "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
+    "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba")
+    + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
@@ -77,7 +77,8 @@ MULTIMODAL.update(dict.fromkeys(("llava_next", "llava_onevision", "internvl", "l
 MULTIMODAL.update(dict.fromkeys(("smolvlm", "idefics3"), ("model.text_model.",)))
 # (Qwen3.5's under "model." too: transformers' causal LM of its config, dummy weights' names)
 MULTIMODAL.update(dict.fromkeys(("qwen3_5", "qwen3_5_moe"), ("model.language_model.", "language_model.model.", "model.")))
-MULTIMODAL.update(dict.fromkeys(("glm4v", "glm4v_moe"), ("model.language_model.", "language_model.model.")))  # GLM-4.1V+
+# GLM-4.1V's and up
+MULTIMODAL.update(dict.fromkeys(("glm4v", "glm4v_moe"), ("model.language_model.", "language_model.model.")))
 
 
 class TextWeights:
@@ -101,7 +102,8 @@ class RenamedWeights:
     """A checkpoint's weights under Llama's names (``model.layers.{i}.self_attn.q_proj.weight``...),
     each name's parts replaced in turn by ``renames[model_type]`` (``(old, new)``), then its
     ``model.`` by ``prefix``: HunYuan's q/k norms are ``query_layernorm`` / ``key_layernorm``,
-    StarCoder2's MLP ``c_fc`` / ``c_proj``, Apertus's norms ``attention_layernorm`` / ``feedforward_layernorm``; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
+    StarCoder2's MLP ``c_fc`` / ``c_proj``, Apertus's norms ``attention_layernorm`` /
+    ``feedforward_layernorm``; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
     Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
     transformers names it), as Mamba's, Falcon-Mamba's and Mamba-2's blocks (a Mamba layer
     each); LFM2's (and LFM2-MoE's) norms, attention and MLP go by their own names."""
@@ -269,14 +271,16 @@ class Family:
             return cls(activation=act, gated_mlp=False, layer_norm="model")
         beta = (getattr(config, "rope_parameters", None) or {}).get("llama_4_scaling_beta")
         if config.model_type == "ministral3" and beta:
-            return cls(activation=act, query_temperature=(beta, config.rope_parameters["original_max_position_embeddings"]))
+            span = config.rope_parameters["original_max_position_embeddings"]
+            return cls(activation=act, query_temperature=(beta, span))
         if config.model_type == "falcon_h1":  # (its other multipliers: in the weights, ``ScaledWeights``)
             return cls(activation=act, embed_scale=config.embedding_multiplier,
                        logits_scale=config.lm_head_multiplier)
         if config.model_type not in GEMMAS:
             return cls(activation=act, float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3"),
                        interleaved_rope=config.model_type in ("glm4", "ernie4_5", "ernie4_5_moe") + GLM_VL_TEXT,
-                       rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe") else "model")
+                       rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe")
+                       else "model")
         return cls(offset_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
                    # Gemma 3's config has the field too, but transformers' model never reads it
@@ -495,7 +499,8 @@ def unsupported(config) -> str | None:
         return f"the torch runtime reads unquantized checkpoints, not {quant_method(config)!r} ones"
     act = Family.of(config).activation
     if act not in ACTIVATIONS and act not in TRAINED_ACTIVATIONS:
-        return f"the torch runtime supports the {', '.join([*ACTIVATIONS, *TRAINED_ACTIVATIONS])} activations, not {act!r}"
+        known = ", ".join([*ACTIVATIONS, *TRAINED_ACTIVATIONS])
+        return f"the torch runtime supports the {known} activations, not {act!r}"
     if getattr(config, "use_qk_norm", False) and config.model_type == "cohere":  # (Command R+'s: layer norms per head)
         return "the torch runtime does not run Cohere's q/k layer norms (use_qk_norm)"
     if getattr(config, "clip_qkv", None) is not None:  # (OLMoE's, where set: no released one does)
@@ -506,7 +511,8 @@ def unsupported(config) -> str | None:
         return "the torch runtime runs causal attention, not bidirectional"
     for params in rope_types(config).values():
         rope = params.get("rope_type", "default")
-        if rope not in POSITIONAL_ROPE and not ntk_alpha(params):  # dynamic, longrope: rescaled by the whole sequence's length
+        if rope not in POSITIONAL_ROPE and not ntk_alpha(params):  # dynamic, longrope: rescaled by the sequence's
+            # length
             return (f"the torch runtime supports rope types {', '.join(POSITIONAL_ROPE)}, not {rope!r} "
                     "(backend 'hf' runs transformers' own model)")
         if params.get("partial_rotary_factor", 1.0) != 1.0 and config.model_type not in PARTIAL_ROTARY:
