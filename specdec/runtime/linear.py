@@ -130,8 +130,9 @@ def linear_bytes(config) -> int:
         attention = config.num_hidden_layers * ((q * (h + query) if q else h * query) + (r + rope) * h
                                                 + r * heads * (config.qk_nope_head_dim + config.v_head_dim)
                                                 + heads * config.v_head_dim * h)
-    gated = config.model_type not in ("arcee", "starcoder2", "apertus")  # (their MLPs: up and down alone)
-    return 4 * (attention + (3 if gated else 2) * h * mlp + config.vocab_size * h)
+    from .torch_llama import Family  # (its module imports this one)
+
+    return 4 * (attention + (3 if Family.of(config).gated_mlp else 2) * h * mlp + config.vocab_size * h)
 
 
 def expert_bytes(config) -> int:

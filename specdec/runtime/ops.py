@@ -20,11 +20,14 @@ def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: t
     return torch.where(x > 0, alpha_p * x * x + beta * x, (torch.expm1(torch.min(x, eps)) - x) * alpha_n + beta * x)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Llama's (scaled in the model's dtype), or with a float32 ``weight`` under a lower
-    precision Gemma's (scaled in float32, then cast): the same in float32."""
+    precision Gemma's (scaled in float32, then cast): the same in float32; without a weight
+    (Falcon-Mamba's norms of dt, B and C), not scaled."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return h.to(x.dtype)
     if weight.dtype == torch.float32:
         return (h * weight).to(x.dtype)
     return weight * h.to(x.dtype)

@@ -53,9 +53,7 @@ def recurrent_mixer(config) -> "DeltaNet | Mamba2 | Mamba1 | ShortConv | None":
         return ShortConv(config.hidden_size, config.conv_L_cache)
     if config.model_type in MAMBA1_ARCHS:
         return Mamba1.of(config)
-    if config.model_type == "mamba2":
-        return Mamba2.of(config)
-    return Mamba2.of(config) if hasattr(config, "mamba_n_heads") or config.model_type == "nemotron_h" \
+    return Mamba2.of(config) if hasattr(config, "mamba_n_heads") or config.model_type in ("nemotron_h", "mamba2") \
         else DeltaNet.of(config)
 
 
@@ -348,8 +346,7 @@ class Mamba1:
         x = convolve(states, li, slots, plan, x, L).to(a.dtype)
         dt, b, c = L["x_proj"](x).split([self.dt_rank, N, N], dim=-1)
         if self.norm_eps is not None:
-            dt, b, c = (plain_rms_norm(t, L[n], self.norm_eps)
-                        for t, n in zip((dt, b, c), ("dt_norm", "b_norm", "c_norm")))
+            dt, b, c = (rms_norm(t, L[n], self.norm_eps) for t, n in zip((dt, b, c), ("dt_norm", "b_norm", "c_norm")))
         dt = F.softplus(L["dt_proj"](dt).float() + L["dt_bias"])  # [B, T, inner]
         dt = torch.where(plan.valid[:, :, None], dt, 0.0)  # padding neither decays the state nor writes to it
         x, b, c = x.float(), b.float(), c.float()
@@ -359,14 +356,6 @@ class Mamba1:
 
         y = scan(states, li, slots, plan, None, chunked)  # [B, T, inner]
         return L["mix_out"]((y * F.silu(z.float())).to(a.dtype))
-
-
-def plain_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """``rms_norm``, or without a weight (Falcon-Mamba's norms of dt, B and C)."""
-    if weight is not None:
-        return rms_norm(x, weight, eps)
-    h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor, b: torch.Tensor, c: torch.Tensor,

@@ -689,10 +689,7 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         "post_mlp_norm": r.norm(pre + ("post_mlp_layernorm" if glm4 else "post_feedforward_layernorm") + ".weight")
         if sandwich or glm4 or after else None,
         "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
-        "xielu": [r.get(mlp + "act_fn." + n) if mlp + "act_fn." + n in r else torch.tensor(default, device=r.device,
-                                                                                            dtype=r.dtype)
-                  for n, default in (("alpha_p", 0.0), ("alpha_n", 0.0), ("beta", 0.5), ("eps", -1e-6))]
-        if r.family.activation == "xielu" and gate_up is not None else None,  # (Apertus's, of its weights)
+        "xielu": xielu_weights(r, mlp) if r.family.activation == "xielu" and gate_up is not None else None,
         "down": down,
         "shared_gate": r.opt(pre + "mlp.shared_expert_gate.weight") if moe else None,  # [1, hidden]
         "experts": Experts.load(config, r.weights, pre, r.device, r.dtype) if moe else None,
@@ -701,6 +698,15 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         "rotates": rotates,
         "index": index,
     }
+
+
+def xielu_weights(r: CheckpointReader, mlp: str) -> list[torch.Tensor]:
+    """The MLP under ``mlp``'s xIELU parameters (Apertus's, each layer's own: ``ops.xielu``):
+    its trained ``alpha_p`` and ``alpha_n``, and its ``beta`` and ``eps`` (transformers' 0.5 and
+    -1e-6 where the checkpoint leaves them out)."""
+    fixed = [r.get(mlp + "act_fn." + n) if mlp + "act_fn." + n in r else torch.tensor(v, device=r.device, dtype=r.dtype)
+             for n, v in (("beta", 0.5), ("eps", -1e-6))]
+    return [r.get(mlp + "act_fn.alpha_p"), r.get(mlp + "act_fn.alpha_n"), *fixed]
 
 
 class TorchLlama:
@@ -855,10 +861,11 @@ class TorchLlama:
         self.rope = {}
         for layer_type, params in rope_types(config).items():
             rope_type = params.get("rope_type", "default")
-            if rope_type == "default" or ntk_alpha(params):
+            alpha = ntk_alpha(params)
+            if rope_type == "default" or alpha:
                 base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
                 d = self.latent.rope if self.latent else int(self.head_dim * params.get("partial_rotary_factor", 1.0))
-                base *= ntk_alpha(params) ** (d / (d - 2)) if ntk_alpha(params) else 1.0
+                base *= alpha ** (d / (d - 2)) if alpha else 1.0
                 inv_freq, scale = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
             else:
                 kw = {"layer_type": layer_type} if layer_type is not None else {}
