@@ -3,7 +3,8 @@ step) on the torch runtime, after ``--context`` tokens, with random weights of e
 shapes (``DummyWeights``): a Llama and two hybrids of about its width, a Granite-4.0-H-1B-like
 one (Mamba-2 layers) and a Qwen3.5-0.8B-like one (DeltaNet layers), and two recurrent models of
 that width alone (48 blocks of one layer): a Mamba-790M-like one (Mamba's selective scan) and a
-Mamba2-780M-like one. Medians of ``--repeats``, all in one process.
+Mamba2-780M-like one. Each forward is timed with its commit, a rewind to half its tokens (the
+states a replay recomputes: Mamba-2's and DeltaNet's). Medians of ``--repeats``, all in one process.
 
     python scripts/bench_recurrent_cost.py [--models llama,granite,qwen35,mamba,mamba2] [--tokens 1,2,5,9,17]
         [--device cpu] [--dtype float32]
@@ -69,6 +70,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 t0 = time.perf_counter()
                 rt.forward(cache, [0], [list(range(T))])
+                cache.rewind(0, args.context + (T + 1) // 2)  # the verify's commit: half its tokens kept
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 runs.append(time.perf_counter() - t0)

@@ -42,6 +42,8 @@ def tiny_dirs(tmp_path_factory):
         "olmo3": make_tiny(root / "olmo3", "olmo3", seed=22, layers=4, sliding_window=6),
         # Command R7B: layer norms, attention and the MLP side by side, windows on 3 layers of 4 (no rope on the 4th)
         "cohere2": make_tiny(root / "cohere2", "cohere2", seed=23, layers=4, sliding_window=6, logit_scale=0.3),
+        # Pythia (GPT-NeoX): layer norms, attention beside the MLP, a quarter of each head rotated, its fused projection
+        "pythia": make_tiny(root / "pythia", "gpt_neox", seed=24, num_key_value_heads=None),
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

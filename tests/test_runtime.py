@@ -186,6 +186,21 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
                                                    moe_num_shared_experts=1, layers=3)),
     # Apertus: xIELU(up) of each layer's own trained parameters, not gated; q/k norms; its norms' names; llama3 rope
     "apertus-xielu": ("apertus", dict(head_dim=16)),
+    # layer norms, a quarter or half of each head rotated, MLPs not gated: GPT-NeoX's (Pythia's) attention and MLP side
+    # by side, each of its own norm, its fused projection per head ([heads, 3, head_dim]), biases, erf gelu (or one
+    # after the other); Phi's side by side of one norm, its tanh gelu written out, its head's bias (and q/k layer
+    # norms); StableLM's q/k norms one per head, biases (or side by side of one norm)
+    "gptneox-parallel": ("gpt_neox", dict(num_key_value_heads=None)),
+    "gptneox-sequential": ("gpt_neox", dict(num_key_value_heads=None, use_parallel_residual=False)),
+    "phi-parallel": ("phi", {}),
+    "phi-qk-layernorm": ("phi", dict(qk_layernorm=True)),
+    "stablelm-norms-per-head": ("stablelm", dict(qk_layernorm=True, use_qkv_bias=True)),
+    "stablelm-parallel": ("stablelm", dict(use_parallel_residual=True)),
+    # Command R+'s q/k layer norms, a weight per head, in float32; queries, keys and values clamped: OLMoE's after its
+    # q/k norms, OLMo's (norms without weights, rope in float32)
+    "cohere-qk-norms": ("cohere", dict(use_qk_norm=True, logit_scale=0.3)),
+    "olmoe-clip": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, clip_qkv=0.5)),
+    "olmo-plain-norms-clip": ("olmo", dict(clip_qkv=0.5)),
 }
 
 
@@ -222,7 +237,9 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "seedoss-biases", "ministral-windows", "hunyuan-norms-after-rope-alpha",
                                   "dots1-experts", "cohere-parallel-layernorm", "cohere2-windows-nope",
                                   "starcoder2-layernorm-biases", "ministral3-yarn-temperature", "ernie45moe-correction",
-                                  "apertus-xielu"])
+                                  "apertus-xielu", "gptneox-parallel", "gptneox-sequential", "phi-parallel",
+                                  "phi-qk-layernorm", "stablelm-norms-per-head", "stablelm-parallel", "cohere-qk-norms",
+                                  "olmoe-clip", "olmo-plain-norms-clip"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -426,7 +443,7 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     path = make_tiny(tmp_path / "longrope", "llama", rope_parameters=rope)
     assert "longrope" in unsupported(AutoConfig.from_pretrained(path))
     assert "gpt2" in unsupported(AutoConfig.for_model("gpt2"))
-    assert "gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="gelu"))
+    assert "quick_gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="quick_gelu"))
     assert "not 'awq' ones" in unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "awq"}))
     assert "rotates a part of each head for phi3, glm4, glm4_moe, bamba" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
     assert "bidirectional" in unsupported(AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True))
@@ -813,7 +830,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama", "qwen35", "granite4h",
                                   "nemotronh", "lfm2", "falconh1", "mamba", "jamba", "mamba2-alone", "arcee-relu2",
                                   "olmoe-experts", "starcoder2-layernorm-biases", "ernie45moe-correction",
-                                  "apertus-xielu"])
+                                  "apertus-xielu", "gptneox-parallel", "phi-parallel", "stablelm-norms-per-head"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1249,13 +1266,42 @@ def test_deepseek_v2_routing_in_bfloat16(method):
     assert torch.equal(weights.gather(1, order.indices), want_w.gather(1, want.indices))
 
 
+@pytest.mark.parametrize("T", [1, 2, 9])
+def test_delta_rule_in_closed_form_equals_token_by_token(T):
+    """A verify's few tokens through the gated delta rule in closed form (``delta_chunk``): the
+    outputs, the state after and each token's correction equal the rule token by token (``S =
+    exp(g) S; delta = beta (v - k S); S += k delta; o = scale q S``) within float32 rounding;
+    a padding token (g = beta = 0) leaves the state as it was."""
+    from specdec.runtime.recurrent import delta_chunk
+
+    gen = torch.Generator().manual_seed(T)
+    B, H, dk, dv = 2, 3, 8, 5
+    q, k = (F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1) for _ in range(2))
+    v, state = torch.randn(B, T, H, dv, generator=gen), torch.randn(B, H, dk, dv, generator=gen)
+    g, beta = -torch.rand(B, T, H, generator=gen), torch.rand(B, T, H, generator=gen)
+    g[1, -1], beta[1, -1] = 0.0, 0.0  # row 1's last token: padding
+    o, after, delta = delta_chunk(state, q, k, v, g, beta, 0.3)
+    s = state.clone()
+    for t in range(T):
+        s = g[:, t].exp()[..., None, None] * s
+        d = beta[:, t, :, None] * (v[:, t] - (k[:, t, :, None, :] @ s)[:, :, 0])  # [B, H, dv]
+        s = s + k[:, t, :, :, None] * d[:, :, None, :]
+        assert torch.allclose(delta[:, t], d, atol=1e-5)
+        assert torch.allclose(o[:, t], 0.3 * (q[:, t, :, None, :] @ s)[:, :, 0], atol=1e-5)
+        if t == T - 2:
+            before_padding = s[1].clone()
+    assert torch.allclose(after, s, atol=1e-5)
+    if T > 1:
+        assert torch.allclose(after[1], before_padding, atol=1e-6) and not delta[1, -1].any()
+
+
 @pytest.mark.parametrize("arch", ["qwen35-delta-net", "granite4h-dense-rope", "lfm2-conv", "falconh1-parallel-mup",
                                   "falconmamba", "jamba-experts"])
 def test_recurrent_states_random_rewinds(tmp_path, arch):
     """Random forwards (1 to 7 tokens, now and then a prompt-sized chunk), rewinds to any
     length the cache says it holds, prompt chunk ends saved and copies between slots, on two
     slots at once: each forward's logits are those of the whole sequence so far computed from
-    scratch, so the ring, its replays (Mamba-2) and the saved states never give a wrong state;
+    scratch, so the ring, its replays (Mamba-2's, DeltaNet's) and the saved states never give a wrong state;
     a state the cache does not hold raises rather than being guessed."""
     import random
 

@@ -2,13 +2,18 @@
 an EAGLE head (``eagle``): norms, attention, rotary embeddings, activations."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+GELU_C = math.sqrt(2.0 / math.pi)
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-               "relu2": lambda x: F.relu(x).square()}  # (Nemotron-H's, not gated)
+               "relu2": lambda x: F.relu(x).square(),  # (Nemotron-H's, not gated)
+               "gelu": F.gelu,  # (GPT-NeoX's: erf)
+               # Phi's: the tanh form written out as transformers' NewGELUActivation has it (not bit-equal to PyTorch's)
+               "gelu_new": lambda x: 0.5 * x * (1.0 + torch.tanh(GELU_C * (x + 0.044715 * torch.pow(x, 3.0))))}
 TRAINED_ACTIVATIONS = ("xielu",)  # of weights each layer keeps (``xielu``: Apertus's)
 
 
@@ -36,21 +41,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 @dataclass(frozen=True)
 class LayerNorm:
     """A layer norm's weights (StarCoder2's, with a bias), which ``norm`` reads; ``in_float``:
-    computed in float32, then cast (Cohere's, without a bias)."""
+    computed in float32, then cast (Cohere's, without a bias). A ``weight [heads, head_dim]``
+    scales each head of ``[..., heads, head_dim]`` its own way (Cohere's and StableLM's q/k
+    norms); None: not scaled (OLMo's norms)."""
 
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     bias: torch.Tensor | None
     in_float: bool = False
 
 
 def norm(x: torch.Tensor, weight: "torch.Tensor | LayerNorm", eps: float) -> torch.Tensor:
-    """``rms_norm``, or a ``LayerNorm``'s."""
+    """``rms_norm``, or a ``LayerNorm``'s (one of a weight per head in float32, then cast, written
+    out as transformers' ``CohereLayerNorm``)."""
     if not isinstance(weight, LayerNorm):
         return rms_norm(x, weight, eps)
+    if weight.weight is not None and weight.weight.dim() > 1:
+        h = x.float()
+        mean = h.mean(-1, keepdim=True)
+        h = (h - mean) * torch.rsqrt((h - mean).pow(2).mean(-1, keepdim=True) + eps) * weight.weight.float()
+        return (h if weight.bias is None else h + weight.bias.float()).to(x.dtype)
     if weight.in_float:
-        bias = None if weight.bias is None else weight.bias.float()
-        return F.layer_norm(x.float(), x.shape[-1:], weight.weight.float(), bias, eps).to(x.dtype)
+        w, bias = (None if t is None else t.float() for t in (weight.weight, weight.bias))
+        return F.layer_norm(x.float(), x.shape[-1:], w, bias, eps).to(x.dtype)
     return F.layer_norm(x, x.shape[-1:], weight.weight, weight.bias, eps)
+
+
+def norm_width(weight: "torch.Tensor | LayerNorm") -> int:
+    """The width a norm's weight spans: a head's, or every head's (OLMo 2's q/k norms)."""
+    return (weight.weight if isinstance(weight, LayerNorm) else weight).shape[-1]
 
 
 def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

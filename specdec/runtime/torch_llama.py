@@ -35,7 +35,8 @@ from .. import disk_cache
 from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
 from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
-from .ops import ACTIVATIONS, TRAINED_ACTIVATIONS, LayerNorm, attention, norm, rms_norm, rotate, softcap, xielu
+from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, LayerNorm, attention, norm, norm_width, rms_norm, rotate, softcap,
+                  xielu)
 from .recurrent import (DEFAULT_DEPTH, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, Mamba1, Mamba2, RecurrentStates,
                         ShortConv, StatePlan, recurrent_mixer)
 
@@ -54,13 +55,15 @@ GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
 ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
-    "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba")
+    "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
+    "olmo")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba", "glm4v_moe_text") + GLM_VL_TEXT + HYBRID_ARCHS
+PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm") + GLM_VL_TEXT \
+    + HYBRID_ARCHS
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
@@ -103,7 +106,12 @@ class RenamedWeights:
     each name's parts replaced in turn by ``renames[model_type]`` (``(old, new)``), then its
     ``model.`` by ``prefix``: HunYuan's q/k norms are ``query_layernorm`` / ``key_layernorm``,
     StarCoder2's MLP ``c_fc`` / ``c_proj``, Apertus's norms ``attention_layernorm`` /
-    ``feedforward_layernorm``; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
+    ``feedforward_layernorm``, Phi's output ``dense``, MLP ``fc1`` / ``fc2`` and final norm
+    ``final_layernorm``; GPT-NeoX's (Pythia's) ``gpt_neox.`` for ``model.``, and its fused
+    ``query_key_value`` holds each head's query, key and value side by side (``[heads, 3,
+    head_dim]``), read as Phi-3's ``qkv_proj`` (every query, then every key, then every value);
+    StableLM's q/k norms are one per head (``q_layernorm.norms.{h}``), read stacked ``[heads,
+    head_dim]``; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
     Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
     transformers names it), as Mamba's, Falcon-Mamba's and Mamba-2's blocks (a Mamba layer
     each); LFM2's (and LFM2-MoE's) norms, attention and MLP go by their own names."""
@@ -123,13 +131,22 @@ class RenamedWeights:
     RENAMES["starcoder2"] = [(".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj.")]
     RENAMES["apertus"] = [(".input_layernorm.", ".attention_layernorm."),
                           (".post_attention_layernorm.", ".feedforward_layernorm.")]
+    RENAMES["phi"] = [(".self_attn.o_proj.", ".self_attn.dense."), (".mlp.up_proj.", ".mlp.fc1."),
+                      (".mlp.down_proj.", ".mlp.fc2."), ("model.norm.", "model.final_layernorm."),
+                      (".q_norm.", ".q_layernorm."), (".k_norm.", ".k_layernorm.")]
+    RENAMES["gpt_neox"] = [(".self_attn.qkv_proj.", ".attention.query_key_value."),
+                           (".self_attn.o_proj.", ".attention.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
+                           (".mlp.down_proj.", ".mlp.dense_4h_to_h."), ("model.embed_tokens.", "model.embed_in."),
+                           ("model.norm.", "model.final_layer_norm."), ("lm_head.", "embed_out.")]
+    RENAMES["stablelm"] = [(".q_norm.", ".q_layernorm.norms."), (".k_norm.", ".k_layernorm.norms.")]
 
-    def __init__(self, weights, model_type: str):
-        self.weights, self.renames = weights, self.RENAMES[model_type]
+    def __init__(self, weights, config):
+        self.weights, self.renames = weights, self.RENAMES[config.model_type]
+        self.heads = getattr(config, "num_attention_heads", None)
         if "backbone.embedding.weight" in weights:  # (Mamba-2's original checkpoints; transformers renames it at load)
             self.renames = self.renames + [("model.embeddings.", "model.embedding.")]
-        self.prefix = "backbone." if any(f"backbone.{e}.weight" in weights for e in ("embeddings", "embedding")) \
-            else "model."
+        self.prefix = next((p for p in ("backbone.", "gpt_neox.") if any(
+            f"{p}{e}.weight" in weights for e in ("embeddings", "embedding", "embed_in"))), "model.")
 
     def _name(self, name: str) -> str:
         for old, new in self.renames:
@@ -137,10 +154,18 @@ class RenamedWeights:
         return self.prefix + name.removeprefix("model.") if name.startswith("model.") else name
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.weights[self._name(name)]
+        name = self._name(name)
+        if ".norms." in name and name not in self.weights:  # one norm per head: stacked [heads, head_dim]
+            heads = [name.replace(".norms.", f".norms.{h}.") for h in range(self.heads)]  # (keys': fewer)
+            return torch.stack([self.weights[n] for n in heads if n in self.weights])
+        t = self.weights[name]
+        if ".query_key_value." in name:  # [heads, 3, head_dim, ...] -> [3, heads, head_dim, ...]
+            return t.view(self.heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        return t
 
     def __contains__(self, name: str) -> bool:
-        return self._name(name) in self.weights
+        name = self._name(name)
+        return name in self.weights or ".norms." in name and name.replace(".norms.", ".norms.0.") in self.weights
 
 
 class ScaledWeights:
@@ -191,7 +216,7 @@ def text_model(config, weights=None):
             weights = TextWeights(weights, prefix, head)
         config = config.get_text_config(decoder=True)
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
-        return config, RenamedWeights(weights, config.model_type)
+        return config, RenamedWeights(weights, config)
     if config.model_type == "falcon_h1" and weights is not None:
         return config, ScaledWeights(weights, config)
     return config, weights
@@ -219,8 +244,13 @@ class Family:
     ``rope_math``: queries and keys rotated in the model's dtype ("model"), in float32 then cast
     ("float": OLMo 2's, ERNIE 4.5's), or so by a table rounded to the model's dtype ("float_math":
     Cohere's); ``layer_norm``: the norms are layer norms (``ops.LayerNorm``), in the model's
-    dtype ("model": StarCoder2's) or float32 ("float": Cohere's); ``parallel``: attention and the
-    MLP read one normed input and add their outputs together (Cohere's);
+    dtype ("model": StarCoder2's, Phi's, GPT-NeoX's, StableLM's), float32 ("float": Cohere's) or float32
+    without weights ("plain": OLMo's, whose checkpoints hold none); ``parallel``: attention and the
+    MLP read the layer's input, normed once (Cohere's, Phi's) or each by its own norm (GPT-NeoX's),
+    and both outputs join the residual: ``(h + attention) + mlp`` ("residual": Cohere's, StableLM's)
+    or ``h + (attention + mlp)`` ("outputs": Phi's, GPT-NeoX's), as each transformers model sums
+    them (None: the MLP after attention); ``clip_qkv``: queries, keys and values clamped to
+    ``[-clip, clip]`` after the q/k norms (OLMo's, OLMoE's);
     ``norm_after_rope``: the q/k norms after the rotation (HunYuan's), not before;
     ``query_temperature``: ``(beta, span)``, queries scaled by ``1 + beta log(1 + floor(position /
     span))`` after the rotation (Ministral 3's ``llama_4_scaling_beta``: 1 within its original context);
@@ -239,7 +269,8 @@ class Family:
     float_norms: bool = False
     rope_math: str = "model"
     layer_norm: str | None = None
-    parallel: bool = False
+    parallel: str | None = None
+    clip_qkv: float | None = None
     norm_after_rope: bool = False
     query_temperature: tuple[float, int] | None = None
     gated_mlp: bool = True
@@ -265,8 +296,14 @@ class Family:
         if config.model_type == "hunyuan_v1_dense":
             return cls(activation=act, norm_after_rope=True)
         if config.model_type in ("cohere", "cohere2"):
-            return cls(activation=act, interleaved_rope=True, rope_math="float_math", layer_norm="float", parallel=True,
-                       logits_scale=config.logit_scale)
+            return cls(activation=act, interleaved_rope=True, rope_math="float_math", layer_norm="float",
+                       parallel="residual", logits_scale=config.logit_scale)
+        if config.model_type in ("phi", "gpt_neox", "stablelm"):  # (GPT-NeoX's and StableLM's where they say so)
+            parallel = getattr(config, "use_parallel_residual", True)
+            return cls(activation=act, gated_mlp=config.model_type == "stablelm", layer_norm="model",
+                       parallel=("residual" if config.model_type == "stablelm" else "outputs") if parallel else None)
+        if config.model_type == "olmo":
+            return cls(activation=act, layer_norm="plain", clip_qkv=config.clip_qkv, rope_math="float")
         if config.model_type == "starcoder2":
             return cls(activation=act, gated_mlp=False, layer_norm="model")
         beta = (getattr(config, "rope_parameters", None) or {}).get("llama_4_scaling_beta")
@@ -278,6 +315,7 @@ class Family:
                        logits_scale=config.lm_head_multiplier)
         if config.model_type not in GEMMAS:
             return cls(activation=act, float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3"),
+                       clip_qkv=getattr(config, "clip_qkv", None) if config.model_type == "olmoe" else None,
                        interleaved_rope=config.model_type in ("glm4", "ernie4_5", "ernie4_5_moe") + GLM_VL_TEXT,
                        rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe")
                        else "model")
@@ -501,10 +539,6 @@ def unsupported(config) -> str | None:
     if act not in ACTIVATIONS and act not in TRAINED_ACTIVATIONS:
         known = ", ".join([*ACTIVATIONS, *TRAINED_ACTIVATIONS])
         return f"the torch runtime supports the {known} activations, not {act!r}"
-    if getattr(config, "use_qk_norm", False) and config.model_type == "cohere":  # (Command R+'s: layer norms per head)
-        return "the torch runtime does not run Cohere's q/k layer norms (use_qk_norm)"
-    if getattr(config, "clip_qkv", None) is not None:  # (OLMoE's, where set: no released one does)
-        return "the torch runtime does not clip queries, keys and values (clip_qkv)"
     if getattr(config, "moe_latent_size", None):  # Nemotron-H's experts in a latent width
         return "the torch runtime runs experts in the model's width, not through moe_latent_size projections"
     if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder
@@ -567,7 +601,10 @@ class CheckpointReader:
         """A norm's weight: Gemma's, Qwen3-Next's and Qwen3.5's as 1 + weight in float32, GPT-OSS's
         in float32 (both as the model's dtype holds them, as transformers; GPT-OSS's exact for a
         float16 model, which transformers keeps them float32 for); a layer norm's weight and bias
-        (``Family.layer_norm``)."""
+        (``Family.layer_norm``; OLMo's hold none: "plain")."""
+        if self.family.layer_norm == "plain" and name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight",
+                                                                "model.norm.weight")):
+            return LayerNorm(None, None, in_float=True)
         if self.family.layer_norm and name in self.weights:
             return LayerNorm(self.get(name), self.opt(name.removesuffix("weight") + "bias"),
                              self.family.layer_norm == "float")
@@ -579,7 +616,7 @@ class CheckpointReader:
         return 1.0 + self.get(name).float()
 
     def fused(self, name: str, parts: list[str]) -> torch.Tensor:
-        """Phi-3's fused projection, else its parts' weights one after another."""
+        """Phi-3's (GPT-NeoX's) fused projection, else its parts' weights one after another."""
         return self.get(name) if name in self.weights else torch.cat([self.get(p) for p in parts])
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
@@ -663,6 +700,7 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
             **(latent_attention(r, a, latent) if latent else gated_attention(r, a, config)
                if config.model_type in HYBRID_ARCHS else {
                 "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]),
+                                r.opt(a + "qkv_proj.bias") if a + "qkv_proj.weight" in r else
                                 cat_or_none([r.opt(a + f"{n}_proj.bias") for n in "qkv"]))}),
             "o": r.linear(r.get(a + "o_proj.weight"), r.opt(a + "o_proj.bias")),
             "sinks": r.opt(a + "sinks"),  # [H] GPT-OSS's
@@ -739,9 +777,9 @@ class TorchLlama:
         self.latent = Latent.of(config)
         if self.latent is not None:  # the cache's one row per token (``Latent``)
             self.kv_heads, self.head_dim = 1, self.latent.rank + self.latent.rope
-        self.eps = next(getattr(config, n) for n in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps", "layer_norm_eps",
-                                                     "norm_epsilon")
-                        if getattr(config, n, None))  # (Nemotron-H's name, LFM2's, Cohere's, StarCoder2's)
+        self.eps = next((getattr(config, n) for n in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps", "layer_norm_eps",
+                                                      "norm_epsilon") if getattr(config, n, None)),
+                        1e-5)  # (Nemotron-H's name, LFM2's, Cohere's, StarCoder2's; OLMo's, in no field: 1e-5)
         self.max_context = getattr(config, "max_position_embeddings", None) or 1 << 20  # (Mamba's: no bound)
         self.family = Family.of(config, dtype)
         self.window, sliding = sliding_layers(config)
@@ -779,7 +817,8 @@ class TorchLlama:
             self.reuses_prefixes = self.supports_masks = False  # chunks only (their ends' states are kept)
             self.reuses_prompt_chunks = True
             self.state_depth = DEFAULT_DEPTH
-        self.norm = r.norm("model.norm.weight" if "model.norm.weight" in r else "model.final_layernorm.weight")  # Bamba's
+        self.norm = r.norm("model.final_layernorm.weight" if "model.final_layernorm.weight" in r else "model.norm.weight")
+        # (Bamba's name)
         self.taps: tuple[int, ...] = ()  # hidden states each forward keeps (``capture``)
         self.features: torch.Tensor | None = None  # the last forward's: [B, T, len(taps) * hidden]
         self.lm_head = r.linear(r.get("lm_head.weight"), r.opt("lm_head.bias")) if "lm_head.weight" in r \
@@ -958,9 +997,12 @@ class TorchLlama:
                     mixed = self.recurrent.forward(cache.states, L["index"], x.slots, x.states, L, a, self.eps)
                 if "qkv" in L:
                     mixed = mixed + (self._attend_latent if self.latent else self._attend)(cache, x, L, a, rope)
-                h = h + self._residual(mixed, L["post_attn_norm"])
-                if fam.parallel:  # (Cohere's: the MLP of the same input, beside attention)
-                    h = h + self._mlp(L, a)
+                mixed = self._residual(mixed, L["post_attn_norm"])
+                if fam.parallel:  # the MLP beside attention, of the same normed input or its own norm's (GPT-NeoX's)
+                    mlp = self._mlp(L, a if L["mlp_norm"] is None else norm(h, L["mlp_norm"], self.eps))
+                    h = h + mixed + mlp if fam.parallel == "residual" else h + (mixed + mlp)
+                else:
+                    h = h + mixed
             if (L["gate_up"] is not None or L["experts"] is not None) and not fam.parallel:
                 a = h if L["mlp_norm"] is None else norm(h, L["mlp_norm"], self.eps)
                 h = h + self._residual(self._mlp(L, a), L["post_mlp_norm"])
@@ -997,8 +1039,10 @@ class TorchLlama:
         qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D], Qwen3-Next's / 3.5's gates after them: + H D
         q, k, v, *gate = qkv.split([H * D, KV * D, KV * D] + [H * D] * L.get("gated", False), dim=-1)
         if L["q_norm"] is not None and not fam.norm_after_rope:  # over each head, or all (a weight that wide: OLMo 2's)
-            q = rms_norm(q.view(B, T, -1, L["q_norm"].shape[-1]), L["q_norm"], self.eps)
-            k = rms_norm(k.view(B, T, -1, L["k_norm"].shape[-1]), L["k_norm"], self.eps)
+            q = norm(q.view(B, T, -1, norm_width(L["q_norm"])), L["q_norm"], self.eps)
+            k = norm(k.view(B, T, -1, norm_width(L["k_norm"])), L["k_norm"], self.eps)
+        if fam.clip_qkv is not None:
+            q, k, v = (t.clamp(-fam.clip_qkv, fam.clip_qkv) for t in (q, k, v))
         q = q.view(B, T, H, D)
         k = k.view(B, T, KV, D)
         v = v.view(B, T, KV, D)
