@@ -381,9 +381,11 @@ def test_mtp_drafts_as_vllm_lays_them_out(mtp_dirs, name):
     torch.testing.assert_close(torch.stack(got[1:]), ref, **CLOSE)
 
 
-@pytest.mark.parametrize("name,topk", [("deepseek", 1), ("deepseek", 2), ("glm45", 1), ("qwen35", 1), ("qwen3next", 1)])
+@pytest.mark.parametrize("name,topk", [("deepseek", 1), ("deepseek", 2), ("glm45", 1), ("qwen35", 1), ("qwen35", 2),
+                                       ("qwen3next", 1)])
 def test_greedy_with_mtp_equals_the_target_alone(mtp_dirs, name, topk):
-    """Greedy decoding drafting with the checkpoint's MTP layer (chains and trees, three
+    """Greedy decoding drafting with the checkpoint's MTP layer (chains and trees, Qwen3.5's through its DeltaNet
+    layers too; three
     requests in one batch, prompts prefilled in chunks, int8 on the CPU) gives the target's
     own tokens; vLLM's names for the method are read."""
     sp = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -570,8 +570,10 @@ def test_recurrent_model_speculates_as_transformers_decodes(loaded, tiny_dirs, n
     plain and under speculation:
     drafts always right (self, 3 and 8 deep; under the cost model, which times forwards and
     rewinds), mostly wrong (a random draft model: most drafts rolled back), the n-gram lookup,
-    in batches of 3 with chunked prompts, twice over. As a draft model (for a Llama target)
-    its own rewinds span several one-token forwards. Trees are refused, and say why."""
+    in batches of 3 with chunked prompts, twice over. Trees (n-gram's, a Llama draft model's) go
+    through the states in one forward, their accepted paths kept, but Mamba's (Falcon-Mamba's,
+    Jamba's), which are refused, as is the model drafting a tree itself, and say why. As a
+    draft model (for a Llama target) its own rewinds span several one-token forwards."""
     from specdec.runtime.base import NO_TREES
 
     want = transformers_greedy(tiny_dirs[name], [LLM(loaded(name)).encode(p) for p in PROMPTS])
@@ -585,11 +587,21 @@ def test_recurrent_model_speculates_as_transformers_decodes(loaded, tiny_dirs, n
             assert [o.token_ids for o in outs] == want, (method, k)
         if method == "self" and not extra:
             assert min(o.metrics["acceptance_rate"] for o in outs) == 1
+    if name in ("mamba", "jamba"):
+        with pytest.raises(ValueError, match=NO_TREES.split(":")[0]):
+            LLM(loaded(name), speculative=SpecConfig(method="ngram", tree_topk=2))
+    else:
+        for method in ("ngram", "draft"):
+            llm = LLM(loaded(name), draft=loaded("draft") if method == "draft" else None, chunked_prefill_size=4,
+                      max_batch_size=3, speculative=SpecConfig(method=method, num_draft_tokens=3, tree_topk=2))
+            outs = llm.generate(PROMPTS, sp)
+            assert [o.token_ids for o in outs] == want, method
+            assert sum(o.metrics["drafted_tokens"] for o in outs) > 0, method
+        with pytest.raises(ValueError, match="draft-model " + NO_TREES.split(":")[0]):
+            LLM(loaded(name), speculative=SpecConfig(method="self", tree_topk=2))
     want = [o.token_ids for o in plain(loaded, "llama", sp=sp)]
     drafted = LLM(loaded("llama"), draft=loaded(name), max_batch_size=3, speculative=SpecConfig(method="draft"))
     assert [o.token_ids for o in drafted.generate(PROMPTS, sp)] == want
-    with pytest.raises(ValueError, match=NO_TREES.split(":")[0]):
-        LLM(loaded(name), speculative=SpecConfig(method="self", tree_topk=2))
 
 
 @pytest.mark.parametrize("name", ["qwen35", "granite4h", "lfm2", "jamba"])

@@ -634,6 +634,59 @@ def test_chunk_mask_and_positions(loaded):
     torch.testing.assert_close(out[1], b, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "falconh1"])
+def test_tree_through_recurrent_states(loaded, name):
+    """A token tree through recurrent layers (DeltaNet's, Mamba-2's, LFM2's convolutions) in one
+    forward: each node's logits are those of its path as a chain; after ``keep`` of a path
+    (each of the tree's leaves' in turn, on a copy of the slot) the next tokens' logits are the
+    whole sequence's from scratch, and the slot still rewinds into the kept path. Mamba's scan
+    takes no tree; a draft model's tree (masks that see earlier forwards' rows) is refused."""
+    rt = loaded(name).runtime
+    assert rt.supports_masks and not rt.masks_reach_cache
+    rt.state_depth = 8
+    prefix = [3, 4, 5, 6, 7]
+    tree = [11, 12, 13, 14, 15, 16]  # 11 the root (the last committed token); 12, 13 its children; 14 under 12;
+    parents = [-1, 0, 0, 1, 1, 4]  # 15 under 12; 16 under 15
+    mask = torch.zeros(6, 6, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        mask[i] = mask[p] if p >= 0 else mask[i]
+        mask[i, i] = True
+    depth = mask.sum(1) - 1
+    paths = [[j for j in range(6) if mask[i, j]] for i in range(6)]
+
+    def fresh(ids):
+        return rt.forward(rt.new_cache(1), [0], [ids])[0]
+
+    for leaf in (2, 3, 5):
+        cache = rt.new_cache(2)
+        rt.forward(cache, [0], [prefix])
+        out = rt.forward(cache, [0], [tree], positions=[(len(prefix) + depth).tolist()], chunk_masks=[mask])[0]
+        for i in range(6):
+            want = fresh(prefix + [tree[j] for j in paths[i]])[-1]
+            torch.testing.assert_close(out[i], want, atol=1e-4, rtol=1e-4)
+        cache.keep(0, len(prefix), paths[leaf])
+        kept = prefix + [tree[j] for j in paths[leaf]]
+        assert cache.lengths[0] == len(kept)
+        nxt = rt.forward(cache, [0], [[20, 21]])[0]
+        torch.testing.assert_close(nxt, fresh(kept + [20, 21])[-2:], atol=1e-4, rtol=1e-4)
+        cache.rewind(0, len(prefix) + 1)  # back into the kept path
+        torch.testing.assert_close(rt.forward(cache, [0], [[22]])[0], fresh(kept[:len(prefix) + 1] + [22])[-1:],
+                                   atol=1e-4, rtol=1e-4)
+    cache = rt.new_cache(2)  # a chain beside a tree in one forward: its states as a chain's alone
+    rt.forward(cache, [0, 1], [prefix, prefix[:3]])
+    out = rt.forward(cache, [0, 1], [tree, [30, 31, 32]], positions=[(len(prefix) + depth).tolist(), None],
+                     chunk_masks=[mask, None])
+    torch.testing.assert_close(out[1, :3], fresh(prefix[:3] + [30, 31, 32])[-3:], atol=1e-4, rtol=1e-4)
+    cache.keep(0, len(prefix), paths[5])
+    nxt = rt.forward(cache, [0, 1], [[20], [33]])  # (the chain's state after it: not rewound)
+    torch.testing.assert_close(nxt[0, 0], fresh(prefix + [tree[j] for j in paths[5]] + [20])[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(nxt[1, 0], fresh(prefix[:3] + [30, 31, 32, 33])[-1], atol=1e-4, rtol=1e-4)
+    cache = rt.new_cache(1)
+    rt.forward(cache, [0], [prefix])
+    with pytest.raises(AssertionError, match="in one forward"):  # a tail: rows of an earlier forward
+        rt.forward(cache, [0], [[11]], chunk_masks=[torch.ones(1, 2, dtype=torch.bool)])
+
+
 @pytest.mark.parametrize("arch", ["mistral", "gemma3_text"])
 def test_tree_deeper_than_the_window(tmp_path, arch):
     """A tree path deeper than a sliding window (3) after a branch: its nodes' rows lie past
@@ -1370,7 +1423,8 @@ def test_recurrent_states_rewind_and_batch(tmp_path, arch):
 
     path = make_tiny(tmp_path / arch, VARIANTS[arch][0], seed=5, **VARIANTS[arch][1])
     rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
-    assert (rt.supports_masks, rt.reuses_prefixes, rt.kv_layers, rt.state_layers) == (False, False, 1, 2)
+    assert (rt.supports_masks, rt.masks_reach_cache, rt.reuses_prefixes, rt.kv_layers, rt.state_layers) == \
+        (True, False, False, 1, 2)
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(path).eval()(torch.tensor([ids])).logits[0]  # [80, vocab]

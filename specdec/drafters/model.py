@@ -98,7 +98,7 @@ class ModelDrafter:
     def __init__(self, runtime, num_slots: int, target_vocab: int, topk: int = 1,
                  max_nodes: int | None = None, max_catch_up: int = 0, max_rows: int | None = None,
                  prefix_caching: bool = True):
-        if topk > 1 and not runtime.supports_masks:
+        if topk > 1 and not runtime.masks_reach_cache:  # (its tree grows a depth a forward)
             raise ValueError("draft-model " + NO_TREES)
         self.runtime = runtime
         # positions the draft may feed: its own context (a draft model's may be shorter than

@@ -12,9 +12,9 @@ from typing import Protocol, Sequence
 import torch
 
 
-NO_TREES = ("token trees need tree attention masks: the torch and llama.cpp runtimes draw them, but not "
-            "through a recurrent state (Qwen3.5's DeltaNet layers, Granite 4.0's Mamba-2 layers), and the transformers "
-            "fallback runs chains only")
+NO_TREES = ("token trees need tree attention masks: the torch and llama.cpp runtimes draw them (not through Mamba's "
+            "selective scan, and a draft model with recurrent layers drafts chains), the transformers fallback runs "
+            "chains only")
 
 
 class Cache(Protocol):
@@ -37,6 +37,8 @@ class Runtime(Protocol):
     vocab_size: int  # width of the logits
     max_context: int  # positions the model supports
     supports_masks: bool  # custom chunk masks and positions (trees; ``NO_TREES``)
+    # a chunk mask may see rows of earlier forwards too (a draft model's tree, fed depth by depth), not only the chunk's
+    masks_reach_cache: bool
     # how ``forward`` runs a batch's chunks (``cost.BATCH_LAYOUTS``): "padded" (one forward,
     # each chunk padded to the longest), "packed" (one forward over their rows), "serial"
     batch_layout: str

@@ -105,7 +105,7 @@ OWN_STATE = ("recurrent_gemma", "minimax")  # minimax: its own MiniMaxCache, ref
 
 
 class HFRuntime:
-    supports_masks = False
+    supports_masks = masks_reach_cache = False
     batch_layout = "serial"
 
     def __init__(self, path: Path, device: torch.device, dtype: torch.dtype, load_format: str = "auto",

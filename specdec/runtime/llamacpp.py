@@ -401,7 +401,7 @@ class LlamaCppRuntime:
     rows: 3.75x one row, against 3.03x unrepacked); on the bench that is faster on the chat
     and completion prompts and within the noise on the edits (docs/bench.md)."""
 
-    supports_masks = True
+    supports_masks = masks_reach_cache = True
     batch_layout = "packed"
     # prefix reuse: a finished prompt's rows stay in its slot (its cells rise with position, and
     # a new prompt's rows go to cells above them); no copies between slots (LlamaCppCache has

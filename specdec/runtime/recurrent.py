@@ -160,7 +160,7 @@ class DeltaNet:
 
         def chunked(state):  # a verify's tokens: one chunk in closed form; a prompt's: transformers' own (it
             if plan.every:  # scales the queries)
-                o, state, delta = delta_chunk(state, q, k, v, g, beta, scale)
+                o, state, delta = delta_chunk(state, q, k, v, g, beta, scale, plan.tree)
                 deltas.append(delta)
                 return o, state
             from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
@@ -169,28 +169,32 @@ class DeltaNet:
                                                     output_final_state=True)
             return o.float(), state
 
-        o = scan(states, li, slots, plan, step if T <= 2 else None, chunked)  # [B, T, Hv, dv] (2 tokens: the
-        # steps cost a third of the closed form's small products)
+        stepped = T <= 2 and plan.tree is None  # (2 tokens: the steps cost a third of the closed form's products)
+        o = scan(states, li, slots, plan, step if stepped else None, chunked)  # [B, T, Hv, dv]
         if plan.every:  # each token's inputs, which a rewind replays
-            states.ring_inputs[li, slots[:, None], plan.ring] = torch.cat([g[..., None], k, torch.cat(deltas, 1)], -1)
+            states.keep_inputs(li, slots, plan, torch.cat([g[..., None], k, torch.cat(deltas, 1)], -1))
         o = rms_norm(o.to(a.dtype), L["gate_norm"], eps) * F.silu(z.view(B, T, self.v_heads, self.v_dim).float())
         return L["mix_out"](o.to(a.dtype).reshape(B, T, self.value_width))
 
 
 def delta_chunk(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                beta: torch.Tensor, scale: float, tree: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gated delta rule over a few tokens (``q, k [B, T, H, dk]``, ``v [B, T, H, dv]``, ``g,
     beta [B, T, H]``) from ``state [B, H, dk, dv]``, in closed form: ``(outputs [B, T, H, dv],
     the state after, deltas [B, T, H, dv])``. With ``G`` the decays' running sum, ``exp(g_i)
     S_{i-1} = exp(G_i) S_0 + sum_{j<i} exp(G_i - G_j) k_j delta_j^T``, so that the deltas
     ``delta_i = beta_i (v_i - k_i^T exp(g_i) S_{i-1})`` solve one unit lower-triangular system,
     and the state is read and written once, not four times a token (5x faster for 9 tokens of
-    Qwen3.5's widths on the CPU)."""
+    Qwen3.5's widths on the CPU). A ``tree [B, T, T]`` (each token's ancestors and itself, in
+    order) runs each token from its ancestors' states, not the tokens before it: ``G`` sums
+    along each one's path; the state after is then the last token's path's (``keep`` replays
+    the accepted one's)."""
     T = q.shape[1]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, d]
-    G = g.transpose(1, 2).cumsum(-1)  # [B, H, T]
+    seen = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if tree is None else tree[:, None]
+    G = g.transpose(1, 2).cumsum(-1) if tree is None else (tree.float() @ g).transpose(1, 2)  # [B, H, T]
     b = beta.transpose(1, 2)[..., None]  # [B, H, T, 1]
-    seen = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     decay = torch.where(seen, G[..., :, None] - G[..., None, :], float("-inf")).exp()  # [B, H, T, T]: exp(G_i - G_j)
     eye = torch.eye(T, device=q.device)
     system = eye + b * (k @ k.transpose(-1, -2)) * (decay - eye)  # (the diagonal's decay is 1)
@@ -294,16 +298,19 @@ class Mamba2:
             dt = dt.clamp(*self.dt_limit)
         dt = torch.where(plan.valid[:, :, None], dt, 0.0)  # padding neither decays the state nor writes to it
         if plan.every:  # each token's inputs, which a rewind replays
-            states.ring_inputs[li, slots[:, None], plan.ring] = torch.cat(
-                [(dt * L["decay"])[..., None], dt[..., None] * x, b], dim=-1)  # [B, T, H, 1 + P + N]
+            states.keep_inputs(li, slots, plan, torch.cat(
+                [(dt * L["decay"])[..., None], dt[..., None] * x, b], dim=-1))  # [B, T, H, 1 + P + N]
 
         def step(state, t):  # [B, H, P, N], in place: one token (a draft step), as transformers' own
             state.mul_(torch.exp(dt[:, t] * L["decay"])[..., None, None])
             state.addcmul_((dt[:, t, :, None] * b[:, t])[:, :, None, :], x[:, t, ..., None])
             return (state @ c[:, t, ..., None])[..., 0] + x[:, t] * L["skip"][:, None]  # [B, H, P]
 
-        def chunked(state):  # transformers' scan; a verify's in one chunk: closed form
+        def chunked(state):  # transformers' scan; a verify's in one chunk: closed form (a tree's: ``mamba2_tree``)
             from transformers.models.granitemoehybrid.modeling_granitemoehybrid import mamba2_chunk_scan
+
+            if plan.tree is not None:
+                return mamba2_tree(state, x, dt, L["decay"], b, c, L["skip"], plan.tree)
 
             return mamba2_chunk_scan(x, dt, L["decay"], b, c, T if plan.every else self.chunk, D=L["skip"],
                                      initial_states=state, return_final_states=True)
@@ -318,6 +325,21 @@ class Mamba2:
         if self.norm == "before":
             y = y * gate
         return L["mix_out"](y.reshape(B, T, -1).to(a.dtype))
+
+
+def mamba2_tree(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor, b: torch.Tensor,
+                c: torch.Tensor, skip: torch.Tensor, tree: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's outputs ``[B, T, H, P]`` for a token tree (``tree [B, T, T]``: each token's
+    ancestors and itself) from ``state [B, H, P, N]``, in closed form: token i's state is
+    ``exp(G_i) S_0 + sum_j exp(G_i - G_j) dt_j x_j B_j^T`` over its path (``G``: the log
+    decays ``dt A`` summed along it), read as ``S C_i + D x_i``; and the last token's state
+    (a chain's, in a batch beside trees; a tree's accepted path's is ``keep``'s)."""
+    G = (tree.float() @ (dt * decay)).transpose(1, 2)  # [B, H, T]
+    along = torch.where(tree[:, None], G[..., :, None] - G[..., None, :], float("-inf")).exp()  # [B, H, T, T]
+    ct, bt, dx = c.transpose(1, 2), b.transpose(1, 2), (dt[..., None] * x).transpose(1, 2)  # [B, H, T, N or P]
+    y = G.exp()[..., None] * (ct @ state.transpose(-1, -2)) + ((ct @ bt.transpose(-1, -2)) * along) @ dx
+    last = G[..., -1].exp()[..., None, None] * state + (dx * along[..., -1, :, None]).transpose(-1, -2) @ bt
+    return y.transpose(1, 2) + x * skip[:, None], last  # [B, T, H, P], [B, H, P, N]
 
 
 @dataclass(frozen=True)
@@ -459,12 +481,20 @@ class StatePlan:
     the rows' real tokens (padding leaves a state as it is); ``last [B]`` each row's count of
     them; ``ring [B, T or 1]`` each token's ring row (or the first's alone: ``every`` False, a
     prompt), where its conv window and the state before it go (``replays``: its inputs, and
-    the state only before the first), ``depth`` (a spare row) for padding."""
+    the state only before the first), ``depth`` (a spare row) for padding. A token tree's
+    forward (``RecurrentStates.plan``'s masks): ``tree [B, T, T]`` which tokens each one sees,
+    its ancestors and itself (None: a chain each); ``window [B, T, kernel]`` each token's
+    convolution window as columns of the slot's last inputs then the forward's tokens; a tree's
+    tokens but the first go to the spare ring row, their windows and inputs to
+    ``RecurrentStates.nodes`` (the tokens' convolution inputs and, ``replays``, their inputs to a
+    replay) until ``keep`` takes the accepted path's."""
 
     valid: torch.Tensor
     last: torch.Tensor
     ring: torch.Tensor
     every: bool
+    tree: torch.Tensor | None = None
+    window: torch.Tensor | None = None
 
 
 class RecurrentStates:
@@ -489,6 +519,7 @@ class RecurrentStates:
             self.ring_inputs = torch.zeros(layers, 0, depth + 1, *mixer.input_shape, device=device, dtype=torch.float32)
             self.fed: list[list[int]] = []
         self.saved: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = []
+        self.nodes: dict[int, int] = {}  # a tree forward's slots -> their rows in ``node_conv`` / ``node_inputs``
 
     def ensure(self, slots: int) -> None:
         have = self.conv.shape[1]
@@ -504,10 +535,16 @@ class RecurrentStates:
         if self.replays:
             self.fed += [[-1] * self.depth for _ in range(slots - have)]
 
-    def plan(self, slots: list[int], starts: list[int], counts: list[int], T: int) -> StatePlan:
+    def plan(self, slots: list[int], starts: list[int], counts: list[int], T: int,
+             masks: list[torch.Tensor | None] | None = None) -> StatePlan:
         """The plan of a forward of ``counts[b]`` tokens into ``slots[b]`` after ``starts[b]``
-        (``T``: the padded width), its ring rows marked ``held`` (and ``fed``)."""
+        (``T``: the padded width), its ring rows marked ``held`` (and ``fed``); ``masks[b]``
+        (``[n, n]`` bool, None: a chain): row b's tokens are a tree, each seeing its ancestors,
+        whose states ``keep`` then takes along the accepted path."""
         self.ensure(max(slots) + 1)
+        trees = masks is not None and any(m is not None for m in masks)
+        if trees:
+            return self._tree_plan(slots, starts, counts, T, masks)
         every = T <= self.depth
         ring = torch.full((len(slots), T if every else 1), self.depth, dtype=torch.long)
         for b, (slot, start, n) in enumerate(zip(slots, starts, counts)):
@@ -521,6 +558,75 @@ class RecurrentStates:
         valid = torch.arange(T)[None, :] < torch.tensor(counts)[:, None]
         dev = self.conv.device
         return StatePlan(valid.to(dev), torch.tensor(counts, device=dev), ring.to(dev), every)
+
+    def _tree_plan(self, slots: list[int], starts: list[int], counts: list[int], T: int,
+                   masks: list[torch.Tensor | None]) -> StatePlan:
+        """``plan`` with trees: a tree's first token (the last one committed) keeps the state
+        before it in the ring (its anchor), the others go to ``nodes``; a chain row as
+        ``plan``'s."""
+        K = self.conv.shape[-1] + 1
+        ring = torch.full((len(slots), T), self.depth, dtype=torch.long)
+        seen = torch.ones(T, T, dtype=torch.bool).tril().repeat(len(slots), 1, 1)  # [B, T, T]
+        for b, (slot, start, n, m) in enumerate(zip(slots, starts, counts, masks)):
+            if m is not None:
+                assert m.shape == (n, n), f"a recurrent state takes a tree in one forward, not {tuple(m.shape)}"
+                seen[b, :n, :n] = m
+                seen[b, n:] = torch.eye(T, dtype=torch.bool)[n:]  # (padding: itself alone)
+            for j in range(1 if m is not None else n):
+                row = ring[b, j] = (start + j) % self.depth
+                self.held[slot][row] = start + j if j == 0 or not self.replays else -1
+                if self.replays:
+                    self.fed[slot][row] = start + j
+        # each token's window: the slot's last K - 1 inputs (columns 0 .. K - 2), then its ancestors and itself
+        cols = torch.arange(K - 1 + T).expand(len(slots), T, -1)  # [B, T, K - 1 + T]
+        order = torch.cat([torch.ones(len(slots), T, K - 1, dtype=torch.bool), seen], dim=-1)
+        ranks = order.flip(-1).cumsum(-1).flip(-1)  # [B, T, K - 1 + T]: columns seen from each on
+        window = torch.where(order & (ranks <= K), cols, -1).sort(-1).values[..., -K:]  # [B, T, K]
+        self.nodes = {slot: b for b, (slot, m) in enumerate(zip(slots, masks)) if m is not None}
+        layers, B = self.conv.shape[0], len(slots)
+        self.node_conv = self.conv.new_empty(layers, B, self.conv.shape[2], T)  # the tokens' convolution inputs
+        self.node_window = window
+        if self.replays:
+            self.node_inputs = self.ring_inputs.new_empty(layers, B, T, *self.ring_inputs.shape[3:])
+        dev = self.conv.device
+        valid = torch.arange(T)[None, :] < torch.tensor(counts)[:, None]
+        return StatePlan(valid.to(dev), torch.tensor(counts, device=dev), ring.to(dev), True, seen.to(dev),
+                         window.to(dev))  # (``node_window``: the host's)
+
+    def keep_inputs(self, li: int, slots: torch.Tensor, plan: StatePlan, inputs: torch.Tensor) -> None:
+        """Layer ``li``'s tokens' inputs ``[B, T, *input_shape]``, which a rewind replays: in the
+        ring (a tree's, in ``nodes`` until ``keep``)."""
+        self.ring_inputs[li, slots[:, None], plan.ring] = inputs
+        if plan.tree is not None:
+            self.node_inputs[li] = inputs
+
+    @torch.inference_mode()
+    def keep(self, slot: int, start: int, rows: list[int]) -> None:
+        """A tree's accepted path, its tokens ``rows`` (increasing, from its first, ``start``),
+        becomes the slot's tokens ``start ..``: their windows and inputs go to the ring, and the
+        states after it are the anchor's advanced over them (``_replay``)."""
+        b, n = self.nodes.pop(slot), len(rows)
+        assert rows[0] == 0, rows
+        path = torch.tensor(rows, device=self.conv.device)
+        where = torch.tensor([(start + i) % self.depth for i in range(n)], device=self.conv.device)
+        # the slot's inputs before the tree (its root's window), then the tree's [layers, C, K - 1 + T]: the path's windows
+        seq = torch.cat([self.ring_conv[:, slot, start % self.depth], self.node_conv[:, b]], dim=-1)
+        windows = seq[:, :, self.node_window[b, rows].to(seq.device)]  # [layers, C, n, K]
+        self.ring_conv[:, slot, where] = windows[..., :-1].transpose(1, 2)
+        self.conv[:, slot] = windows[:, :, -1, 1:]
+        if self.replays:
+            self.ring_inputs[:, slot, where] = self.node_inputs[:, b, path]
+            self.ssm[:, slot] = self._replay(slot, self.ring_ssm[:, slot, start % self.depth], start, start + n)
+        self.held[slot] = [p if p <= start else -1 for p in self.held[slot]]
+        if self.replays:
+            self.fed[slot] = [p if p < start + n else -1 for p in self.fed[slot]]
+        for i in range(n):
+            row = (start + i) % self.depth
+            if self.replays:
+                self.fed[slot][row] = start + i
+            else:  # (LFM2's: its ring's state, a window, before each token)
+                self.held[slot][row] = start + i
+        self.saved[slot] = {p: v for p, v in self.saved[slot].items() if p <= start + n}
 
     @torch.inference_mode()
     def save(self, slot: int, position: int) -> None:
@@ -618,6 +724,17 @@ def convolve(states: RecurrentStates, li: int, slots: torch.Tensor, plan: StateP
     keeps each slot's window after its tokens, and in the ring the ones before them (``plan``)."""
     B, T, C = mixed.shape
     seq = torch.cat([states.conv[li, slots], mixed.transpose(1, 2).to(states.conv.dtype)], dim=-1)  # [B, C, K - 1 + T]
+    if plan.tree is not None:  # each token's window along its ancestors (``StatePlan.window``)
+        K = plan.window.shape[-1]
+        cols = plan.window[:, None].expand(B, C, T, K).reshape(B, C, T * K)
+        windows = seq.gather(2, cols).view(B, C, T, K)  # [B, C, T, K]
+        states.node_conv[li] = seq[:, :, K - 1:]
+        out = (windows * L["conv"][None, :, None, :]).sum(-1)  # [B, C, T]
+        out = out if L["conv_bias"] is None else out + L["conv_bias"][None, :, None]
+        out = out if act is None else act(out)
+        states.ring_conv[li, slots[:, None], plan.ring] = windows[..., :-1].transpose(1, 2)
+        states.conv[li, slots] = windows[torch.arange(B, device=mixed.device), :, plan.last - 1, 1:]
+        return out.transpose(1, 2)
     out = F.conv1d(seq, L["conv"][:, None], L["conv_bias"], groups=C)  # [B, C, T]
     out = out if act is None else act(out)
     windows = seq.unfold(-1, states.conv.shape[-1], 1)  # [B, C, T + 1, K - 1]: after 0..T tokens

@@ -455,8 +455,9 @@ class KVCache:
     def keep(self, slot: int, start: int, rows: Sequence[int]) -> None:
         """Keep only KV rows ``start + rows[i]`` (increasing), moved to ``start + i``: the
         accepted path of a token tree becomes consecutive, the rest is rewound."""
-        assert self.states is None, "a recurrent state takes no tree"
         assert list(rows) == sorted(rows) and start + rows[-1] < self.lengths[slot]
+        if self.states is not None:
+            self.states.keep(slot, start, list(rows))
         src = torch.tensor([start + r for r in rows], device=self.k.device)
         dst = torch.arange(start, start + len(rows), device=self.k.device)
         for name in self.buffers:
@@ -754,9 +755,10 @@ class TorchLlama:
     not with recurrent layers) replays small forwards as CUDA graphs (``CudaGraphs``). With recurrent layers a
     slot rewinds by up to ``state_depth - 1`` tokens (``recurrent.RecurrentStates``), another
     request's prompt reuses its rows only at a kept prompt chunk's end (``reuses_prompt_chunks``),
-    and drafts are chains."""
+    a token tree is verified in one forward (its scans in closed form along each node's path; not
+    Mamba's), and a draft model on it drafts chains."""
 
-    supports_masks = True
+    supports_masks = masks_reach_cache = True
     batch_layout = "padded"
     reuses_prefixes = True  # a slot's KV rows stay valid after a rewind (Engine's prefix reuse)
     whole_prompts = False
@@ -813,8 +815,9 @@ class TorchLlama:
             kinds[rec is not None] += block not in ("mlp", "moe")
             kinds[0] += block == "hybrid"  # (its attention too: the same index, every layer being so)
         self.kv_layers, self.state_layers = kinds
-        if self.recurrent is not None:  # a recurrent state: no tree, no graph (yet); prefixes in whole prompt
-            self.reuses_prefixes = self.supports_masks = False  # chunks only (their ends' states are kept)
+        if self.recurrent is not None:  # a recurrent state: no graph (yet); prefixes in whole prompt chunks only (their
+            self.reuses_prefixes = self.masks_reach_cache = False  # ends' states are kept); trees in one forward
+            self.supports_masks = not isinstance(self.recurrent, Mamba1)  # (the scans in closed form, ``keep``)
             self.reuses_prompt_chunks = True
             self.state_depth = DEFAULT_DEPTH
         self.norm = r.norm("model.final_layernorm.weight" if "model.final_layernorm.weight" in r else "model.norm.weight")
@@ -938,7 +941,7 @@ class TorchLlama:
         batch = self._batch(cache, starts, slots, tokens, positions, chunk_masks, width,
                             cache.capacity if graphed else None)
         if cache.states is not None:
-            batch.states = cache.states.plan(list(slots), starts, [len(t) for t in tokens], width)
+            batch.states = cache.states.plan(list(slots), starts, [len(t) for t in tokens], width, chunk_masks)
         last = torch.tensor([len(t) - 1 for t in tokens], device=self.device) if last_only else None  # [B]
         if graphed:
             logits, self.features = self.graphs.run(cache, batch, T)  # [B, T, vocab], [B, T, features]
