@@ -198,6 +198,16 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "stablelm-parallel": ("stablelm", dict(use_parallel_residual=True)),
     # Command R+'s q/k layer norms, a weight per head, in float32; queries, keys and values clamped: OLMoE's after its
     # q/k norms, OLMo's (norms without weights, rope in float32)
+    # GPT-J: attention beside a gelu MLP of one layer norm, rotary pairs interleaved on rotary_dim of each head, its
+    # head's bias; Falcon: multi-query attention beside the MLP (Falcon-7B's), its new decoder architecture's groups of
+    # heads sharing keys and values with a norm before each side (Falcon-40B's) or one (Falcon2-11B's), or one after the
+    # other (heads fused per head), biases
+    "gptj-interleaved-partial": ("gptj", dict(rotary_dim=8)),
+    "falcon-multi-query": ("falcon", {}),
+    "falcon-groups-two-norms": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2, bias=True)),
+    "falcon-groups-one-norm": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2,
+                                               num_ln_in_parallel_attn=1)),
+    "falcon-sequential": ("falcon", dict(multi_query=False, parallel_attn=False, bias=True)),
     "cohere-qk-norms": ("cohere", dict(use_qk_norm=True, logit_scale=0.3)),
     "olmoe-clip": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, clip_qkv=0.5)),
     "olmo-plain-norms-clip": ("olmo", dict(clip_qkv=0.5)),
@@ -239,7 +249,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "starcoder2-layernorm-biases", "ministral3-yarn-temperature", "ernie45moe-correction",
                                   "apertus-xielu", "gptneox-parallel", "gptneox-sequential", "phi-parallel",
                                   "phi-qk-layernorm", "stablelm-norms-per-head", "stablelm-parallel", "cohere-qk-norms",
-                                  "olmoe-clip", "olmo-plain-norms-clip"])
+                                  "olmoe-clip", "olmo-plain-norms-clip", "gptj-interleaved-partial",
+                                  "falcon-groups-one-norm"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -296,11 +307,13 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "granite4h-dense-rope", "bamba-half-rope",
                                   "nemotronh-blocks", "falconh1-parallel-mup", "falconmamba", "mamba2-alone",
-                                  "jamba-dense"])
+                                  "jamba-dense", "falcon-multi-query", "falcon-groups-two-norms", "falcon-sequential"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
-    transformers' (which expands every cached latent to keys and values), and Mamba-2 layers
-    scan in float32 where transformers' one-token step rounds to bfloat16, so in bfloat16
+    transformers' (which expands every cached latent to keys and values), Mamba-2 layers
+    scan in float32 where transformers' one-token step rounds to bfloat16, and Falcon's
+    products add their biases after the product (a second rounding) and attend its one key
+    head broadcast, so in bfloat16
     their logits are not transformers' bit for bit; they are as close to the float32 logits as
     transformers' bfloat16 logits are (within 1.5x of that error, relative to the largest
     logit; dense layers, as near-ties in routing flip experts under either rounding)."""
@@ -883,7 +896,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama", "qwen35", "granite4h",
                                   "nemotronh", "lfm2", "falconh1", "mamba", "jamba", "mamba2-alone", "arcee-relu2",
                                   "olmoe-experts", "starcoder2-layernorm-biases", "ernie45moe-correction",
-                                  "apertus-xielu", "gptneox-parallel", "phi-parallel", "stablelm-norms-per-head"])
+                                  "apertus-xielu", "gptneox-parallel", "phi-parallel", "stablelm-norms-per-head",
+                                  "gptj-interleaved-partial", "falcon-groups-two-norms"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -898,7 +912,8 @@ def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     config = AutoConfig.from_pretrained(path)
     params = dict(AutoModelForCausalLM.from_config(config).named_parameters())
     experts = sum(p.numel() for n, p in params.items() if ".experts." in n and p.dim() == 3)
-    linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n and "embed" not in n
+    linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n
+                  and not any(e in n for e in ("embed", ".wte.", ".word_embeddings."))
                   and not n.endswith(("mlp.gate.weight", "mixer.gate.weight", "router.weight", "shared_expert_gate.weight",
                                       "A_log", "e_score_correction_bias")))  # (Mamba's decays: [channels, state];
     # ERNIE 4.5's correction: [1, experts])

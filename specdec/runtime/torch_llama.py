@@ -21,6 +21,7 @@ Beside it: ``moe`` (the experts), ``recurrent`` (DeltaNet, Mamba-2 and Mamba lay
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import statistics
@@ -56,14 +57,14 @@ ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
-    "olmo")
+    "olmo", "gptj", "falcon")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm") + GLM_VL_TEXT \
-    + HYBRID_ARCHS
+PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj") \
+    + GLM_VL_TEXT + HYBRID_ARCHS
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
@@ -111,7 +112,9 @@ class RenamedWeights:
     ``query_key_value`` holds each head's query, key and value side by side (``[heads, 3,
     head_dim]``), read as Phi-3's ``qkv_proj`` (every query, then every key, then every value);
     StableLM's q/k norms are one per head (``q_layernorm.norms.{h}``), read stacked ``[heads,
-    head_dim]``; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
+    head_dim]``; GPT-J's and Falcon's layers ``transformer.h.{i}.``, Falcon's fused projection
+    per head as GPT-NeoX's, or (its new decoder architecture's) per group of heads sharing a key
+    and value (``[groups, heads / groups + 2, head_dim]``), or (multi-query) already in order; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
     Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
     transformers names it), as Mamba's, Falcon-Mamba's and Mamba-2's blocks (a Mamba layer
     each); LFM2's (and LFM2-MoE's) norms, attention and MLP go by their own names."""
@@ -139,14 +142,28 @@ class RenamedWeights:
                            (".mlp.down_proj.", ".mlp.dense_4h_to_h."), ("model.embed_tokens.", "model.embed_in."),
                            ("model.norm.", "model.final_layer_norm."), ("lm_head.", "embed_out.")]
     RENAMES["stablelm"] = [(".q_norm.", ".q_layernorm.norms."), (".k_norm.", ".k_layernorm.norms.")]
+    RENAMES["gptj"] = [("model.embed_tokens.", "model.wte."), (".layers.", ".h."), (".input_layernorm.", ".ln_1."),
+                       (".self_attn.o_proj.", ".attn.out_proj."), (".self_attn.", ".attn."), (".mlp.up_proj.", ".mlp.fc_in."),
+                       (".mlp.down_proj.", ".mlp.fc_out."), ("model.norm.", "model.ln_f.")]
+    RENAMES["falcon"] = [("model.embed_tokens.", "model.word_embeddings."), (".layers.", ".h."),
+                         (".self_attn.qkv_proj.", ".self_attention.query_key_value."),
+                         (".self_attn.o_proj.", ".self_attention.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
+                         (".mlp.down_proj.", ".mlp.dense_4h_to_h."), ("model.norm.", "model.ln_f.")]
 
     def __init__(self, weights, config):
         self.weights, self.renames = weights, self.RENAMES[config.model_type]
         self.heads = getattr(config, "num_attention_heads", None)
         if "backbone.embedding.weight" in weights:  # (Mamba-2's original checkpoints; transformers renames it at load)
             self.renames = self.renames + [("model.embeddings.", "model.embedding.")]
-        self.prefix = next((p for p in ("backbone.", "gpt_neox.") if any(
-            f"{p}{e}.weight" in weights for e in ("embeddings", "embedding", "embed_in"))), "model.")
+        self.prefix = next((p for p in ("backbone.", "gpt_neox.", "transformer.") if any(
+            f"{p}{e}.weight" in weights for e in ("embeddings", "embedding", "embed_in", "wte", "word_embeddings"))),
+            "model.")
+        new = config.model_type == "falcon" and config.new_decoder_architecture
+        self.per_head = config.model_type == "gpt_neox" or config.model_type == "falcon" and not new \
+            and not config.multi_query  # fused per head [heads, 3, head_dim]
+        self.groups = config.num_kv_heads if new else None  # Falcon's [groups, heads / groups + 2, head_dim]
+        if new and (config.num_ln_in_parallel_attn or 2) == 2:  # a norm before attention, another before the MLP
+            self.renames = self.renames + [(".input_layernorm.", ".ln_attn."), (".post_attention_layernorm.", ".ln_mlp.")]
 
     def _name(self, name: str) -> str:
         for old, new in self.renames:
@@ -159,8 +176,11 @@ class RenamedWeights:
             heads = [name.replace(".norms.", f".norms.{h}.") for h in range(self.heads)]  # (keys': fewer)
             return torch.stack([self.weights[n] for n in heads if n in self.weights])
         t = self.weights[name]
-        if ".query_key_value." in name:  # [heads, 3, head_dim, ...] -> [3, heads, head_dim, ...]
+        if ".query_key_value." in name and self.per_head:  # [heads, 3, head_dim, ...] -> [3, heads, head_dim, ...]
             return t.view(self.heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        if ".query_key_value." in name and self.groups:  # queries, keys, values of each group -> all queries...
+            g = t.view(self.groups, self.heads // self.groups + 2, -1, *t.shape[1:])
+            return torch.cat([g[:, :-2].flatten(0, 1), g[:, -2], g[:, -1]]).reshape(t.shape)
         return t
 
     def __contains__(self, name: str) -> bool:
@@ -215,11 +235,34 @@ def text_model(config, weights=None):
             head = next((h for h in ("language_model.lm_head.weight", "lm_head.weight") if h in weights), "")
             weights = TextWeights(weights, prefix, head)
         config = config.get_text_config(decoder=True)
+    if config.model_type in ("gptj", "falcon"):
+        config = llama_fields(config)
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
         return config, RenamedWeights(weights, config)
     if config.model_type == "falcon_h1" and weights is not None:
         return config, ScaledWeights(weights, config)
     return config, weights
+
+
+def llama_fields(config):
+    """A copy of GPT-J's or Falcon's config with the fields the runtime reads under Llama's names:
+    the MLP's width (``n_inner`` or 4 x hidden, ``ffn_hidden_size``) and activation, the key
+    and value heads (Falcon's: ``num_kv_heads`` in its new decoder architecture, 1 multi-query,
+    else every head's) and GPT-J's ``rotary_dim`` as a partial rotary factor."""
+    config = copy.deepcopy(config)
+    if config.model_type == "gptj":
+        config.intermediate_size = config.n_inner or 4 * config.hidden_size
+        config.hidden_act = config.activation_function
+        head_dim = config.hidden_size // config.num_attention_heads
+        config.num_key_value_heads = config.num_attention_heads
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": (config.rotary_dim or head_dim) / head_dim}
+    else:
+        config.intermediate_size = config.ffn_hidden_size
+        config.hidden_act = config.activation
+        config.num_key_value_heads = config.num_kv_heads if config.new_decoder_architecture else \
+            1 if config.multi_query else config.num_attention_heads
+    return config
 
 
 @dataclass(frozen=True)
@@ -298,9 +341,12 @@ class Family:
         if config.model_type in ("cohere", "cohere2"):
             return cls(activation=act, interleaved_rope=True, rope_math="float_math", layer_norm="float",
                        parallel="residual", logits_scale=config.logit_scale)
-        if config.model_type in ("phi", "gpt_neox", "stablelm"):  # (GPT-NeoX's and StableLM's where they say so)
-            parallel = getattr(config, "use_parallel_residual", True)
+        if config.model_type in ("phi", "gpt_neox", "stablelm", "gptj", "falcon"):
+            parallel = getattr(config, "use_parallel_residual", True)  # (GPT-NeoX's, StableLM's where they say so)
+            if config.model_type == "falcon":
+                parallel = config.parallel_attn or config.new_decoder_architecture
             return cls(activation=act, gated_mlp=config.model_type == "stablelm", layer_norm="model",
+                       interleaved_rope=config.model_type == "gptj",
                        parallel=("residual" if config.model_type == "stablelm" else "outputs") if parallel else None)
         if config.model_type == "olmo":
             return cls(activation=act, layer_norm="plain", clip_qkv=config.clip_qkv, rope_math="float")
@@ -540,6 +586,8 @@ def unsupported(config) -> str | None:
     if act not in ACTIVATIONS and act not in TRAINED_ACTIVATIONS:
         known = ", ".join([*ACTIVATIONS, *TRAINED_ACTIVATIONS])
         return f"the torch runtime supports the {known} activations, not {act!r}"
+    if config.model_type == "falcon" and config.alibi:  # (Falcon-RW's)
+        return "the torch runtime runs rotary embeddings, not ALiBi's position biases"
     if getattr(config, "moe_latent_size", None):  # Nemotron-H's experts in a latent width
         return "the torch runtime runs experts in the model's width, not through moe_latent_size projections"
     if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder
