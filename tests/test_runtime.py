@@ -208,6 +208,9 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "falcon-groups-one-norm": ("falcon", dict(new_decoder_architecture=True, num_kv_heads=2,
                                                num_ln_in_parallel_attn=1)),
     "falcon-sequential": ("falcon", dict(multi_query=False, parallel_attn=False, bias=True)),
+    # GPT-2: learned positions added to the embeddings, no rope, products' weights transposed (Conv1D); scores unscaled
+    "gpt2-learned-positions": ("gpt2", dict(num_key_value_heads=None)),
+    "gpt2-unscaled": ("gpt2", dict(num_key_value_heads=None, scale_attn_weights=False, std=0.05)),
     "cohere-qk-norms": ("cohere", dict(use_qk_norm=True, logit_scale=0.3)),
     "olmoe-clip": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, clip_qkv=0.5)),
     "olmo-plain-norms-clip": ("olmo", dict(clip_qkv=0.5)),
@@ -250,7 +253,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "apertus-xielu", "gptneox-parallel", "gptneox-sequential", "phi-parallel",
                                   "phi-qk-layernorm", "stablelm-norms-per-head", "stablelm-parallel", "cohere-qk-norms",
                                   "olmoe-clip", "olmo-plain-norms-clip", "gptj-interleaved-partial",
-                                  "falcon-groups-one-norm"])
+                                  "falcon-groups-one-norm", "gpt2-learned-positions", "gpt2-unscaled"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -455,7 +458,7 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
                 short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
     path = make_tiny(tmp_path / "longrope", "llama", rope_parameters=rope)
     assert "longrope" in unsupported(AutoConfig.from_pretrained(path))
-    assert "gpt2" in unsupported(AutoConfig.for_model("gpt2"))
+    assert "bloom" in unsupported(AutoConfig.for_model("bloom"))
     assert "quick_gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="quick_gelu"))
     assert "not 'awq' ones" in unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "awq"}))
     assert "rotates a part of each head for phi3, glm4, glm4_moe, bamba" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
@@ -897,7 +900,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "nemotronh", "lfm2", "falconh1", "mamba", "jamba", "mamba2-alone", "arcee-relu2",
                                   "olmoe-experts", "starcoder2-layernorm-biases", "ernie45moe-correction",
                                   "apertus-xielu", "gptneox-parallel", "phi-parallel", "stablelm-norms-per-head",
-                                  "gptj-interleaved-partial", "falcon-groups-two-norms"])
+                                  "gptj-interleaved-partial", "falcon-groups-two-norms", "gpt2-learned-positions"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -913,7 +916,7 @@ def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     params = dict(AutoModelForCausalLM.from_config(config).named_parameters())
     experts = sum(p.numel() for n, p in params.items() if ".experts." in n and p.dim() == 3)
     linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n
-                  and not any(e in n for e in ("embed", ".wte.", ".word_embeddings."))
+                  and not any(e in n for e in ("embed", ".wte.", ".wpe.", ".word_embeddings."))
                   and not n.endswith(("mlp.gate.weight", "mixer.gate.weight", "router.weight", "shared_expert_gate.weight",
                                       "A_log", "e_score_correction_bias")))  # (Mamba's decays: [channels, state];
     # ERNIE 4.5's correction: [1, experts])
@@ -1332,6 +1335,28 @@ def test_deepseek_v2_routing_in_bfloat16(method):
     order, want = chosen.sort(dim=-1), want_e.sort(dim=-1)
     assert torch.equal(order.values, want.values)
     assert torch.equal(weights.gather(1, order.indices), want_w.gather(1, want.indices))
+
+
+def test_gpt2_checkpoint_with_bare_names(tmp_path):
+    """GPT-2's original checkpoints name their tensors without ``transformer.`` (``wte.weight``,
+    ``h.0.attn.c_attn.weight``), as transformers loads them too: the logits are transformers'."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny
+
+    path = make_tiny(tmp_path / "gpt2", "gpt2", num_key_value_heads=None, tie_word_embeddings=True)
+    tensors = load_file(path / "model.safetensors")
+    save_file({k.removeprefix("transformer."): v for k, v in tensors.items() if k != "lm_head.weight"},
+              path / "model.safetensors", metadata={"format": "pt"})
+    assert "wte.weight" in load_file(path / "model.safetensors")
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits[0]
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
+    assert (rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0] - ref).abs().max() < ATOL
 
 
 @pytest.mark.parametrize("T", [1, 2, 9])

@@ -57,7 +57,7 @@ ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
-    "olmo", "gptj", "falcon")
+    "olmo", "gptj", "falcon", "gpt2")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -112,7 +112,8 @@ class RenamedWeights:
     ``query_key_value`` holds each head's query, key and value side by side (``[heads, 3,
     head_dim]``), read as Phi-3's ``qkv_proj`` (every query, then every key, then every value);
     StableLM's q/k norms are one per head (``q_layernorm.norms.{h}``), read stacked ``[heads,
-    head_dim]``; GPT-J's and Falcon's layers ``transformer.h.{i}.``, Falcon's fused projection
+    head_dim]``; GPT-2's products' weights transposed (its ``Conv1D``), its original checkpoints'
+    names bare (``h.{i}.``, ``wte``); GPT-J's and Falcon's layers ``transformer.h.{i}.``, Falcon's fused projection
     per head as GPT-NeoX's, or (its new decoder architecture's) per group of heads sharing a key
     and value (``[groups, heads / groups + 2, head_dim]``), or (multi-query) already in order; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
     Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
@@ -145,6 +146,10 @@ class RenamedWeights:
     RENAMES["gptj"] = [("model.embed_tokens.", "model.wte."), (".layers.", ".h."), (".input_layernorm.", ".ln_1."),
                        (".self_attn.o_proj.", ".attn.out_proj."), (".self_attn.", ".attn."), (".mlp.up_proj.", ".mlp.fc_in."),
                        (".mlp.down_proj.", ".mlp.fc_out."), ("model.norm.", "model.ln_f.")]
+    RENAMES["gpt2"] = [("model.embed_tokens.", "model.wte."), ("model.embed_positions.", "model.wpe."), (".layers.", ".h."),
+                       (".input_layernorm.", ".ln_1."), (".post_attention_layernorm.", ".ln_2."),
+                       (".self_attn.qkv_proj.", ".attn.c_attn."), (".self_attn.o_proj.", ".attn.c_proj."),
+                       (".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj."), ("model.norm.", "model.ln_f.")]
     RENAMES["falcon"] = [("model.embed_tokens.", "model.word_embeddings."), (".layers.", ".h."),
                          (".self_attn.qkv_proj.", ".self_attention.query_key_value."),
                          (".self_attn.o_proj.", ".self_attention.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
@@ -155,9 +160,10 @@ class RenamedWeights:
         self.heads = getattr(config, "num_attention_heads", None)
         if "backbone.embedding.weight" in weights:  # (Mamba-2's original checkpoints; transformers renames it at load)
             self.renames = self.renames + [("model.embeddings.", "model.embedding.")]
-        self.prefix = next((p for p in ("backbone.", "gpt_neox.", "transformer.") if any(
+        self.prefix = next((p for p in ("backbone.", "gpt_neox.", "transformer.", "") if any(
             f"{p}{e}.weight" in weights for e in ("embeddings", "embedding", "embed_in", "wte", "word_embeddings"))),
-            "model.")
+            "model.")  # ("": GPT-2's original checkpoints, their names bare)
+        self.conv1d = config.model_type == "gpt2"  # its products' weights [in, out] (transformers' Conv1D)
         new = config.model_type == "falcon" and config.new_decoder_architecture
         self.per_head = config.model_type == "gpt_neox" or config.model_type == "falcon" and not new \
             and not config.multi_query  # fused per head [heads, 3, head_dim]
@@ -176,6 +182,8 @@ class RenamedWeights:
             heads = [name.replace(".norms.", f".norms.{h}.") for h in range(self.heads)]  # (keys': fewer)
             return torch.stack([self.weights[n] for n in heads if n in self.weights])
         t = self.weights[name]
+        if self.conv1d and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            return t.t()
         if ".query_key_value." in name and self.per_head:  # [heads, 3, head_dim, ...] -> [3, heads, head_dim, ...]
             return t.view(self.heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
         if ".query_key_value." in name and self.groups:  # queries, keys, values of each group -> all queries...
@@ -235,7 +243,7 @@ def text_model(config, weights=None):
             head = next((h for h in ("language_model.lm_head.weight", "lm_head.weight") if h in weights), "")
             weights = TextWeights(weights, prefix, head)
         config = config.get_text_config(decoder=True)
-    if config.model_type in ("gptj", "falcon"):
+    if config.model_type in ("gptj", "falcon", "gpt2"):
         config = llama_fields(config)
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
         return config, RenamedWeights(weights, config)
@@ -245,19 +253,20 @@ def text_model(config, weights=None):
 
 
 def llama_fields(config):
-    """A copy of GPT-J's or Falcon's config with the fields the runtime reads under Llama's names:
-    the MLP's width (``n_inner`` or 4 x hidden, ``ffn_hidden_size``) and activation, the key
-    and value heads (Falcon's: ``num_kv_heads`` in its new decoder architecture, 1 multi-query,
-    else every head's) and GPT-J's ``rotary_dim`` as a partial rotary factor."""
+    """A copy of GPT-J's, GPT-2's or Falcon's config with the fields the runtime reads under Llama's
+    names: the MLP's width (``n_inner`` or 4 x hidden, ``ffn_hidden_size``) and activation, the
+    key and value heads (Falcon's: ``num_kv_heads`` in its new decoder architecture, 1
+    multi-query, else every head's) and GPT-J's ``rotary_dim`` as a partial rotary factor."""
     config = copy.deepcopy(config)
-    if config.model_type == "gptj":
+    if config.model_type in ("gptj", "gpt2"):
         config.intermediate_size = config.n_inner or 4 * config.hidden_size
         config.hidden_act = config.activation_function
-        head_dim = config.hidden_size // config.num_attention_heads
         config.num_key_value_heads = config.num_attention_heads
+    if config.model_type == "gptj":
+        head_dim = config.hidden_size // config.num_attention_heads
         config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0,
                                   "partial_rotary_factor": (config.rotary_dim or head_dim) / head_dim}
-    else:
+    if config.model_type == "falcon":
         config.intermediate_size = config.ffn_hidden_size
         config.hidden_act = config.activation
         config.num_key_value_heads = config.num_kv_heads if config.new_decoder_architecture else \
@@ -297,7 +306,9 @@ class Family:
     ``norm_after_rope``: the q/k norms after the rotation (HunYuan's), not before;
     ``query_temperature``: ``(beta, span)``, queries scaled by ``1 + beta log(1 + floor(position /
     span))`` after the rotation (Ministral 3's ``llama_4_scaling_beta``: 1 within its original context);
-    ``gated_mlp``: the MLP is ``down(act(gate) * up)`` (else ``down(act(up))``: Nemotron-H's, Arcee's)."""
+    ``gated_mlp``: the MLP is ``down(act(gate) * up)`` (else ``down(act(up))``: Nemotron-H's, Arcee's);
+    ``learned_positions``: positions are a learned table's rows added to the embeddings, no rope
+    (GPT-2's; the offset of a position's row: 0)."""
 
     offset_norms: bool = False
     embed_scale: float | None = None
@@ -317,6 +328,7 @@ class Family:
     norm_after_rope: bool = False
     query_temperature: tuple[float, int] | None = None
     gated_mlp: bool = True
+    learned_positions: int | None = None
 
     @classmethod
     def of(cls, config, dtype: torch.dtype = torch.float32) -> "Family":
@@ -348,6 +360,9 @@ class Family:
             return cls(activation=act, gated_mlp=config.model_type == "stablelm", layer_norm="model",
                        interleaved_rope=config.model_type == "gptj",
                        parallel=("residual" if config.model_type == "stablelm" else "outputs") if parallel else None)
+        if config.model_type == "gpt2":  # (scale_attn_weights False: scores not scaled)
+            return cls(activation=act, gated_mlp=False, layer_norm="model", learned_positions=0,
+                       attn_scale=None if config.scale_attn_weights else 1.0)
         if config.model_type == "olmo":
             return cls(activation=act, layer_norm="plain", clip_qkv=config.clip_qkv, rope_math="float")
         if config.model_type == "starcoder2":
@@ -586,6 +601,8 @@ def unsupported(config) -> str | None:
     if act not in ACTIVATIONS and act not in TRAINED_ACTIVATIONS:
         known = ", ".join([*ACTIVATIONS, *TRAINED_ACTIVATIONS])
         return f"the torch runtime supports the {known} activations, not {act!r}"
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False):  # (GPT-2's option; no released checkpoint sets it)
+        return "the torch runtime does not scale attention by the inverse layer index"
     if config.model_type == "falcon" and config.alibi:  # (Falcon-RW's)
         return "the torch runtime runs rotary embeddings, not ALiBi's position biases"
     if getattr(config, "moe_latent_size", None):  # Nemotron-H's experts in a latent width
@@ -840,6 +857,8 @@ class TorchLlama:
             rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's, Jamba's: no rope
         if config.model_type in ("exaone4", "cohere2") and config.sliding_window:  # rope on the windowed layers alone
             rotates = [t == "sliding_attention" for t in types]
+        if self.family.learned_positions is not None:  # GPT-2's: no rope
+            rotates = [0] * self.num_layers
         linear = linear or pick_linear(device, dtype)
         assert linear in LINEAR_KINDS, linear
         if multi_row is None:  # the verify-packed copy, when the weights and it fit in memory
@@ -849,6 +868,7 @@ class TorchLlama:
 
         r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row)
         self.embed = r.get("model.embed_tokens.weight")
+        self.positions = r.get("model.embed_positions.weight") if self.family.learned_positions is not None else None
         self.vocab_size = self.embed.shape[0]
         self.recurrent = recurrent_mixer(config)  # DeltaNet, Mamba2, Mamba1, ShortConv or None
         self.layers, kinds = [], [0, 0]  # layers so far: attention, recurrent
@@ -1035,6 +1055,8 @@ class TorchLlama:
         rope = self._rope(x.pos)
         fam = self.family
         h = F.embedding(x.ids, self.embed)  # [B, T, hidden]
+        if self.positions is not None:  # (GPT-2's)
+            h = h + F.embedding(x.pos + fam.learned_positions, self.positions)
         if fam.embed_scale is not None:
             h = h * fam.embed_scale
         tapped = {}  # tap -> [B, T, hidden]
