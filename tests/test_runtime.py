@@ -211,6 +211,8 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # GPT-2: learned positions added to the embeddings, no rope, products' weights transposed (Conv1D); scores unscaled
     "gpt2-learned-positions": ("gpt2", dict(num_key_value_heads=None)),
     "gpt2-unscaled": ("gpt2", dict(num_key_value_heads=None, scale_attn_weights=False, std=0.05)),
+    # OPT: learned positions from row 2, queries scaled as they come out of their product, a relu MLP
+    "opt-learned-positions": ("opt", dict(num_key_value_heads=None, ffn_dim=128)),
     "cohere-qk-norms": ("cohere", dict(use_qk_norm=True, logit_scale=0.3)),
     "olmoe-clip": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, clip_qkv=0.5)),
     "olmo-plain-norms-clip": ("olmo", dict(clip_qkv=0.5)),
@@ -253,7 +255,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "apertus-xielu", "gptneox-parallel", "gptneox-sequential", "phi-parallel",
                                   "phi-qk-layernorm", "stablelm-norms-per-head", "stablelm-parallel", "cohere-qk-norms",
                                   "olmoe-clip", "olmo-plain-norms-clip", "gptj-interleaved-partial",
-                                  "falcon-groups-one-norm", "gpt2-learned-positions", "gpt2-unscaled"])
+                                  "falcon-groups-one-norm", "gpt2-learned-positions", "gpt2-unscaled",
+                                  "opt-learned-positions"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -459,6 +462,7 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     path = make_tiny(tmp_path / "longrope", "llama", rope_parameters=rope)
     assert "longrope" in unsupported(AutoConfig.from_pretrained(path))
     assert "bloom" in unsupported(AutoConfig.for_model("bloom"))
+    assert "OPT's norms before" in unsupported(AutoConfig.for_model("opt", do_layer_norm_before=False))
     assert "quick_gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="quick_gelu"))
     assert "not 'awq' ones" in unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "awq"}))
     assert "rotates a part of each head for phi3, glm4, glm4_moe, bamba" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
@@ -900,7 +904,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "nemotronh", "lfm2", "falconh1", "mamba", "jamba", "mamba2-alone", "arcee-relu2",
                                   "olmoe-experts", "starcoder2-layernorm-biases", "ernie45moe-correction",
                                   "apertus-xielu", "gptneox-parallel", "phi-parallel", "stablelm-norms-per-head",
-                                  "gptj-interleaved-partial", "falcon-groups-two-norms", "gpt2-learned-positions"])
+                                  "gptj-interleaved-partial", "falcon-groups-two-norms", "gpt2-learned-positions",
+                                  "opt-learned-positions"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1337,9 +1342,11 @@ def test_deepseek_v2_routing_in_bfloat16(method):
     assert torch.equal(weights.gather(1, order.indices), want_w.gather(1, want.indices))
 
 
-def test_gpt2_checkpoint_with_bare_names(tmp_path):
+@pytest.mark.parametrize("arch,prefix", [("gpt2", "transformer."), ("opt", "model.")])
+def test_original_checkpoints_with_bare_names(tmp_path, arch, prefix):
     """GPT-2's original checkpoints name their tensors without ``transformer.`` (``wte.weight``,
-    ``h.0.attn.c_attn.weight``), as transformers loads them too: the logits are transformers'."""
+    ``h.0.attn.c_attn.weight``), OPT's without ``model.`` (``decoder.layers.0...``), as
+    transformers loads them too: the logits are transformers'."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -1347,11 +1354,11 @@ def test_gpt2_checkpoint_with_bare_names(tmp_path):
 
     from tiny import make_tiny
 
-    path = make_tiny(tmp_path / "gpt2", "gpt2", num_key_value_heads=None, tie_word_embeddings=True)
+    path = make_tiny(tmp_path / arch, arch, num_key_value_heads=None, tie_word_embeddings=True, ffn_dim=128)
     tensors = load_file(path / "model.safetensors")
-    save_file({k.removeprefix("transformer."): v for k, v in tensors.items() if k != "lm_head.weight"},
+    save_file({k.removeprefix(prefix): v for k, v in tensors.items() if k != "lm_head.weight"},
               path / "model.safetensors", metadata={"format": "pt"})
-    assert "wte.weight" in load_file(path / "model.safetensors")
+    assert {"wte.weight", "decoder.embed_tokens.weight"} & set(load_file(path / "model.safetensors"))
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits[0]

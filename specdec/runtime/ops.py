@@ -12,6 +12,7 @@ GELU_C = math.sqrt(2.0 / math.pi)
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
                "relu2": lambda x: F.relu(x).square(),  # (Nemotron-H's, not gated)
                "gelu": F.gelu,  # (GPT-NeoX's: erf)
+               "relu": F.relu,  # (OPT's, not gated)
                # Phi's: the tanh form written out as transformers' NewGELUActivation has it (not bit-equal to PyTorch's)
                "gelu_new": lambda x: 0.5 * x * (1.0 + torch.tanh(GELU_C * (x + 0.044715 * torch.pow(x, 3.0))))}
 TRAINED_ACTIVATIONS = ("xielu",)  # of weights each layer keeps (``xielu``: Apertus's)

@@ -57,7 +57,7 @@ ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
-    "olmo", "gptj", "falcon", "gpt2")
+    "olmo", "gptj", "falcon", "gpt2", "opt")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -113,7 +113,8 @@ class RenamedWeights:
     head_dim]``), read as Phi-3's ``qkv_proj`` (every query, then every key, then every value);
     StableLM's q/k norms are one per head (``q_layernorm.norms.{h}``), read stacked ``[heads,
     head_dim]``; GPT-2's products' weights transposed (its ``Conv1D``), its original checkpoints'
-    names bare (``h.{i}.``, ``wte``); GPT-J's and Falcon's layers ``transformer.h.{i}.``, Falcon's fused projection
+    names bare (``h.{i}.``, ``wte``); OPT's under ``model.decoder.`` (its original checkpoints':
+    ``decoder.``); GPT-J's and Falcon's layers ``transformer.h.{i}.``, Falcon's fused projection
     per head as GPT-NeoX's, or (its new decoder architecture's) per group of heads sharing a key
     and value (``[groups, heads / groups + 2, head_dim]``), or (multi-query) already in order; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
     Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
@@ -150,6 +151,13 @@ class RenamedWeights:
                        (".input_layernorm.", ".ln_1."), (".post_attention_layernorm.", ".ln_2."),
                        (".self_attn.qkv_proj.", ".attn.c_attn."), (".self_attn.o_proj.", ".attn.c_proj."),
                        (".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj."), ("model.norm.", "model.ln_f.")]
+    RENAMES["opt"] = [(".input_layernorm.", ".self_attn_layer_norm."), (".post_attention_layernorm.", ".final_layer_norm."),
+                      (".self_attn.o_proj.", ".self_attn.out_proj."), (".mlp.up_proj.", ".fc1."), (".mlp.down_proj.", ".fc2."),
+                      ("model.norm.", "model.final_layer_norm.")]
+    # a checkpoint's prefix for ``model.``, by its embeddings' name (as saved; else ``model.``)
+    PREFIXES = [("backbone.", "embeddings"), ("backbone.", "embedding"), ("gpt_neox.", "embed_in"), ("transformer.", "wte"),
+                ("transformer.", "word_embeddings"), ("", "wte"), ("model.decoder.", "embed_tokens"),
+                ("decoder.", "embed_tokens")]
     RENAMES["falcon"] = [("model.embed_tokens.", "model.word_embeddings."), (".layers.", ".h."),
                          (".self_attn.qkv_proj.", ".self_attention.query_key_value."),
                          (".self_attn.o_proj.", ".self_attention.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
@@ -160,9 +168,7 @@ class RenamedWeights:
         self.heads = getattr(config, "num_attention_heads", None)
         if "backbone.embedding.weight" in weights:  # (Mamba-2's original checkpoints; transformers renames it at load)
             self.renames = self.renames + [("model.embeddings.", "model.embedding.")]
-        self.prefix = next((p for p in ("backbone.", "gpt_neox.", "transformer.", "") if any(
-            f"{p}{e}.weight" in weights for e in ("embeddings", "embedding", "embed_in", "wte", "word_embeddings"))),
-            "model.")  # ("": GPT-2's original checkpoints, their names bare)
+        self.prefix = next((p for p, e in self.PREFIXES if f"{p}{e}.weight" in weights), "model.")
         self.conv1d = config.model_type == "gpt2"  # its products' weights [in, out] (transformers' Conv1D)
         new = config.model_type == "falcon" and config.new_decoder_architecture
         self.per_head = config.model_type == "gpt_neox" or config.model_type == "falcon" and not new \
@@ -243,7 +249,7 @@ def text_model(config, weights=None):
             head = next((h for h in ("language_model.lm_head.weight", "lm_head.weight") if h in weights), "")
             weights = TextWeights(weights, prefix, head)
         config = config.get_text_config(decoder=True)
-    if config.model_type in ("gptj", "falcon", "gpt2"):
+    if config.model_type in ("gptj", "falcon", "gpt2", "opt"):
         config = llama_fields(config)
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
         return config, RenamedWeights(weights, config)
@@ -253,13 +259,13 @@ def text_model(config, weights=None):
 
 
 def llama_fields(config):
-    """A copy of GPT-J's, GPT-2's or Falcon's config with the fields the runtime reads under Llama's
-    names: the MLP's width (``n_inner`` or 4 x hidden, ``ffn_hidden_size``) and activation, the
+    """A copy of GPT-J's, GPT-2's, OPT's or Falcon's config with the fields the runtime reads under
+    Llama's names: the MLP's width (``n_inner`` or 4 x hidden, ``ffn_dim``, ``ffn_hidden_size``) and activation, the
     key and value heads (Falcon's: ``num_kv_heads`` in its new decoder architecture, 1
     multi-query, else every head's) and GPT-J's ``rotary_dim`` as a partial rotary factor."""
     config = copy.deepcopy(config)
-    if config.model_type in ("gptj", "gpt2"):
-        config.intermediate_size = config.n_inner or 4 * config.hidden_size
+    if config.model_type in ("gptj", "gpt2", "opt"):
+        config.intermediate_size = config.ffn_dim if config.model_type == "opt" else config.n_inner or 4 * config.hidden_size
         config.hidden_act = config.activation_function
         config.num_key_value_heads = config.num_attention_heads
     if config.model_type == "gptj":
@@ -308,7 +314,9 @@ class Family:
     span))`` after the rotation (Ministral 3's ``llama_4_scaling_beta``: 1 within its original context);
     ``gated_mlp``: the MLP is ``down(act(gate) * up)`` (else ``down(act(up))``: Nemotron-H's, Arcee's);
     ``learned_positions``: positions are a learned table's rows added to the embeddings, no rope
-    (GPT-2's; the offset of a position's row: 0)."""
+    (GPT-2's; the offset of a position's row: 0; OPT's: 2); ``scale_queries``: the queries
+    scaled by ``head_dim ** -0.5`` as they come out of their product, the scores then not
+    (OPT's)."""
 
     offset_norms: bool = False
     embed_scale: float | None = None
@@ -329,6 +337,7 @@ class Family:
     query_temperature: tuple[float, int] | None = None
     gated_mlp: bool = True
     learned_positions: int | None = None
+    scale_queries: bool = False
 
     @classmethod
     def of(cls, config, dtype: torch.dtype = torch.float32) -> "Family":
@@ -363,6 +372,9 @@ class Family:
         if config.model_type == "gpt2":  # (scale_attn_weights False: scores not scaled)
             return cls(activation=act, gated_mlp=False, layer_norm="model", learned_positions=0,
                        attn_scale=None if config.scale_attn_weights else 1.0)
+        if config.model_type == "opt":
+            return cls(activation=act, gated_mlp=False, layer_norm="model", learned_positions=2, scale_queries=True,
+                       attn_scale=1.0)
         if config.model_type == "olmo":
             return cls(activation=act, layer_norm="plain", clip_qkv=config.clip_qkv, rope_math="float")
         if config.model_type == "starcoder2":
@@ -603,6 +615,9 @@ def unsupported(config) -> str | None:
         return f"the torch runtime supports the {known} activations, not {act!r}"
     if getattr(config, "scale_attn_by_inverse_layer_idx", False):  # (GPT-2's option; no released checkpoint sets it)
         return "the torch runtime does not scale attention by the inverse layer index"
+    if config.model_type == "opt" and not (config.do_layer_norm_before and config.layer_norm_elementwise_affine
+                                           and config.word_embed_proj_dim == config.hidden_size):  # (OPT-350M's)
+        return "the torch runtime runs OPT's norms before attention and the MLP, with weights, and no projections in and out"
     if config.model_type == "falcon" and config.alibi:  # (Falcon-RW's)
         return "the torch runtime runs rotary embeddings, not ALiBi's position biases"
     if getattr(config, "moe_latent_size", None):  # Nemotron-H's experts in a latent width
@@ -1111,6 +1126,8 @@ class TorchLlama:
         H, KV, D = self.num_heads, self.kv_heads, self.head_dim
         qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D], Qwen3-Next's / 3.5's gates after them: + H D
         q, k, v, *gate = qkv.split([H * D, KV * D, KV * D] + [H * D] * L.get("gated", False), dim=-1)
+        if fam.scale_queries:  # (OPT's)
+            q = q * D ** -0.5
         if L["q_norm"] is not None and not fam.norm_after_rope:  # over each head, or all (a weight that wide: OLMo 2's)
             q = norm(q.view(B, T, -1, norm_width(L["q_norm"])), L["q_norm"], self.eps)
             k = norm(k.view(B, T, -1, norm_width(L["k_norm"])), L["k_norm"], self.eps)
