@@ -213,6 +213,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "gpt2-unscaled": ("gpt2", dict(num_key_value_heads=None, scale_attn_weights=False, std=0.05)),
     # OPT: learned positions from row 2, queries scaled as they come out of their product, a relu MLP
     "opt-learned-positions": ("opt", dict(num_key_value_heads=None, ffn_dim=128)),
+    # GPT-BigCode (StarCoder): GPT-2's layers with multi-query attention (or its projection fused per head); Nemotron:
+    # layer norms of 1 + weight, relu2(up), half of each head rotated
+    "bigcode-multi-query": ("gpt_bigcode", dict(num_key_value_heads=None)),
+    "bigcode-per-head": ("gpt_bigcode", dict(num_key_value_heads=None, multi_query=False)),
+    "nemotron-layernorm1p": ("nemotron", dict(head_dim=16)),
     "cohere-qk-norms": ("cohere", dict(use_qk_norm=True, logit_scale=0.3)),
     "olmoe-clip": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, clip_qkv=0.5)),
     "olmo-plain-norms-clip": ("olmo", dict(clip_qkv=0.5)),
@@ -256,7 +261,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "phi-qk-layernorm", "stablelm-norms-per-head", "stablelm-parallel", "cohere-qk-norms",
                                   "olmoe-clip", "olmo-plain-norms-clip", "gptj-interleaved-partial",
                                   "falcon-groups-one-norm", "gpt2-learned-positions", "gpt2-unscaled",
-                                  "opt-learned-positions"])
+                                  "opt-learned-positions", "bigcode-multi-query", "bigcode-per-head",
+                                  "nemotron-layernorm1p"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -905,7 +911,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "olmoe-experts", "starcoder2-layernorm-biases", "ernie45moe-correction",
                                   "apertus-xielu", "gptneox-parallel", "phi-parallel", "stablelm-norms-per-head",
                                   "gptj-interleaved-partial", "falcon-groups-two-norms", "gpt2-learned-positions",
-                                  "opt-learned-positions"])
+                                  "opt-learned-positions", "bigcode-multi-query", "nemotron-layernorm1p"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

@@ -57,13 +57,13 @@ ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
-    "olmo", "gptj", "falcon", "gpt2", "opt")
+    "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj") \
+PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj", "nemotron") \
     + GLM_VL_TEXT + HYBRID_ARCHS
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
@@ -113,7 +113,8 @@ class RenamedWeights:
     head_dim]``), read as Phi-3's ``qkv_proj`` (every query, then every key, then every value);
     StableLM's q/k norms are one per head (``q_layernorm.norms.{h}``), read stacked ``[heads,
     head_dim]``; GPT-2's products' weights transposed (its ``Conv1D``), its original checkpoints'
-    names bare (``h.{i}.``, ``wte``); OPT's under ``model.decoder.`` (its original checkpoints':
+    names bare (``h.{i}.``, ``wte``); GPT-BigCode's (StarCoder's) as GPT-2's, not transposed, its
+    fused projection multi-query (in order) or per head; OPT's under ``model.decoder.`` (its original checkpoints':
     ``decoder.``); GPT-J's and Falcon's layers ``transformer.h.{i}.``, Falcon's fused projection
     per head as GPT-NeoX's, or (its new decoder architecture's) per group of heads sharing a key
     and value (``[groups, heads / groups + 2, head_dim]``), or (multi-query) already in order; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
@@ -151,6 +152,7 @@ class RenamedWeights:
                        (".input_layernorm.", ".ln_1."), (".post_attention_layernorm.", ".ln_2."),
                        (".self_attn.qkv_proj.", ".attn.c_attn."), (".self_attn.o_proj.", ".attn.c_proj."),
                        (".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj."), ("model.norm.", "model.ln_f.")]
+    RENAMES["gpt_bigcode"] = RENAMES["gpt2"]  # (its products nn.Linear's: not transposed)
     RENAMES["opt"] = [(".input_layernorm.", ".self_attn_layer_norm."), (".post_attention_layernorm.", ".final_layer_norm."),
                       (".self_attn.o_proj.", ".self_attn.out_proj."), (".mlp.up_proj.", ".fc1."), (".mlp.down_proj.", ".fc2."),
                       ("model.norm.", "model.final_layer_norm.")]
@@ -171,7 +173,7 @@ class RenamedWeights:
         self.prefix = next((p for p, e in self.PREFIXES if f"{p}{e}.weight" in weights), "model.")
         self.conv1d = config.model_type == "gpt2"  # its products' weights [in, out] (transformers' Conv1D)
         new = config.model_type == "falcon" and config.new_decoder_architecture
-        self.per_head = config.model_type == "gpt_neox" or config.model_type == "falcon" and not new \
+        self.per_head = config.model_type == "gpt_neox" or config.model_type in ("falcon", "gpt_bigcode") and not new \
             and not config.multi_query  # fused per head [heads, 3, head_dim]
         self.groups = config.num_kv_heads if new else None  # Falcon's [groups, heads / groups + 2, head_dim]
         if new and (config.num_ln_in_parallel_attn or 2) == 2:  # a norm before attention, another before the MLP
@@ -190,7 +192,7 @@ class RenamedWeights:
         t = self.weights[name]
         if self.conv1d and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             return t.t()
-        if ".query_key_value." in name and self.per_head:  # [heads, 3, head_dim, ...] -> [3, heads, head_dim, ...]
+        if (".query_key_value." in name or ".c_attn." in name) and self.per_head:  # [heads, 3, head_dim, ...] -> [3, heads, head_dim, ...]
             return t.view(self.heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
         if ".query_key_value." in name and self.groups:  # queries, keys, values of each group -> all queries...
             g = t.view(self.groups, self.heads // self.groups + 2, -1, *t.shape[1:])
@@ -249,7 +251,7 @@ def text_model(config, weights=None):
             head = next((h for h in ("language_model.lm_head.weight", "lm_head.weight") if h in weights), "")
             weights = TextWeights(weights, prefix, head)
         config = config.get_text_config(decoder=True)
-    if config.model_type in ("gptj", "falcon", "gpt2", "opt"):
+    if config.model_type in ("gptj", "falcon", "gpt2", "opt", "gpt_bigcode"):
         config = llama_fields(config)
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
         return config, RenamedWeights(weights, config)
@@ -259,15 +261,15 @@ def text_model(config, weights=None):
 
 
 def llama_fields(config):
-    """A copy of GPT-J's, GPT-2's, OPT's or Falcon's config with the fields the runtime reads under
+    """A copy of GPT-J's, GPT-2's, GPT-BigCode's, OPT's or Falcon's config with the fields the runtime reads under
     Llama's names: the MLP's width (``n_inner`` or 4 x hidden, ``ffn_dim``, ``ffn_hidden_size``) and activation, the
-    key and value heads (Falcon's: ``num_kv_heads`` in its new decoder architecture, 1
-    multi-query, else every head's) and GPT-J's ``rotary_dim`` as a partial rotary factor."""
+    key and value heads (Falcon's: ``num_kv_heads`` in its new decoder architecture; 1
+    multi-query, Falcon's and GPT-BigCode's; else every head's) and GPT-J's ``rotary_dim`` as a partial rotary factor."""
     config = copy.deepcopy(config)
-    if config.model_type in ("gptj", "gpt2", "opt"):
+    if config.model_type in ("gptj", "gpt2", "opt", "gpt_bigcode"):
         config.intermediate_size = config.ffn_dim if config.model_type == "opt" else config.n_inner or 4 * config.hidden_size
         config.hidden_act = config.activation_function
-        config.num_key_value_heads = config.num_attention_heads
+        config.num_key_value_heads = 1 if getattr(config, "multi_query", False) else config.num_attention_heads
     if config.model_type == "gptj":
         head_dim = config.hidden_size // config.num_attention_heads
         config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0,
@@ -284,7 +286,8 @@ def llama_fields(config):
 class Family:
     """Where a model's layers depart from Llama's (all as transformers computes them).
     ``offset_norms``: norms scale by ``1 + weight``, in float32 (the weights are kept so; Gemma's,
-    and Qwen3-Next's and Qwen3.5's but for the DeltaNet output's norm);
+    and Qwen3-Next's and Qwen3.5's but for the DeltaNet output's norm; a layer norm's in the model's
+    dtype: Nemotron's);
     ``embed_scale``: the embeddings' factor (Gemma's sqrt(hidden size) rounded to the model's
     dtype, Granite's ``embedding_multiplier``); ``attn_scale``: queries' scale (Gemma's
     ``query_pre_attn_scalar ** -0.5``, Granite's ``attention_multiplier``; None:
@@ -369,9 +372,11 @@ class Family:
             return cls(activation=act, gated_mlp=config.model_type == "stablelm", layer_norm="model",
                        interleaved_rope=config.model_type == "gptj",
                        parallel=("residual" if config.model_type == "stablelm" else "outputs") if parallel else None)
-        if config.model_type == "gpt2":  # (scale_attn_weights False: scores not scaled)
+        if config.model_type in ("gpt2", "gpt_bigcode"):  # (scale_attn_weights False: scores not scaled)
             return cls(activation=act, gated_mlp=False, layer_norm="model", learned_positions=0,
                        attn_scale=None if config.scale_attn_weights else 1.0)
+        if config.model_type == "nemotron":  # layer norms of 1 + weight, relu2(up) not gated
+            return cls(activation=act, gated_mlp=False, layer_norm="model", offset_norms=True)
         if config.model_type == "opt":
             return cls(activation=act, gated_mlp=False, layer_norm="model", learned_positions=2, scale_queries=True,
                        attn_scale=1.0)
@@ -686,8 +691,8 @@ class CheckpointReader:
         if self.family.layer_norm == "plain" and name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight",
                                                                 "model.norm.weight")):
             return LayerNorm(None, None, in_float=True)
-        if self.family.layer_norm and name in self.weights:
-            return LayerNorm(self.get(name), self.opt(name.removesuffix("weight") + "bias"),
+        if self.family.layer_norm and name in self.weights:  # (Nemotron's: of 1 + weight, in the model's dtype)
+            return LayerNorm(self.get(name) + self.family.offset_norms, self.opt(name.removesuffix("weight") + "bias"),
                              self.family.layer_norm == "float")
         if name not in self.weights or not (self.family.offset_norms or self.family.float_norms):
             return self.opt(name)
