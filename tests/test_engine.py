@@ -571,8 +571,8 @@ def test_recurrent_model_speculates_as_transformers_decodes(loaded, tiny_dirs, n
     drafts always right (self, 3 and 8 deep; under the cost model, which times forwards and
     rewinds), mostly wrong (a random draft model: most drafts rolled back), the n-gram lookup,
     in batches of 3 with chunked prompts, twice over. Trees (n-gram's, a Llama draft model's) go
-    through the states in one forward, their accepted paths kept, but Mamba's (Falcon-Mamba's,
-    Jamba's), which are refused, as is the model drafting a tree itself, and say why. As a
+    through the states in one forward, their accepted paths kept; the model drafting a tree itself
+    is refused, and says why. As a
     draft model (for a Llama target) its own rewinds span several one-token forwards."""
     from specdec.runtime.base import NO_TREES
 
@@ -587,18 +587,14 @@ def test_recurrent_model_speculates_as_transformers_decodes(loaded, tiny_dirs, n
             assert [o.token_ids for o in outs] == want, (method, k)
         if method == "self" and not extra:
             assert min(o.metrics["acceptance_rate"] for o in outs) == 1
-    if name in ("mamba", "jamba"):
-        with pytest.raises(ValueError, match=NO_TREES.split(":")[0]):
-            LLM(loaded(name), speculative=SpecConfig(method="ngram", tree_topk=2))
-    else:
-        for method in ("ngram", "draft"):
-            llm = LLM(loaded(name), draft=loaded("draft") if method == "draft" else None, chunked_prefill_size=4,
-                      max_batch_size=3, speculative=SpecConfig(method=method, num_draft_tokens=3, tree_topk=2))
-            outs = llm.generate(PROMPTS, sp)
-            assert [o.token_ids for o in outs] == want, method
-            assert sum(o.metrics["drafted_tokens"] for o in outs) > 0, method
-        with pytest.raises(ValueError, match="draft-model " + NO_TREES.split(":")[0]):
-            LLM(loaded(name), speculative=SpecConfig(method="self", tree_topk=2))
+    for method in ("ngram", "draft"):
+        llm = LLM(loaded(name), draft=loaded("draft") if method == "draft" else None, chunked_prefill_size=4,
+                  max_batch_size=3, speculative=SpecConfig(method=method, num_draft_tokens=3, tree_topk=2))
+        outs = llm.generate(PROMPTS, sp)
+        assert [o.token_ids for o in outs] == want, method
+        assert sum(o.metrics["drafted_tokens"] for o in outs) > 0, method
+    with pytest.raises(ValueError, match="draft-model " + NO_TREES.split(":")[0]):
+        LLM(loaded(name), speculative=SpecConfig(method="self", tree_topk=2))
     want = [o.token_ids for o in plain(loaded, "llama", sp=sp)]
     drafted = LLM(loaded("llama"), draft=loaded(name), max_batch_size=3, speculative=SpecConfig(method="draft"))
     assert [o.token_ids for o in drafted.generate(PROMPTS, sp)] == want

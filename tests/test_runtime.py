@@ -660,13 +660,14 @@ def test_chunk_mask_and_positions(loaded):
     torch.testing.assert_close(out[1], b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "falconh1"])
+@pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "falconh1", "mamba", "jamba"])
 def test_tree_through_recurrent_states(loaded, name):
-    """A token tree through recurrent layers (DeltaNet's, Mamba-2's, LFM2's convolutions) in one
+    """A token tree through recurrent layers (DeltaNet's, Mamba-2's, Mamba's, LFM2's convolutions) in one
     forward: each node's logits are those of its path as a chain; after ``keep`` of a path
     (each of the tree's leaves' in turn, on a copy of the slot) the next tokens' logits are the
-    whole sequence's from scratch, and the slot still rewinds into the kept path. Mamba's scan
-    takes no tree; a draft model's tree (masks that see earlier forwards' rows) is refused."""
+    whole sequence's from scratch, and the slot still rewinds into the kept path; a chain beside
+    a tree in one batch is as alone. A draft model's tree (masks that see earlier forwards'
+    rows) is refused."""
     rt = loaded(name).runtime
     assert rt.supports_masks and not rt.masks_reach_cache
     rt.state_depth = 8

@@ -12,9 +12,8 @@ from typing import Protocol, Sequence
 import torch
 
 
-NO_TREES = ("token trees need tree attention masks: the torch and llama.cpp runtimes draw them (not through Mamba's "
-            "selective scan, and a draft model with recurrent layers drafts chains), the transformers fallback runs "
-            "chains only")
+NO_TREES = ("token trees need tree attention masks: the torch and llama.cpp runtimes draw them (a draft model with "
+            "recurrent layers drafts chains), the transformers fallback runs chains only")
 
 
 class Cache(Protocol):

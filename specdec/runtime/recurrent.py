@@ -377,6 +377,11 @@ class Mamba1:
     def state_shape(self) -> tuple[int, int]:
         return self.inner, self.d_state
 
+    @property
+    def input_shape(self) -> tuple[int]:
+        """A tree's token's inputs, which ``keep`` runs along the accepted path: its ``dt``, ``x``, ``B``."""
+        return (2 * self.inner + self.d_state,)
+
     def projection_params(self, hidden: int) -> int:
         return hidden * 3 * self.inner + self.inner * (2 * self.dt_rank + 2 * self.d_state)
 
@@ -417,23 +422,43 @@ class Mamba1:
         dt = torch.where(plan.valid[:, :, None], dt, 0.0)  # padding neither decays the state nor writes to it
         x, b, c = x.float(), b.float(), c.float()
 
+        parents = None
+        if plan.tree is not None:  # each token's parent: its last ancestor before it (-1: none)
+            T = plan.tree.shape[1]
+            order = torch.arange(T, device=a.device)
+            parents = torch.where(plan.tree.tril(-1), order, -1).amax(-1)  # [B, T]
+            states.node_inputs[li] = torch.cat([dt, x, b], dim=-1)
+
         def chunked(state):  # (a verify's states before each token too, for the ring)
-            return selective_scan(x, dt, L["decay"], b, c, L["skip"], state, keep=plan.every)
+            return selective_scan(x, dt, L["decay"], b, c, L["skip"], state, keep=plan.every, parents=parents)
 
         y = scan(states, li, slots, plan, None, chunked)  # [B, T, inner]
         return L["mix_out"]((y * F.silu(z.float())).to(a.dtype))
 
 
 def selective_scan(x: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-                   skip: torch.Tensor, state: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, ...]:
+                   skip: torch.Tensor, state: torch.Tensor, keep: bool = False,
+                   parents: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Mamba's scan over ``T`` tokens: ``x, dt [B, T, C]`` (float32), ``decay [C, N]``, ``b, c
     [B, T, N]``, ``skip [C]``, from ``state [B, C, N]``. Per chunk of tokens, each token's decay
     ``exp(dt A)`` and input ``dt x B`` at once, then one fused product per token (``h = h dA +
     dBx``: the recurrence is cheaper than a closed form, whose cost grows with T squared), then
     the outputs ``h C + D x`` at once. Returns ``(y [B, T, C], the last state)``, and with
-    ``keep`` the states before each token ``[B, T, C, N]`` (a verify's, for the ring)."""
+    ``keep`` the states before each token ``[B, T, C, N]`` (a verify's, for the ring). A token
+    tree (``parents [B, T]``, -1 for none: one chunk) runs each token from its parent's state."""
     B, T, C = x.shape
     ys, kept = [], []
+    if parents is not None:
+        assert T <= SCAN_CHUNK, T
+        decays = torch.exp(dt[..., None] * decay)  # [B, T, C, N]
+        h = (dt * x)[..., None] * b[:, :, None, :]
+        rows = torch.arange(B, device=x.device)
+        for t in range(T):
+            before = torch.where(parents[:, t, None, None] < 0, state, h[rows, parents[:, t].clamp(min=0)])
+            kept.append(before)
+            h[:, t].addcmul_(before, decays[:, t])
+        y = torch.einsum("btcn,btn->btc", h, c) + x * skip
+        return (y, h[:, -1]) + ((torch.stack(kept, dim=1),) if keep else ())
     for s in range(0, T, SCAN_CHUNK):
         e = min(T, s + SCAN_CHUNK)
         decays = torch.exp(dt[:, s:e, :, None] * decay)  # [B, t, C, N]
@@ -506,9 +531,11 @@ class RecurrentStates:
     end (``save``: where the engine reuses prefixes). Slots are allocated up to the highest one
     used."""
 
-    def __init__(self, layers: int, mixer: DeltaNet | Mamba2 | ShortConv, depth: int, device: torch.device,
-                 dtype: torch.dtype):
+    def __init__(self, layers: int, mixer: DeltaNet | Mamba2 | Mamba1 | ShortConv, depth: int, device: torch.device,
+                 dtype: torch.dtype, decays: torch.Tensor | None = None):
         self.depth = depth
+        self.decays = decays  # [layers, C, N]: Mamba's ``A``, which ``keep`` runs a tree's path with
+        self.input_shape = getattr(mixer, "input_shape", None)
         self.conv = torch.zeros(layers, 0, mixer.conv_dim, mixer.kernel - 1, device=device, dtype=dtype)
         self.ssm = torch.zeros(layers, 0, *mixer.state_shape, device=device, dtype=torch.float32)
         self.ring_conv = torch.zeros(layers, 0, depth + 1, *self.conv.shape[2:], device=device, dtype=dtype)
@@ -586,8 +613,8 @@ class RecurrentStates:
         layers, B = self.conv.shape[0], len(slots)
         self.node_conv = self.conv.new_empty(layers, B, self.conv.shape[2], T)  # the tokens' convolution inputs
         self.node_window = window
-        if self.replays:
-            self.node_inputs = self.ring_inputs.new_empty(layers, B, T, *self.ring_inputs.shape[3:])
+        if self.input_shape is not None:
+            self.node_inputs = self.ssm.new_empty(layers, B, T, *self.input_shape)
         dev = self.conv.device
         valid = torch.arange(T)[None, :] < torch.tensor(counts)[:, None]
         return StatePlan(valid.to(dev), torch.tensor(counts, device=dev), ring.to(dev), True, seen.to(dev),
@@ -604,7 +631,8 @@ class RecurrentStates:
     def keep(self, slot: int, start: int, rows: list[int]) -> None:
         """A tree's accepted path, its tokens ``rows`` (increasing, from its first, ``start``),
         becomes the slot's tokens ``start ..``: their windows and inputs go to the ring, and the
-        states after it are the anchor's advanced over them (``_replay``)."""
+        states after it are the anchor's advanced over them (``_replay``; Mamba's: its scan run
+        along the path, keeping the state before each token)."""
         b, n = self.nodes.pop(slot), len(rows)
         assert rows[0] == 0, rows
         path = torch.tensor(rows, device=self.conv.device)
@@ -617,6 +645,16 @@ class RecurrentStates:
         if self.replays:
             self.ring_inputs[:, slot, where] = self.node_inputs[:, b, path]
             self.ssm[:, slot] = self._replay(slot, self.ring_ssm[:, slot, start % self.depth], start, start + n)
+        elif self.decays is not None:  # Mamba's: the path run again from its root's state, each state before a token kept
+            C, N = self.decays.shape[1:]
+            dts, xs, bs = self.node_inputs[:, b, path].split([C, C, N], dim=-1)  # [layers, n, C or N]
+            state = self.ring_ssm[:, slot, start % self.depth]  # [layers, C, N]
+            for i in range(n):  # (selective_scan's products, in its order)
+                self.ring_ssm[:, slot, where[i]] = state
+                dt = dts[:, i, :, None]
+                added = (dts[:, i] * xs[:, i])[..., None] * bs[:, i, None, :]  # [layers, C, N]
+                state = added.addcmul_(state, torch.exp(dt * self.decays))
+            self.ssm[:, slot] = state
         self.held[slot] = [p if p <= start else -1 for p in self.held[slot]]
         if self.replays:
             self.fed[slot] = [p if p < start + n else -1 for p in self.fed[slot]]

@@ -840,8 +840,8 @@ class TorchLlama:
     not with recurrent layers) replays small forwards as CUDA graphs (``CudaGraphs``). With recurrent layers a
     slot rewinds by up to ``state_depth - 1`` tokens (``recurrent.RecurrentStates``), another
     request's prompt reuses its rows only at a kept prompt chunk's end (``reuses_prompt_chunks``),
-    a token tree is verified in one forward (its scans in closed form along each node's path; not
-    Mamba's), and a draft model on it drafts chains."""
+    a token tree is verified in one forward (its scans along each node's path), and a draft model on
+    it drafts chains."""
 
     supports_masks = masks_reach_cache = True
     batch_layout = "padded"
@@ -905,7 +905,6 @@ class TorchLlama:
         self.kv_layers, self.state_layers = kinds
         if self.recurrent is not None:  # a recurrent state: no graph (yet); prefixes in whole prompt chunks only (their
             self.reuses_prefixes = self.masks_reach_cache = False  # ends' states are kept); trees in one forward
-            self.supports_masks = not isinstance(self.recurrent, Mamba1)  # (the scans in closed form, ``keep``)
             self.reuses_prompt_chunks = True
             self.state_depth = DEFAULT_DEPTH
         self.norm = r.norm("model.final_layernorm.weight" if "model.final_layernorm.weight" in r else "model.norm.weight")
@@ -1012,8 +1011,10 @@ class TorchLlama:
         return ",".join(kinds + [str(self.dtype), str(self.device)])
 
     def new_cache(self, num_slots: int, max_rows: int | None = None) -> KVCache:
+        decays = torch.stack([L["decay"] for L in self.layers if "mix_in" in L]) \
+            if isinstance(self.recurrent, Mamba1) else None  # (in the order of their states)
         states = None if self.recurrent is None else \
-            RecurrentStates(self.state_layers, self.recurrent, self.state_depth, self.device, self.dtype)
+            RecurrentStates(self.state_layers, self.recurrent, self.state_depth, self.device, self.dtype, decays)
         return KVCache(self.kv_layers, num_slots, self.kv_heads, self.head_dim, self.device, self.dtype,
                        max_rows=max_rows, keys_only=self.latent is not None, states=states)
 
