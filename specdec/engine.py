@@ -105,6 +105,8 @@ class Engine:
             getattr(self.runtime, "reuses_prefixes", False) or getattr(self.runtime, "reuses_prompt_chunks", False))
         # running requests share whole chunks where the cache can copy rows between slots
         self.shares_chunks = self.reuses_prefixes and callable(getattr(self.cache, "copy", None))
+        # a whole prompt chunk's end is kept where the cache must be told (recurrent states)
+        self.saves_chunk_ends = self.reuses_prefixes and callable(getattr(self.cache, "save_prefix", None))
         self._masking: ThreadPoolExecutor | None = None  # grammar masks beside the verify forward
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -327,8 +329,8 @@ class Engine:
         if logits.device.type == "cuda":  # the prefill's time, not its launch's
             torch.cuda.synchronize(logits.device)
         for b, (s, out, chunk) in enumerate(zip(batch, logits, chunks)):
-            if self.reuses_prefixes and self.cache.lengths[s.slot] % size == 0 and hasattr(self.cache, "save_prefix"):
-                self.cache.save_prefix(s.slot)  # a whole chunk's end, where prefix reuse may come back (recurrent states)
+            if self.saves_chunk_ends and self.cache.lengths[s.slot] % size == 0:
+                self.cache.save_prefix(s.slot)  # a whole chunk's end, where prefix reuse may come back
             self._hand_features(s, self.cache.lengths[s.slot] - len(chunk), b, range(len(chunk)))
             s.metrics.target_forwards += 1
             row = out  # [vocab]: the logits after the chunk's last token

@@ -445,11 +445,10 @@ def selective_scan(x: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor, b: to
     dBx``: the recurrence is cheaper than a closed form, whose cost grows with T squared), then
     the outputs ``h C + D x`` at once. Returns ``(y [B, T, C], the last state)``, and with
     ``keep`` the states before each token ``[B, T, C, N]`` (a verify's, for the ring). A token
-    tree (``parents [B, T]``, -1 for none: one chunk) runs each token from its parent's state."""
+    tree (``parents [B, T]``, -1 for none) runs each token from its parent's state (all at once)."""
     B, T, C = x.shape
     ys, kept = [], []
     if parents is not None:
-        assert T <= SCAN_CHUNK, T
         decays = torch.exp(dt[..., None] * decay)  # [B, T, C, N]
         h = (dt * x)[..., None] * b[:, :, None, :]
         rows = torch.arange(B, device=x.device)
@@ -511,8 +510,8 @@ class StatePlan:
     its ancestors and itself (None: a chain each); ``window [B, T, kernel]`` each token's
     convolution window as columns of the slot's last inputs then the forward's tokens; a tree's
     tokens but the first go to the spare ring row, their windows and inputs to
-    ``RecurrentStates.nodes`` (the tokens' convolution inputs and, ``replays``, their inputs to a
-    replay) until ``keep`` takes the accepted path's."""
+    ``RecurrentStates.nodes`` (the tokens' convolution inputs, and their inputs to a replay or
+    to Mamba's scan) until ``keep`` takes the accepted path's."""
 
     valid: torch.Tensor
     last: torch.Tensor

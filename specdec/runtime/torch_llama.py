@@ -63,8 +63,8 @@ ARCHS = tuple(dict.fromkeys((
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj", "nemotron") \
-    + GLM_VL_TEXT + HYBRID_ARCHS
+PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
+                  "nemotron") + GLM_VL_TEXT + HYBRID_ARCHS
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
@@ -114,10 +114,11 @@ class RenamedWeights:
     StableLM's q/k norms are one per head (``q_layernorm.norms.{h}``), read stacked ``[heads,
     head_dim]``; GPT-2's products' weights transposed (its ``Conv1D``), its original checkpoints'
     names bare (``h.{i}.``, ``wte``); GPT-BigCode's (StarCoder's) as GPT-2's, not transposed, its
-    fused projection multi-query (in order) or per head; OPT's under ``model.decoder.`` (its original checkpoints':
-    ``decoder.``); GPT-J's and Falcon's layers ``transformer.h.{i}.``, Falcon's fused projection
-    per head as GPT-NeoX's, or (its new decoder architecture's) per group of heads sharing a key
-    and value (``[groups, heads / groups + 2, head_dim]``), or (multi-query) already in order; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
+    fused projection multi-query (in order) or per head; OPT's under ``model.decoder.`` (its
+    original checkpoints': ``decoder.``); GPT-J's and Falcon's layers ``transformer.h.{i}.``,
+    Falcon's fused projection per head as GPT-NeoX's, or (its new decoder architecture's) per
+    group of heads sharing a key and value (``[groups, heads / groups + 2, head_dim]``), or
+    (multi-query) already in order; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
     Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
     transformers names it), as Mamba's, Falcon-Mamba's and Mamba-2's blocks (a Mamba layer
     each); LFM2's (and LFM2-MoE's) norms, attention and MLP go by their own names."""
@@ -146,20 +147,22 @@ class RenamedWeights:
                            ("model.norm.", "model.final_layer_norm."), ("lm_head.", "embed_out.")]
     RENAMES["stablelm"] = [(".q_norm.", ".q_layernorm.norms."), (".k_norm.", ".k_layernorm.norms.")]
     RENAMES["gptj"] = [("model.embed_tokens.", "model.wte."), (".layers.", ".h."), (".input_layernorm.", ".ln_1."),
-                       (".self_attn.o_proj.", ".attn.out_proj."), (".self_attn.", ".attn."), (".mlp.up_proj.", ".mlp.fc_in."),
-                       (".mlp.down_proj.", ".mlp.fc_out."), ("model.norm.", "model.ln_f.")]
-    RENAMES["gpt2"] = [("model.embed_tokens.", "model.wte."), ("model.embed_positions.", "model.wpe."), (".layers.", ".h."),
-                       (".input_layernorm.", ".ln_1."), (".post_attention_layernorm.", ".ln_2."),
+                       (".self_attn.o_proj.", ".attn.out_proj."), (".self_attn.", ".attn."),
+                       (".mlp.up_proj.", ".mlp.fc_in."), (".mlp.down_proj.", ".mlp.fc_out."),
+                       ("model.norm.", "model.ln_f.")]
+    RENAMES["gpt2"] = [("model.embed_tokens.", "model.wte."), ("model.embed_positions.", "model.wpe."),
+                       (".layers.", ".h."), (".input_layernorm.", ".ln_1."), (".post_attention_layernorm.", ".ln_2."),
                        (".self_attn.qkv_proj.", ".attn.c_attn."), (".self_attn.o_proj.", ".attn.c_proj."),
-                       (".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj."), ("model.norm.", "model.ln_f.")]
+                       (".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj."),
+                       ("model.norm.", "model.ln_f.")]
     RENAMES["gpt_bigcode"] = RENAMES["gpt2"]  # (its products nn.Linear's: not transposed)
-    RENAMES["opt"] = [(".input_layernorm.", ".self_attn_layer_norm."), (".post_attention_layernorm.", ".final_layer_norm."),
-                      (".self_attn.o_proj.", ".self_attn.out_proj."), (".mlp.up_proj.", ".fc1."), (".mlp.down_proj.", ".fc2."),
-                      ("model.norm.", "model.final_layer_norm.")]
+    RENAMES["opt"] = [(".input_layernorm.", ".self_attn_layer_norm."),
+                      (".post_attention_layernorm.", ".final_layer_norm."), (".self_attn.o_proj.", ".self_attn.out_proj."),
+                      (".mlp.up_proj.", ".fc1."), (".mlp.down_proj.", ".fc2."), ("model.norm.", "model.final_layer_norm.")]
     # a checkpoint's prefix for ``model.``, by its embeddings' name (as saved; else ``model.``)
-    PREFIXES = [("backbone.", "embeddings"), ("backbone.", "embedding"), ("gpt_neox.", "embed_in"), ("transformer.", "wte"),
-                ("transformer.", "word_embeddings"), ("", "wte"), ("model.decoder.", "embed_tokens"),
-                ("decoder.", "embed_tokens")]
+    PREFIXES = [("backbone.", "embeddings"), ("backbone.", "embedding"), ("gpt_neox.", "embed_in"),
+                ("transformer.", "wte"), ("transformer.", "word_embeddings"), ("", "wte"),
+                ("model.decoder.", "embed_tokens"), ("decoder.", "embed_tokens")]
     RENAMES["falcon"] = [("model.embed_tokens.", "model.word_embeddings."), (".layers.", ".h."),
                          (".self_attn.qkv_proj.", ".self_attention.query_key_value."),
                          (".self_attn.o_proj.", ".self_attention.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
@@ -192,7 +195,8 @@ class RenamedWeights:
         t = self.weights[name]
         if self.conv1d and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             return t.t()
-        if (".query_key_value." in name or ".c_attn." in name) and self.per_head:  # [heads, 3, head_dim, ...] -> [3, heads, head_dim, ...]
+        if (".query_key_value." in name or ".c_attn." in name) and self.per_head:  # [heads, 3, head_dim, ...] ->
+            # [3, heads, head_dim, ...]
             return t.view(self.heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
         if ".query_key_value." in name and self.groups:  # queries, keys, values of each group -> all queries...
             g = t.view(self.groups, self.heads // self.groups + 2, -1, *t.shape[1:])
@@ -261,13 +265,15 @@ def text_model(config, weights=None):
 
 
 def llama_fields(config):
-    """A copy of GPT-J's, GPT-2's, GPT-BigCode's, OPT's or Falcon's config with the fields the runtime reads under
-    Llama's names: the MLP's width (``n_inner`` or 4 x hidden, ``ffn_dim``, ``ffn_hidden_size``) and activation, the
-    key and value heads (Falcon's: ``num_kv_heads`` in its new decoder architecture; 1
-    multi-query, Falcon's and GPT-BigCode's; else every head's) and GPT-J's ``rotary_dim`` as a partial rotary factor."""
+    """A copy of GPT-J's, GPT-2's, GPT-BigCode's, OPT's or Falcon's config with the fields the
+    runtime reads under Llama's names: the MLP's width (``n_inner`` or 4 x hidden, ``ffn_dim``,
+    ``ffn_hidden_size``) and activation, the key and value heads (Falcon's: ``num_kv_heads`` in
+    its new decoder architecture; 1 multi-query, Falcon's and GPT-BigCode's; else every head's)
+    and GPT-J's ``rotary_dim`` as a partial rotary factor."""
     config = copy.deepcopy(config)
     if config.model_type in ("gptj", "gpt2", "opt", "gpt_bigcode"):
-        config.intermediate_size = config.ffn_dim if config.model_type == "opt" else config.n_inner or 4 * config.hidden_size
+        config.intermediate_size = config.ffn_dim if config.model_type == "opt" else \
+            config.n_inner or 4 * config.hidden_size
         config.hidden_act = config.activation_function
         config.num_key_value_heads = 1 if getattr(config, "multi_query", False) else config.num_attention_heads
     if config.model_type == "gptj":
@@ -622,7 +628,8 @@ def unsupported(config) -> str | None:
         return "the torch runtime does not scale attention by the inverse layer index"
     if config.model_type == "opt" and not (config.do_layer_norm_before and config.layer_norm_elementwise_affine
                                            and config.word_embed_proj_dim == config.hidden_size):  # (OPT-350M's)
-        return "the torch runtime runs OPT's norms before attention and the MLP, with weights, and no projections in and out"
+        return ("the torch runtime runs OPT's norms before attention and the MLP, with weights, and no projections "
+                "in and out")
     if config.model_type == "falcon" and config.alibi:  # (Falcon-RW's)
         return "the torch runtime runs rotary embeddings, not ALiBi's position biases"
     if getattr(config, "moe_latent_size", None):  # Nemotron-H's experts in a latent width
@@ -688,8 +695,8 @@ class CheckpointReader:
         in float32 (both as the model's dtype holds them, as transformers; GPT-OSS's exact for a
         float16 model, which transformers keeps them float32 for); a layer norm's weight and bias
         (``Family.layer_norm``; OLMo's hold none: "plain")."""
-        if self.family.layer_norm == "plain" and name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight",
-                                                                "model.norm.weight")):
+        plain = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
+        if self.family.layer_norm == "plain" and name.endswith(plain):
             return LayerNorm(None, None, in_float=True)
         if self.family.layer_norm and name in self.weights:  # (Nemotron's: of 1 + weight, in the model's dtype)
             return LayerNorm(self.get(name) + self.family.offset_norms, self.opt(name.removesuffix("weight") + "bias"),
