@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import (BAMBA, DELTA_NET, FALCON_H1, GRANITE_HYBRID_DENSE, JAMBA, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE,
-                  NEMOTRON_H)
+from tiny import (BAMBA, DELTA_NET, FALCON_H1, GRANITE_HYBRID_DENSE, JAMBA, LATENT, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE,
+                  MOE, NEMOTRON_H)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -186,6 +186,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
                                                    moe_num_shared_experts=1, layers=3)),
     # Apertus: xIELU(up) of each layer's own trained parameters, not gated; q/k norms; its norms' names; llama3 rope
     "apertus-xielu": ("apertus", dict(head_dim=16)),
+    # Mistral 4: DeepSeek-V3's latent attention, its queries scaled past the original context (Llama 4's), experts
+    # chosen by the softmax among the best groups (each by its best two), renormalised, a dense first layer
+    "mistral4-latent-temperature": ("mistral4", dict(MOE["glm4_moe"], **LATENT, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16, llama_4_scaling_beta=0.3,
+        mscale_all_dim=1.0, mscale=1.0, beta_fast=32.0, beta_slow=1.0, partial_rotary_factor=0.4))),
     # layer norms, a quarter or half of each head rotated, MLPs not gated: GPT-NeoX's (Pythia's) attention and MLP side
     # by side, each of its own norm, its fused projection per head ([heads, 3, head_dim]), biases, erf gelu (or one
     # after the other); Phi's side by side of one norm, its tanh gelu written out, its head's bias (and q/k layer
@@ -229,16 +234,16 @@ def test_config_variants_match_transformers(tmp_path, variant):
     """Biases on every projection, scaled rotary embeddings, and sliding windows (Mistral's on
     every layer, Qwen's on some) over a sequence several windows long, fed as a prompt, a
     chunk and single tokens through the cache, each row against transformers' logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from specdec.runtime.loading import Weights
 
-    from tiny import make_tiny
+    from tiny import causal_lm, make_tiny
 
     arch, config = VARIANTS[variant]
     path = make_tiny(tmp_path / variant, arch, seed=5, **config)
     rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    hf = causal_lm(path).eval()
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(ids).logits[0]  # [40, vocab]
@@ -319,7 +324,8 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "granite4h-dense-rope", "bamba-half-rope",
                                   "nemotronh-blocks", "falconh1-parallel-mup", "falconmamba", "mamba2-alone",
-                                  "jamba-dense", "falcon-multi-query", "falcon-groups-two-norms", "falcon-sequential"])
+                                  "jamba-dense", "falcon-multi-query", "falcon-groups-two-norms", "falcon-sequential",
+                                  "mistral4-latent-temperature"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -329,18 +335,18 @@ def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     their logits are not transformers' bit for bit; they are as close to the float32 logits as
     transformers' bfloat16 logits are (within 1.5x of that error, relative to the largest
     logit; dense layers, as near-ties in routing flip experts under either rounding)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from specdec.runtime.loading import Weights
 
-    from tiny import make_tiny
+    from tiny import causal_lm, make_tiny
 
     arch, config = VARIANTS[arch] if arch in VARIANTS else (arch, dict(MOE[arch], first_k_dense_replace=3))
     path = make_tiny(tmp_path / arch, arch, seed=5, **config)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits[0]  # [40, vocab] float32
-        theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()(ids).logits[0].float()
+        ref = causal_lm(path).eval()(ids).logits[0]  # [40, vocab] float32
+        theirs = causal_lm(path, dtype=torch.bfloat16).eval()(ids).logits[0].float()
     rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.bfloat16)
     cache = rt.new_cache(1)
     ours = torch.cat([rt.forward(cache, [0], [ids[0, a:b].tolist()])[0] for a, b in [(0, 30)] + [(i, i + 1) for i in range(30, 40)]])

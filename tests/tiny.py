@@ -159,7 +159,7 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
     embedding's rows (fewer than ``VOCAB``: a draft narrower than the targets); ``config``:
     more config fields (``mlp_bias``, ``sliding_window``, ``rope_parameters``...);
     ``tokenizer``: another than ``byte_tokenizer``'s."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, Mistral4ForCausalLM
 
     tok = tokenizer or byte_tokenizer(swap=swap_tokens)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -170,7 +170,8 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
         common["head_dim"] = 16
     config = AutoConfig.for_model(arch, **{**common, **config})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    # (Mistral 4's causal LM, which transformers' AutoModelForCausalLM does not map)
+    model = (Mistral4ForCausalLM(config) if arch == "mistral4" else AutoModelForCausalLM.from_config(config)).eval()
     with torch.no_grad():  # norms and biases are zeros/ones at init: randomize them too
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -185,6 +186,14 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def causal_lm(path: Path, **kw):
+    """transformers' own model of the checkpoint at ``path``, by the class its config names."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    return getattr(transformers, config.architectures[0]).from_pretrained(path, **kw)
 
 
 def add_mtp(path: Path, seed: int = 0, std: float = 0.2, own_head: bool = False) -> Path:

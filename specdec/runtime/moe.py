@@ -15,7 +15,7 @@ from .ops import ACTIVATIONS
 # (``torch_llama.Latent``), Qwen3-Next's and Qwen3.5's have DeltaNet layers (``recurrent``)
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
-             "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe")
+             "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4")
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # ``block_sparse_moe``, routed as GPT-OSS's
 # GLM-4.5's router (``Routing.sigmoid``)
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text")
@@ -31,7 +31,7 @@ def moe_layers(config) -> list[bool]:
         return [False] * n
     if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text", "olmoe") + GRANITE_MOES:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
-    if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text"):
+    if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4"):
         return [i >= config.first_k_dense_replace for i in range(n)]
     if kind == "glm4_moe_lite":
         return [t == "sparse" for t in config.mlp_layer_types]
@@ -97,7 +97,9 @@ class Routing:
     in float32; LFM2-MoE's (``sigmoid`` too): the top k of the sigmoid scores in the model's
     dtype plus an expert bias, renormalised (``renorm_eps`` 1e-6) and times ``scale``; ERNIE
     4.5's: the router in float32, the top k of the softmax plus a correction bias, their softmax
-    scores renormalised by a sum of at least ``renorm_min``."""
+    scores renormalised by a sum of at least ``renorm_min``; Mistral 4's: the top k of the softmax
+    among the ``top_groups`` best groups, each by its best two (``groups_by_two``), renormalised
+    where ``norm_topk_prob``, times ``scale``."""
 
     top_k: int
     renormalize: bool = False
@@ -115,6 +117,7 @@ class Routing:
     scale: float = 1.0
     renorm_eps: float = 1e-20
     renorm_min: float | None = None
+    groups_by_two: bool = False
 
     @classmethod
     def of(cls, config) -> "Routing":
@@ -131,6 +134,10 @@ class Routing:
         if kind == "lfm2_moe":  # sigmoid scores in the model's dtype, an expert bias on the choice
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True,
                        scale=config.routed_scaling_factor, renorm_eps=1e-6)
+        if kind == "mistral4":
+            return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, activation=config.hidden_act,
+                       groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor,
+                       groups_by_two=True)
         if kind == "deepseek_v2":
             grouped = config.topk_method == "group_limited_greedy"
             return cls(config.num_experts_per_tok, float_weights=True, activation=getattr(config, "hidden_act", "silu"),
@@ -164,8 +171,9 @@ class Routing:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + self.renorm_eps)
             return weights * self.scale, chosen
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, experts]
-        if self.groups > 1:  # DeepSeek-V2's group_limited_greedy: each group by its best expert
-            scores = self._best_groups(scores, lambda g: g.max(dim=-1).values, 0.0)
+        if self.groups > 1:  # DeepSeek-V2's group_limited_greedy: each group by its best expert (Mistral 4's: two)
+            rank = (lambda g: g.topk(2, dim=-1)[0].sum(dim=-1)) if self.groups_by_two else (lambda g: g.max(dim=-1).values)
+            scores = self._best_groups(scores, rank, 0.0)
         if correction is None:
             weights, chosen = scores.topk(self.top_k, dim=-1)
         else:  # (ERNIE 4.5's: chosen with a bias, weighted without)

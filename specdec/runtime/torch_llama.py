@@ -64,7 +64,7 @@ ARCHS = tuple(dict.fromkeys((
 GEMMAS = ("gemma", "gemma2", "gemma3_text")
 # whose transformers model rotates a part of each head where the config says
 PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
-                  "nemotron") + GLM_VL_TEXT + HYBRID_ARCHS
+                  "nemotron", "mistral4") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's rotated part)
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
@@ -288,6 +288,14 @@ def llama_fields(config):
     return config
 
 
+def query_temperature(config) -> tuple[float, int] | None:
+    """Llama 4's query temperature as Ministral 3 and Mistral 4 set it: ``(llama_4_scaling_beta,
+    original_max_position_embeddings)`` of the rope parameters (None without a beta)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    beta = params.get("llama_4_scaling_beta")
+    return (beta, params["original_max_position_embeddings"]) if beta else None
+
+
 @dataclass(frozen=True)
 class Family:
     """Where a model's layers depart from Llama's (all as transformers computes them).
@@ -357,9 +365,10 @@ class Family:
                        residual_scale=config.residual_multiplier, logits_divisor=config.logits_scaling,
                        activation=act)
         latent = Latent.of(config)
-        if latent is not None:
+        if latent is not None:  # (Mistral 4's queries scaled past its original context, as Ministral 3's)
             return cls(activation=act, attn_scale=latent.scale(config),
-                       interleaved_rope=config.model_type == "deepseek_v2" or bool(config.rope_interleave))
+                       interleaved_rope=config.model_type == "deepseek_v2" or bool(config.rope_interleave),
+                       query_temperature=query_temperature(config) if config.model_type == "mistral4" else None)
         if config.model_type in HYBRID_ARCHS:
             return cls(activation=act, offset_norms=True)
         if config.model_type == "nemotron_h":
@@ -390,10 +399,8 @@ class Family:
             return cls(activation=act, layer_norm="plain", clip_qkv=config.clip_qkv, rope_math="float")
         if config.model_type == "starcoder2":
             return cls(activation=act, gated_mlp=False, layer_norm="model")
-        beta = (getattr(config, "rope_parameters", None) or {}).get("llama_4_scaling_beta")
-        if config.model_type == "ministral3" and beta:
-            span = config.rope_parameters["original_max_position_embeddings"]
-            return cls(activation=act, query_temperature=(beta, span))
+        if config.model_type == "ministral3" and query_temperature(config):
+            return cls(activation=act, query_temperature=query_temperature(config))
         if config.model_type == "falcon_h1":  # (its other multipliers: in the weights, ``ScaledWeights``)
             return cls(activation=act, embed_scale=config.embedding_multiplier,
                        logits_scale=config.lm_head_multiplier)
@@ -1158,8 +1165,7 @@ class TorchLlama:
         if L["q_norm"] is not None and fam.norm_after_rope:
             q, k = rms_norm(q, L["q_norm"], self.eps), rms_norm(k, L["k_norm"], self.eps)
         if fam.query_temperature is not None:
-            beta, span = fam.query_temperature
-            q = q * (1 + beta * torch.log1p(torch.floor(x.pos / span)))[:, None, :, None].to(q.dtype)
+            q = q * self._temperature(x.pos).to(q.dtype)
         kc, vc = cache.k[L["index"]], cache.v[L["index"]]  # [slots, KV, cap, D]
         kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
         vc[x.slots[:, None], :, x.write] = v
@@ -1174,6 +1180,11 @@ class TorchLlama:
         o = o.transpose(1, 2).reshape(B, T, H * D)
         return L["o"](o * torch.sigmoid(gate[0]) if gate else o)  # [B, T, hidden]
 
+    def _temperature(self, pos: torch.Tensor) -> torch.Tensor:
+        """``Family.query_temperature``'s factor ``[B, 1, T, 1]`` at positions ``pos [B, T]``."""
+        beta, span = self.family.query_temperature
+        return (1 + beta * torch.log1p(torch.floor(pos / span)))[:, None, :, None]
+
     def _attend_latent(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
         """``_attend`` for latent attention (``Latent``): the cache's rows are ``[c, k_rope]``."""
         lat, (B, T), H = self.latent, x.ids.shape, self.num_heads
@@ -1181,6 +1192,9 @@ class TorchLlama:
         first, c, k_rope = L["qkv"](a).split([lat.q_rank or H * (lat.nope + lat.rope), lat.rank, lat.rope], dim=-1)
         q = first if L["q_b"] is None else L["q_b"](rms_norm(first, L["q_norm"], LATENT_NORM_EPS))
         q_nope, q_rope = q.view(B, T, H, lat.nope + lat.rope).transpose(1, 2).split([lat.nope, lat.rope], dim=-1)
+        if self.family.query_temperature is not None:  # (Mistral 4's, on the whole query)
+            t = self._temperature(x.pos).to(q.dtype)
+            q_nope, q_rope = q_nope * t, q_rope * t
         cos, sin = rope[L["rope"]]  # [B, 1, T, rope]
         q_rope = rotate(q_rope, cos, sin, self.family.interleaved_rope)  # [B, H, T, rope]
         k_rope = rotate(k_rope[:, None], cos, sin, self.family.interleaved_rope)  # [B, 1, T, rope]
