@@ -223,6 +223,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "bigcode-multi-query": ("gpt_bigcode", dict(num_key_value_heads=None)),
     "bigcode-per-head": ("gpt_bigcode", dict(num_key_value_heads=None, multi_query=False)),
     "nemotron-layernorm1p": ("nemotron", dict(head_dim=16)),
+    # Llama's layers under other names: EXAONE 3's (as saved: transformer.h.{i}.attn.attention...), InternLM 3's
+    # (biases), IQuest-Coder's
+    "exaone3-names": ("exaone", {}),
+    "internlm3-biases": ("internlm3", dict(head_dim=16, qkv_bias=True, bias=True)),
+    "iquestcoder": ("iquestcoder", dict(head_dim=16)),
     "cohere-qk-norms": ("cohere", dict(use_qk_norm=True, logit_scale=0.3)),
     "olmoe-clip": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, clip_qkv=0.5)),
     "olmo-plain-norms-clip": ("olmo", dict(clip_qkv=0.5)),
@@ -267,7 +272,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "olmoe-clip", "olmo-plain-norms-clip", "gptj-interleaved-partial",
                                   "falcon-groups-one-norm", "gpt2-learned-positions", "gpt2-unscaled",
                                   "opt-learned-positions", "bigcode-multi-query", "bigcode-per-head",
-                                  "nemotron-layernorm1p"])
+                                  "nemotron-layernorm1p", "exaone3-names", "internlm3-biases", "iquestcoder"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to

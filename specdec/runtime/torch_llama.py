@@ -57,7 +57,7 @@ ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
-    "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron")
+    "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -115,7 +115,8 @@ class RenamedWeights:
     head_dim]``; GPT-2's products' weights transposed (its ``Conv1D``), its original checkpoints'
     names bare (``h.{i}.``, ``wte``); GPT-BigCode's (StarCoder's) as GPT-2's, not transposed, its
     fused projection multi-query (in order) or per head; OPT's under ``model.decoder.`` (its
-    original checkpoints': ``decoder.``); GPT-J's and Falcon's layers ``transformer.h.{i}.``,
+    original checkpoints': ``decoder.``); EXAONE 3's GPT-2-like (``transformer.h.{i}.attn.attention.``,
+    ``c_fc_0``...); GPT-J's and Falcon's layers ``transformer.h.{i}.``,
     Falcon's fused projection per head as GPT-NeoX's, or (its new decoder architecture's) per
     group of heads sharing a key and value (``[groups, heads / groups + 2, head_dim]``), or
     (multi-query) already in order; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
@@ -156,6 +157,12 @@ class RenamedWeights:
                        (".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj."),
                        ("model.norm.", "model.ln_f.")]
     RENAMES["gpt_bigcode"] = RENAMES["gpt2"]  # (its products nn.Linear's: not transposed)
+    # EXAONE 3's, as saved (transformers renames them at load)
+    RENAMES["exaone"] = [("model.embed_tokens.", "model.wte."), (".layers.", ".h."), ("model.norm.", "model.ln_f."),
+                         (".self_attn.o_proj.", ".attn.attention.out_proj."), (".self_attn.", ".attn.attention."),
+                         (".input_layernorm.", ".ln_1."), (".post_attention_layernorm.", ".ln_2."),
+                         (".mlp.gate_proj.", ".mlp.c_fc_0."), (".mlp.up_proj.", ".mlp.c_fc_1."),
+                         (".mlp.down_proj.", ".mlp.c_proj.")]
     RENAMES["opt"] = [(".input_layernorm.", ".self_attn_layer_norm."),
                       (".post_attention_layernorm.", ".final_layer_norm."), (".self_attn.o_proj.", ".self_attn.out_proj."),
                       (".mlp.up_proj.", ".fc1."), (".mlp.down_proj.", ".fc2."), ("model.norm.", "model.final_layer_norm.")]
@@ -174,6 +181,8 @@ class RenamedWeights:
         if "backbone.embedding.weight" in weights:  # (Mamba-2's original checkpoints; transformers renames it at load)
             self.renames = self.renames + [("model.embeddings.", "model.embedding.")]
         self.prefix = next((p for p, e in self.PREFIXES if f"{p}{e}.weight" in weights), "model.")
+        if self.prefix == "model." and config.model_type == "exaone":  # (saved under Llama's names already)
+            self.renames = []
         self.conv1d = config.model_type == "gpt2"  # its products' weights [in, out] (transformers' Conv1D)
         new = config.model_type == "falcon" and config.new_decoder_architecture
         self.per_head = config.model_type == "gpt_neox" or config.model_type in ("falcon", "gpt_bigcode") and not new \
