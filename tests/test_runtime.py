@@ -228,6 +228,13 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "exaone3-names": ("exaone", {}),
     "internlm3-biases": ("internlm3", dict(head_dim=16, qkv_bias=True, bias=True)),
     "iquestcoder": ("iquestcoder", dict(head_dim=16)),
+    # EXAONE-MoE: EXAONE 4's attention (windows on 3 layers of 4, rope on those alone) before the MLP, DeepSeek-V3's
+    # experts (a correction bias saved beside the router, shared experts) after a dense first layer
+    "exaonemoe-windows-experts": ("exaone_moe", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                                     num_shared_experts=1, n_group=4, topk_group=2,
+                                                     routed_scaling_factor=2.5, layers=4, sliding_window=6, head_dim=16,
+                                                     layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                                     mlp_layer_types=["dense", "sparse", "sparse", "sparse"])),
     "cohere-qk-norms": ("cohere", dict(use_qk_norm=True, logit_scale=0.3)),
     "olmoe-clip": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, clip_qkv=0.5)),
     "olmo-plain-norms-clip": ("olmo", dict(clip_qkv=0.5)),
@@ -272,7 +279,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "olmoe-clip", "olmo-plain-norms-clip", "gptj-interleaved-partial",
                                   "falcon-groups-one-norm", "gpt2-learned-positions", "gpt2-unscaled",
                                   "opt-learned-positions", "bigcode-multi-query", "bigcode-per-head",
-                                  "nemotron-layernorm1p", "exaone3-names", "internlm3-biases", "iquestcoder"])
+                                  "nemotron-layernorm1p", "exaone3-names", "internlm3-biases", "iquestcoder",
+                                  "exaonemoe-windows-experts"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -923,7 +931,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "olmoe-experts", "starcoder2-layernorm-biases", "ernie45moe-correction",
                                   "apertus-xielu", "gptneox-parallel", "phi-parallel", "stablelm-norms-per-head",
                                   "gptj-interleaved-partial", "falcon-groups-two-norms", "gpt2-learned-positions",
-                                  "opt-learned-positions", "bigcode-multi-query", "nemotron-layernorm1p"])
+                                  "opt-learned-positions", "bigcode-multi-query", "nemotron-layernorm1p",
+                                  "exaonemoe-windows-experts"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

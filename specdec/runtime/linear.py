@@ -107,7 +107,8 @@ def linear_bytes(config) -> int:
     if config.model_type in PURE_RECURRENT:  # a Mamba layer alone in each block
         return 4 * (config.num_hidden_layers * rec.projection_params(h) + config.vocab_size * h)
     shared = getattr(config, "shared_expert_intermediate_size", 0) or getattr(config, "shared_intermediate_size", 0) \
-        or (getattr(config, "n_shared_experts", 0) or getattr(config, "moe_num_shared_experts", 0) or 0) \
+        or (getattr(config, "n_shared_experts", 0) or getattr(config, "moe_num_shared_experts", 0)
+            or getattr(config, "num_shared_experts", 0) or 0) \
         * (getattr(config, "moe_intermediate_size", 0) or 0)
     dense = shared if config.model_type == "granitemoehybrid" else config.intermediate_size  # (its shared_mlp)
     if config.model_type == "lfm2" and config.block_auto_adjust_ff_dim:  # its MLP's width, as transformers sizes it

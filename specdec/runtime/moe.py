@@ -15,10 +15,10 @@ from .ops import ACTIVATIONS
 # (``torch_llama.Latent``), Qwen3-Next's and Qwen3.5's have DeltaNet layers (``recurrent``)
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
-             "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4")
+             "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe")
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # ``block_sparse_moe``, routed as GPT-OSS's
 # GLM-4.5's router (``Routing.sigmoid``)
-SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text")
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text", "exaone_moe")
 
 
 def moe_layers(config) -> list[bool]:
@@ -33,7 +33,7 @@ def moe_layers(config) -> list[bool]:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4"):
         return [i >= config.first_k_dense_replace for i in range(n)]
-    if kind == "glm4_moe_lite":
+    if kind in ("glm4_moe_lite", "exaone_moe"):
         return [t == "sparse" for t in config.mlp_layer_types]
     if kind == "nemotron_h":  # its blocks: one mixer or one MLP each
         return [t == "moe" for t in config.layer_types]
@@ -264,8 +264,9 @@ class Experts:
         router = weights[router].to(
             device=device, dtype=torch.float32 if routing.float_router else dtype, copy=True)
         correction = next((block + n for n in ("gate.e_score_correction_bias", "expert_bias",
-                                               "moe_statics.e_score_correction_bias") if block + n in weights),
-                          None)  # GLM-4.5's, LFM2-MoE's, ERNIE 4.5's ([1, experts])
+                                               "moe_statics.e_score_correction_bias", "e_score_correction_bias")
+                           if block + n in weights),
+                          None)  # GLM-4.5's, LFM2-MoE's, ERNIE 4.5's ([1, experts]), EXAONE-MoE's as saved
         return cls(routing, router, gate_up.transpose(1, 2), down.transpose(1, 2),
                    correction=weights[correction].to(device=device, dtype=torch.float32, copy=True).flatten()
                    if correction else None)

@@ -898,7 +898,8 @@ class TorchLlama:
         if config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope" or \
                 config.model_type in ("nemotron_h", "jamba"):
             rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's, Jamba's: no rope
-        if config.model_type in ("exaone4", "cohere2") and config.sliding_window:  # rope on the windowed layers alone
+        if config.model_type in ("exaone4", "exaone_moe", "cohere2") and config.sliding_window:  # rope on the windowed
+            # layers alone
             rotates = [t == "sliding_attention" for t in types]
         if self.family.learned_positions is not None:  # GPT-2's: no rope
             rotates = [0] * self.num_layers
