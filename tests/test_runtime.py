@@ -228,6 +228,7 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "exaone3-names": ("exaone", {}),
     "internlm3-biases": ("internlm3", dict(head_dim=16, qkv_bias=True, bias=True)),
     "iquestcoder": ("iquestcoder", dict(head_dim=16)),
+    "helium-interleaved-float-norms": ("helium", dict(head_dim=16)),  # Helium: rotary pairs interleaved, norms in float32
     # EXAONE-MoE: EXAONE 4's attention (windows on 3 layers of 4, rope on those alone) before the MLP, DeepSeek-V3's
     # experts (a correction bias saved beside the router, shared experts) after a dense first layer
     "exaonemoe-windows-experts": ("exaone_moe", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
@@ -280,7 +281,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "falcon-groups-one-norm", "gpt2-learned-positions", "gpt2-unscaled",
                                   "opt-learned-positions", "bigcode-multi-query", "bigcode-per-head",
                                   "nemotron-layernorm1p", "exaone3-names", "internlm3-biases", "iquestcoder",
-                                  "exaonemoe-windows-experts"])
+                                  "exaonemoe-windows-experts", "helium-interleaved-float-norms"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to

@@ -57,7 +57,7 @@ ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
-    "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone")
+    "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -414,9 +414,9 @@ class Family:
             return cls(activation=act, embed_scale=config.embedding_multiplier,
                        logits_scale=config.lm_head_multiplier)
         if config.model_type not in GEMMAS:
-            return cls(activation=act, float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3"),
+            return cls(activation=act, float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3", "helium"),
                        clip_qkv=getattr(config, "clip_qkv", None) if config.model_type == "olmoe" else None,
-                       interleaved_rope=config.model_type in ("glm4", "ernie4_5", "ernie4_5_moe") + GLM_VL_TEXT,
+                       interleaved_rope=config.model_type in ("glm4", "ernie4_5", "ernie4_5_moe", "helium") + GLM_VL_TEXT,
                        rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe")
                        else "model")
         return cls(offset_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
