@@ -70,7 +70,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="torch = specdec's own runtime (Llama, Mistral, Ministral (3), Qwen2/3, Phi-3, Granite, "
                         "SmolLM3, GLM-4, OLMo (2/3), EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan, Cohere (Command R, "
                         "R+, R7B), StarCoder2, Apertus, Phi, GPT-NeoX (Pythia), StableLM, GPT-J, Falcon, GPT-2, "
-                        "GPT-BigCode, OPT, Nemotron, EXAONE 3, InternLM 3, IQuest-Coder, Helium, Gemma, Gemma 2, Gemma 3, Mixtral, "
+                        "GPT-BigCode, OPT, Nemotron, EXAONE 3, InternLM 3, IQuest-Coder, Helium, Granite-SWA, Gemma, Gemma 2, Gemma 3, Mixtral, "
                         "Qwen2/3-MoE, OLMoE, EXAONE-MoE, dots.llm1, "
                         "ERNIE 4.5 MoE, Granite MoE, GPT-OSS, GLM-4.5, DeepSeek-V2/V3, GLM-4.7-Flash, Mistral 4, Qwen3-Next, "
                         "Qwen3.5 (-MoE), Granite 4.0 (-H), Bamba, Nemotron-H, Falcon-H1, Jamba, LFM2 (-MoE), Mamba, "

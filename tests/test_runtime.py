@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import (BAMBA, DELTA_NET, FALCON_H1, GRANITE_HYBRID_DENSE, JAMBA, LATENT, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE,
-                  MOE, NEMOTRON_H)
+from tiny import (BAMBA, DELTA_NET, FALCON_H1, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, MAMBA, MAMBA2_ALONE,
+                  MINISTRAL3_ROPE, MOE, NEMOTRON_H)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -236,6 +236,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
                                                      routed_scaling_factor=2.5, layers=4, sliding_window=6, head_dim=16,
                                                      layer_types=["sliding_attention"] * 3 + ["full_attention"],
                                                      mlp_layer_types=["dense", "sparse", "sparse", "sparse"])),
+    # Granite-SWA: Granite's multipliers, windows on the layers layer_types names, a sink per head, a rope base per
+    # layer (none on the first)
+    "graniteswa-sinks-bases": ("granite_swa", dict(GRANITE, layers=4, sliding_window=6,
+                                                   layer_types=["full_attention"] + ["sliding_attention"] * 3,
+                                                   layer_rope_theta=[0, 10000.0, 500.0, 10000.0])),
     "cohere-qk-norms": ("cohere", dict(use_qk_norm=True, logit_scale=0.3)),
     "olmoe-clip": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, clip_qkv=0.5)),
     "olmo-plain-norms-clip": ("olmo", dict(clip_qkv=0.5)),
@@ -339,13 +344,14 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "granite4h-dense-rope", "bamba-half-rope",
                                   "nemotronh-blocks", "falconh1-parallel-mup", "falconmamba", "mamba2-alone",
                                   "jamba-dense", "falcon-multi-query", "falcon-groups-two-norms", "falcon-sequential",
-                                  "mistral4-latent-temperature"])
+                                  "mistral4-latent-temperature", "graniteswa-sinks-bases"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
-    scan in float32 where transformers' one-token step rounds to bfloat16, and Falcon's
+    scan in float32 where transformers' one-token step rounds to bfloat16, Falcon's
     products add their biases after the product (a second rounding) and attend its one key
-    head broadcast, so in bfloat16
+    head broadcast, and Granite-SWA's sinks scale the output in float32 (GPT-OSS's: a logit in the
+    softmax, in the model's dtype), so in bfloat16
     their logits are not transformers' bit for bit; they are as close to the float32 logits as
     transformers' bfloat16 logits are (within 1.5x of that error, relative to the largest
     logit; dense layers, as near-ties in routing flip experts under either rounding)."""

@@ -52,7 +52,8 @@ GLM_VL_TEXT = ("glm4v_text",)
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Granite's multipliers; Granite 4.0's hybrids (granitemoehybrid, with or without experts) have Mamba-2 layers
 # beside attention without rope, as Bamba's beside attention with rope on half of each head
-GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid")
+GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa")  # (Granite-SWA's: windows
+# on the layers layer_types names, a sink per head, a rope base per layer, layer_rope_theta, 0 for none)
 ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
@@ -903,6 +904,9 @@ class TorchLlama:
             rotates = [t == "sliding_attention" for t in types]
         if self.family.learned_positions is not None:  # GPT-2's: no rope
             rotates = [0] * self.num_layers
+        layer_ropes = getattr(config, "layer_rope_theta", None)  # Granite-SWA's base per layer (0: no rope)
+        if layer_ropes:
+            rotates = [theta != 0 for theta in layer_ropes]
         linear = linear or pick_linear(device, dtype)
         assert linear in LINEAR_KINDS, linear
         if multi_row is None:  # the verify-packed copy, when the weights and it fit in memory
@@ -921,7 +925,8 @@ class TorchLlama:
             # (see decoder_layer)
             block = types[i] if config.model_type in ("nemotron_h", "falcon_h1") + PURE_RECURRENT else None
             self.layers.append(decoder_layer(r, config, f"model.layers.{i}.", moe, sliding=sliding[i],
-                                             rope=types[i] if types[i] in self.rope else None,
+                                             rope=layer_ropes[i] if layer_ropes else
+                                             types[i] if types[i] in self.rope else None,
                                              rotates=bool(rotates[i]), latent=self.latent, recurrent=rec,
                                              index=kinds[rec is not None], block=block))
             kinds[rec is not None] += block not in ("mlp", "moe")
@@ -1006,13 +1011,15 @@ class TorchLlama:
         return statistics.median(times[True]) / statistics.median(times[False])
 
     def _init_rope(self, config) -> None:
-        """``rope``: layer type (None: every layer) -> (inverse frequencies ``[rotated / 2]``,
+        """``rope``: layer type (None: every layer; Granite-SWA's: a layer's base) -> (inverse frequencies ``[rotated / 2]``,
         the scale of cos and sin); ``rotated``: each head's first dimensions that rotate, all
         but where ``partial_rotary_factor`` says (``PARTIAL_ROTARY``)."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         self.rope = {}
-        for layer_type, params in rope_types(config).items():
+        per_layer = {theta: dict(rope_types(config)[None], rope_theta=theta)
+                     for theta in getattr(config, "layer_rope_theta", None) or () if theta}  # (keyed by the base)
+        for layer_type, params in (per_layer or rope_types(config)).items():
             rope_type = params.get("rope_type", "default")
             alpha = ntk_alpha(params)
             if rope_type == "default" or alpha:
@@ -1021,8 +1028,12 @@ class TorchLlama:
                 base *= alpha ** (d / (d - 2)) if alpha else 1.0
                 inv_freq, scale = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
             else:
-                kw = {"layer_type": layer_type} if layer_type is not None else {}
-                inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kw)
+                source = config
+                if per_layer:  # (its parameters at that base, as transformers' Granite-SWA builds them)
+                    source = copy.deepcopy(config)
+                    source.rope_parameters = params
+                kw = {"layer_type": layer_type} if layer_type is not None and not per_layer else {}
+                inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](source, torch.device("cpu"), **kw)
             self.rope[layer_type] = (inv_freq.float().to(self.device), scale)
 
     @property
