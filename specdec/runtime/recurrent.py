@@ -28,7 +28,7 @@ copy to another slot reads.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -422,15 +422,11 @@ class Mamba1:
         dt = torch.where(plan.valid[:, :, None], dt, 0.0)  # padding neither decays the state nor writes to it
         x, b, c = x.float(), b.float(), c.float()
 
-        parents = None
-        if plan.tree is not None:  # each token's parent: its last ancestor before it (-1: none)
-            T = plan.tree.shape[1]
-            order = torch.arange(T, device=a.device)
-            parents = torch.where(plan.tree.tril(-1), order, -1).amax(-1)  # [B, T]
+        if plan.tree is not None:  # a tree's tokens' inputs, which ``keep`` runs its path with
             states.node_inputs[li] = torch.cat([dt, x, b], dim=-1)
 
         def chunked(state):  # (a verify's states before each token too, for the ring)
-            return selective_scan(x, dt, L["decay"], b, c, L["skip"], state, keep=plan.every, parents=parents)
+            return selective_scan(x, dt, L["decay"], b, c, L["skip"], state, keep=plan.every, parents=plan.parents)
 
         y = scan(states, li, slots, plan, None, chunked)  # [B, T, inner]
         return L["mix_out"]((y * F.silu(z.float())).to(a.dtype))
@@ -508,7 +504,8 @@ class StatePlan:
     the state only before the first), ``depth`` (a spare row) for padding. A token tree's
     forward (``RecurrentStates.plan``'s masks): ``tree [B, T, T]`` which tokens each one sees,
     its ancestors and itself (None: a chain each); ``window [B, T, kernel]`` each token's
-    convolution window as columns of the slot's last inputs then the forward's tokens; a tree's
+    convolution window as columns of the slot's last inputs then the forward's tokens; ``parents
+    [B, T]`` each token's last ancestor (-1: none; Mamba's scan steps from its state); a tree's
     tokens but the first go to the spare ring row, their windows and inputs to
     ``RecurrentStates.nodes`` (the tokens' convolution inputs, and their inputs to a replay or
     to Mamba's scan) until ``keep`` takes the accepted path's."""
@@ -519,6 +516,7 @@ class StatePlan:
     every: bool
     tree: torch.Tensor | None = None
     window: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
 
 
 class RecurrentStates:
@@ -566,15 +564,16 @@ class RecurrentStates:
         """The plan of a forward of ``counts[b]`` tokens into ``slots[b]`` after ``starts[b]``
         (``T``: the padded width), its ring rows marked ``held`` (and ``fed``); ``masks[b]``
         (``[n, n]`` bool, None: a chain): row b's tokens are a tree, each seeing its ancestors,
-        whose states ``keep`` then takes along the accepted path."""
+        whose states ``keep`` then takes along the accepted path: only its first token (the last
+        one committed) keeps its state in the ring (its anchor), the others go to ``nodes``."""
         self.ensure(max(slots) + 1)
-        trees = masks is not None and any(m is not None for m in masks)
-        if trees:
-            return self._tree_plan(slots, starts, counts, T, masks)
-        every = T <= self.depth
+        if masks is not None and all(m is None for m in masks):
+            masks = None
+        every = masks is not None or T <= self.depth  # (a tree's tokens, however many, run in one closed form)
         ring = torch.full((len(slots), T if every else 1), self.depth, dtype=torch.long)
         for b, (slot, start, n) in enumerate(zip(slots, starts, counts)):
-            for j in range(n if every else min(n, 1)):
+            tree = masks is not None and masks[b] is not None
+            for j in range(1 if tree else n if every else min(n, 1)):
                 row = ring[b, j] = (start + j) % self.depth
                 # the row's conv window is token j's: its state is the one before it, or (``replays``,
                 # which keep a state before the first token alone) none
@@ -583,41 +582,34 @@ class RecurrentStates:
                     self.fed[slot][row] = start + j if every else -1
         valid = torch.arange(T)[None, :] < torch.tensor(counts)[:, None]
         dev = self.conv.device
-        return StatePlan(valid.to(dev), torch.tensor(counts, device=dev), ring.to(dev), every)
+        plan = StatePlan(valid.to(dev), torch.tensor(counts, device=dev), ring.to(dev), every)
+        return plan if masks is None else self._trees(plan, slots, counts, T, masks)
 
-    def _tree_plan(self, slots: list[int], starts: list[int], counts: list[int], T: int,
-                   masks: list[torch.Tensor | None]) -> StatePlan:
-        """``plan`` with trees: a tree's first token (the last one committed) keeps the state
-        before it in the ring (its anchor), the others go to ``nodes``; a chain row as
-        ``plan``'s."""
+    def _trees(self, plan: StatePlan, slots: list[int], counts: list[int], T: int,
+               masks: list[torch.Tensor | None]) -> StatePlan:
+        """``plan`` with its rows' trees (``StatePlan.tree``, ``window``, ``parents``; a chain row's
+        tokens each see those before it), and ``nodes`` to hold the tree rows' tokens' inputs."""
         K = self.conv.shape[-1] + 1
-        ring = torch.full((len(slots), T), self.depth, dtype=torch.long)
         seen = torch.ones(T, T, dtype=torch.bool).tril().repeat(len(slots), 1, 1)  # [B, T, T]
-        for b, (slot, start, n, m) in enumerate(zip(slots, starts, counts, masks)):
+        for b, (n, m) in enumerate(zip(counts, masks)):
             if m is not None:
                 assert m.shape == (n, n), f"a recurrent state takes a tree in one forward, not {tuple(m.shape)}"
                 seen[b, :n, :n] = m
                 seen[b, n:] = torch.eye(T, dtype=torch.bool)[n:]  # (padding: itself alone)
-            for j in range(1 if m is not None else n):
-                row = ring[b, j] = (start + j) % self.depth
-                self.held[slot][row] = start + j if j == 0 or not self.replays else -1
-                if self.replays:
-                    self.fed[slot][row] = start + j
         # each token's window: the slot's last K - 1 inputs (columns 0 .. K - 2), then its ancestors and itself
         cols = torch.arange(K - 1 + T).expand(len(slots), T, -1)  # [B, T, K - 1 + T]
         order = torch.cat([torch.ones(len(slots), T, K - 1, dtype=torch.bool), seen], dim=-1)
         ranks = order.flip(-1).cumsum(-1).flip(-1)  # [B, T, K - 1 + T]: columns seen from each on
         window = torch.where(order & (ranks <= K), cols, -1).sort(-1).values[..., -K:]  # [B, T, K]
+        parents = torch.where(seen.tril(-1), torch.arange(T), -1).amax(-1)  # [B, T]: the last ancestor (-1: none)
         self.nodes = {slot: b for b, (slot, m) in enumerate(zip(slots, masks)) if m is not None}
         layers, B = self.conv.shape[0], len(slots)
         self.node_conv = self.conv.new_empty(layers, B, self.conv.shape[2], T)  # the tokens' convolution inputs
-        self.node_window = window
+        self.node_window = window  # (the host's, which ``keep`` indexes)
         if self.input_shape is not None:
             self.node_inputs = self.ssm.new_empty(layers, B, T, *self.input_shape)
         dev = self.conv.device
-        valid = torch.arange(T)[None, :] < torch.tensor(counts)[:, None]
-        return StatePlan(valid.to(dev), torch.tensor(counts, device=dev), ring.to(dev), True, seen.to(dev),
-                         window.to(dev))  # (``node_window``: the host's)
+        return replace(plan, tree=seen.to(dev), window=window.to(dev), parents=parents.to(dev))
 
     def keep_inputs(self, li: int, slots: torch.Tensor, plan: StatePlan, inputs: torch.Tensor) -> None:
         """Layer ``li``'s tokens' inputs ``[B, T, *input_shape]``, which a rewind replays: in the

@@ -167,14 +167,14 @@ class RenamedWeights:
     RENAMES["opt"] = [(".input_layernorm.", ".self_attn_layer_norm."),
                       (".post_attention_layernorm.", ".final_layer_norm."), (".self_attn.o_proj.", ".self_attn.out_proj."),
                       (".mlp.up_proj.", ".fc1."), (".mlp.down_proj.", ".fc2."), ("model.norm.", "model.final_layer_norm.")]
-    # a checkpoint's prefix for ``model.``, by its embeddings' name (as saved; else ``model.``)
-    PREFIXES = [("backbone.", "embeddings"), ("backbone.", "embedding"), ("gpt_neox.", "embed_in"),
-                ("transformer.", "wte"), ("transformer.", "word_embeddings"), ("", "wte"),
-                ("model.decoder.", "embed_tokens"), ("decoder.", "embed_tokens")]
     RENAMES["falcon"] = [("model.embed_tokens.", "model.word_embeddings."), (".layers.", ".h."),
                          (".self_attn.qkv_proj.", ".self_attention.query_key_value."),
                          (".self_attn.o_proj.", ".self_attention.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
                          (".mlp.down_proj.", ".mlp.dense_4h_to_h."), ("model.norm.", "model.ln_f.")]
+    # a checkpoint's prefix for ``model.``, by its embeddings' name (as saved; else ``model.``)
+    PREFIXES = [("backbone.", "embeddings"), ("backbone.", "embedding"), ("gpt_neox.", "embed_in"),
+                ("transformer.", "wte"), ("transformer.", "word_embeddings"), ("", "wte"),
+                ("model.decoder.", "embed_tokens"), ("decoder.", "embed_tokens")]
 
     def __init__(self, weights, config):
         self.weights, self.renames = weights, self.RENAMES[config.model_type]
@@ -1011,9 +1011,9 @@ class TorchLlama:
         return statistics.median(times[True]) / statistics.median(times[False])
 
     def _init_rope(self, config) -> None:
-        """``rope``: layer type (None: every layer; Granite-SWA's: a layer's base) -> (inverse frequencies ``[rotated / 2]``,
-        the scale of cos and sin); ``rotated``: each head's first dimensions that rotate, all
-        but where ``partial_rotary_factor`` says (``PARTIAL_ROTARY``)."""
+        """``rope``: layer type (None: every layer; Granite-SWA's: a layer's base) -> (inverse
+        frequencies ``[rotated / 2]``, the scale of cos and sin); ``rotated``: each head's first
+        dimensions that rotate, all but where ``partial_rotary_factor`` says (``PARTIAL_ROTARY``)."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         self.rope = {}
