@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import DELTA_NET, FALCON_H1, JAMBA, MAMBA, MOE, NEMOTRON_H, make_tiny, noisy_copy  # noqa: E402
+from tiny import DELTA_NET, FALCON_H1, JAMBA, LLAMA4, MAMBA, MOE, NEMOTRON_H, make_tiny, noisy_copy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +44,8 @@ def tiny_dirs(tmp_path_factory):
         "cohere2": make_tiny(root / "cohere2", "cohere2", seed=23, layers=4, sliding_window=6, logit_scale=0.3),
         # Pythia (GPT-NeoX): layer norms, attention beside the MLP, a quarter of each head rotated, its fused projection
         "pythia": make_tiny(root / "pythia", "gpt_neox", seed=24, num_key_value_heads=None),
+        # Llama 4: chunks of 8 on its layers with rope, none on the 4th; experts scaled by their inputs
+        "llama4": make_tiny(root / "llama4", "llama4_text", seed=25, **LLAMA4),
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import (BAMBA, DELTA_NET, FALCON_H1, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, MAMBA, MAMBA2_ALONE,
-                  MINISTRAL3_ROPE, MOE, NEMOTRON_H)
+from tiny import (BAMBA, DELTA_NET, FALCON_H1, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LLAMA4, MAMBA,
+                  MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -244,6 +244,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "cohere-qk-norms": ("cohere", dict(use_qk_norm=True, logit_scale=0.3)),
     "olmoe-clip": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, clip_qkv=0.5)),
     "olmo-plain-norms-clip": ("olmo", dict(clip_qkv=0.5)),
+    "llama4-chunks-experts": ("llama4_text", LLAMA4),  # (``tiny.LLAMA4``)
+    # Maverick's kind: no q/k norms, experts on every layer (one each), no chunks, no temperature
+    "llama4-maverick-kind": ("llama4_text", dict(LLAMA4, use_qk_norm=False, interleave_moe_layer_step=1,
+                                                 num_experts_per_tok=1, attention_chunk_size=None,
+                                                 attn_temperature_tuning=False)),
 }
 
 
@@ -286,7 +291,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "falcon-groups-one-norm", "gpt2-learned-positions", "gpt2-unscaled",
                                   "opt-learned-positions", "bigcode-multi-query", "bigcode-per-head",
                                   "nemotron-layernorm1p", "exaone3-names", "internlm3-biases", "iquestcoder",
-                                  "exaonemoe-windows-experts", "helium-interleaved-float-norms"])
+                                  "exaonemoe-windows-experts", "helium-interleaved-float-norms",
+                                  "llama4-chunks-experts", "llama4-maverick-kind"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -475,6 +481,42 @@ def test_vision_language_text_model(tmp_path, kind):
     for content in ("hi", [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]):
         want = "user: hi;" if isinstance(content, str) else "user: hi there;"
         assert llm.chat([{"role": "user", "content": content}], sp)[0].prompt == want, content
+
+
+def test_llama4_text_model(tmp_path):
+    """Llama 4's checkpoints (Scout's, Maverick's: an image-text-to-text model) run their text model
+    on the torch runtime: its logits are transformers' text model's (within rounding in float32,
+    where transformers rotates by complex products; bit for bit in bfloat16), greedy output under
+    speculation (chains and trees across its chunks) equals transformers' runtime's, and dummy
+    weights give both runtimes the same logits. (transformers 5.24's multimodal model's forward
+    fails on text alone, so the reference is its text model.)"""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from specdec import LLM, SamplingParams, SpecConfig
+    from specdec.runtime import load_model
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny_vision_language
+
+    path = make_tiny_vision_language(tmp_path / "llama4", "llama4", seed=3)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), dtype)
+        hf = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype).eval()
+        with torch.no_grad():
+            ref = hf.language_model(input_ids=ids).logits[0].float()
+        ours = rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0]
+        assert torch.equal(ours, ref) if dtype == torch.bfloat16 else (ours - ref).abs().max() < ATOL * ref.abs().max()
+    model = load_model(str(path))
+    assert isinstance(model.runtime, TorchLlama) and 257 in model.eos_ids
+    sp, prompts = SamplingParams(max_tokens=24, ignore_eos=True), ["hello hello world", "abcabc"]
+    want = [o.token_ids for o in LLM(load_model(str(path), backend="hf")).generate(prompts, sp)]
+    tree = SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3)
+    for kw in (dict(), dict(speculative="self"), dict(speculative=tree)):
+        assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
+    dummy = [load_model(str(path), backend=b, load_format="dummy").runtime for b in ("torch", "hf")]
+    logits = [rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0] for rt in dummy]
+    assert (logits[0] - logits[1]).abs().max().item() < ATOL and logits[0].std() > 0.1
 
 
 def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
@@ -939,7 +981,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "apertus-xielu", "gptneox-parallel", "phi-parallel", "stablelm-norms-per-head",
                                   "gptj-interleaved-partial", "falcon-groups-two-norms", "gpt2-learned-positions",
                                   "opt-learned-positions", "bigcode-multi-query", "nemotron-layernorm1p",
-                                  "exaonemoe-windows-experts"])
+                                  "exaonemoe-windows-experts", "llama4-chunks-experts"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

@@ -45,6 +45,13 @@ JAMBA = dict(layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_pe
 # Ministral 3's (Mistral 3's text model's) rope: yarn, and queries scaled past the original context (16 here)
 MINISTRAL3_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0,
                    "beta_fast": 32.0, "beta_slow": 1.0, "llama_4_scaling_beta": 0.1}
+# Llama 4's: rope (llama3's scaling) on 3 layers of 4, attending in chunks of 8 there, with q/k L2 norms; the 4th
+# without rope, over every key, its queries' temperature past 4 positions; experts on every other layer (the sigmoid
+# of the top 2 logits scaling their inputs, a shared expert beside them), dense MLPs of their own width on the others
+LLAMA4 = dict(layers=4, head_dim=16, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=2,
+              interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4, attn_scale=0.3,
+              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
 MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields)
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -289,6 +296,12 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
     "lfm2_vl": (dict(model_type="lfm2", num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
                 dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_patches=16, patch_size=14), dict(image_token_id=VOCAB - 1)),
+    # Llama 4's (Scout's kind: ``LLAMA4``), its text model under language_model.
+    "llama4": (dict(model_type="llama4_text", **{k: v for k, v in LLAMA4.items() if k != "layers"},
+                    num_hidden_layers=4),
+               dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                    patch_size=14, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64),
+               dict(image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)),
     # DeltaNet layers beside gated attention, its norms of 1 + weight (but the DeltaNet output's)
     "qwen3_5": (dict(head_dim=16, **{k: v for k, v in DELTA_NET.items() if k != "layers"}, num_hidden_layers=3,
                      rope_parameters={"rope_type": "default", "rope_theta": 1e7, "mrope_section": [1, 1, 0],

@@ -1,7 +1,8 @@
 """Sparse mixtures of experts for the torch runtime: which layers are ``Experts``, how a
 router picks and weights them (``Routing``), and the grouped products that run them (Mixtral,
 Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
-Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5)."""
+Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
+Mistral 4, EXAONE-MoE, Llama 4)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ from .ops import ACTIVATIONS
 # (``torch_llama.Latent``), Qwen3-Next's and Qwen3.5's have DeltaNet layers (``recurrent``)
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
-             "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe")
+             "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
+             "llama4_text")
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # ``block_sparse_moe``, routed as GPT-OSS's
 # GLM-4.5's router (``Routing.sigmoid``)
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text", "exaone_moe")
@@ -39,6 +41,8 @@ def moe_layers(config) -> list[bool]:
         return [t == "moe" for t in config.layer_types]
     if kind == "lfm2_moe":
         return [i >= config.num_dense_layers for i in range(n)]
+    if kind == "llama4_text":
+        return [i in config.moe_layers for i in range(n)]
     if kind == "jamba":  # every ``expert_layer_period``-th from ``expert_layer_offset``
         return [e > 1 for e in config.layers_num_experts]
     if kind == "ernie4_5_moe":  # every ``moe_layer_interval``-th from its start to its end index
@@ -99,7 +103,8 @@ class Routing:
     4.5's: the router in float32, the top k of the softmax plus a correction bias, their softmax
     scores renormalised by a sum of at least ``renorm_min``; Mistral 4's: the top k of the softmax
     among the ``top_groups`` best groups, each by its best two (``groups_by_two``), renormalised
-    where ``norm_topk_prob``, times ``scale``."""
+    where ``norm_topk_prob``, times ``scale``; Llama 4's (``scales_inputs``): the sigmoid of the top
+    k logits (in float32, then the model's dtype) scales each chosen expert's input, not its output."""
 
     top_k: int
     renormalize: bool = False
@@ -118,6 +123,7 @@ class Routing:
     renorm_eps: float = 1e-20
     renorm_min: float | None = None
     groups_by_two: bool = False
+    scales_inputs: bool = False
 
     @classmethod
     def of(cls, config) -> "Routing":
@@ -134,6 +140,8 @@ class Routing:
         if kind == "lfm2_moe":  # sigmoid scores in the model's dtype, an expert bias on the choice
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True,
                        scale=config.routed_scaling_factor, renorm_eps=1e-6)
+        if kind == "llama4_text":
+            return cls(config.num_experts_per_tok, activation=config.hidden_act, scales_inputs=True)
         if kind == "mistral4":
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, activation=config.hidden_act,
                        groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor,
@@ -157,6 +165,9 @@ class Routing:
         """``(weights, experts)`` ``[N, top_k]`` of router ``logits [N, experts]`` (``correction
         [experts]``: GLM-4.5's, ERNIE 4.5's bias on the scores that choose; ``dtype``: the
         input's, which a softmax's weights are cast to but for ``float_weights``)."""
+        if self.scales_inputs:
+            top, chosen = logits.topk(self.top_k, dim=-1)
+            return top.float().sigmoid().to(top.dtype), chosen
         if self.gpt_oss or self.top_softmax:
             top, chosen = logits.topk(self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype if self.gpt_oss else torch.float32).to(top.dtype), chosen
@@ -244,13 +255,15 @@ class Experts:
 
         mixtral, granite = config.model_type == "mixtral", config.model_type in GRANITE_MOES
         block = layer + ("block_sparse_moe." if granite or mixtral and layer + "mlp.gate.weight" not in weights
-                         else "feed_forward." if config.model_type == "jamba" else "mlp.")
+                         else "feed_forward." if config.model_type in ("jamba", "llama4_text") else "mlp.")
         routing = Routing.of(config)
         fused = [block + "experts." + ("gate_up_proj" if routing.gated else "up_proj"), block + "experts.down_proj"]
         if block + "input_linear.weight" in weights:  # Granite's as saved
             fused = [block + "input_linear.weight", block + "output_linear.weight"]
-        if fused[0] in weights:  # fused, [experts, out, in]
+        if fused[0] in weights:  # fused, [experts, out, in] (Llama 4's [experts, in, out])
             gate_up, down = (weights[n].to(device=device, dtype=dtype, copy=True) for n in fused)
+            if config.model_type == "llama4_text":
+                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         else:  # (not gated: the up projection alone, Nemotron-H's)
             w123 = mixtral or block + "experts.0.w1.weight" in weights  # (Mixtral's names, LFM2-MoE's)
             gate, up, down = ("w1", "w3", "w2") if w123 else ("gate_proj" if routing.gated else "up_proj", "up_proj",
@@ -301,13 +314,17 @@ class Experts:
         counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
             0, expert, torch.ones_like(expert, dtype=torch.int32))
         ends = counts.cumsum(0, dtype=torch.int32)  # [experts] where each expert's pairs end
-        h = grouped_mm(flat[order // k], self.gate_up, offs=ends)  # [N k, 2 inter]
+        inputs = flat[order // k]  # [N k, hidden]
+        if self.routing.scales_inputs:  # (Llama 4's)
+            inputs = inputs * weights.flatten()[order, None]
+        h = grouped_mm(inputs, self.gate_up, offs=ends)  # [N k, 2 inter]
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[expert]
         out = grouped_mm(self.routing.glu(*h.chunk(1 + self.routing.gated, dim=-1)), self.down, offs=ends)  # [N k, hidden]
         if self.down_bias is not None:
             out = out + self.down_bias[expert]
-        out = out * weights.flatten()[order, None]
+        if not self.routing.scales_inputs:
+            out = out * weights.flatten()[order, None]
         by_token = torch.empty_like(out)
         by_token[order] = out  # back in token order
         return by_token.view(N, k, -1).sum(dim=1).to(x.dtype).view_as(x)

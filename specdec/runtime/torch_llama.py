@@ -58,7 +58,8 @@ ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
-    "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium")
+    "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
+    "llama4_text")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -84,6 +85,8 @@ MULTIMODAL.update(dict.fromkeys(("smolvlm", "idefics3"), ("model.text_model.",))
 MULTIMODAL.update(dict.fromkeys(("qwen3_5", "qwen3_5_moe"), ("model.language_model.", "language_model.model.", "model.")))
 # GLM-4.1V's and up
 MULTIMODAL.update(dict.fromkeys(("glm4v", "glm4v_moe"), ("model.language_model.", "language_model.model.")))
+# Llama 4's (Scout's, Maverick's; "model.": transformers' causal LM of its config, dummy weights' names)
+MULTIMODAL["llama4"] = ("language_model.model.", "model.language_model.", "model.")
 
 
 class TextWeights:
@@ -298,12 +301,39 @@ def llama_fields(config):
     return config
 
 
-def query_temperature(config) -> tuple[float, int] | None:
-    """Llama 4's query temperature as Ministral 3 and Mistral 4 set it: ``(llama_4_scaling_beta,
-    original_max_position_embeddings)`` of the rope parameters (None without a beta)."""
+@dataclass(frozen=True)
+class Temperature:
+    """Llama 4's query temperature: queries scaled by ``1 + beta log(1 + floor((position +
+    offset) / span))``, 1 within the first span. Llama 4's own (``attn_temperature_tuning``:
+    ``attn_scale``, ``floor_scale``, offset 1) on its layers without rope alone (``nope_only``),
+    the product in float32 then cast (``in_float``); Ministral 3's and Mistral 4's
+    (``llama_4_scaling_beta``, ``original_max_position_embeddings``) on every layer, the factor
+    cast to the model's dtype first."""
+
+    beta: float
+    span: int
+    offset: int = 0
+    nope_only: bool = False
+    in_float: bool = False
+
+    def factor(self, pos: torch.Tensor) -> torch.Tensor:
+        """``[B, 1, T, 1]`` float32 at positions ``pos [B, T]``."""
+        return (1 + self.beta * torch.log1p(torch.floor((pos + self.offset) / self.span)))[:, None, :, None]
+
+    def scale(self, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Queries ``q [B, H, T, D]`` at positions ``pos [B, T]``, scaled."""
+        return (q * self.factor(pos)).to(q.dtype) if self.in_float else q * self.factor(pos).to(q.dtype)
+
+
+def query_temperature(config) -> Temperature | None:
+    """Ministral 3's and Mistral 4's query temperature (from their rope parameters), Llama 4's
+    (from its own fields); None without one."""
+    if config.model_type == "llama4_text":
+        return Temperature(config.attn_scale, config.floor_scale, offset=1, nope_only=True, in_float=True) \
+            if config.attn_temperature_tuning else None
     params = getattr(config, "rope_parameters", None) or {}
     beta = params.get("llama_4_scaling_beta")
-    return (beta, params["original_max_position_embeddings"]) if beta else None
+    return Temperature(beta, params["original_max_position_embeddings"]) if beta else None
 
 
 @dataclass(frozen=True)
@@ -337,8 +367,9 @@ class Family:
     them (None: the MLP after attention); ``clip_qkv``: queries, keys and values clamped to
     ``[-clip, clip]`` after the q/k norms (OLMo's, OLMoE's);
     ``norm_after_rope``: the q/k norms after the rotation (HunYuan's), not before;
-    ``query_temperature``: ``(beta, span)``, queries scaled by ``1 + beta log(1 + floor(position /
-    span))`` after the rotation (Ministral 3's ``llama_4_scaling_beta``: 1 within its original context);
+    ``query_temperature``: queries scaled by a factor of their position after the rotation
+    (``Temperature``: Ministral 3's, Mistral 4's, Llama 4's); ``l2_qk_norm``: queries and keys
+    normed without weights after the rotation, on the layers that rotate (Llama 4's ``use_qk_norm``);
     ``gated_mlp``: the MLP is ``down(act(gate) * up)`` (else ``down(act(up))``: Nemotron-H's, Arcee's);
     ``learned_positions``: positions are a learned table's rows added to the embeddings, no rope
     (GPT-2's; the offset of a position's row: 0; OPT's: 2); ``scale_queries``: the queries
@@ -361,7 +392,8 @@ class Family:
     parallel: str | None = None
     clip_qkv: float | None = None
     norm_after_rope: bool = False
-    query_temperature: tuple[float, int] | None = None
+    query_temperature: Temperature | None = None
+    l2_qk_norm: bool = False
     gated_mlp: bool = True
     learned_positions: int | None = None
     scale_queries: bool = False
@@ -411,6 +443,9 @@ class Family:
             return cls(activation=act, gated_mlp=False, layer_norm="model")
         if config.model_type == "ministral3" and query_temperature(config):
             return cls(activation=act, query_temperature=query_temperature(config))
+        if config.model_type == "llama4_text":  # rotary pairs interleaved, rotated in float32
+            return cls(activation=act, interleaved_rope=True, rope_math="float", l2_qk_norm=config.use_qk_norm,
+                       query_temperature=query_temperature(config))
         if config.model_type == "falcon_h1":  # (its other multipliers: in the weights, ``ScaledWeights``)
             return cls(activation=act, embed_scale=config.embedding_multiplier,
                        logits_scale=config.lm_head_multiplier)
@@ -792,7 +827,7 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
                   block: str | None = None) -> dict:
     """The weights of the decoder layer under ``pre`` (``model.layers.{i}.``) as
     ``TorchLlama._layers`` reads them: ``moe``: its MLP is experts (with shared ones where the
-    checkpoint has them); ``sliding``: it attends within the window; ``rope``: its rope
+    checkpoint has them); ``sliding``: it attends within the window (Llama 4's: its chunk); ``rope``: its rope
     table's key (a layer type, or None); ``rotates``: it applies rope at all (SmolLM3's);
     ``latent``: its attention is latent (``latent_attention``'s weights); ``recurrent``: it is
     a recurrent layer of that kind, no attention (``recurrent``); ``index``: its KV's (or
@@ -819,8 +854,9 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         }
     shared = ("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in r else "shared_expert.") \
         if moe else ""  # GLM-4.5's, Qwen2-MoE's
-    mlp = next((pre + m for m, down in (("shared_mlp.", "output_linear"), ("feed_forward.", "down_proj"))
-                if pre + m + down + ".weight" in r), pre + "mlp." + shared)  # Granite's, Bamba's
+    mlp = next((pre + m for m, down in (("shared_mlp.", "output_linear"), ("feed_forward.", "down_proj"),
+                                        ("feed_forward.shared_expert.", "down_proj"))
+                if pre + m + down + ".weight" in r), pre + "mlp." + shared)  # Granite's, Bamba's, Llama 4's
     gate_up, down = r.mlp(mlp, optional=moe) if mlps else (None, None)
     sandwich = pre + "pre_feedforward_layernorm.weight" in r  # Gemma 2/3: norms after, too
     glm4 = pre + "post_self_attn_layernorm.weight" in r  # GLM-4's norms after, named its way
@@ -868,6 +904,7 @@ class TorchLlama:
     it drafts chains."""
 
     supports_masks = masks_reach_cache = True
+    chunk: int | None = None  # Llama 4's attention_chunk_size: its chunked layers' (``_mask``)
     batch_layout = "padded"
     reuses_prefixes = True  # a slot's KV rows stay valid after a rewind (Engine's prefix reuse)
     whole_prompts = False
@@ -894,6 +931,8 @@ class TorchLlama:
         self.max_context = getattr(config, "max_position_embeddings", None) or 1 << 20  # (Mamba's: no bound)
         self.family = Family.of(config, dtype)
         self.window, sliding = sliding_layers(config)
+        if config.model_type == "llama4_text" and config.attention_chunk_size:  # its layers with rope attend in chunks
+            self.chunk, sliding = config.attention_chunk_size, [t == "chunked_attention" for t in config.layer_types]
         types = getattr(config, "layer_types", None) or [None] * self.num_layers
         rotates = getattr(config, "no_rope_layers", None) or [1] * self.num_layers  # SmolLM3's: 0 = no rope
         if config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope" or \
@@ -1185,8 +1224,11 @@ class TorchLlama:
                     for t in (q, k))
         if L["q_norm"] is not None and fam.norm_after_rope:
             q, k = rms_norm(q, L["q_norm"], self.eps), rms_norm(k, L["k_norm"], self.eps)
-        if fam.query_temperature is not None:
-            q = q * self._temperature(x.pos).to(q.dtype)
+        if fam.l2_qk_norm and L["rotates"]:
+            q, k = rms_norm(q, None, self.eps), rms_norm(k, None, self.eps)
+        temperature = fam.query_temperature
+        if temperature is not None and not (temperature.nope_only and L["rotates"]):
+            q = temperature.scale(q, x.pos)
         kc, vc = cache.k[L["index"]], cache.v[L["index"]]  # [slots, KV, cap, D]
         kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
         vc[x.slots[:, None], :, x.write] = v
@@ -1201,11 +1243,6 @@ class TorchLlama:
         o = o.transpose(1, 2).reshape(B, T, H * D)
         return L["o"](o * torch.sigmoid(gate[0]) if gate else o)  # [B, T, hidden]
 
-    def _temperature(self, pos: torch.Tensor) -> torch.Tensor:
-        """``Family.query_temperature``'s factor ``[B, 1, T, 1]`` at positions ``pos [B, T]``."""
-        beta, span = self.family.query_temperature
-        return (1 + beta * torch.log1p(torch.floor(pos / span)))[:, None, :, None]
-
     def _attend_latent(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
         """``_attend`` for latent attention (``Latent``): the cache's rows are ``[c, k_rope]``."""
         lat, (B, T), H = self.latent, x.ids.shape, self.num_heads
@@ -1214,8 +1251,7 @@ class TorchLlama:
         q = first if L["q_b"] is None else L["q_b"](rms_norm(first, L["q_norm"], LATENT_NORM_EPS))
         q_nope, q_rope = q.view(B, T, H, lat.nope + lat.rope).transpose(1, 2).split([lat.nope, lat.rope], dim=-1)
         if self.family.query_temperature is not None:  # (Mistral 4's, on the whole query)
-            t = self._temperature(x.pos).to(q.dtype)
-            q_nope, q_rope = q_nope * t, q_rope * t
+            q_nope, q_rope = (self.family.query_temperature.scale(t, x.pos) for t in (q_nope, q_rope))
         cos, sin = rope[L["rope"]]  # [B, 1, T, rope]
         q_rope = rotate(q_rope, cos, sin, self.family.interleaved_rope)  # [B, H, T, rope]
         k_rope = rotate(k_rope[:, None], cos, sin, self.family.interleaved_rope)  # [B, 1, T, rope]
@@ -1273,7 +1309,11 @@ class TorchLlama:
 
         A key's position is its row, but for a tree's nodes (a node's row is past its depth's):
         a token sees its ancestors there, a chain whose positions end at its own, so within a
-        row's chunk mask the key with ``a`` seen keys after it is ``a`` positions back."""
+        row's chunk mask the key with ``a`` seen keys after it is ``a`` positions back.
+
+        Llama 4's chunked attention (``chunk``) is the sliding mask's other use: a query at
+        position p sees the keys of its own chunk of ``chunk`` positions, a window of ``p %
+        chunk + 1``."""
         B = len(starts)
         tails = [0] * B
         if chunk_masks is not None:
@@ -1297,14 +1337,17 @@ class TorchLlama:
         seen = window.gather(2, rel.clamp(0, M - 1)[:, None, :].expand(B, T, S))
         seen &= ((rel >= 0) & (rel < M))[:, None, :]
         mask = (rel < 0)[:, None, :] | seen  # [B, T, S]
-        if self.window is None:
+        if self.window is None and self.chunk is None:
             return mask[:, None], None
+        pos = pos.to(dev)
+        width = self.window if self.chunk is None else (pos % self.chunk + 1)[:, :, None]  # int or [B, T, 1]
         key = torch.arange(S, device=dev)  # [S]
-        sliding = mask & (key > pos.to(dev)[:, :, None] - self.window)  # [B, T, S]
+        sliding = mask & (key > pos[:, :, None] - width)  # [B, T, S]
         after = window.flip(-1).cumsum(-1).flip(-1) - window.long()  # [B, T, M] keys seen after each
         for b in range(B):  # a chunk mask's keys: by the keys seen after them
             if chunk_masks is not None and chunk_masks[b] is not None:
                 lo = starts[b] - tails[b]
                 hi = min(lo + M, S)
-                sliding[b, :, lo:hi] = mask[b, :, lo:hi] & (after[b, :, :hi - lo] < self.window)
+                sliding[b, :, lo:hi] = mask[b, :, lo:hi] & (after[b, :, :hi - lo] < (width if self.chunk is None
+                                                                                      else width[b]))
         return mask[:, None], sliding[:, None]
