@@ -46,6 +46,9 @@ def tiny_dirs(tmp_path_factory):
         "pythia": make_tiny(root / "pythia", "gpt_neox", seed=24, num_key_value_heads=None),
         # Llama 4: chunks of 8 on its layers with rope, none on the 4th; experts scaled by their inputs
         "llama4": make_tiny(root / "llama4", "llama4_text", seed=25, **LLAMA4),
+        # BLOOM: ALiBi's biases (6 heads), no rope
+        "bloom": make_tiny(root / "bloom", "bloom", seed=26, num_key_value_heads=None, num_attention_heads=6,
+                           hidden_size=48),
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

@@ -244,6 +244,13 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "cohere-qk-norms": ("cohere", dict(use_qk_norm=True, logit_scale=0.3)),
     "olmoe-clip": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32, clip_qkv=0.5)),
     "olmo-plain-norms-clip": ("olmo", dict(clip_qkv=0.5)),
+    # ALiBi's position biases, no rope: BLOOM's (6 heads: slopes past the power of two; its embeddings' layer norm,
+    # per-head fused projection, biases), MPT's (its own slopes, its norms without biases, queries, keys and values
+    # clamped, its softmax scale), Falcon-RW's (scores and biases scaled together)
+    "bloom-alibi": ("bloom", dict(num_key_value_heads=None, num_attention_heads=6, hidden_size=48)),
+    "mpt-alibi-clip": ("mpt", dict(num_key_value_heads=None, max_seq_len=512, num_attention_heads=6, hidden_size=48,
+                                   attn_config=dict(clip_qkv=0.5, softmax_scale=0.2))),
+    "falconrw-alibi": ("falcon", dict(alibi=True, multi_query=False, parallel_attn=False, bias=True)),
     "llama4-chunks-experts": ("llama4_text", LLAMA4),  # (``tiny.LLAMA4``)
     # Maverick's kind: no q/k norms, experts on every layer (one each), no chunks, no temperature
     "llama4-maverick-kind": ("llama4_text", dict(LLAMA4, use_qk_norm=False, interleave_moe_layer_step=1,
@@ -350,14 +357,16 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "granite4h-dense-rope", "bamba-half-rope",
                                   "nemotronh-blocks", "falconh1-parallel-mup", "falconmamba", "mamba2-alone",
                                   "jamba-dense", "falcon-multi-query", "falcon-groups-two-norms", "falcon-sequential",
-                                  "mistral4-latent-temperature", "graniteswa-sinks-bases"])
+                                  "mistral4-latent-temperature", "graniteswa-sinks-bases", "bloom-alibi",
+                                  "mpt-alibi-clip", "falconrw-alibi"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
     scan in float32 where transformers' one-token step rounds to bfloat16, Falcon's
     products add their biases after the product (a second rounding) and attend its one key
-    head broadcast, and Granite-SWA's sinks scale the output in float32 (GPT-OSS's: a logit in the
-    softmax, in the model's dtype), so in bfloat16
+    head broadcast, Granite-SWA's sinks scale the output in float32 (GPT-OSS's: a logit in the
+    softmax, in the model's dtype), and ALiBi's biases join the scores in another order (BLOOM's
+    in one fused product, MPT's and Falcon's in float32), so in bfloat16
     their logits are not transformers' bit for bit; they are as close to the float32 logits as
     transformers' bfloat16 logits are (within 1.5x of that error, relative to the largest
     logit; dense layers, as near-ties in routing flip experts under either rounding)."""
@@ -535,7 +544,9 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
                 short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
     path = make_tiny(tmp_path / "longrope", "llama", rope_parameters=rope)
     assert "longrope" in unsupported(AutoConfig.from_pretrained(path))
-    assert "bloom" in unsupported(AutoConfig.for_model("bloom"))
+    assert "rwkv" in unsupported(AutoConfig.for_model("rwkv"))
+    assert "residual" in unsupported(AutoConfig.for_model("bloom", apply_residual_connection_post_layernorm=True))
+    assert "qk_ln" in unsupported(AutoConfig.for_model("mpt", attn_config=dict(qk_ln=True)))
     assert "OPT's norms before" in unsupported(AutoConfig.for_model("opt", do_layer_norm_before=False))
     assert "quick_gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="quick_gelu"))
     assert "not 'awq' ones" in unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "awq"}))
@@ -782,12 +793,12 @@ def test_tree_through_recurrent_states(loaded, name):
         rt.forward(cache, [0], [[11]], chunk_masks=[torch.ones(1, 2, dtype=torch.bool)])
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma3_text", "llama4_text", "bloom"])
 def test_tree_deeper_than_the_window(tmp_path, arch):
-    """A tree path deeper than a sliding window (3) after a branch: its nodes' rows lie past
-    their positions, and each sees only the ancestors within the window by position, as a
-    chain of the path's tokens does; the draft model's depth-by-depth feed (earlier depths
-    cached) alike."""
+    """A tree path deeper than a sliding window (3; Llama 4's chunks of 3) after a branch: its
+    nodes' rows lie past their positions, and each sees only the ancestors within the window by
+    position, as a chain of the path's tokens does; the draft model's depth-by-depth feed
+    (earlier depths cached) alike. ALiBi's biases (BLOOM's) go by those positions too."""
     from transformers import AutoConfig
 
     from specdec.runtime.loading import Weights
@@ -795,8 +806,10 @@ def test_tree_deeper_than_the_window(tmp_path, arch):
 
     from tiny import make_tiny
 
-    extra = dict(head_dim=16, layer_types=["sliding_attention", "full_attention"]) if arch != "mistral" else {}
-    path = make_tiny(tmp_path / arch, arch, seed=5, sliding_window=3, **extra)
+    extra = {"mistral": dict(sliding_window=3), "llama4_text": dict(LLAMA4, attention_chunk_size=3),
+             "bloom": dict(num_key_value_heads=None)}.get(
+        arch, dict(sliding_window=3, head_dim=16, layer_types=["sliding_attention", "full_attention"]))
+    path = make_tiny(tmp_path / arch, arch, seed=5, **extra)
     rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
     prefix, tree = [10, 20, 30, 40, 50, 60], DraftTree([70, 71, 72, 73, 74, 75, 76], [-1, 0, 0, 2, 3, 4, 5])
     on_path = [0, 2, 3, 4, 5, 6]  # 70, then 72 (row 2, position 1) and its chain
@@ -981,7 +994,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "apertus-xielu", "gptneox-parallel", "phi-parallel", "stablelm-norms-per-head",
                                   "gptj-interleaved-partial", "falcon-groups-two-norms", "gpt2-learned-positions",
                                   "opt-learned-positions", "bigcode-multi-query", "nemotron-layernorm1p",
-                                  "exaonemoe-windows-experts", "llama4-chunks-experts"])
+                                  "exaonemoe-windows-experts", "llama4-chunks-experts", "bloom-alibi",
+                                  "mpt-alibi-clip"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1418,11 +1432,12 @@ def test_deepseek_v2_routing_in_bfloat16(method):
     assert torch.equal(weights.gather(1, order.indices), want_w.gather(1, want.indices))
 
 
-@pytest.mark.parametrize("arch,prefix", [("gpt2", "transformer."), ("opt", "model.")])
+@pytest.mark.parametrize("arch,prefix", [("gpt2", "transformer."), ("opt", "model."), ("bloom", "transformer.")])
 def test_original_checkpoints_with_bare_names(tmp_path, arch, prefix):
     """GPT-2's original checkpoints name their tensors without ``transformer.`` (``wte.weight``,
-    ``h.0.attn.c_attn.weight``), OPT's without ``model.`` (``decoder.layers.0...``), as
-    transformers loads them too: the logits are transformers'."""
+    ``h.0.attn.c_attn.weight``), OPT's without ``model.`` (``decoder.layers.0...``), BLOOM's
+    without ``transformer.`` (``word_embeddings.weight``), as transformers loads them too: the
+    logits are transformers'."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -1434,7 +1449,8 @@ def test_original_checkpoints_with_bare_names(tmp_path, arch, prefix):
     tensors = load_file(path / "model.safetensors")
     save_file({k.removeprefix(prefix): v for k, v in tensors.items() if k != "lm_head.weight"},
               path / "model.safetensors", metadata={"format": "pt"})
-    assert {"wte.weight", "decoder.embed_tokens.weight"} & set(load_file(path / "model.safetensors"))
+    assert {"wte.weight", "decoder.embed_tokens.weight", "word_embeddings.weight"} & \
+        set(load_file(path / "model.safetensors"))
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(path).eval()(ids).logits[0]

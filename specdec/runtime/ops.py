@@ -14,7 +14,9 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxim
                "gelu": F.gelu,  # (GPT-NeoX's: erf)
                "relu": F.relu,  # (OPT's, not gated)
                # Phi's: the tanh form written out as transformers' NewGELUActivation has it (not bit-equal to PyTorch's)
-               "gelu_new": lambda x: 0.5 * x * (1.0 + torch.tanh(GELU_C * (x + 0.044715 * torch.pow(x, 3.0))))}
+               "gelu_new": lambda x: 0.5 * x * (1.0 + torch.tanh(GELU_C * (x + 0.044715 * torch.pow(x, 3.0)))),
+               # (BLOOM's, as transformers writes it)
+               "bloom_gelu": lambda x: x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))}
 TRAINED_ACTIVATIONS = ("xielu",)  # of weights each layer keeps (``xielu``: Apertus's)
 
 

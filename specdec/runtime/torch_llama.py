@@ -1,8 +1,9 @@
 """A compact PyTorch forward pass for the Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
 Granite, SmolLM3, GLM-4, OLMo 2 and 3, EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan, Cohere, Command R7B,
-StarCoder2, Apertus), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, dots.llm1, ERNIE 4.5,
-GPT-OSS, GLM-4.5, Granite's: ``Experts``), the mixtures with multi-head latent attention (DeepSeek-V2 and V3,
-GLM-4.7-Flash: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
+StarCoder2, Apertus, and older kin: Phi, GPT-NeoX, StableLM, GPT-J, Falcon, GPT-2, GPT-BigCode, OPT, BLOOM
+and MPT, these two and Falcon-RW with ALiBi's biases: ``Alibi``), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE, dots.llm1, ERNIE 4.5, GPT-OSS, GLM-4.5, Granite's, Llama 4's: ``Experts``), the mixtures with multi-head
+latent attention (DeepSeek-V2 and V3, GLM-4.7-Flash, Mistral 4: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
 ``text_model``), whose layers differ from Llama's only in small ways (``Family``), and the
 hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the
 cache): Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2
@@ -59,7 +60,7 @@ ARCHS = tuple(dict.fromkeys((
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
-    "llama4_text")
+    "llama4_text", "bloom", "mpt")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -120,10 +121,12 @@ class RenamedWeights:
     names bare (``h.{i}.``, ``wte``); GPT-BigCode's (StarCoder's) as GPT-2's, not transposed, its
     fused projection multi-query (in order) or per head; OPT's under ``model.decoder.`` (its
     original checkpoints': ``decoder.``); EXAONE 3's GPT-2-like (``transformer.h.{i}.attn.attention.``,
-    ``c_fc_0``...); GPT-J's and Falcon's layers ``transformer.h.{i}.``,
-    Falcon's fused projection per head as GPT-NeoX's, or (its new decoder architecture's) per
+    ``c_fc_0``...); GPT-J's, Falcon's and BLOOM's layers ``transformer.h.{i}.`` (BLOOM's also bare,
+    its embeddings' norm ``word_embeddings_layernorm``), BLOOM's and Falcon's fused projection per
+    head as GPT-NeoX's, or (Falcon's new decoder architecture's) per
     group of heads sharing a key and value (``[groups, heads / groups + 2, head_dim]``), or
-    (multi-query) already in order; Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
+    (multi-query) already in order; MPT's blocks ``transformer.blocks.{i}.`` (``norm_1``, ``attn.Wqkv``
+    in order, ``ffn.``); Nemotron-H's blocks hold one mixer each (``mixer.``: attention,
     Mamba-2, an MLP or experts) after one norm, under ``backbone.`` as saved (``model.`` as
     transformers names it), as Mamba's, Falcon-Mamba's and Mamba-2's blocks (a Mamba layer
     each); LFM2's (and LFM2-MoE's) norms, attention and MLP go by their own names."""
@@ -174,9 +177,17 @@ class RenamedWeights:
                          (".self_attn.qkv_proj.", ".self_attention.query_key_value."),
                          (".self_attn.o_proj.", ".self_attention.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
                          (".mlp.down_proj.", ".mlp.dense_4h_to_h."), ("model.norm.", "model.ln_f.")]
+    RENAMES["bloom"] = [("model.embed_tokens.", "model.word_embeddings."),
+                        ("model.embed_norm.", "model.word_embeddings_layernorm."), (".layers.", ".h."),
+                        (".self_attn.qkv_proj.", ".self_attention.query_key_value."),
+                        (".self_attn.o_proj.", ".self_attention.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
+                        (".mlp.down_proj.", ".mlp.dense_4h_to_h."), ("model.norm.", "model.ln_f.")]
+    RENAMES["mpt"] = [("model.embed_tokens.", "model.wte."), (".layers.", ".blocks."), (".input_layernorm.", ".norm_1."),
+                      (".post_attention_layernorm.", ".norm_2."), (".self_attn.qkv_proj.", ".attn.Wqkv."),
+                      (".self_attn.o_proj.", ".attn.out_proj."), (".mlp.", ".ffn."), ("model.norm.", "model.norm_f.")]
     # a checkpoint's prefix for ``model.``, by its embeddings' name (as saved; else ``model.``)
     PREFIXES = [("backbone.", "embeddings"), ("backbone.", "embedding"), ("gpt_neox.", "embed_in"),
-                ("transformer.", "wte"), ("transformer.", "word_embeddings"), ("", "wte"),
+                ("transformer.", "wte"), ("transformer.", "word_embeddings"), ("", "wte"), ("", "word_embeddings"),
                 ("model.decoder.", "embed_tokens"), ("decoder.", "embed_tokens")]
 
     def __init__(self, weights, config):
@@ -189,8 +200,8 @@ class RenamedWeights:
             self.renames = []
         self.conv1d = config.model_type == "gpt2"  # its products' weights [in, out] (transformers' Conv1D)
         new = config.model_type == "falcon" and config.new_decoder_architecture
-        self.per_head = config.model_type == "gpt_neox" or config.model_type in ("falcon", "gpt_bigcode") and not new \
-            and not config.multi_query  # fused per head [heads, 3, head_dim]
+        self.per_head = config.model_type in ("gpt_neox", "bloom") or config.model_type in ("falcon", "gpt_bigcode") \
+            and not new and not config.multi_query  # fused per head [heads, 3, head_dim]
         self.groups = config.num_kv_heads if new else None  # Falcon's [groups, heads / groups + 2, head_dim]
         if new and (config.num_ln_in_parallel_attn or 2) == 2:  # a norm before attention, another before the MLP
             self.renames = self.renames + [(".input_layernorm.", ".ln_attn."), (".post_attention_layernorm.", ".ln_mlp.")]
@@ -268,7 +279,7 @@ def text_model(config, weights=None):
             head = next((h for h in ("language_model.lm_head.weight", "lm_head.weight") if h in weights), "")
             weights = TextWeights(weights, prefix, head)
         config = config.get_text_config(decoder=True)
-    if config.model_type in ("gptj", "falcon", "gpt2", "opt", "gpt_bigcode"):
+    if config.model_type in LLAMA_FIELDS:
         config = llama_fields(config)
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
         return config, RenamedWeights(weights, config)
@@ -277,13 +288,23 @@ def text_model(config, weights=None):
     return config, weights
 
 
+LLAMA_FIELDS = ("gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "bloom", "mpt")  # (``llama_fields``)
+
+
 def llama_fields(config):
-    """A copy of GPT-J's, GPT-2's, GPT-BigCode's, OPT's or Falcon's config with the fields the
-    runtime reads under Llama's names: the MLP's width (``n_inner`` or 4 x hidden, ``ffn_dim``,
-    ``ffn_hidden_size``) and activation, the key and value heads (Falcon's: ``num_kv_heads`` in
-    its new decoder architecture; 1 multi-query, Falcon's and GPT-BigCode's; else every head's)
-    and GPT-J's ``rotary_dim`` as a partial rotary factor."""
+    """A copy of GPT-J's, GPT-2's, GPT-BigCode's, OPT's, Falcon's, BLOOM's or MPT's config with the
+    fields the runtime reads under Llama's names: the MLP's width (``n_inner`` or 4 x hidden,
+    ``ffn_dim``, ``ffn_hidden_size``, BLOOM's 4 x hidden, MPT's ``expansion_ratio`` x hidden) and
+    activation, the key and value heads (Falcon's: ``num_kv_heads`` in its new decoder
+    architecture; 1 multi-query, Falcon's and GPT-BigCode's; else every head's), GPT-J's
+    ``rotary_dim`` as a partial rotary factor and MPT's ``max_seq_len`` as its context."""
     config = copy.deepcopy(config)
+    if config.model_type in ("bloom", "mpt"):
+        config.intermediate_size = config.hidden_size * (config.expansion_ratio if config.model_type == "mpt" else 4)
+        config.hidden_act = "bloom_gelu" if config.model_type == "bloom" else "gelu"
+        config.num_key_value_heads = config.num_attention_heads
+        if config.model_type == "mpt":
+            config.max_position_embeddings = config.max_seq_len
     if config.model_type in ("gptj", "gpt2", "opt", "gpt_bigcode"):
         config.intermediate_size = config.ffn_dim if config.model_type == "opt" else \
             config.n_inner or 4 * config.hidden_size
@@ -323,6 +344,47 @@ class Temperature:
     def scale(self, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Queries ``q [B, H, T, D]`` at positions ``pos [B, T]``, scaled."""
         return (q * self.factor(pos)).to(q.dtype) if self.in_float else q * self.factor(pos).to(q.dtype)
+
+
+@dataclass(frozen=True)
+class Alibi:
+    """ALiBi's position biases, in place of rope (BLOOM's, MPT's, Falcon-RW's): head h's score of
+    a key gains ``scale * slopes[h] * (the key's position)``. MPT's transformers model adds
+    ``slope * (position - the last key's)`` instead: a shift along each query's row, which its
+    softmax does not see. ``scale``: Falcon's scores and biases are scaled together (``head_dim
+    ** -0.5``), BLOOM's and MPT's biases are not."""
+
+    slopes: tuple[float, ...]
+    scale: float = 1.0
+
+    @classmethod
+    def of(cls, config) -> "Alibi | None":
+        heads = config.num_attention_heads
+        if config.model_type == "mpt":  # its own slopes (``alibi_bias_max`` 8, as transformers' model builds them)
+            n = 2 ** math.ceil(math.log2(heads))
+            slopes = 1.0 / torch.pow(2, torch.arange(1, n + 1).float() * (8 / n))
+            if n != heads:
+                slopes = torch.cat([slopes[1::2], slopes[::2]])[:heads]
+            return cls(tuple(slopes.tolist()))
+        if config.model_type == "bloom" or config.model_type == "falcon" and config.alibi:
+            n = 2 ** math.floor(math.log2(heads))  # powers of the base, then odd powers of the next one's
+            slopes = torch.pow(torch.tensor(2 ** -(2 ** -(math.log2(n) - 3))), torch.arange(1, n + 1))
+            if n != heads:
+                extra = torch.pow(torch.tensor(2 ** -(2 ** -(math.log2(2 * n) - 3))),
+                                  torch.arange(1, 1 + 2 * min(n, heads - n), 2))
+                slopes = torch.cat([slopes, extra])
+            if config.model_type == "bloom":
+                return cls(tuple(slopes.tolist()))
+            head_dim = config.hidden_size // heads  # (Falcon's slopes rounded to bfloat16, as its model has them)
+            return cls(tuple(slopes.bfloat16().float().tolist()), scale=head_dim ** -0.5)
+        return None
+
+    def bias(self, mask: torch.Tensor, key_pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The attention bias ``[B, heads, T, S]`` in ``dtype`` of ``mask [B, T, S]`` (bool) and
+        the keys' positions ``key_pos [B, T, S]``: -inf where a key is not seen."""
+        slopes = torch.tensor(self.slopes, device=mask.device)[None, :, None, None]  # [1, heads, 1, 1]
+        bias = self.scale * slopes * key_pos[:, None].float()
+        return bias.masked_fill(~mask[:, None], float("-inf")).to(dtype)
 
 
 def query_temperature(config) -> Temperature | None:
@@ -374,7 +436,7 @@ class Family:
     ``learned_positions``: positions are a learned table's rows added to the embeddings, no rope
     (GPT-2's; the offset of a position's row: 0; OPT's: 2); ``scale_queries``: the queries
     scaled by ``head_dim ** -0.5`` as they come out of their product, the scores then not
-    (OPT's)."""
+    (OPT's); ``alibi``: position biases on the scores, no rope (``Alibi``: BLOOM's, MPT's, Falcon-RW's)."""
 
     offset_norms: bool = False
     embed_scale: float | None = None
@@ -397,6 +459,7 @@ class Family:
     gated_mlp: bool = True
     learned_positions: int | None = None
     scale_queries: bool = False
+    alibi: Alibi | None = None
 
     @classmethod
     def of(cls, config, dtype: torch.dtype = torch.float32) -> "Family":
@@ -427,8 +490,13 @@ class Family:
             if config.model_type == "falcon":
                 parallel = config.parallel_attn or config.new_decoder_architecture
             return cls(activation=act, gated_mlp=config.model_type == "stablelm", layer_norm="model",
-                       interleaved_rope=config.model_type == "gptj",
+                       interleaved_rope=config.model_type == "gptj", alibi=Alibi.of(config),
                        parallel=("residual" if config.model_type == "stablelm" else "outputs") if parallel else None)
+        if config.model_type in ("bloom", "mpt"):  # layer norms (MPT's without biases), MLPs not gated
+            clip = config.attn_config.clip_qkv if config.model_type == "mpt" else None
+            scale = config.attn_config.softmax_scale if config.model_type == "mpt" else None
+            return cls(activation=act, gated_mlp=False, layer_norm="model", alibi=Alibi.of(config), clip_qkv=clip,
+                       attn_scale=scale)
         if config.model_type in ("gpt2", "gpt_bigcode"):  # (scale_attn_weights False: scores not scaled)
             return cls(activation=act, gated_mlp=False, layer_norm="model", learned_positions=0,
                        attn_scale=None if config.scale_attn_weights else 1.0)
@@ -682,8 +750,10 @@ def unsupported(config) -> str | None:
                                            and config.word_embed_proj_dim == config.hidden_size):  # (OPT-350M's)
         return ("the torch runtime runs OPT's norms before attention and the MLP, with weights, and no projections "
                 "in and out")
-    if config.model_type == "falcon" and config.alibi:  # (Falcon-RW's)
-        return "the torch runtime runs rotary embeddings, not ALiBi's position biases"
+    if config.model_type == "bloom" and config.apply_residual_connection_post_layernorm:  # (no released checkpoint's)
+        return "the torch runtime adds BLOOM's residual before its norms, not after"
+    if config.model_type == "mpt" and config.attn_config.qk_ln:  # (transformers' MPT leaves it out)
+        return "the torch runtime does not run MPT's qk_ln"
     if getattr(config, "moe_latent_size", None):  # Nemotron-H's experts in a latent width
         return "the torch runtime runs experts in the model's width, not through moe_latent_size projections"
     if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder
@@ -941,7 +1011,7 @@ class TorchLlama:
         if config.model_type in ("exaone4", "exaone_moe", "cohere2") and config.sliding_window:  # rope on the windowed
             # layers alone
             rotates = [t == "sliding_attention" for t in types]
-        if self.family.learned_positions is not None:  # GPT-2's: no rope
+        if self.family.learned_positions is not None or self.family.alibi:  # GPT-2's, ALiBi's: no rope
             rotates = [0] * self.num_layers
         layer_ropes = getattr(config, "layer_rope_theta", None)  # Granite-SWA's base per layer (0: no rope)
         if layer_ropes:
@@ -956,6 +1026,7 @@ class TorchLlama:
         r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row)
         self.embed = r.get("model.embed_tokens.weight")
         self.positions = r.get("model.embed_positions.weight") if self.family.learned_positions is not None else None
+        self.embed_norm = r.norm("model.embed_norm.weight") if "model.embed_norm.weight" in r else None  # (BLOOM's)
         self.vocab_size = self.embed.shape[0]
         self.recurrent = recurrent_mixer(config)  # DeltaNet, Mamba2, Mamba1, ShortConv or None
         self.layers, kinds = [], [0, 0]  # layers so far: attention, recurrent
@@ -1154,6 +1225,8 @@ class TorchLlama:
             h = h + F.embedding(x.pos + fam.learned_positions, self.positions)
         if fam.embed_scale is not None:
             h = h * fam.embed_scale
+        if self.embed_norm is not None:
+            h = norm(h, self.embed_norm, self.eps)
         tapped = {}  # tap -> [B, T, hidden]
         for li, L in enumerate(self.layers):
             if li in self.taps:
@@ -1313,7 +1386,8 @@ class TorchLlama:
 
         Llama 4's chunked attention (``chunk``) is the sliding mask's other use: a query at
         position p sees the keys of its own chunk of ``chunk`` positions, a window of ``p %
-        chunk + 1``."""
+        chunk + 1``. With ALiBi (``Family.alibi``) the mask is its biases ``[B, heads, T, S]``
+        (float, -inf where not seen), of the keys' positions."""
         B = len(starts)
         tails = [0] * B
         if chunk_masks is not None:
@@ -1337,17 +1411,17 @@ class TorchLlama:
         seen = window.gather(2, rel.clamp(0, M - 1)[:, None, :].expand(B, T, S))
         seen &= ((rel >= 0) & (rel < M))[:, None, :]
         mask = (rel < 0)[:, None, :] | seen  # [B, T, S]
-        if self.window is None and self.chunk is None:
+        if self.window is None and self.chunk is None and self.family.alibi is None:
             return mask[:, None], None
         pos = pos.to(dev)
-        width = self.window if self.chunk is None else (pos % self.chunk + 1)[:, :, None]  # int or [B, T, 1]
-        key = torch.arange(S, device=dev)  # [S]
-        sliding = mask & (key > pos[:, :, None] - width)  # [B, T, S]
+        key_pos = torch.arange(S, device=dev).expand(B, T, S).clone()  # [B, T, S] each seen key's position
         after = window.flip(-1).cumsum(-1).flip(-1) - window.long()  # [B, T, M] keys seen after each
-        for b in range(B):  # a chunk mask's keys: by the keys seen after them
+        for b in range(B):  # a chunk mask's keys: the new token's position less the keys seen after them
             if chunk_masks is not None and chunk_masks[b] is not None:
                 lo = starts[b] - tails[b]
                 hi = min(lo + M, S)
-                sliding[b, :, lo:hi] = mask[b, :, lo:hi] & (after[b, :, :hi - lo] < (width if self.chunk is None
-                                                                                      else width[b]))
-        return mask[:, None], sliding[:, None]
+                key_pos[b, :, lo:hi] = pos[b, :, None] - after[b, :, :hi - lo]
+        if self.family.alibi is not None:  # (its biases in place of the mask)
+            return self.family.alibi.bias(mask, key_pos, self.dtype), None
+        width = self.window if self.chunk is None else (pos % self.chunk + 1)[:, :, None]  # int or [B, T, 1]
+        return mask[:, None], (mask & (key_pos > pos[:, :, None] - width))[:, None]
