@@ -251,6 +251,26 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "mpt-alibi-clip": ("mpt", dict(num_key_value_heads=None, max_seq_len=512, num_attention_heads=6, hidden_size=48,
                                    attn_config=dict(clip_qkv=0.5, softmax_scale=0.2))),
     "falconrw-alibi": ("falcon", dict(alibi=True, multi_query=False, parallel_attn=False, bias=True)),
+    # GLM (GLM-4-9B's first release): GLM-4's layers without its norms after (biases on q/k/v, rotary pairs interleaved
+    # on half of each head); VaultGemma: Gemma 2's without its norms after; FlexOlmo: OLMo 2's attention and norms
+    # after, OLMoE's experts; GraniteMoE-SWA: Granite-SWA's attention (windows, sinks, a rope base per layer) before
+    # Granite's experts and shared MLP
+    "glm-interleaved-half": ("glm", dict(head_dim=16, pad_token_id=0)),
+    "vaultgemma-softcaps": ("vaultgemma", dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=24)),
+    "flexolmo-experts": ("flex_olmo", dict(num_experts=4, num_experts_per_tok=2, pad_token_id=0)),
+    "granitemoeswa-sinks-experts": ("granitemoe_swa", dict(MOE["granitemoeshared"], layers=4, sliding_window=6,
+                                                           layer_types=["full_attention"] + ["sliding_attention"] * 3,
+                                                           layer_rope_theta=[0, 10000.0, 500.0, 10000.0])),
+    # Solar Open: Llama's attention before GLM-4.5's experts on every layer; Jais 2: layer norms, relu2(up) not gated,
+    # biases; HunYuan-MoE: HunYuan's attention (q/k norms after the rotation) before experts routed in float32 (the top
+    # k of the softmax, renormalised) beside a shared MLP
+    "solaropen-experts": ("solar_open", dict({k: v for k, v in MOE["glm4_moe"].items() if k != "first_k_dense_replace"},
+                                             head_dim=16, pad_token_id=0)),
+    "jais2-layernorm-relu2": ("jais2", dict(head_dim=16)),
+    "hunyuanmoe-experts": ("hunyuan_v1_moe", dict(num_experts=4, moe_topk=2, head_dim=16, intermediate_size=32)),
+    # NanoChat: norms without weights (the embeddings' too), rope turned the other way, q/k norms after it, relu2(up)
+    # not gated, the logits capped
+    "nanochat-weightless-norms": ("nanochat", dict(head_dim=16)),
     "llama4-chunks-experts": ("llama4_text", LLAMA4),  # (``tiny.LLAMA4``)
     # Maverick's kind: no q/k norms, experts on every layer (one each), no chunks, no temperature
     "llama4-maverick-kind": ("llama4_text", dict(LLAMA4, use_qk_norm=False, interleave_moe_layer_step=1,
@@ -299,7 +319,9 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "opt-learned-positions", "bigcode-multi-query", "bigcode-per-head",
                                   "nemotron-layernorm1p", "exaone3-names", "internlm3-biases", "iquestcoder",
                                   "exaonemoe-windows-experts", "helium-interleaved-float-norms",
-                                  "llama4-chunks-experts", "llama4-maverick-kind"])
+                                  "llama4-chunks-experts", "llama4-maverick-kind", "glm-interleaved-half",
+                                  "vaultgemma-softcaps", "flexolmo-experts", "solaropen-experts", "jais2-layernorm-relu2",
+                                  "hunyuanmoe-experts", "nanochat-weightless-norms"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -358,7 +380,7 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "nemotronh-blocks", "falconh1-parallel-mup", "falconmamba", "mamba2-alone",
                                   "jamba-dense", "falcon-multi-query", "falcon-groups-two-norms", "falcon-sequential",
                                   "mistral4-latent-temperature", "graniteswa-sinks-bases", "bloom-alibi",
-                                  "mpt-alibi-clip", "falconrw-alibi"])
+                                  "mpt-alibi-clip", "falconrw-alibi", "granitemoeswa-sinks-experts"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -995,7 +1017,9 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "gptj-interleaved-partial", "falcon-groups-two-norms", "gpt2-learned-positions",
                                   "opt-learned-positions", "bigcode-multi-query", "nemotron-layernorm1p",
                                   "exaonemoe-windows-experts", "llama4-chunks-experts", "bloom-alibi",
-                                  "mpt-alibi-clip"])
+                                  "mpt-alibi-clip", "flexolmo-experts", "granitemoeswa-sinks-experts",
+                                  "solaropen-experts", "hunyuanmoe-experts", "nanochat-weightless-norms",
+                                  "jais2-layernorm-relu2", "glm-interleaved-half", "vaultgemma-softcaps"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1013,6 +1037,7 @@ def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n
                   and not any(e in n for e in ("embed", ".wte.", ".wpe.", ".word_embeddings."))
                   and not n.endswith(("mlp.gate.weight", "mixer.gate.weight", "router.weight", "shared_expert_gate.weight",
+                                      "gate.wg.weight",
                                       "A_log", "e_score_correction_bias")))  # (Mamba's decays: [channels, state];
     # ERNIE 4.5's correction: [1, experts])
     assert (expert_bytes(config), linear_bytes(config)) == (4 * experts, 4 * linears)

@@ -113,6 +113,8 @@ def linear_bytes(config) -> int:
     dense = shared if config.model_type == "granitemoehybrid" else config.intermediate_size  # (its shared_mlp)
     if config.model_type == "llama4_text":  # a shared expert as wide as a routed one, dense layers of their own width
         shared, dense = config.intermediate_size, config.intermediate_size_mlp
+    if config.model_type == "hunyuan_v1_moe":  # its shared MLP as wide as an expert
+        shared = config.intermediate_size
     if config.model_type == "lfm2" and config.block_auto_adjust_ff_dim:  # its MLP's width, as transformers sizes it
         dense = int(2 * dense / 3)
         if config.block_ffn_dim_multiplier is not None:

@@ -17,10 +17,11 @@ from .ops import ACTIVATIONS
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
-             "llama4_text")
-GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid")  # ``block_sparse_moe``, routed as GPT-OSS's
+             "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe")
+GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")  # ``block_sparse_moe``, routed as GPT-OSS's
 # GLM-4.5's router (``Routing.sigmoid``)
-SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text", "exaone_moe")
+SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text", "exaone_moe",
+                  "solar_open")  # (Solar Open's: GLM-4.5's experts on every layer)
 
 
 def moe_layers(config) -> list[bool]:
@@ -31,7 +32,8 @@ def moe_layers(config) -> list[bool]:
     n, kind = config.num_hidden_layers, config.model_type
     if kind not in MOE_ARCHS:
         return [False] * n
-    if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text", "olmoe") + GRANITE_MOES:
+    if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text", "olmoe", "flex_olmo", "solar_open", "hunyuan_v1_moe") \
+            + GRANITE_MOES:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4"):
         return [i >= config.first_k_dense_replace for i in range(n)]
@@ -132,6 +134,9 @@ class Routing:
             return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
         if kind in GRANITE_MOES:
             return cls(config.num_experts_per_tok, top_softmax=True, activation=config.hidden_act)
+        if kind == "hunyuan_v1_moe":  # its router in float32, the top k of the softmax renormalised, in float32
+            top_k = config.moe_topk if isinstance(config.moe_topk, int) else config.moe_topk[0]
+            return cls(top_k, renormalize=True, float_weights=True, float_router=True, activation=config.hidden_act)
         if kind == "jamba":  # the top k of the softmax, not renormalised
             return cls(config.num_experts_per_tok, activation=config.hidden_act)
         if kind == "ernie4_5_moe":
@@ -272,8 +277,8 @@ class Experts:
             gate_up = stacked([list(dict.fromkeys([x + gate + ".weight", x + up + ".weight"])) for x in experts])
             down = stacked([[x + down + ".weight"] for x in experts])
 
-        router = next(block + n for n in ("gate.weight", "router.layer.weight", "router.weight")
-                      if block + n in weights)  # (Granite's as saved, as transformers names it)
+        router = next(block + n for n in ("gate.weight", "router.layer.weight", "router.weight", "gate.wg.weight")
+                      if block + n in weights)  # (Granite's as saved, as transformers names it; HunYuan's)
         router = weights[router].to(
             device=device, dtype=torch.float32 if routing.float_router else dtype, copy=True)
         correction = next((block + n for n in ("gate.e_score_correction_bias", "expert_bias",

@@ -53,20 +53,21 @@ GLM_VL_TEXT = ("glm4v_text",)
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Granite's multipliers; Granite 4.0's hybrids (granitemoehybrid, with or without experts) have Mamba-2 layers
 # beside attention without rope, as Bamba's beside attention with rope on half of each head
-GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa")  # (Granite-SWA's: windows
-# on the layers layer_types names, a sink per head, a rope base per layer, layer_rope_theta, 0 for none)
+GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa",
+            "granitemoe_swa")  # (Granite-SWA's and its MoE's: windows on the layers layer_types names, a sink per head,
+# a rope base per layer, layer_rope_theta, 0 for none)
 ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
-    "llama4_text", "bloom", "mpt")
+    "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
-GEMMAS = ("gemma", "gemma2", "gemma3_text")
+GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemma 2's without norms after)
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
+PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
                   "nemotron", "mistral4") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's rotated part)
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
@@ -142,7 +143,9 @@ class RenamedWeights:
     }
     RENAMES["lfm2_moe"] = RENAMES["lfm2"] + [(".mlp.", ".feed_forward.")]  # (its experts, router, expert_bias)
     RENAMES.update(dict.fromkeys(PURE_RECURRENT, RENAMES["nemotron_h"]))
-    RENAMES["hunyuan_v1_dense"] = [(".q_norm.", ".query_layernorm."), (".k_norm.", ".key_layernorm.")]
+    RENAMES["nanochat"] = [(".mlp.up_proj.", ".mlp.fc1."), (".mlp.down_proj.", ".mlp.fc2.")]
+    RENAMES["hunyuan_v1_dense"] = RENAMES["hunyuan_v1_moe"] = [(".q_norm.", ".query_layernorm."),
+                                                               (".k_norm.", ".key_layernorm.")]
     RENAMES["starcoder2"] = [(".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj.")]
     RENAMES["apertus"] = [(".input_layernorm.", ".attention_layernorm."),
                           (".post_attention_layernorm.", ".feedforward_layernorm.")]
@@ -436,7 +439,9 @@ class Family:
     ``learned_positions``: positions are a learned table's rows added to the embeddings, no rope
     (GPT-2's; the offset of a position's row: 0; OPT's: 2); ``scale_queries``: the queries
     scaled by ``head_dim ** -0.5`` as they come out of their product, the scores then not
-    (OPT's); ``alibi``: position biases on the scores, no rope (``Alibi``: BLOOM's, MPT's, Falcon-RW's)."""
+    (OPT's); ``alibi``: position biases on the scores, no rope (``Alibi``: BLOOM's, MPT's, Falcon-RW's);
+    ``weightless_norms``: RMS norms without weights, the embeddings normed too (NanoChat's);
+    ``rope_reversed``: rotary pairs turned the other way (NanoChat's ``cat(x2, -x1)``: sin negated)."""
 
     offset_norms: bool = False
     embed_scale: float | None = None
@@ -460,10 +465,12 @@ class Family:
     learned_positions: int | None = None
     scale_queries: bool = False
     alibi: Alibi | None = None
+    weightless_norms: bool = False
+    rope_reversed: bool = False
 
     @classmethod
     def of(cls, config, dtype: torch.dtype = torch.float32) -> "Family":
-        gemma23 = config.model_type in ("gemma2", "gemma3_text")  # the fields only their models read
+        gemma23 = config.model_type in ("gemma2", "gemma3_text", "vaultgemma")  # the fields only their models read
         act = (config.hidden_activation if gemma23 else None) or getattr(config, "hidden_act", "silu")
         if config.model_type in GRANITES:
             return cls(embed_scale=config.embedding_multiplier, attn_scale=config.attention_multiplier,
@@ -480,8 +487,13 @@ class Family:
             return cls(activation=config.mlp_hidden_act, gated_mlp=False)
         if config.model_type in ("arcee", "apertus"):  # their MLPs not gated: relu2(up), xielu(up)
             return cls(activation=act, gated_mlp=False)
-        if config.model_type == "hunyuan_v1_dense":
+        if config.model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
             return cls(activation=act, norm_after_rope=True)
+        if config.model_type == "nanochat":  # relu2(up) not gated, q/k norms after the rotation, the logits capped
+            return cls(activation=act, gated_mlp=False, l2_qk_norm=True, weightless_norms=True, rope_reversed=True,
+                       final_softcap=config.final_logit_softcapping)
+        if config.model_type == "jais2":  # layer norms, relu2(up) not gated
+            return cls(activation=act, layer_norm="model", gated_mlp=False)
         if config.model_type in ("cohere", "cohere2"):
             return cls(activation=act, interleaved_rope=True, rope_math="float_math", layer_norm="float",
                        parallel="residual", logits_scale=config.logit_scale)
@@ -518,15 +530,17 @@ class Family:
             return cls(activation=act, embed_scale=config.embedding_multiplier,
                        logits_scale=config.lm_head_multiplier)
         if config.model_type not in GEMMAS:
-            return cls(activation=act, float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3", "helium"),
+            return cls(activation=act,
+                       float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3", "helium", "flex_olmo"),
                        clip_qkv=getattr(config, "clip_qkv", None) if config.model_type == "olmoe" else None,
-                       interleaved_rope=config.model_type in ("glm4", "ernie4_5", "ernie4_5_moe", "helium") + GLM_VL_TEXT,
-                       rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe")
+                       interleaved_rope=config.model_type in ("glm", "glm4", "ernie4_5", "ernie4_5_moe", "helium")
+                       + GLM_VL_TEXT,
+                       rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe", "flex_olmo")
                        else "model")
         return cls(offset_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
                    # Gemma 3's config has the field too, but transformers' model never reads it
-                   attn_softcap=config.attn_logit_softcapping if config.model_type == "gemma2" else None,
+                   attn_softcap=config.attn_logit_softcapping if config.model_type in ("gemma2", "vaultgemma") else None,
                    final_softcap=config.final_logit_softcapping if gemma23 else None, activation=act)
 
 
@@ -752,6 +766,9 @@ def unsupported(config) -> str | None:
                 "in and out")
     if config.model_type == "bloom" and config.apply_residual_connection_post_layernorm:  # (no released checkpoint's)
         return "the torch runtime adds BLOOM's residual before its norms, not after"
+    if config.model_type == "hunyuan_v1_moe" and len({*(config.moe_topk if isinstance(config.moe_topk, list)
+                                                        else [config.moe_topk])}) > 1:
+        return "the torch runtime routes every layer to as many experts (one moe_topk)"
     if config.model_type == "mpt" and config.attn_config.qk_ln:  # (transformers' MPT leaves it out)
         return "the torch runtime does not run MPT's qk_ln"
     if getattr(config, "moe_latent_size", None):  # Nemotron-H's experts in a latent width
@@ -779,7 +796,7 @@ def sliding_layers(config) -> tuple[int | None, list[bool]]:
     GLM-4: none."""
     n, kind = config.num_hidden_layers, config.model_type
     window = getattr(config, "sliding_window", None)
-    if kind in ("llama", "gemma", "granite", "glm4", *GLM_VL_TEXT) or not window or \
+    if kind in ("llama", "gemma", "granite", "glm", "glm4", *GLM_VL_TEXT) or not window or \
             (kind in ("qwen2", "qwen3", "qwen2_moe", *QWEN_VL_TEXT) and not getattr(config, "use_sliding_window", False)):
         return None, [False] * n
     types = None if kind in ("mistral", "phi3", "mixtral", "qwen3_moe") else getattr(config, "layer_types", None)
@@ -816,10 +833,12 @@ class CheckpointReader:
         """A norm's weight: Gemma's, Qwen3-Next's and Qwen3.5's as 1 + weight in float32, GPT-OSS's
         in float32 (both as the model's dtype holds them, as transformers; GPT-OSS's exact for a
         float16 model, which transformers keeps them float32 for); a layer norm's weight and bias
-        (``Family.layer_norm``; OLMo's hold none: "plain")."""
+        (``Family.layer_norm``; OLMo's hold none: "plain"); NanoChat's none either: ones (``weightless_norms``)."""
         plain = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
         if self.family.layer_norm == "plain" and name.endswith(plain):
             return LayerNorm(None, None, in_float=True)
+        if self.family.weightless_norms and name.endswith(plain + ("model.embed_norm.weight",)):
+            return torch.ones(self.weights["model.embed_tokens.weight"].shape[1], device=self.device, dtype=self.dtype)
         if self.family.layer_norm and name in self.weights:  # (Nemotron's: of 1 + weight, in the model's dtype)
             return LayerNorm(self.get(name) + self.family.offset_norms, self.opt(name.removesuffix("weight") + "bias"),
                              self.family.layer_norm == "float")
@@ -925,8 +944,8 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
     shared = ("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in r else "shared_expert.") \
         if moe else ""  # GLM-4.5's, Qwen2-MoE's
     mlp = next((pre + m for m, down in (("shared_mlp.", "output_linear"), ("feed_forward.", "down_proj"),
-                                        ("feed_forward.shared_expert.", "down_proj"))
-                if pre + m + down + ".weight" in r), pre + "mlp." + shared)  # Granite's, Bamba's, Llama 4's
+                                        ("feed_forward.shared_expert.", "down_proj"), ("mlp.shared_mlp.", "down_proj"))
+                if pre + m + down + ".weight" in r), pre + "mlp." + shared)  # Granite's, Bamba's, Llama 4's, HunYuan's
     gate_up, down = r.mlp(mlp, optional=moe) if mlps else (None, None)
     sandwich = pre + "pre_feedforward_layernorm.weight" in r  # Gemma 2/3: norms after, too
     glm4 = pre + "post_self_attn_layernorm.weight" in r  # GLM-4's norms after, named its way
@@ -1026,7 +1045,8 @@ class TorchLlama:
         r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row)
         self.embed = r.get("model.embed_tokens.weight")
         self.positions = r.get("model.embed_positions.weight") if self.family.learned_positions is not None else None
-        self.embed_norm = r.norm("model.embed_norm.weight") if "model.embed_norm.weight" in r else None  # (BLOOM's)
+        self.embed_norm = r.norm("model.embed_norm.weight") if "model.embed_norm.weight" in r \
+            or self.family.weightless_norms else None  # (BLOOM's, NanoChat's)
         self.vocab_size = self.embed.shape[0]
         self.recurrent = recurrent_mixer(config)  # DeltaNet, Mamba2, Mamba1, ShortConv or None
         self.layers, kinds = [], [0, 0]  # layers so far: attention, recurrent
@@ -1268,7 +1288,8 @@ class TorchLlama:
             freqs = pos[..., None].float() * inv_freq  # [B, T, rotated/2]
             emb = freqs.repeat_interleave(2, dim=-1) if self.family.interleaved_rope else torch.cat((freqs, freqs), dim=-1)
             dtype = torch.float32 if self.family.rope_math == "float" else self.dtype
-            rope[layer_type] = ((emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None])
+            sin = -emb.sin() if self.family.rope_reversed else emb.sin()
+            rope[layer_type] = ((emb.cos() * scale).to(dtype)[:, None], (sin * scale).to(dtype)[:, None])
         return rope
 
     def _attend(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
