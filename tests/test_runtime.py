@@ -572,7 +572,7 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     assert "OPT's norms before" in unsupported(AutoConfig.for_model("opt", do_layer_norm_before=False))
     assert "quick_gelu" in unsupported(AutoConfig.for_model("llama", hidden_act="quick_gelu"))
     assert "not 'awq' ones" in unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "awq"}))
-    assert "rotates a part of each head for phi3, glm4, glm4_moe, bamba" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
+    assert "rotates a part of each head for phi3, glm, glm4, glm4_moe, bamba" in unsupported(AutoConfig.for_model("llama", partial_rotary_factor=0.75))
     assert "bidirectional" in unsupported(AutoConfig.for_model("gemma3_text", use_bidirectional_attention=True))
     per_type = AutoConfig.for_model("gemma3_text", rope_parameters={  # each layer type's rope is checked
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
