@@ -271,6 +271,18 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # NanoChat: norms without weights (the embeddings' too), rope turned the other way, q/k norms after it, relu2(up)
     # not gated, the logits capped
     "nanochat-weightless-norms": ("nanochat", dict(head_dim=16)),
+    # AFMoE (Arcee's Trinity): q/k norms, rope on its windowed layers alone, its output gated by its own product (a
+    # gate without the queries' bias), norms after attention and the MLP too, in float32; experts chosen by the
+    # sigmoid (in float32) plus an expert bias, renormalised and scaled, beside shared experts, after a dense layer;
+    # muP's embeddings times sqrt(hidden)
+    "afmoe-gated-windows-experts": ("afmoe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  num_shared_experts=1, num_dense_layers=1, layers=4, head_dim=16,
+                                                  sliding_window=6, route_scale=2.5, mup_enabled=True,
+                                                  attention_bias=True,
+                                                  layer_types=["sliding_attention"] * 3 + ["full_attention"])),
+    # GPT-Neo: learned positions, scores not scaled, windows on its "local" layers, layer norms, a gelu MLP
+    "gptneo-local-layers": ("gpt_neo", dict(num_key_value_heads=None, window_size=6,
+                                            attention_types=[[["global", "local"], 1]])),
     "llama4-chunks-experts": ("llama4_text", LLAMA4),  # (``tiny.LLAMA4``)
     # Maverick's kind: no q/k norms, experts on every layer (one each), no chunks, no temperature
     "llama4-maverick-kind": ("llama4_text", dict(LLAMA4, use_qk_norm=False, interleave_moe_layer_step=1,
@@ -321,7 +333,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "exaonemoe-windows-experts", "helium-interleaved-float-norms",
                                   "llama4-chunks-experts", "llama4-maverick-kind", "glm-interleaved-half",
                                   "vaultgemma-softcaps", "flexolmo-experts", "solaropen-experts", "jais2-layernorm-relu2",
-                                  "hunyuanmoe-experts", "nanochat-weightless-norms"])
+                                  "hunyuanmoe-experts", "nanochat-weightless-norms", "afmoe-gated-windows-experts"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -380,7 +392,8 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "nemotronh-blocks", "falconh1-parallel-mup", "falconmamba", "mamba2-alone",
                                   "jamba-dense", "falcon-multi-query", "falcon-groups-two-norms", "falcon-sequential",
                                   "mistral4-latent-temperature", "graniteswa-sinks-bases", "bloom-alibi",
-                                  "mpt-alibi-clip", "falconrw-alibi", "granitemoeswa-sinks-experts"])
+                                  "mpt-alibi-clip", "falconrw-alibi", "granitemoeswa-sinks-experts",
+                                  "gptneo-local-layers"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -1019,7 +1032,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "exaonemoe-windows-experts", "llama4-chunks-experts", "bloom-alibi",
                                   "mpt-alibi-clip", "flexolmo-experts", "granitemoeswa-sinks-experts",
                                   "solaropen-experts", "hunyuanmoe-experts", "nanochat-weightless-norms",
-                                  "jais2-layernorm-relu2", "glm-interleaved-half", "vaultgemma-softcaps"])
+                                  "jais2-layernorm-relu2", "glm-interleaved-half", "vaultgemma-softcaps",
+                                  "afmoe-gated-windows-experts", "gptneo-local-layers"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1037,7 +1051,7 @@ def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n
                   and not any(e in n for e in ("embed", ".wte.", ".wpe.", ".word_embeddings."))
                   and not n.endswith(("mlp.gate.weight", "mixer.gate.weight", "router.weight", "shared_expert_gate.weight",
-                                      "gate.wg.weight",
+                                      "gate.wg.weight", "router.gate.weight",
                                       "A_log", "e_score_correction_bias")))  # (Mamba's decays: [channels, state];
     # ERNIE 4.5's correction: [1, experts])
     assert (expert_bytes(config), linear_bytes(config)) == (4 * experts, 4 * linears)

@@ -187,6 +187,8 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
                 p.copy_(std * torch.randn_like(p))
             elif name.endswith(("act_fn.alpha_p", "act_fn.alpha_n")):  # Apertus's xIELU, its own per layer
                 p.copy_(p + 0.3 * torch.randn_like(p))
+            elif name.endswith("router.gate.weight"):  # (AFMoE's router starts at zeros)
+                p.copy_(std * torch.randn_like(p))
         for name, b in model.named_buffers():  # GLM-4.5's router correction, LFM2-MoE's expert bias
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(std * torch.randn_like(b))

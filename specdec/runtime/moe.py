@@ -17,7 +17,8 @@ from .ops import ACTIVATIONS
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v2", "deepseek_v3", "glm4_moe_lite",
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
-             "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe")
+             "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
+             "afmoe")
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")  # ``block_sparse_moe``, routed as GPT-OSS's
 # GLM-4.5's router (``Routing.sigmoid``)
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text", "exaone_moe",
@@ -41,7 +42,7 @@ def moe_layers(config) -> list[bool]:
         return [t == "sparse" for t in config.mlp_layer_types]
     if kind == "nemotron_h":  # its blocks: one mixer or one MLP each
         return [t == "moe" for t in config.layer_types]
-    if kind == "lfm2_moe":
+    if kind in ("lfm2_moe", "afmoe"):
         return [i >= config.num_dense_layers for i in range(n)]
     if kind == "llama4_text":
         return [i in config.moe_layers for i in range(n)]
@@ -106,7 +107,9 @@ class Routing:
     scores renormalised by a sum of at least ``renorm_min``; Mistral 4's: the top k of the softmax
     among the ``top_groups`` best groups, each by its best two (``groups_by_two``), renormalised
     where ``norm_topk_prob``, times ``scale``; Llama 4's (``scales_inputs``): the sigmoid of the top
-    k logits (in float32, then the model's dtype) scales each chosen expert's input, not its output."""
+    k logits (in float32, then the model's dtype) scales each chosen expert's input, not its output;
+    AFMoE's (``sigmoid``, ``float_scores``): the router in the model's dtype, its logits' sigmoid in
+    float32, the top k of those plus an expert bias, renormalised and times ``scale``."""
 
     top_k: int
     renormalize: bool = False
@@ -126,6 +129,7 @@ class Routing:
     renorm_min: float | None = None
     groups_by_two: bool = False
     scales_inputs: bool = False
+    float_scores: bool = False
 
     @classmethod
     def of(cls, config) -> "Routing":
@@ -134,6 +138,9 @@ class Routing:
             return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
         if kind in GRANITE_MOES:
             return cls(config.num_experts_per_tok, top_softmax=True, activation=config.hidden_act)
+        if kind == "afmoe":
+            return cls(config.num_experts_per_tok, renormalize=True, sigmoid=True, float_scores=True,
+                       scale=config.route_scale, activation=config.hidden_act)
         if kind == "hunyuan_v1_moe":  # its router in float32, the top k of the softmax renormalised, in float32
             top_k = config.moe_topk if isinstance(config.moe_topk, int) else config.moe_topk[0]
             return cls(top_k, renormalize=True, float_weights=True, float_router=True, activation=config.hidden_act)
@@ -177,7 +184,7 @@ class Routing:
             top, chosen = logits.topk(self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype if self.gpt_oss else torch.float32).to(top.dtype), chosen
         if self.sigmoid:
-            scores = logits.sigmoid()  # [N, experts]
+            scores = (logits.float() if self.float_scores else logits).sigmoid()  # [N, experts]
             choice = scores if correction is None else scores + correction
             if self.groups > 1:  # each group by its best two
                 choice = self._best_groups(choice, lambda g: g.topk(2, dim=-1)[0].sum(dim=-1), float("-inf"))
@@ -277,8 +284,9 @@ class Experts:
             gate_up = stacked([list(dict.fromkeys([x + gate + ".weight", x + up + ".weight"])) for x in experts])
             down = stacked([[x + down + ".weight"] for x in experts])
 
-        router = next(block + n for n in ("gate.weight", "router.layer.weight", "router.weight", "gate.wg.weight")
-                      if block + n in weights)  # (Granite's as saved, as transformers names it; HunYuan's)
+        router = next(block + n for n in ("gate.weight", "router.layer.weight", "router.weight", "gate.wg.weight",
+                                          "router.gate.weight")
+                      if block + n in weights)  # (Granite's as saved, as transformers names it; HunYuan's, AFMoE's)
         router = weights[router].to(
             device=device, dtype=torch.float32 if routing.float_router else dtype, copy=True)
         correction = next((block + n for n in ("gate.e_score_correction_bias", "expert_bias",

@@ -61,7 +61,7 @@ ARCHS = tuple(dict.fromkeys((
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
-    "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat")
+    "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -167,6 +167,8 @@ class RenamedWeights:
                        (".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj."),
                        ("model.norm.", "model.ln_f.")]
     RENAMES["gpt_bigcode"] = RENAMES["gpt2"]  # (its products nn.Linear's: not transposed)
+    RENAMES["gpt_neo"] = [(".self_attn.o_proj.", ".attn.attention.out_proj."), (".self_attn.", ".attn.attention.")] \
+        + RENAMES["gpt2"]  # (q, k and v apart)
     # EXAONE 3's, as saved (transformers renames them at load)
     RENAMES["exaone"] = [("model.embed_tokens.", "model.wte."), (".layers.", ".h."), ("model.norm.", "model.ln_f."),
                          (".self_attn.o_proj.", ".attn.attention.out_proj."), (".self_attn.", ".attn.attention."),
@@ -291,11 +293,11 @@ def text_model(config, weights=None):
     return config, weights
 
 
-LLAMA_FIELDS = ("gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "bloom", "mpt")  # (``llama_fields``)
+LLAMA_FIELDS = ("gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "bloom", "mpt", "gpt_neo")  # (``llama_fields``)
 
 
 def llama_fields(config):
-    """A copy of GPT-J's, GPT-2's, GPT-BigCode's, OPT's, Falcon's, BLOOM's or MPT's config with the
+    """A copy of GPT-J's, GPT-2's, GPT-Neo's, GPT-BigCode's, OPT's, Falcon's, BLOOM's or MPT's config with the
     fields the runtime reads under Llama's names: the MLP's width (``n_inner`` or 4 x hidden,
     ``ffn_dim``, ``ffn_hidden_size``, BLOOM's 4 x hidden, MPT's ``expansion_ratio`` x hidden) and
     activation, the key and value heads (Falcon's: ``num_kv_heads`` in its new decoder
@@ -308,9 +310,9 @@ def llama_fields(config):
         config.num_key_value_heads = config.num_attention_heads
         if config.model_type == "mpt":
             config.max_position_embeddings = config.max_seq_len
-    if config.model_type in ("gptj", "gpt2", "opt", "gpt_bigcode"):
+    if config.model_type in ("gptj", "gpt2", "opt", "gpt_bigcode", "gpt_neo"):
         config.intermediate_size = config.ffn_dim if config.model_type == "opt" else \
-            config.n_inner or 4 * config.hidden_size
+            (config.intermediate_size if config.model_type == "gpt_neo" else config.n_inner) or 4 * config.hidden_size
         config.hidden_act = config.activation_function
         config.num_key_value_heads = 1 if getattr(config, "multi_query", False) else config.num_attention_heads
     if config.model_type == "gptj":
@@ -489,6 +491,9 @@ class Family:
             return cls(activation=act, gated_mlp=False)
         if config.model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
             return cls(activation=act, norm_after_rope=True)
+        if config.model_type == "afmoe":  # norms' products in float32; muP: the embeddings times sqrt(hidden)
+            return cls(activation=act, float_norms=True,
+                       embed_scale=config.hidden_size ** 0.5 if config.mup_enabled else None)
         if config.model_type == "nanochat":  # relu2(up) not gated, q/k norms after the rotation, the logits capped
             return cls(activation=act, gated_mlp=False, l2_qk_norm=True, weightless_norms=True, rope_reversed=True,
                        final_softcap=config.final_logit_softcapping)
@@ -509,9 +514,10 @@ class Family:
             scale = config.attn_config.softmax_scale if config.model_type == "mpt" else None
             return cls(activation=act, gated_mlp=False, layer_norm="model", alibi=Alibi.of(config), clip_qkv=clip,
                        attn_scale=scale)
-        if config.model_type in ("gpt2", "gpt_bigcode"):  # (scale_attn_weights False: scores not scaled)
+        if config.model_type in ("gpt2", "gpt_bigcode", "gpt_neo"):  # (scale_attn_weights False: scores not scaled;
+            # GPT-Neo's never are)
             return cls(activation=act, gated_mlp=False, layer_norm="model", learned_positions=0,
-                       attn_scale=None if config.scale_attn_weights else 1.0)
+                       attn_scale=None if getattr(config, "scale_attn_weights", False) else 1.0)
         if config.model_type == "nemotron":  # layer norms of 1 + weight, relu2(up) not gated
             return cls(activation=act, gated_mlp=False, layer_norm="model", offset_norms=True)
         if config.model_type == "opt":
@@ -792,9 +798,11 @@ def sliding_layers(config) -> tuple[int | None, list[bool]]:
     Mixtral, Qwen3-MoE: every layer when ``sliding_window`` is set (Qwen3-MoE's config drops it
     unless ``use_sliding_window``); Qwen2 / Qwen3 / Qwen2-MoE: the layers ``layer_types``
     names ``sliding_attention``, none unless ``use_sliding_window``; Gemma 2 / 3, SmolLM3, GPT-OSS:
-    those ``layer_types`` names (whatever ``use_sliding_window`` says); Llama, Gemma, Granite,
-    GLM-4: none."""
+    those ``layer_types`` names (whatever ``use_sliding_window`` says); GPT-Neo: its "local" layers
+    (``window_size``); Llama, Gemma, Granite, GLM-4: none."""
     n, kind = config.num_hidden_layers, config.model_type
+    if kind == "gpt_neo":  # its "local" layers
+        return config.window_size, [t == "local" for t in config.attention_layers]
     window = getattr(config, "sliding_window", None)
     if kind in ("llama", "gemma", "granite", "glm", "glm4", *GLM_VL_TEXT) or not window or \
             (kind in ("qwen2", "qwen3", "qwen2_moe", *QWEN_VL_TEXT) and not getattr(config, "use_sliding_window", False)):
@@ -897,15 +905,20 @@ def latent_attention(r: CheckpointReader, a: str, latent: Latent) -> dict:
 
 
 def gated_attention(r: CheckpointReader, a: str, config) -> dict:
-    """Qwen3-Next's and Qwen3.5's attention under ``a``: its ``q_proj`` gives each head's query
-    and then the gate of its output (``sigmoid(gate) * output``, before ``o_proj``): the
-    queries, keys, values and gates fused in that order."""
+    """An attention under ``a`` whose output a gate scales (``sigmoid(gate) * output``, before
+    ``o_proj``): Qwen3-Next's and Qwen3.5's ``q_proj`` gives each head's query and then its
+    gate, AFMoE's ``gate_proj`` the gates; the queries, keys, values and gates fused in that
+    order (a gate without a bias beside biased queries: zeros)."""
     H, hidden = config.num_attention_heads, config.hidden_size
-    q, gate = r.get(a + "q_proj.weight").view(H, 2, -1, hidden).unbind(1)  # [H, D, hidden] each
-    bias = r.opt(a + "q_proj.bias")
-    qb, gate_b = (None, None) if bias is None else (b.flatten() for b in bias.view(H, 2, -1).unbind(1))
-    return {"qkv": r.linear(torch.cat([q.reshape(-1, hidden), r.get(a + "k_proj.weight"), r.get(a + "v_proj.weight"),
-                                       gate.reshape(-1, hidden)]),
+    if a + "gate_proj.weight" in r:  # (AFMoE's)
+        q, qb, gate, gate_b = r.get(a + "q_proj.weight"), r.opt(a + "q_proj.bias"), r.get(a + "gate_proj.weight"), None
+    else:
+        q, gate = (t.reshape(-1, hidden) for t in r.get(a + "q_proj.weight").view(H, 2, -1, hidden).unbind(1))
+        bias = r.opt(a + "q_proj.bias")
+        qb, gate_b = (None, None) if bias is None else (b.flatten() for b in bias.view(H, 2, -1).unbind(1))
+    if qb is not None and gate_b is None:
+        gate_b = qb.new_zeros(gate.shape[0])
+    return {"qkv": r.linear(torch.cat([q, r.get(a + "k_proj.weight"), r.get(a + "v_proj.weight"), gate]),
                             cat_or_none([qb, r.opt(a + "k_proj.bias"), r.opt(a + "v_proj.bias"), gate_b])),
             "gated": True}
 
@@ -932,7 +945,7 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
     else:
         mixer = {
             **(latent_attention(r, a, latent) if latent else gated_attention(r, a, config)
-               if config.model_type in HYBRID_ARCHS else {
+               if config.model_type in HYBRID_ARCHS or a + "gate_proj.weight" in r else {
                 "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]),
                                 r.opt(a + "qkv_proj.bias") if a + "qkv_proj.weight" in r else
                                 cat_or_none([r.opt(a + f"{n}_proj.bias") for n in "qkv"]))}),
@@ -949,18 +962,21 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
     gate_up, down = r.mlp(mlp, optional=moe) if mlps else (None, None)
     sandwich = pre + "pre_feedforward_layernorm.weight" in r  # Gemma 2/3: norms after, too
     glm4 = pre + "post_self_attn_layernorm.weight" in r  # GLM-4's norms after, named its way
+    afmoe = pre + "pre_mlp_layernorm.weight" in r  # AFMoE's: norms after, too, named its way
     after = pre + "input_layernorm.weight" not in r and pre + "post_feedforward_layernorm.weight" in r  # OLMo 2's,
     # Exaone 4's: norms after alone
     return {
         "attn_norm": r.norm(pre + "input_layernorm.weight") if mixes else None,
         **mixer,
-        "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich or after else
+        "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich or after or afmoe else
         r.norm(pre + "post_self_attn_layernorm.weight") if glm4 else None,
-        "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "pre_ff_layernorm"
-                                  if pre + "pre_ff_layernorm.weight" in r else "post_attention_layernorm") + ".weight")
+        "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "pre_mlp_layernorm" if afmoe else
+                                  "pre_ff_layernorm" if pre + "pre_ff_layernorm.weight" in r else
+                                  "post_attention_layernorm") + ".weight")
         if mlps and not after else None,
-        "post_mlp_norm": r.norm(pre + ("post_mlp_layernorm" if glm4 else "post_feedforward_layernorm") + ".weight")
-        if sandwich or glm4 or after else None,
+        "post_mlp_norm": r.norm(pre + ("post_mlp_layernorm" if glm4 or afmoe else "post_feedforward_layernorm")
+                                + ".weight")
+        if sandwich or glm4 or after or afmoe else None,
         "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
         "xielu": xielu_weights(r, mlp) if r.family.activation == "xielu" and gate_up is not None else None,
         "down": down,
@@ -1027,8 +1043,8 @@ class TorchLlama:
         if config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope" or \
                 config.model_type in ("nemotron_h", "jamba"):
             rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's, Jamba's: no rope
-        if config.model_type in ("exaone4", "exaone_moe", "cohere2") and config.sliding_window:  # rope on the windowed
-            # layers alone
+        if config.model_type in ("exaone4", "exaone_moe", "cohere2", "afmoe") and config.sliding_window:
+            # rope on the windowed layers alone
             rotates = [t == "sliding_attention" for t in types]
         if self.family.learned_positions is not None or self.family.alibi:  # GPT-2's, ALiBi's: no rope
             rotates = [0] * self.num_layers
