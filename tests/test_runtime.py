@@ -283,6 +283,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # GPT-Neo: learned positions, scores not scaled, windows on its "local" layers, layer norms, a gelu MLP
     "gptneo-local-layers": ("gpt_neo", dict(num_key_value_heads=None, window_size=6,
                                             attention_types=[[["global", "local"], 1]])),
+    # CWM: Llama's layers, windows on 3 of 4; Youtu: DeepSeek-V3's latent attention before dense MLPs; A.X K1:
+    # DeepSeek-V3's, its experts' output (with the shared ones') normed
+    "cwm-windows": ("cwm", dict(layers=4, sliding_window=6)),
+    "youtu-latent-dense": ("youtu", dict(LATENT)),
+    "axk1-latent-experts-normed": ("axk1", dict(MOE["deepseek_v3"], mlp_layer_types=["dense", "sparse", "sparse"])),
     "llama4-chunks-experts": ("llama4_text", LLAMA4),  # (``tiny.LLAMA4``)
     # Maverick's kind: no q/k norms, experts on every layer (one each), no chunks, no temperature
     "llama4-maverick-kind": ("llama4_text", dict(LLAMA4, use_qk_norm=False, interleave_moe_layer_step=1,
@@ -333,7 +338,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "exaonemoe-windows-experts", "helium-interleaved-float-norms",
                                   "llama4-chunks-experts", "llama4-maverick-kind", "glm-interleaved-half",
                                   "vaultgemma-softcaps", "flexolmo-experts", "solaropen-experts", "jais2-layernorm-relu2",
-                                  "hunyuanmoe-experts", "nanochat-weightless-norms", "afmoe-gated-windows-experts"])
+                                  "hunyuanmoe-experts", "nanochat-weightless-norms", "afmoe-gated-windows-experts",
+                                  "cwm-windows"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -393,7 +399,7 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "jamba-dense", "falcon-multi-query", "falcon-groups-two-norms", "falcon-sequential",
                                   "mistral4-latent-temperature", "graniteswa-sinks-bases", "bloom-alibi",
                                   "mpt-alibi-clip", "falconrw-alibi", "granitemoeswa-sinks-experts",
-                                  "gptneo-local-layers"])
+                                  "gptneo-local-layers", "youtu-latent-dense", "axk1-latent-experts-normed"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -1033,7 +1039,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "mpt-alibi-clip", "flexolmo-experts", "granitemoeswa-sinks-experts",
                                   "solaropen-experts", "hunyuanmoe-experts", "nanochat-weightless-norms",
                                   "jais2-layernorm-relu2", "glm-interleaved-half", "vaultgemma-softcaps",
-                                  "afmoe-gated-windows-experts", "gptneo-local-layers"])
+                                  "afmoe-gated-windows-experts", "gptneo-local-layers", "youtu-latent-dense",
+                                  "axk1-latent-experts-normed"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

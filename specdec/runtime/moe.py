@@ -18,11 +18,11 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
-             "afmoe")
+             "afmoe", "axk1")
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")  # ``block_sparse_moe``, routed as GPT-OSS's
 # GLM-4.5's router (``Routing.sigmoid``)
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text", "exaone_moe",
-                  "solar_open")  # (Solar Open's: GLM-4.5's experts on every layer)
+                  "solar_open", "axk1")  # (Solar Open's: GLM-4.5's experts on every layer; A.X K1's: DeepSeek-V3's)
 
 
 def moe_layers(config) -> list[bool]:
@@ -38,7 +38,7 @@ def moe_layers(config) -> list[bool]:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4"):
         return [i >= config.first_k_dense_replace for i in range(n)]
-    if kind in ("glm4_moe_lite", "exaone_moe"):
+    if kind in ("glm4_moe_lite", "exaone_moe", "axk1"):
         return [t == "sparse" for t in config.mlp_layer_types]
     if kind == "nemotron_h":  # its blocks: one mixer or one MLP each
         return [t == "moe" for t in config.layer_types]

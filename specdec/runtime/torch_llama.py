@@ -61,7 +61,8 @@ ARCHS = tuple(dict.fromkeys((
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
-    "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo")
+    "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
+    "cwm", "youtu", "axk1")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -963,6 +964,10 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
     sandwich = pre + "pre_feedforward_layernorm.weight" in r  # Gemma 2/3: norms after, too
     glm4 = pre + "post_self_attn_layernorm.weight" in r  # GLM-4's norms after, named its way
     afmoe = pre + "pre_mlp_layernorm.weight" in r  # AFMoE's: norms after, too, named its way
+    # A.X K1's experts' output (with the shared ones') normed, inside its MoE block; its checkpoints keep the norm
+    # beside the layer's, for its dense layers too, which do not use it
+    inner = next((n for n in ("mlp.post_mlp_layernorm", "post_mlp_layernorm") if pre + n + ".weight" in r), None) \
+        if config.model_type == "axk1" and moe else None
     after = pre + "input_layernorm.weight" not in r and pre + "post_feedforward_layernorm.weight" in r  # OLMo 2's,
     # Exaone 4's: norms after alone
     return {
@@ -974,9 +979,9 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
                                   "pre_ff_layernorm" if pre + "pre_ff_layernorm.weight" in r else
                                   "post_attention_layernorm") + ".weight")
         if mlps and not after else None,
-        "post_mlp_norm": r.norm(pre + ("post_mlp_layernorm" if glm4 or afmoe else "post_feedforward_layernorm")
+        "post_mlp_norm": r.norm(pre + (inner or ("post_mlp_layernorm" if glm4 or afmoe else "post_feedforward_layernorm"))
                                 + ".weight")
-        if sandwich or glm4 or after or afmoe else None,
+        if sandwich or glm4 or after or afmoe or inner else None,
         "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
         "xielu": xielu_weights(r, mlp) if r.family.activation == "xielu" and gate_up is not None else None,
         "down": down,
