@@ -62,13 +62,13 @@ ARCHS = tuple(dict.fromkeys((
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
-    "cwm", "youtu", "axk1")
+    "cwm", "youtu", "axk1", "codegen")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemma 2's without norms after)
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
+PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj", "codegen",
                   "nemotron", "mistral4") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's rotated part)
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
@@ -162,6 +162,7 @@ class RenamedWeights:
                        (".self_attn.o_proj.", ".attn.out_proj."), (".self_attn.", ".attn."),
                        (".mlp.up_proj.", ".mlp.fc_in."), (".mlp.down_proj.", ".mlp.fc_out."),
                        ("model.norm.", "model.ln_f.")]
+    RENAMES["codegen"] = RENAMES["gptj"]  # (its fused projection in 4 blocks, each of queries, values, keys)
     RENAMES["gpt2"] = [("model.embed_tokens.", "model.wte."), ("model.embed_positions.", "model.wpe."),
                        (".layers.", ".h."), (".input_layernorm.", ".ln_1."), (".post_attention_layernorm.", ".ln_2."),
                        (".self_attn.qkv_proj.", ".attn.c_attn."), (".self_attn.o_proj.", ".attn.c_proj."),
@@ -205,6 +206,7 @@ class RenamedWeights:
         if self.prefix == "model." and config.model_type == "exaone":  # (saved under Llama's names already)
             self.renames = []
         self.conv1d = config.model_type == "gpt2"  # its products' weights [in, out] (transformers' Conv1D)
+        self.codegen = config.model_type == "codegen"
         new = config.model_type == "falcon" and config.new_decoder_architecture
         self.per_head = config.model_type in ("gpt_neox", "bloom") or config.model_type in ("falcon", "gpt_bigcode") \
             and not new and not config.multi_query  # fused per head [heads, 3, head_dim]
@@ -225,6 +227,9 @@ class RenamedWeights:
         t = self.weights[name]
         if self.conv1d and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             return t.t()
+        if self.codegen and name.endswith(".attn.qkv_proj.weight"):  # [4, (q, v, k), hidden / 4, in] -> q, k, v
+            blocks = t.view(4, 3, -1, t.shape[1])
+            return torch.cat([blocks[:, 0], blocks[:, 2], blocks[:, 1]]).reshape(t.shape)
         if (".query_key_value." in name or ".c_attn." in name) and self.per_head:  # [heads, 3, head_dim, ...] ->
             # [3, heads, head_dim, ...]
             return t.view(self.heads, 3, -1, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
@@ -294,11 +299,11 @@ def text_model(config, weights=None):
     return config, weights
 
 
-LLAMA_FIELDS = ("gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "bloom", "mpt", "gpt_neo")  # (``llama_fields``)
+LLAMA_FIELDS = ("gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "bloom", "mpt", "gpt_neo", "codegen")  # (``llama_fields``)
 
 
 def llama_fields(config):
-    """A copy of GPT-J's, GPT-2's, GPT-Neo's, GPT-BigCode's, OPT's, Falcon's, BLOOM's or MPT's config with the
+    """A copy of GPT-J's (CodeGen's), GPT-2's, GPT-Neo's, GPT-BigCode's, OPT's, Falcon's, BLOOM's or MPT's config with the
     fields the runtime reads under Llama's names: the MLP's width (``n_inner`` or 4 x hidden,
     ``ffn_dim``, ``ffn_hidden_size``, BLOOM's 4 x hidden, MPT's ``expansion_ratio`` x hidden) and
     activation, the key and value heads (Falcon's: ``num_kv_heads`` in its new decoder
@@ -311,12 +316,12 @@ def llama_fields(config):
         config.num_key_value_heads = config.num_attention_heads
         if config.model_type == "mpt":
             config.max_position_embeddings = config.max_seq_len
-    if config.model_type in ("gptj", "gpt2", "opt", "gpt_bigcode", "gpt_neo"):
+    if config.model_type in ("gptj", "gpt2", "opt", "gpt_bigcode", "gpt_neo", "codegen"):
         config.intermediate_size = config.ffn_dim if config.model_type == "opt" else \
             (config.intermediate_size if config.model_type == "gpt_neo" else config.n_inner) or 4 * config.hidden_size
         config.hidden_act = config.activation_function
         config.num_key_value_heads = 1 if getattr(config, "multi_query", False) else config.num_attention_heads
-    if config.model_type == "gptj":
+    if config.model_type in ("gptj", "codegen"):
         head_dim = config.hidden_size // config.num_attention_heads
         config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0,
                                   "partial_rotary_factor": (config.rotary_dim or head_dim) / head_dim}
@@ -503,12 +508,13 @@ class Family:
         if config.model_type in ("cohere", "cohere2"):
             return cls(activation=act, interleaved_rope=True, rope_math="float_math", layer_norm="float",
                        parallel="residual", logits_scale=config.logit_scale)
-        if config.model_type in ("phi", "gpt_neox", "stablelm", "gptj", "falcon"):
+        if config.model_type in ("phi", "gpt_neox", "stablelm", "gptj", "falcon", "codegen"):
             parallel = getattr(config, "use_parallel_residual", True)  # (GPT-NeoX's, StableLM's where they say so)
             if config.model_type == "falcon":
                 parallel = config.parallel_attn or config.new_decoder_architecture
             return cls(activation=act, gated_mlp=config.model_type == "stablelm", layer_norm="model",
-                       interleaved_rope=config.model_type == "gptj", alibi=Alibi.of(config),
+                       interleaved_rope=config.model_type in ("gptj", "codegen"), alibi=Alibi.of(config),
+                       rope_math="float" if config.model_type == "codegen" else "model",
                        parallel=("residual" if config.model_type == "stablelm" else "outputs") if parallel else None)
         if config.model_type in ("bloom", "mpt"):  # layer norms (MPT's without biases), MLPs not gated
             clip = config.attn_config.clip_qkv if config.model_type == "mpt" else None
