@@ -290,6 +290,8 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "axk1-latent-experts-normed": ("axk1", dict(MOE["deepseek_v3"], mlp_layer_types=["dense", "sparse", "sparse"])),
     # CodeGen: GPT-J's layers, its fused projection in 4 blocks of queries, values and keys (2 heads a block here)
     "codegen-blocks": ("codegen", dict(num_key_value_heads=None, num_attention_heads=8, rotary_dim=4)),
+    # Persimmon: GPT-NeoX's fused projection per head, q/k layer norms, half of each head rotated, a relu2 MLP
+    "persimmon-qk-layernorm": ("persimmon", dict(num_key_value_heads=None)),
     "llama4-chunks-experts": ("llama4_text", LLAMA4),  # (``tiny.LLAMA4``)
     # Maverick's kind: no q/k norms, experts on every layer (one each), no chunks, no temperature
     "llama4-maverick-kind": ("llama4_text", dict(LLAMA4, use_qk_norm=False, interleave_moe_layer_step=1,
@@ -341,7 +343,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "llama4-chunks-experts", "llama4-maverick-kind", "glm-interleaved-half",
                                   "vaultgemma-softcaps", "flexolmo-experts", "solaropen-experts", "jais2-layernorm-relu2",
                                   "hunyuanmoe-experts", "nanochat-weightless-norms", "afmoe-gated-windows-experts",
-                                  "cwm-windows", "codegen-blocks"])
+                                  "cwm-windows", "codegen-blocks", "persimmon-qk-layernorm"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -1042,7 +1044,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "solaropen-experts", "hunyuanmoe-experts", "nanochat-weightless-norms",
                                   "jais2-layernorm-relu2", "glm-interleaved-half", "vaultgemma-softcaps",
                                   "afmoe-gated-windows-experts", "gptneo-local-layers", "youtu-latent-dense",
-                                  "axk1-latent-experts-normed", "codegen-blocks"])
+                                  "axk1-latent-experts-normed", "codegen-blocks", "persimmon-qk-layernorm"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

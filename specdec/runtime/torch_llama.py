@@ -62,13 +62,14 @@ ARCHS = tuple(dict.fromkeys((
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
-    "cwm", "youtu", "axk1", "codegen")
+    "cwm", "youtu", "axk1", "codegen", "persimmon")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemma 2's without norms after)
 # whose transformers model rotates a part of each head where the config says
 PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj", "codegen",
+                  "persimmon",
                   "nemotron", "mistral4") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's rotated part)
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
@@ -157,6 +158,10 @@ class RenamedWeights:
                            (".self_attn.o_proj.", ".attention.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
                            (".mlp.down_proj.", ".mlp.dense_4h_to_h."), ("model.embed_tokens.", "model.embed_in."),
                            ("model.norm.", "model.final_layer_norm."), ("lm_head.", "embed_out.")]
+    RENAMES["persimmon"] = [(".self_attn.qkv_proj.", ".self_attn.query_key_value."),
+                            (".self_attn.o_proj.", ".self_attn.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
+                            (".mlp.down_proj.", ".mlp.dense_4h_to_h."), (".q_norm.", ".q_layernorm."),
+                            (".k_norm.", ".k_layernorm."), ("model.norm.", "model.final_layernorm.")]
     RENAMES["stablelm"] = [(".q_norm.", ".q_layernorm.norms."), (".k_norm.", ".k_layernorm.norms.")]
     RENAMES["gptj"] = [("model.embed_tokens.", "model.wte."), (".layers.", ".h."), (".input_layernorm.", ".ln_1."),
                        (".self_attn.o_proj.", ".attn.out_proj."), (".self_attn.", ".attn."),
@@ -208,8 +213,9 @@ class RenamedWeights:
         self.conv1d = config.model_type == "gpt2"  # its products' weights [in, out] (transformers' Conv1D)
         self.codegen = config.model_type == "codegen"
         new = config.model_type == "falcon" and config.new_decoder_architecture
-        self.per_head = config.model_type in ("gpt_neox", "bloom") or config.model_type in ("falcon", "gpt_bigcode") \
-            and not new and not config.multi_query  # fused per head [heads, 3, head_dim]
+        self.per_head = config.model_type in ("gpt_neox", "bloom", "persimmon") or \
+            config.model_type in ("falcon", "gpt_bigcode") and not new and not config.multi_query  # fused per head
+        # [heads, 3, head_dim]
         self.groups = config.num_kv_heads if new else None  # Falcon's [groups, heads / groups + 2, head_dim]
         if new and (config.num_ln_in_parallel_attn or 2) == 2:  # a norm before attention, another before the MLP
             self.renames = self.renames + [(".input_layernorm.", ".ln_attn."), (".post_attention_layernorm.", ".ln_mlp.")]
@@ -503,7 +509,7 @@ class Family:
         if config.model_type == "nanochat":  # relu2(up) not gated, q/k norms after the rotation, the logits capped
             return cls(activation=act, gated_mlp=False, l2_qk_norm=True, weightless_norms=True, rope_reversed=True,
                        final_softcap=config.final_logit_softcapping)
-        if config.model_type == "jais2":  # layer norms, relu2(up) not gated
+        if config.model_type in ("jais2", "persimmon"):  # layer norms (Persimmon's q/k ones too), relu2(up) not gated
             return cls(activation=act, layer_norm="model", gated_mlp=False)
         if config.model_type in ("cohere", "cohere2"):
             return cls(activation=act, interleaved_rope=True, rope_math="float_math", layer_norm="float",
