@@ -292,6 +292,19 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "codegen-blocks": ("codegen", dict(num_key_value_heads=None, num_attention_heads=8, rotary_dim=4)),
     # Persimmon: GPT-NeoX's fused projection per head, q/k layer norms, half of each head rotated, a relu2 MLP
     "persimmon-qk-layernorm": ("persimmon", dict(num_key_value_heads=None)),
+    # DBRX: grouped-query attention through one fused projection, clamped, layer norms without biases, experts on every
+    # layer (the top k of the softmax renormalised), stored as w1 / v1 / w2 of [experts x inter, hidden]
+    "dbrx-experts-clip": ("dbrx", dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=512,
+                                       attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=500.0),
+                                       rope_parameters=dict(rope_type="default", rope_theta=500.0),
+                                       ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2))),
+    # Kolibri: EXAONE 4's attention (rope on its windowed layers alone) in GLM-4's norms, experts on every layer chosen
+    # by the router's logits plus a correction bias, weighted by their sigmoid, beside shared experts; its norms' and
+    # bias's names as saved
+    "kolibri1-windows-experts": ("kolibri1", dict(layers=4, head_dim=16, sliding_window=6, num_experts=4,
+                                                  num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  shared_expert_intermediate_size=48, pad_token_id=0,
+                                                  layer_types=["sliding_attention"] * 3 + ["full_attention"])),
     "llama4-chunks-experts": ("llama4_text", LLAMA4),  # (``tiny.LLAMA4``)
     # Maverick's kind: no q/k norms, experts on every layer (one each), no chunks, no temperature
     "llama4-maverick-kind": ("llama4_text", dict(LLAMA4, use_qk_norm=False, interleave_moe_layer_step=1,
@@ -403,7 +416,8 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "jamba-dense", "falcon-multi-query", "falcon-groups-two-norms", "falcon-sequential",
                                   "mistral4-latent-temperature", "graniteswa-sinks-bases", "bloom-alibi",
                                   "mpt-alibi-clip", "falconrw-alibi", "granitemoeswa-sinks-experts",
-                                  "gptneo-local-layers", "youtu-latent-dense", "axk1-latent-experts-normed"])
+                                  "gptneo-local-layers", "youtu-latent-dense", "axk1-latent-experts-normed",
+                                  "kolibri1-windows-experts"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -571,6 +585,19 @@ def test_llama4_text_model(tmp_path):
     dummy = [load_model(str(path), backend=b, load_format="dummy").runtime for b in ("torch", "hf")]
     logits = [rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0] for rt in dummy]
     assert (logits[0] - logits[1]).abs().max().item() < ATOL and logits[0].std() > 0.1
+
+
+def test_dbrx_rope_base_from_its_attention_config():
+    """DBRX's checkpoints keep their rope base in ``attn_config.rope_theta`` (500000), which
+    transformers 5.24's model leaves for ``rope_parameters``' default (10000): the torch runtime
+    reads it, as vLLM and llama.cpp do."""
+    from transformers import AutoConfig
+
+    from specdec.runtime.torch_llama import text_model
+
+    config = AutoConfig.for_model("dbrx", attn_config=dict(kv_n_heads=8, clip_qkv=8.0, rope_theta=500000.0))
+    assert config.rope_parameters["rope_theta"] == 10000.0
+    assert text_model(config)[0].rope_parameters["rope_theta"] == 500000.0
 
 
 def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
@@ -1044,7 +1071,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "solaropen-experts", "hunyuanmoe-experts", "nanochat-weightless-norms",
                                   "jais2-layernorm-relu2", "glm-interleaved-half", "vaultgemma-softcaps",
                                   "afmoe-gated-windows-experts", "gptneo-local-layers", "youtu-latent-dense",
-                                  "axk1-latent-experts-normed", "codegen-blocks", "persimmon-qk-layernorm"])
+                                  "axk1-latent-experts-normed", "codegen-blocks", "persimmon-qk-layernorm",
+                                  "dbrx-experts-clip", "kolibri1-windows-experts"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1058,11 +1086,12 @@ def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     path = tiny_dirs[name] if name in tiny_dirs else make_tiny(tmp_path / name, VARIANTS[name][0], **VARIANTS[name][1])
     config = AutoConfig.from_pretrained(path)
     params = dict(AutoModelForCausalLM.from_config(config).named_parameters())
-    experts = sum(p.numel() for n, p in params.items() if ".experts." in n and p.dim() == 3)
+    experts = sum(p.numel() for n, p in params.items()
+                  if ".experts." in n and (p.dim() == 3 or n.endswith(("mlp.w1", "mlp.v1", "mlp.w2"))))  # (DBRX's: 2-D)
     linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n
                   and not any(e in n for e in ("embed", ".wte.", ".wpe.", ".word_embeddings."))
                   and not n.endswith(("mlp.gate.weight", "mixer.gate.weight", "router.weight", "shared_expert_gate.weight",
-                                      "gate.wg.weight", "router.gate.weight",
+                                      "gate.wg.weight", "router.gate.weight", "router.layer.weight",
                                       "A_log", "e_score_correction_bias")))  # (Mamba's decays: [channels, state];
     # ERNIE 4.5's correction: [1, experts])
     assert (expert_bytes(config), linear_bytes(config)) == (4 * experts, 4 * linears)

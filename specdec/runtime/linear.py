@@ -144,6 +144,9 @@ def linear_bytes(config) -> int:
 
 def expert_bytes(config) -> int:
     """fp32 bytes of a model's ``Experts`` (from its config; 0 without)."""
+    from .torch_llama import text_model
+
+    config = text_model(config)[0]  # (DBRX's fields under Llama's names)
     if not any(moe_layers(config)):
         return 0
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size

@@ -18,7 +18,7 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
-             "afmoe", "axk1")
+             "afmoe", "axk1", "dbrx", "kolibri1")
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")  # ``block_sparse_moe``, routed as GPT-OSS's
 # GLM-4.5's router (``Routing.sigmoid``)
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text", "exaone_moe",
@@ -33,8 +33,8 @@ def moe_layers(config) -> list[bool]:
     n, kind = config.num_hidden_layers, config.model_type
     if kind not in MOE_ARCHS:
         return [False] * n
-    if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text", "olmoe", "flex_olmo", "solar_open", "hunyuan_v1_moe") \
-            + GRANITE_MOES:
+    if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text", "olmoe", "flex_olmo", "solar_open", "hunyuan_v1_moe",
+                "dbrx", "kolibri1") + GRANITE_MOES:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4"):
         return [i >= config.first_k_dense_replace for i in range(n)]
@@ -109,7 +109,9 @@ class Routing:
     where ``norm_topk_prob``, times ``scale``; Llama 4's (``scales_inputs``): the sigmoid of the top
     k logits (in float32, then the model's dtype) scales each chosen expert's input, not its output;
     AFMoE's (``sigmoid``, ``float_scores``): the router in the model's dtype, its logits' sigmoid in
-    float32, the top k of those plus an expert bias, renormalised and times ``scale``."""
+    float32, the top k of those plus an expert bias, renormalised and times ``scale``; Kolibri's
+    (``sigmoid``, ``choose_by_logits``): the router in float32, the top k of its logits plus a
+    correction bias, weighted by their sigmoid, renormalised where ``norm_topk_prob``."""
 
     top_k: int
     renormalize: bool = False
@@ -130,6 +132,7 @@ class Routing:
     groups_by_two: bool = False
     scales_inputs: bool = False
     float_scores: bool = False
+    choose_by_logits: bool = False
 
     @classmethod
     def of(cls, config) -> "Routing":
@@ -141,6 +144,12 @@ class Routing:
         if kind == "afmoe":
             return cls(config.num_experts_per_tok, renormalize=True, sigmoid=True, float_scores=True,
                        scale=config.route_scale, activation=config.hidden_act)
+        if kind == "kolibri1":
+            return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True, float_router=True,
+                       choose_by_logits=True, activation=config.hidden_act)
+        if kind == "dbrx":  # the top k of the softmax (renormalised: moe_normalize_expert_weights 1)
+            return cls(config.num_experts_per_tok, renormalize=config.moe_normalize_expert_weights is not None,
+                       activation=config.hidden_act)
         if kind == "hunyuan_v1_moe":  # its router in float32, the top k of the softmax renormalised, in float32
             top_k = config.moe_topk if isinstance(config.moe_topk, int) else config.moe_topk[0]
             return cls(top_k, renormalize=True, float_weights=True, float_router=True, activation=config.hidden_act)
@@ -185,7 +194,8 @@ class Routing:
             return torch.softmax(top, dim=-1, dtype=top.dtype if self.gpt_oss else torch.float32).to(top.dtype), chosen
         if self.sigmoid:
             scores = (logits.float() if self.float_scores else logits).sigmoid()  # [N, experts]
-            choice = scores if correction is None else scores + correction
+            choice = logits if self.choose_by_logits else scores
+            choice = choice if correction is None else choice + correction
             if self.groups > 1:  # each group by its best two
                 choice = self._best_groups(choice, lambda g: g.topk(2, dim=-1)[0].sum(dim=-1), float("-inf"))
             chosen = choice.topk(self.top_k, dim=-1, sorted=False)[1]
@@ -257,6 +267,9 @@ class Experts:
         weights, converted GGUFs), each tensor copied once into the stacked ones on ``device``."""
         if config.model_type == "gpt_oss":
             return cls._load_gpt_oss(config, weights, layer + "mlp.", device, dtype)
+        if config.model_type == "dbrx":
+            return cls._load_dbrx(config, weights, layer + "mlp.", device, dtype)
+
         def stacked(names: list[list[str]]) -> torch.Tensor:  # [experts, out, in]: each expert's tensors' rows
             tensors = [[weights[n] for n in expert] for expert in names]
             out = torch.empty(len(tensors), sum(len(t) for t in tensors[0]), tensors[0][0].shape[1], device=device,
@@ -317,6 +330,18 @@ class Experts:
         return cls(Routing.of(config), get("router.weight"), gate_up[..., halves].contiguous(),
                    projection("down_proj").contiguous(), router_bias=get("router.bias"),
                    gate_up_bias=gate_up_bias[:, halves].contiguous(), down_bias=get("experts.down_proj_bias"))
+
+    @classmethod
+    def _load_dbrx(cls, config, weights, mlp: str, device: torch.device, dtype: torch.dtype) -> "Experts":
+        """DBRX's: ``experts.mlp.w1``, ``v1`` (gate, up) and ``w2`` (down) each ``[experts x
+        inter, hidden]``, the router ``router.layer``."""
+        def get(name: str) -> torch.Tensor:  # [experts, inter, hidden]
+            w = weights[mlp + name]
+            return w.to(device=device, dtype=dtype, copy=True).view(num_experts(config), -1, w.shape[-1])
+
+        gate_up = torch.cat([get("experts.mlp.w1"), get("experts.mlp.v1")], dim=1).transpose(1, 2)
+        router = weights[mlp + "router.layer.weight"].to(device=device, dtype=dtype, copy=True)
+        return cls(Routing.of(config), router, gate_up, get("experts.mlp.w2"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [N, hidden]

@@ -62,7 +62,7 @@ ARCHS = tuple(dict.fromkeys((
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
-    "cwm", "youtu", "axk1", "codegen", "persimmon")
+    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -158,6 +158,15 @@ class RenamedWeights:
                            (".self_attn.o_proj.", ".attention.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
                            (".mlp.down_proj.", ".mlp.dense_4h_to_h."), ("model.embed_tokens.", "model.embed_in."),
                            ("model.norm.", "model.final_layer_norm."), ("lm_head.", "embed_out.")]
+    RENAMES["dbrx"] = [("model.embed_tokens.", "model.wte."), (".layers.", ".blocks."),
+                       (".input_layernorm.", ".norm_attn_norm.norm_1."),
+                       (".post_attention_layernorm.", ".norm_attn_norm.norm_2."),
+                       (".self_attn.qkv_proj.", ".norm_attn_norm.attn.Wqkv."),
+                       (".self_attn.o_proj.", ".norm_attn_norm.attn.out_proj."), (".mlp.experts.", ".ffn.experts."),
+                       (".mlp.router.", ".ffn.router."), ("model.norm.", "model.norm_f.")]
+    RENAMES["kolibri1"] = [(".post_self_attn_layernorm.", ".post_attn_norm."),  # (as saved)
+                           (".post_mlp_layernorm.", ".post_ffn_norm."),
+                           (".mlp.gate.e_score_correction_bias", ".moe.router.expert_bias")]
     RENAMES["persimmon"] = [(".self_attn.qkv_proj.", ".self_attn.query_key_value."),
                             (".self_attn.o_proj.", ".self_attn.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
                             (".mlp.down_proj.", ".mlp.dense_4h_to_h."), (".q_norm.", ".q_layernorm."),
@@ -305,7 +314,8 @@ def text_model(config, weights=None):
     return config, weights
 
 
-LLAMA_FIELDS = ("gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "bloom", "mpt", "gpt_neo", "codegen")  # (``llama_fields``)
+LLAMA_FIELDS = ("gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "bloom", "mpt", "gpt_neo", "codegen",
+                "dbrx")  # (``llama_fields``)
 
 
 def llama_fields(config):
@@ -314,7 +324,8 @@ def llama_fields(config):
     ``ffn_dim``, ``ffn_hidden_size``, BLOOM's 4 x hidden, MPT's ``expansion_ratio`` x hidden) and
     activation, the key and value heads (Falcon's: ``num_kv_heads`` in its new decoder
     architecture; 1 multi-query, Falcon's and GPT-BigCode's; else every head's), GPT-J's
-    ``rotary_dim`` as a partial rotary factor and MPT's ``max_seq_len`` as its context."""
+    ``rotary_dim`` as a partial rotary factor, MPT's ``max_seq_len`` as its context; DBRX's from its
+    ``attn_config`` and ``ffn_config``."""
     config = copy.deepcopy(config)
     if config.model_type in ("bloom", "mpt"):
         config.intermediate_size = config.hidden_size * (config.expansion_ratio if config.model_type == "mpt" else 4)
@@ -331,6 +342,15 @@ def llama_fields(config):
         head_dim = config.hidden_size // config.num_attention_heads
         config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0,
                                   "partial_rotary_factor": (config.rotary_dim or head_dim) / head_dim}
+    if config.model_type == "dbrx":  # (its attention's and experts' fields in their own configs)
+        ffn = config.ffn_config
+        config.num_key_value_heads, config.clip_qkv = config.attn_config.kv_n_heads, config.attn_config.clip_qkv
+        config.intermediate_size, config.hidden_act = ffn.ffn_hidden_size, ffn.ffn_act_fn.get("name", "silu")
+        config.num_local_experts, config.num_experts_per_tok = ffn.moe_num_experts, ffn.moe_top_k
+        config.moe_normalize_expert_weights = ffn.moe_normalize_expert_weights
+        theta = getattr(config.attn_config, "rope_theta", None)  # (its checkpoints' rope base, 500000, which
+        if theta:  # transformers 5.24's model leaves for rope_parameters' default; vLLM's reads it)
+            config.rope_parameters = dict(rope_types(config)[None], rope_theta=theta)
     if config.model_type == "falcon":
         config.intermediate_size = config.ffn_hidden_size
         config.hidden_act = config.activation
@@ -509,6 +529,8 @@ class Family:
         if config.model_type == "nanochat":  # relu2(up) not gated, q/k norms after the rotation, the logits capped
             return cls(activation=act, gated_mlp=False, l2_qk_norm=True, weightless_norms=True, rope_reversed=True,
                        final_softcap=config.final_logit_softcapping)
+        if config.model_type == "dbrx":  # layer norms without biases, queries, keys and values clamped
+            return cls(activation=act, layer_norm="model", clip_qkv=config.clip_qkv)
         if config.model_type in ("jais2", "persimmon"):  # layer norms (Persimmon's q/k ones too), relu2(up) not gated
             return cls(activation=act, layer_norm="model", gated_mlp=False)
         if config.model_type in ("cohere", "cohere2"):
@@ -785,6 +807,8 @@ def unsupported(config) -> str | None:
                 "in and out")
     if config.model_type == "bloom" and config.apply_residual_connection_post_layernorm:  # (no released checkpoint's)
         return "the torch runtime adds BLOOM's residual before its norms, not after"
+    if config.model_type == "dbrx" and config.moe_normalize_expert_weights not in (None, 1):
+        return "the torch runtime renormalises DBRX's expert weights by their sum (moe_normalize_expert_weights 1)"
     if config.model_type == "hunyuan_v1_moe" and len({*(config.moe_topk if isinstance(config.moe_topk, list)
                                                         else [config.moe_topk])}) > 1:
         return "the torch runtime routes every layer to as many experts (one moe_topk)"
@@ -1060,7 +1084,7 @@ class TorchLlama:
         if config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope" or \
                 config.model_type in ("nemotron_h", "jamba"):
             rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's, Jamba's: no rope
-        if config.model_type in ("exaone4", "exaone_moe", "cohere2", "afmoe") and config.sliding_window:
+        if config.model_type in ("exaone4", "exaone_moe", "cohere2", "afmoe", "kolibri1") and config.sliding_window:
             # rope on the windowed layers alone
             rotates = [t == "sliding_attention" for t in types]
         if self.family.learned_positions is not None or self.family.alibi:  # GPT-2's, ALiBi's: no rope
