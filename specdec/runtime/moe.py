@@ -2,7 +2,7 @@
 router picks and weights them (``Routing``), and the grouped products that run them (Mixtral,
 Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
-Mistral 4, EXAONE-MoE, Llama 4)."""
+Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +19,8 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
              "afmoe", "axk1", "dbrx", "kolibri1")
-GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")  # ``block_sparse_moe``, routed as GPT-OSS's
+# ``block_sparse_moe``, routed as GPT-OSS's
+GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text", "exaone_moe",
                   "solar_open", "axk1")  # (Solar Open's: GLM-4.5's experts on every layer; A.X K1's: DeepSeek-V3's)

@@ -1,15 +1,15 @@
-"""A compact PyTorch forward pass for the Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3,
-Granite, SmolLM3, GLM-4, OLMo 2 and 3, EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan, Cohere, Command R7B,
-StarCoder2, Apertus, and older kin: Phi, GPT-NeoX, StableLM, GPT-J, Falcon, GPT-2, GPT-BigCode, OPT, BLOOM
-and MPT, these two and Falcon-RW with ALiBi's biases: ``Alibi``), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE, dots.llm1, ERNIE 4.5, GPT-OSS, GLM-4.5, Granite's, Llama 4's: ``Experts``), the mixtures with multi-head
-latent attention (DeepSeek-V2 and V3, GLM-4.7-Flash, Mistral 4: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text model of Gemma 3's multimodal checkpoints:
-``text_model``), whose layers differ from Llama's only in small ways (``Family``), and the
-hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the
-cache): Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2
-layers beside attention (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's
-side by side in each layer: ``ScaledWeights``), Mamba layers beside attention (Jamba), LFM2's short
-convolutions beside attention, and Mamba, Falcon-Mamba and Mamba-2 (recurrent layers alone).
+"""A compact PyTorch forward pass for the Llama family (Llama, Mistral, Ministral, Qwen2, Qwen3, Phi-3, Granite,
+SmolLM3, GLM-4, OLMo 2 and 3, EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan, Cohere, Command R7B, StarCoder2,
+Apertus, and older kin: Phi, GPT-NeoX, StableLM, GPT-J, Falcon, GPT-2, GPT-BigCode, OPT, BLOOM and MPT, these two
+and Falcon-RW with ALiBi's biases: ``Alibi``), its mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE,
+dots.llm1, ERNIE 4.5, GPT-OSS, GLM-4.5, Granite's, Llama 4's: ``Experts``), the mixtures with multi-head latent
+attention (DeepSeek-V2 and V3, GLM-4.7-Flash, Mistral 4: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text
+model of Gemma 3's multimodal checkpoints: ``text_model``), whose layers differ from Llama's only in small ways
+(``Family``), and the hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the cache):
+Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2 layers beside attention
+(Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's side by side in each layer:
+``ScaledWeights``), Mamba layers beside attention (Jamba), LFM2's short convolutions beside attention, and Mamba,
+Falcon-Mamba and Mamba-2 (recurrent layers alone).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
 HF directory and GGUF tensors dequantized by transformers load the same way. The KV cache
@@ -68,8 +68,8 @@ ARCHS = tuple(dict.fromkeys((
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemma 2's without norms after)
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj", "codegen",
-                  "persimmon",
+PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
+                  "codegen", "persimmon",
                   "nemotron", "mistral4") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's rotated part)
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
@@ -203,9 +203,10 @@ class RenamedWeights:
                         (".self_attn.qkv_proj.", ".self_attention.query_key_value."),
                         (".self_attn.o_proj.", ".self_attention.dense."), (".mlp.up_proj.", ".mlp.dense_h_to_4h."),
                         (".mlp.down_proj.", ".mlp.dense_4h_to_h."), ("model.norm.", "model.ln_f.")]
-    RENAMES["mpt"] = [("model.embed_tokens.", "model.wte."), (".layers.", ".blocks."), (".input_layernorm.", ".norm_1."),
-                      (".post_attention_layernorm.", ".norm_2."), (".self_attn.qkv_proj.", ".attn.Wqkv."),
-                      (".self_attn.o_proj.", ".attn.out_proj."), (".mlp.", ".ffn."), ("model.norm.", "model.norm_f.")]
+    RENAMES["mpt"] = [("model.embed_tokens.", "model.wte."), (".layers.", ".blocks."),
+                      (".input_layernorm.", ".norm_1."), (".post_attention_layernorm.", ".norm_2."),
+                      (".self_attn.qkv_proj.", ".attn.Wqkv."), (".self_attn.o_proj.", ".attn.out_proj."),
+                      (".mlp.", ".ffn."), ("model.norm.", "model.norm_f.")]
     # a checkpoint's prefix for ``model.``, by its embeddings' name (as saved; else ``model.``)
     PREFIXES = [("backbone.", "embeddings"), ("backbone.", "embedding"), ("gpt_neox.", "embed_in"),
                 ("transformer.", "wte"), ("transformer.", "word_embeddings"), ("", "wte"), ("", "word_embeddings"),
@@ -319,8 +320,8 @@ LLAMA_FIELDS = ("gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "bloom", "mpt", 
 
 
 def llama_fields(config):
-    """A copy of GPT-J's (CodeGen's), GPT-2's, GPT-Neo's, GPT-BigCode's, OPT's, Falcon's, BLOOM's or MPT's config with the
-    fields the runtime reads under Llama's names: the MLP's width (``n_inner`` or 4 x hidden,
+    """A copy of GPT-J's (CodeGen's), GPT-2's, GPT-Neo's, GPT-BigCode's, OPT's, Falcon's, BLOOM's, MPT's or DBRX's
+    config with the fields the runtime reads under Llama's names: the MLP's width (``n_inner`` or 4 x hidden,
     ``ffn_dim``, ``ffn_hidden_size``, BLOOM's 4 x hidden, MPT's ``expansion_ratio`` x hidden) and
     activation, the key and value heads (Falcon's: ``num_kv_heads`` in its new decoder
     architecture; 1 multi-query, Falcon's and GPT-BigCode's; else every head's), GPT-J's
@@ -576,12 +577,14 @@ class Family:
                        clip_qkv=getattr(config, "clip_qkv", None) if config.model_type == "olmoe" else None,
                        interleaved_rope=config.model_type in ("glm", "glm4", "ernie4_5", "ernie4_5_moe", "helium")
                        + GLM_VL_TEXT,
-                       rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe", "flex_olmo")
+                       rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe",
+                                                                   "flex_olmo")
                        else "model")
         return cls(offset_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
                    # Gemma 3's config has the field too, but transformers' model never reads it
-                   attn_softcap=config.attn_logit_softcapping if config.model_type in ("gemma2", "vaultgemma") else None,
+                   attn_softcap=config.attn_logit_softcapping if config.model_type in ("gemma2", "vaultgemma")
+                   else None,
                    final_softcap=config.final_logit_softcapping if gemma23 else None, activation=act)
 
 
@@ -1015,8 +1018,8 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
                                   "pre_ff_layernorm" if pre + "pre_ff_layernorm.weight" in r else
                                   "post_attention_layernorm") + ".weight")
         if mlps and not after else None,
-        "post_mlp_norm": r.norm(pre + (inner or ("post_mlp_layernorm" if glm4 or afmoe else "post_feedforward_layernorm"))
-                                + ".weight")
+        "post_mlp_norm": r.norm(pre + (inner or ("post_mlp_layernorm" if glm4 or afmoe else
+                                                 "post_feedforward_layernorm")) + ".weight")
         if sandwich or glm4 or after or afmoe or inner else None,
         "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
         "xielu": xielu_weights(r, mlp) if r.family.activation == "xielu" and gate_up is not None else None,
