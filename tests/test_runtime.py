@@ -305,6 +305,13 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
                                                   num_experts_per_tok=2, moe_intermediate_size=32,
                                                   shared_expert_intermediate_size=48, pad_token_id=0,
                                                   layer_types=["sliding_attention"] * 3 + ["full_attention"])),
+    # Flint: a sink per head, rope on its windowed layers alone, norms' products in float32, experts chosen by the
+    # sigmoid of a float32 router beside a shared expert, after a dense layer
+    "flint-sinks-windows-experts": ("flint", dict(layers=4, head_dim=16, sliding_window=6, num_experts=4,
+                                                  num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  shared_expert_intermediate_size=48, pad_token_id=0,
+                                                  mlp_only_layers=[0],
+                                                  layer_types=["full_attention"] + ["sliding_attention"] * 3)),
     "llama4-chunks-experts": ("llama4_text", LLAMA4),  # (``tiny.LLAMA4``)
     # Maverick's kind: no q/k norms, experts on every layer (one each), no chunks, no temperature
     "llama4-maverick-kind": ("llama4_text", dict(LLAMA4, use_qk_norm=False, interleave_moe_layer_step=1,
@@ -417,7 +424,7 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "mistral4-latent-temperature", "graniteswa-sinks-bases", "bloom-alibi",
                                   "mpt-alibi-clip", "falconrw-alibi", "granitemoeswa-sinks-experts",
                                   "gptneo-local-layers", "youtu-latent-dense", "axk1-latent-experts-normed",
-                                  "kolibri1-windows-experts"])
+                                  "kolibri1-windows-experts", "flint-sinks-windows-experts"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -1072,7 +1079,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "jais2-layernorm-relu2", "glm-interleaved-half", "vaultgemma-softcaps",
                                   "afmoe-gated-windows-experts", "gptneo-local-layers", "youtu-latent-dense",
                                   "axk1-latent-experts-normed", "codegen-blocks", "persimmon-qk-layernorm",
-                                  "dbrx-experts-clip", "kolibri1-windows-experts"])
+                                  "dbrx-experts-clip", "kolibri1-windows-experts", "flint-sinks-windows-experts"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

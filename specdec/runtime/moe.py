@@ -2,7 +2,7 @@
 router picks and weights them (``Routing``), and the grouped products that run them (Mixtral,
 Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
-Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri)."""
+Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
-             "afmoe", "axk1", "dbrx", "kolibri1")
+             "afmoe", "axk1", "dbrx", "kolibri1", "flint")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
@@ -145,6 +145,9 @@ class Routing:
         if kind == "afmoe":
             return cls(config.num_experts_per_tok, renormalize=True, sigmoid=True, float_scores=True,
                        scale=config.route_scale, activation=config.hidden_act)
+        if kind == "flint":  # the router in float32, the top k of its sigmoid, renormalised where norm_topk_prob
+            return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True, float_router=True,
+                       activation=config.hidden_act)
         if kind == "kolibri1":
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True, float_router=True,
                        choose_by_logits=True, activation=config.hidden_act)

@@ -62,7 +62,7 @@ ARCHS = tuple(dict.fromkeys((
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
-    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1")
+    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -164,6 +164,7 @@ class RenamedWeights:
                        (".self_attn.qkv_proj.", ".norm_attn_norm.attn.Wqkv."),
                        (".self_attn.o_proj.", ".norm_attn_norm.attn.out_proj."), (".mlp.experts.", ".ffn.experts."),
                        (".mlp.router.", ".ffn.router."), ("model.norm.", "model.norm_f.")]
+    RENAMES["flint"] = [(".self_attn.sinks", ".self_attn.softmax_offset")]  # (as saved)
     RENAMES["kolibri1"] = [(".post_self_attn_layernorm.", ".post_attn_norm."),  # (as saved)
                            (".post_mlp_layernorm.", ".post_ffn_norm."),
                            (".mlp.gate.e_score_correction_bias", ".moe.router.expert_bias")]
@@ -573,7 +574,7 @@ class Family:
                        logits_scale=config.lm_head_multiplier)
         if config.model_type not in GEMMAS:
             return cls(activation=act,
-                       float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3", "helium", "flex_olmo"),
+                       float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3", "helium", "flex_olmo", "flint"),
                        clip_qkv=getattr(config, "clip_qkv", None) if config.model_type == "olmoe" else None,
                        interleaved_rope=config.model_type in ("glm", "glm4", "ernie4_5", "ernie4_5_moe", "helium")
                        + GLM_VL_TEXT,
@@ -1087,7 +1088,8 @@ class TorchLlama:
         if config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope" or \
                 config.model_type in ("nemotron_h", "jamba"):
             rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's, Jamba's: no rope
-        if config.model_type in ("exaone4", "exaone_moe", "cohere2", "afmoe", "kolibri1") and config.sliding_window:
+        if config.model_type in ("exaone4", "exaone_moe", "cohere2", "afmoe", "kolibri1", "flint") \
+                and config.sliding_window:
             # rope on the windowed layers alone
             rotates = [t == "sliding_attention" for t in types]
         if self.family.learned_positions is not None or self.family.alibi:  # GPT-2's, ALiBi's: no rope
