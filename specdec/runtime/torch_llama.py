@@ -882,12 +882,13 @@ class CheckpointReader:
         """A norm's weight: Gemma's, Qwen3-Next's and Qwen3.5's as 1 + weight in float32, GPT-OSS's
         in float32 (both as the model's dtype holds them, as transformers; GPT-OSS's exact for a
         float16 model, which transformers keeps them float32 for); a layer norm's weight and bias
-        (``Family.layer_norm``; OLMo's hold none: "plain"); NanoChat's none either: ones (``weightless_norms``)."""
+        (``Family.layer_norm``; OLMo's hold none: "plain"); NanoChat's none either: a weight of 1
+        (``weightless_norms``)."""
         plain = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
         if self.family.layer_norm == "plain" and name.endswith(plain):
             return LayerNorm(None, None, in_float=True)
         if self.family.weightless_norms and name.endswith(plain + ("model.embed_norm.weight",)):
-            return torch.ones(self.weights["model.embed_tokens.weight"].shape[1], device=self.device, dtype=self.dtype)
+            return torch.ones((), device=self.device, dtype=self.dtype)  # (a weight of 1 for every channel)
         if self.family.layer_norm and name in self.weights:  # (Nemotron's: of 1 + weight, in the model's dtype)
             return LayerNorm(self.get(name) + self.family.offset_norms, self.opt(name.removesuffix("weight") + "bias"),
                              self.family.layer_norm == "float")
@@ -1497,10 +1498,12 @@ class TorchLlama:
         if self.window is None and self.chunk is None and self.family.alibi is None:
             return mask[:, None], None
         pos = pos.to(dev)
-        key_pos = torch.arange(S, device=dev).expand(B, T, S).clone()  # [B, T, S] each seen key's position
-        after = window.flip(-1).cumsum(-1).flip(-1) - window.long()  # [B, T, M] keys seen after each
-        for b in range(B):  # a chunk mask's keys: the new token's position less the keys seen after them
-            if chunk_masks is not None and chunk_masks[b] is not None:
+        key_pos = torch.arange(S, device=dev).expand(B, T, S)  # [B, T, S] each seen key's position: its row,
+        masked = [b for b in range(B) if chunk_masks is not None and chunk_masks[b] is not None]
+        if masked:  # but a chunk mask's keys': the new token's position less the keys seen after them
+            key_pos = key_pos.clone()
+            after = window.flip(-1).cumsum(-1).flip(-1) - window.long()  # [B, T, M] keys seen after each
+            for b in masked:
                 lo = starts[b] - tails[b]
                 hi = min(lo + M, S)
                 key_pos[b, :, lo:hi] = pos[b, :, None] - after[b, :, :hi - lo]
