@@ -67,16 +67,16 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
                    help="auto (default): float32 on cpu, bfloat16 on cuda")
     g.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="torch = specdec's own runtime (Llama, Mistral, Ministral (3), Qwen2/3, Phi-3, Granite, "
-                        "SmolLM3, GLM(-4), OLMo (2/3), EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan, Cohere (Command R, "
-                        "R+, R7B), StarCoder2, Apertus, Phi, GPT-NeoX (Pythia), StableLM, Persimmon, GPT-J, CodeGen, "
-                        "Falcon, GPT-2, GPT-Neo, GPT-BigCode, OPT, BLOOM, MPT, Nemotron, EXAONE 3, InternLM 3, "
-                        "IQuest-Coder, Helium, Granite-SWA, Jais 2, NanoChat, CWM, Youtu, Gemma, Gemma 2, VaultGemma, "
-                        "Gemma 3, Mixtral, Qwen2/3-MoE, OLMoE, FlexOlmo, EXAONE-MoE, Llama 4, Solar Open, HunYuan-MoE, "
-                        "AFMoE, A.X K1, DBRX, Kolibri, Flint, dots.llm1, ERNIE 4.5 MoE, Granite MoE (-SWA), GPT-OSS, "
-                        "GLM-4.5, DeepSeek-V2/V3, GLM-4.7-Flash, Mistral 4, Qwen3-Next, Qwen3.5 (-MoE), Granite 4.0 (-H), "
-                        "Bamba, Nemotron-H, Falcon-H1, Jamba, LFM2 (-MoE), Mamba, Falcon-Mamba, Mamba-2; and text models "
-                        "of vision-language checkpoints), "
+                   help="torch = specdec's own runtime (Llama, Mistral, Ministral (3), Qwen2/3, Phi-3 (longrope too), "
+                        "Granite, SmolLM3, GLM(-4), OLMo (2/3), EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan, "
+                        "Cohere (Command R, R+, R7B), StarCoder2, Apertus, Phi, GPT-NeoX (Pythia), StableLM, "
+                        "Persimmon, GPT-J, CodeGen, Falcon, GPT-2, GPT-Neo, GPT-BigCode, OPT, BLOOM, MPT, Nemotron, "
+                        "EXAONE 3, InternLM 3, IQuest-Coder, Helium, Granite-SWA, Jais 2, NanoChat, CWM, Youtu, "
+                        "MiniCPM3, Gemma, Gemma 2, VaultGemma, Gemma 3, Gemma 4, Mixtral, Qwen2/3-MoE, OLMoE, FlexOlmo, "
+                        "EXAONE-MoE, Llama 4, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, dots.llm1, "
+                        "ERNIE 4.5 MoE, Granite MoE (-SWA), GPT-OSS, GLM-4.5, DeepSeek-V2/V3, GLM-4.7-Flash, Mistral 4, "
+                        "Qwen3-Next, Qwen3.5 (-MoE), Granite 4.0 (-H), Bamba, Nemotron-H, Falcon-H1, Jamba, LFM2 (-MoE), "
+                        "Mamba, Falcon-Mamba, Mamba-2; and text models of vision-language checkpoints), "
                         "hf = transformers' model, "
                         "llamacpp = llama.cpp on a .gguf (pip install 'specdec[llamacpp]'); "
                         "auto picks torch when the architecture allows")

@@ -198,11 +198,18 @@ class Engine:
             self.spent[1 + i] += t
 
     def _plan(self, seqs: list[Sequence]) -> list[Choice]:
-        limits = [min(self.k, s.remaining - 1, self.k if s.num_draft_tokens is None else s.num_draft_tokens)
-                  for s in seqs]
+        limits = [min(self.k, s.remaining - 1, self.k if s.num_draft_tokens is None else s.num_draft_tokens,
+                      self._before_switch(s)) for s in seqs]
         if self.planner:
             return self.planner.choose_batch([self._ask(s, n) for s, n in zip(seqs, limits)])
         return [self._first_ready(s, n) for s, n in zip(seqs, limits)]
+
+    def _before_switch(self, s: Sequence) -> int:
+        """The drafts that keep ``s``'s verify rows on one side of the target's longrope switch
+        (``runtime.switch``: each row's factors follow the sequence's length there, as in plain
+        decoding, and a forward takes one set): up to it, then none past it."""
+        switch = getattr(self.runtime, "switch", None)
+        return self.k if switch is None or len(s.ids) > switch else switch - len(s.ids)
 
     def _ready(self, s: Sequence, limit: int) -> dict[str, int | None]:
         """The drafters that can draft ``limit`` tokens for ``s`` now, with their contexts."""
@@ -284,6 +291,8 @@ class Engine:
             self.free_slots.remove(s.slot)
             self.retained.pop(s.slot, None)
             self.cache.rewind(s.slot, reused)  # the prefill goes on from there
+            if hasattr(self.cache, "expect"):  # (longrope's factors follow the prompt's length)
+                self.cache.expect(s.slot, s.prompt_len)
             s.metrics.cached_prompt_tokens = reused
             s.admitted = self.mark()
             self.running.append(s)

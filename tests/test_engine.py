@@ -478,24 +478,25 @@ def test_hf_fallback_backend_equal(loaded):
         assert [o.token_ids for o in outs] == [b.token_ids for b in base], method
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3"])
-def test_longrope_equal_to_transformers(tmp_path, arch):
-    """transformers' longrope (Phi-3.5's) takes its short or long factors for a whole forward,
-    by its last position: a verify forward crossing the switch is cut there, and prompts go
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
+                short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
+# 12 and 20 tokens: before and past the switch (16); 25, with a repeat for n-gram drafts
+LONGROPE_PROMPTS = [list(range(70, 82)), list(range(70, 90)), list(range(70, 85)) + [71, 72, 73, 74, 75] * 2]
+
+
+def test_longrope_equal_to_transformers(tmp_path):
+    """transformers' longrope takes its short or long factors for a whole forward, by its
+    last position. On a model that keeps each key's factors (longrope on Llama's config:
+    transformers' runtime) a verify forward crossing the switch is cut there, and prompts go
     whole, so every drafter decodes as transformers' own ``generate`` does, on both sides of
-    the switch (16). Phi-3's model also drops its cache where a sequence first passes the
-    switch and computes it all again with the long factors (and so does specdec, and again
-    with the short ones for a slot rewound back before it)."""
+    the switch (16)."""
     from tiny import make_tiny
     from transformers import AutoModelForCausalLM
 
-    rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
-                short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
-    extra = dict(original_max_position_embeddings=16, pad_token_id=0) if arch == "phi3" else {}
-    target = make_tiny(tmp_path / "target", arch, seed=3, rope_parameters=rope, **extra)
+    target = make_tiny(tmp_path / "target", "llama", seed=3, rope_parameters=LONGROPE)
     draft = make_tiny(tmp_path / "draft", "llama", seed=7, layers=1)
     hf = AutoModelForCausalLM.from_pretrained(target).eval()
-    prompts = [list(range(70, 82)), list(range(70, 90))]  # 12 and 20 tokens: before and past the switch
+    prompts = LONGROPE_PROMPTS[:2]
     want = [hf.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=None,
                         pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
     sp = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -509,6 +510,55 @@ def test_longrope_equal_to_transformers(tmp_path, arch):
             assert [o.metrics["acceptance_rate"] for o in outs] == [1, 1]
     with pytest.raises(ValueError, match="prompts go whole"):
         LLM(str(target), chunked_prefill_size=8)
+
+
+@pytest.mark.parametrize("backend", ["torch", "hf"])
+def test_phi3_longrope_equal_to_transformers(tmp_path, backend):
+    """Phi-3's model (Phi-3.5-mini, Phi-4-mini) drops its cache where a sequence first passes
+    its longrope switch (16 here) and computes it all again with the long factors, so each
+    output token follows the factors of the sequence's length then. specdec decodes the same
+    with every drafter, chains and trees, prompts whole or in chunks, in one batch: the torch
+    runtime computes a slot's rows again where its length crosses the switch (and back, for a
+    slot reused by a shorter prompt), a prompt past it takes the long factors from its first
+    chunk, and no round's rows straddle it; transformers' runtime cuts its forwards there."""
+    from tiny import make_tiny
+    from transformers import AutoModelForCausalLM
+
+    target = make_tiny(tmp_path / "target", "phi3", seed=3, rope_parameters=LONGROPE,
+                       original_max_position_embeddings=16, pad_token_id=0)
+    draft = make_tiny(tmp_path / "draft", "llama", seed=7, layers=1)
+    hf = AutoModelForCausalLM.from_pretrained(target).eval()
+    prompts = LONGROPE_PROMPTS
+    want = [hf.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    trees = [("self", 2), ("ngram", 2), ("draft", 2)] if backend == "torch" else []
+    for method, topk in [("none", 1), ("self", 1), ("ngram", 1), ("draft", 1), *trees]:
+        for chunk in (0, 8) if backend == "torch" else (0,):
+            llm = LLM(str(target), draft=str(draft) if method == "draft" else None, chunked_prefill_size=chunk,
+                      backend=backend, speculative=SpecConfig(method=method, num_draft_tokens=4, tree_topk=topk))
+            assert llm.target.runtime.switch == 16
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+            assert [o.token_ids for o in outs] == want, (method, topk, chunk)
+            if method == "self" and topk == 1:  # the draft's rows follow the same factors, so it agrees
+                assert [o.metrics["acceptance_rate"] for o in outs] == [1, 1, 1]
+    if backend == "hf":
+        return
+    # prompt logprobs of a prompt past the switch, in chunks: the long factors on every row, as
+    # transformers' forward of the whole prompt has them
+    ids = prompts[2]
+    rows = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)  # [25, vocab]
+    llm = LLM(str(target), chunked_prefill_size=8, max_batch_size=1)
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2, prompt_logprobs=0))[0]
+    got = torch.tensor([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], ids[1:])])
+    assert torch.allclose(got, rows[torch.arange(24), torch.tensor(ids[1:])], atol=1e-4)
+    # one slot, reused: a long prompt's rows (long factors) by a shorter one that starts the same
+    # (its 8 rows computed again, short), then by the long one again
+    for p in (ids, ids[:14], ids):
+        out = llm.generate({"prompt_token_ids": p}, SamplingParams(max_tokens=12, ignore_eos=True))[0]
+        assert out.token_ids == hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                            pad_token_id=0)[0, len(p):].tolist()
+    assert out.metrics["cached_prompt_tokens"] == 8
 
 
 @pytest.mark.parametrize("backend", ["hf", "torch"])
@@ -540,7 +590,8 @@ def test_conv_state_rewinds(tmp_path, backend):
 @pytest.mark.parametrize("name,backend", [("windowed", "torch"), ("windowed", "hf"), ("gemma3", "torch"),
                                           ("olmo3", "torch"), ("cohere2", "torch"), ("mixtral", "torch"),
                                           ("gptoss", "torch"), ("deepseek", "torch"), ("pythia", "torch"),
-                                          ("llama4", "torch"), ("llama4", "hf"), ("bloom", "torch")])
+                                          ("llama4", "torch"), ("llama4", "hf"), ("bloom", "torch"),
+                                          ("gemma4", "torch"), ("gemma4", "hf")])
 def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, backend):
     """A sliding-window model (Mistral's and Mixtral's, 6 tokens on every layer; Gemma 3's and GPT-OSS's on one of two,
     OLMo 3's and Command R7B's on three of four)
@@ -551,7 +602,8 @@ def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, back
     gathered along a tree's accepted path and shared between slots as K and V rows are; and
     Pythia's layers (GPT-NeoX's: no window, a quarter of each head rotated); and Llama 4's chunks of 8
     on three layers of four (a window of the position within its chunk), its queries' temperature on
-    the fourth; and BLOOM's ALiBi biases (of each key's position: a tree node's is its depth's)."""
+    the fourth; and BLOOM's ALiBi biases (of each key's position: a tree node's is its depth's); and
+    Gemma 4's layers of two head widths, whose last two attend over earlier layers' rows (``tiny.GEMMA4``)."""
     want = transformers_greedy(tiny_dirs[name], [LLM(loaded(name)).encode(p) for p in PROMPTS])
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     # trees: 3 deep, and 8 deep, past the window (a node's row is past its position there)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import (BAMBA, DELTA_NET, FALCON_H1, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LLAMA4, MAMBA,
+from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LLAMA4, MAMBA,
                   MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
@@ -35,6 +35,8 @@ def test_logits_match_transformers(tiny_dirs, arch, linear):
     assert cache.lengths == [0, 20]
 
 
+LONGROPE_PARTIAL = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.75,
+                        short_factor=[1.0 + 0.2 * i for i in range(6)], long_factor=[3.0 + 0.7 * i for i in range(6)])
 VARIANTS = {  # config fields the torch runtime reads, each against transformers' own model
     "llama-biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
     "llama-rope-llama3": ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
@@ -114,6 +116,13 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "glm4-interleaved-partial-rope": ("glm4", dict(head_dim=16, attention_bias=True, pad_token_id=0)),
     "phi3-partial-rotary": ("phi3", dict(pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                                            "partial_rotary_factor": 0.5})),
+    # Phi-4-mini's longrope on three quarters of each head: the short factors (the 40 tokens stay
+    # before the switch, 64) and the long ones (past it, 8, from the first forward on), each beside
+    # the attention factor of max / original positions
+    "phi3-longrope-partial": ("phi3", dict(pad_token_id=0, head_dim=16, original_max_position_embeddings=64,
+                                           rope_parameters=dict(LONGROPE_PARTIAL, original_max_position_embeddings=64))),
+    "phi3-longrope-long": ("phi3", dict(pad_token_id=0, head_dim=16, original_max_position_embeddings=8,
+                                        rope_parameters=dict(LONGROPE_PARTIAL, original_max_position_embeddings=8))),
     "gptoss-yarn-clamped": ("gpt_oss", dict(MOE["gpt_oss"], num_local_experts=8, num_experts_per_tok=3, swiglu_limit=0.3, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
         "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
@@ -287,6 +296,18 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # DeepSeek-V3's, its experts' output (with the shared ones') normed
     "cwm-windows": ("cwm", dict(layers=4, sliding_window=6)),
     "youtu-latent-dense": ("youtu", dict(LATENT)),
+    # MiniCPM3: latent attention (halves rotated, not pairs) before dense MLPs, muP's multipliers (the
+    # embeddings', the residual branches', the last hidden state divided), longrope without a switch
+    # Gemma 4: heads of two widths, keys as values, per-layer inputs, keys shared by the last layers (``GEMMA4``); and
+    # its 31B's kind: no per-layer inputs, no shared keys, values of their own
+    "gemma4-shared-kv-per-layer": ("gemma4_text", GEMMA4),
+    "gemma4-plain": ("gemma4_text", dict(GEMMA4, attention_k_eq_v=False, hidden_size_per_layer_input=0,
+                                         num_kv_shared_layers=0, use_double_wide_mlp=False)),
+    "minicpm3-latent-mup": ("minicpm3", dict(LATENT, scale_emb=3.0, scale_depth=1.4, dim_model_base=16,
+                                             rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
+                                                                  original_max_position_embeddings=512,
+                                                                  short_factor=[1.0, 1.5, 2.0, 4.0],
+                                                                  long_factor=[8.0] * 4))),
     "axk1-latent-experts-normed": ("axk1", dict(MOE["deepseek_v3"], mlp_layer_types=["dense", "sparse", "sparse"])),
     # CodeGen: GPT-J's layers, its fused projection in 4 blocks of queries, values and keys (2 heads a block here)
     "codegen-blocks": ("codegen", dict(num_key_value_heads=None, num_attention_heads=8, rotary_dim=4)),
@@ -363,7 +384,9 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "llama4-chunks-experts", "llama4-maverick-kind", "glm-interleaved-half",
                                   "vaultgemma-softcaps", "flexolmo-experts", "solaropen-experts", "jais2-layernorm-relu2",
                                   "hunyuanmoe-experts", "nanochat-weightless-norms", "afmoe-gated-windows-experts",
-                                  "cwm-windows", "codegen-blocks", "persimmon-qk-layernorm"])
+                                  "cwm-windows", "codegen-blocks", "persimmon-qk-layernorm",
+                                  "phi3-longrope-partial", "phi3-longrope-long", "gemma4-shared-kv-per-layer",
+                                  "gemma4-plain"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -424,7 +447,7 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "mistral4-latent-temperature", "graniteswa-sinks-bases", "bloom-alibi",
                                   "mpt-alibi-clip", "falconrw-alibi", "granitemoeswa-sinks-experts",
                                   "gptneo-local-layers", "youtu-latent-dense", "axk1-latent-experts-normed",
-                                  "kolibri1-windows-experts", "flint-sinks-windows-experts"])
+                                  "kolibri1-windows-experts", "flint-sinks-windows-experts", "minicpm3-latent-mup"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -493,16 +516,16 @@ RECURRENT_VL = ("qwen3_5", "lfm2_vl")  # text models with recurrent states: chai
 
 @pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "llava_next", "llava_onevision", "qwen2_vl",
                                   "qwen2_5_vl", "qwen3_vl", "glm4v", "glm4v_moe", "internvl", "smolvlm", "lfm2_vl",
-                                  "qwen3_5"])
+                                  "qwen3_5", "gemma4"])
 def test_vision_language_text_model(tmp_path, kind):
     """Mistral 3's (with a Mistral text model, or Ministral 3's: its queries scaled past the
     original context), LLaVA's, LLaVA-NeXT's, LLaVA-OneVision's, Qwen2-VL's to Qwen3-VL's, GLM-4.1V's, GLM-4.5V's, InternVL's, SmolVLM's (its text
     model under model.text_model.) and LFM2-VL's checkpoints (no causal LMs in
-    transformers: its hf runtime cannot run them) and Qwen3.5's, as released, run their text
+    transformers: its hf runtime cannot run them) and Qwen3.5's and Gemma 4's, as released, run their text
     model on the torch runtime: logits equal transformers' image-text-to-text model's on text
     (bit for bit, float32 and bfloat16; the Qwens' multimodal rope on text alone; Qwen3.5's
-    DeltaNet layers' fused input products and LFM2's convolutions round otherwise in float32:
-    within rounding there), greedy output under speculation equal to its argmax (chains only
+    DeltaNet layers' fused input products, LFM2's convolutions and Gemma 4's norms (a power of -0.5
+    where specdec takes the reciprocal square root) round otherwise in float32: within rounding there), greedy output under speculation equal to its argmax (chains only
     through Qwen3.5's and LFM2's recurrent states), a window on Mistral 3's layers, dummy weights."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -523,8 +546,8 @@ def test_vision_language_text_model(tmp_path, kind):
         with torch.no_grad():
             ref = hf(input_ids=ids).logits[0].float()
         ours = rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0]
-        if kind in RECURRENT_VL and dtype == torch.float32:
-            assert (ours - ref).abs().max() < ATOL * ref.abs().max()
+        if kind in RECURRENT_VL + ("gemma4",) and dtype == torch.float32:
+            assert (ours - ref).abs().max() < ATOL * ref.abs().max(), (ours - ref).abs().max()
         else:
             assert torch.equal(ours, ref), dtype
     model = load_model(str(path))
@@ -543,7 +566,7 @@ def test_vision_language_text_model(tmp_path, kind):
         assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
     dummy = load_model(str(path), load_format="dummy").runtime
     assert dummy.forward(dummy.new_cache(1), [0], [ids[0].tolist()])[0].std().item() > 0.1
-    if kind != "qwen3_5":  # (transformers has a causal LM for Qwen3.5's)
+    if kind not in ("qwen3_5", "gemma4"):  # (transformers has a causal LM for Qwen3.5's, Gemma 4's)
         with pytest.raises(ValueError, match=f"no causal LM for '{vl}' .* use backend 'torch' or 'auto'"):
             load_model(str(path), backend="hf")
     import json  # a processor's chat template (LLaVA's), where the tokenizer has none
@@ -608,8 +631,10 @@ def test_dbrx_rope_base_from_its_attention_config():
 
 
 def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
-    """Rotary scalings that depend on the whole sequence's length (longrope, dynamic) are not
-    the torch runtime's: ``auto`` loads them on transformers' own model, ``torch`` refuses."""
+    """Rotary scalings that depend on the whole sequence's length (dynamic; longrope but where
+    the model computes its cache again past the switch, Phi-3's, or the switch is past the
+    context) are not the torch runtime's: ``auto`` loads them on transformers' own model,
+    ``torch`` refuses."""
     from transformers import AutoConfig
 
     from specdec import LLM, SamplingParams
@@ -622,7 +647,12 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=16,
                 short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
     path = make_tiny(tmp_path / "longrope", "llama", rope_parameters=rope)
-    assert "longrope" in unsupported(AutoConfig.from_pretrained(path))
+    assert "keys keep the factors" in unsupported(AutoConfig.from_pretrained(path))  # (Phi-3's model recomputes)
+    assert unsupported(AutoConfig.for_model("phi3", hidden_size=64, num_attention_heads=4, rope_parameters=rope,
+                                                original_max_position_embeddings=16)) is None
+    assert unsupported(AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4,
+                                                max_position_embeddings=16, rope_parameters=rope)) is None  # no switch
+    assert "'dynamic'" in unsupported(AutoConfig.for_model("llama", rope_parameters=dict(rope_type="dynamic", factor=2.0)))
     assert "rwkv" in unsupported(AutoConfig.for_model("rwkv"))
     assert "residual" in unsupported(AutoConfig.for_model("bloom", apply_residual_connection_post_layernorm=True))
     assert "qk_ln" in unsupported(AutoConfig.for_model("mpt", attn_config=dict(qk_ln=True)))
@@ -637,7 +667,7 @@ def test_rope_rescaled_by_length_runs_on_transformers(tmp_path):
     assert "'dynamic'" in unsupported(per_type)
     model = load_model(str(path), device="cpu")
     assert isinstance(model.runtime, HFRuntime)
-    with pytest.raises(ValueError, match="rope types"):
+    with pytest.raises(ValueError, match="keys keep the factors"):
         load_model(str(path), device="cpu", backend="torch")
     out = LLM(model).generate("abc abc", SamplingParams(max_tokens=30, ignore_eos=True))[0]  # past the 16 positions
     assert len(out.token_ids) == 30
@@ -1079,7 +1109,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "jais2-layernorm-relu2", "glm-interleaved-half", "vaultgemma-softcaps",
                                   "afmoe-gated-windows-experts", "gptneo-local-layers", "youtu-latent-dense",
                                   "axk1-latent-experts-normed", "codegen-blocks", "persimmon-qk-layernorm",
-                                  "dbrx-experts-clip", "kolibri1-windows-experts", "flint-sinks-windows-experts"])
+                                  "dbrx-experts-clip", "kolibri1-windows-experts", "flint-sinks-windows-experts",
+                                  "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1131,6 +1162,20 @@ def test_experts_under_transformers_own_names(tiny_dirs, tmp_path, name):
     assert torch.equal(logits[0], logits[1])
     assert (logits[2] - logits[3]).abs().max().item() < ATOL
     assert not torch.equal(logits[1], logits[2])
+
+
+def test_gemma4_dummy_weights_agree_across_runtimes(tiny_dirs):
+    """Gemma 4's dummy weights scale each layer's output by 1, as transformers starts its layer
+    scalars (0, as other vectors but norms, made every logit 0): both runtimes' logits agree."""
+    from specdec.runtime import load_model
+
+    ids = list(range(40, 57))
+    logits = []
+    for backend in ("torch", "hf"):
+        rt = load_model(str(tiny_dirs["gemma4"]), backend=backend, load_format="dummy").runtime
+        logits.append(rt.forward(rt.new_cache(1), [0], [ids])[0])  # [17, vocab]
+    assert (logits[0] - logits[1]).abs().max().item() < ATOL * logits[1].abs().max().item()
+    assert logits[0].std().item() > 0.1
 
 
 def test_gpt_oss_mxfp4_experts(tmp_path):

@@ -52,6 +52,14 @@ LLAMA4 = dict(layers=4, head_dim=16, intermediate_size_mlp=96, num_local_experts
               interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4, attn_scale=0.3,
               rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+# Gemma 4 (E2B / E4B's kind): windows of 6 on 2 layers of 3, the third full with wider heads (32) and one key/value
+# head, its keys its values (attention_k_eq_v) and a quarter of each head rotated (proportional rope); per-layer
+# inputs; the last 2 layers attend over the last earlier layers' of their type (num_kv_shared_layers), with MLPs twice
+# as wide; logits capped
+GEMMA4 = dict(layers=6, head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+              sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+              use_double_wide_mlp=True, final_logit_softcapping=30.0)
 MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields)
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -192,6 +200,8 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
         for name, b in model.named_buffers():  # GLM-4.5's router correction, LFM2-MoE's expert bias
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(std * torch.randn_like(b))
+            elif name.endswith("layer_scalar"):  # (Gemma 4's, 1 at init)
+                b.copy_(1 + 0.3 * torch.randn_like(b))
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -250,6 +260,11 @@ GLM4V_VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, 
 GLM4V_TOKENS = dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, image_start_token_id=VOCAB - 3,
                     image_end_token_id=VOCAB - 4, video_start_token_id=VOCAB - 5, video_end_token_id=VOCAB - 6)
 VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the model's own)
+    # Gemma 4's (``GEMMA4``'s text model, tied embeddings; no audio tower)
+    "gemma4": (dict(model_type="gemma4_text", **{k: v for k, v in GEMMA4.items() if k != "layers"}, num_hidden_layers=6,
+                    tie_word_embeddings=True),
+               dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+               dict(audio_config=None)),
     # Gemma 3's 4B and up: windows on one layer of two, eos in the text config, tied embeddings
     "gemma3": (dict(model_type="gemma3_text", head_dim=16, sliding_window=6, query_pre_attn_scalar=24, pad_token_id=0,
                     layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True),

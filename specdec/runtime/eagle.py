@@ -243,10 +243,10 @@ class EagleHead(TorchLlama):
         features = features.to(self.device, self.dtype)
         return self.fc(features) if self.kind == "eagle3" else features
 
-    def _batch(self, cache: EagleCache, starts, slots, tokens, positions, chunk_masks, T, keys):
+    def _batch(self, cache: EagleCache, starts, slots, tokens, positions, chunk_masks, T, keys, long=None):
         """``TorchLlama._batch``'s inputs, with each row's feature (``hidden``): the target's
         for a committed token, else its parent row's output; and position 0's key hidden."""
-        x = super()._batch(cache, starts, slots, tokens, positions, chunk_masks, T, keys)
+        x = super()._batch(cache, starts, slots, tokens, positions, chunk_masks, T, keys, long)
         B = len(slots)
         source = torch.zeros(B, T, dtype=torch.long)  # 0: none, 1: the target's feature, 2: a row's output
         index = torch.zeros(B, T, dtype=torch.long)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .torch_llama import rope_types
+from .torch_llama import RECOMPUTES_PAST_SWITCH, longrope_switch
 
 
 class HFCache:
@@ -75,15 +75,6 @@ class HFCache:
         self.rewind(dst, length)
 
 
-def longrope_switch(config) -> int | None:
-    """Where transformers' longrope (Phi-3.5, Phi-4-mini) switches from its short factors to its
-    long ones: it picks them for a whole forward, long when the forward reaches
-    ``original_max_position_embeddings`` (per layer type too); None without longrope."""
-    at = [p["original_max_position_embeddings"] for p in rope_types(config).values()
-          if p.get("rope_type") == "longrope" and p.get("original_max_position_embeddings")]
-    return min(at) if at else None
-
-
 def context_window(config) -> int:
     """The tokens a model's positions reach: its text model's ``max_position_embeddings``
     (a multimodal config keeps it in ``text_config``), else an older name (MPT's
@@ -96,8 +87,6 @@ def context_window(config) -> int:
                 return value
     return 1 << 20
 
-
-RECOMPUTES_PAST_SWITCH = ("phi3", "phimoe", "phi4_multimodal")  # see HFRuntime.recompute_at
 
 # models that keep their state in their own modules, shared by all sequences (transformers'
 # cache holds none of it)

@@ -104,6 +104,16 @@ def linear_bytes(config) -> int:
     d = getattr(config, "head_dim", None) or h // heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     rec = recurrent_mixer(config)  # Qwen3.5's DeltaNet layers beside its gated attention (queries' gates too)
+    if config.model_type == "gemma4_text":  # heads per layer; shared keys, or keys as values; wider shared MLPs
+        first_shared = config.num_hidden_layers - (config.num_kv_shared_layers or 0)
+        per_layer = config.hidden_size_per_layer_input or 0  # its per-layer inputs' projections: 3 per layer
+        total = config.vocab_size * h + 3 * config.num_hidden_layers * h * per_layer
+        for i, (kv_i, d_i) in enumerate(config.layer_heads):
+            own = 0 if i >= first_shared else 1 if config.attention_k_eq_v and \
+                config.layer_types[i] == "full_attention" else 2
+            wide = 2 if i >= first_shared and config.use_double_wide_mlp else 1
+            total += 2 * heads * d_i * h + own * kv_i * d_i * h + 3 * h * config.intermediate_size * wide
+        return 4 * total
     if config.model_type in PURE_RECURRENT:  # a Mamba layer alone in each block
         return 4 * (config.num_hidden_layers * rec.projection_params(h) + config.vocab_size * h)
     shared = getattr(config, "shared_expert_intermediate_size", 0) or getattr(config, "shared_intermediate_size", 0) \

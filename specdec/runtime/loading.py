@@ -350,8 +350,8 @@ class DummyWeights(Mapping):
     """Random weights with the names and shapes of the transformers model of ``config``, as
     vLLM's ``load_format="dummy"``: speed and memory as the real checkpoint's, without it.
     Matrices are drawn from N(0, ``config.initializer_range``), norm weights are 1 (those of
-    every module whose class is a norm, GPT-2's ``ln_1`` too: zeros made every logit equal) and
-    biases 0, each tensor from its own generator seeded by its
+    every module whose class is a norm, GPT-2's ``ln_1`` too: zeros made every logit equal; Gemma 4's
+    layer scalars, which scale each layer's output) and biases 0, each tensor from its own generator seeded by its
     name, so every load of the same config on the same device gets the same values (the
     torch runtime and transformers' model alike). Tied input and output embeddings stay tied
     (no ``lm_head.weight``). Tensors are float32 on ``device``, made on access."""
@@ -375,7 +375,8 @@ class DummyWeights(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         shape = self._shapes[name]
         if len(shape) == 1:
-            norm = name in self._norms or ("norm" in name and name.endswith("weight"))
+            norm = name in self._norms or ("norm" in name and name.endswith("weight")) \
+                or name.endswith("layer_scalar")  # (Gemma 4's: its layers' outputs scaled, 1 at init)
             return (torch.ones if norm else torch.zeros)(shape, device=self.device)
         g = torch.Generator(device=self.device).manual_seed(self.seed + zlib.crc32(name.encode()))
         return torch.randn(shape, generator=g, device=self.device) * self.std

@@ -27,7 +27,7 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -62,7 +62,7 @@ ARCHS = tuple(dict.fromkeys((
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
-    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint")
+    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", "gemma4_text")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -91,6 +91,7 @@ MULTIMODAL.update(dict.fromkeys(("qwen3_5", "qwen3_5_moe"), ("model.language_mod
 MULTIMODAL.update(dict.fromkeys(("glm4v", "glm4v_moe"), ("model.language_model.", "language_model.model.")))
 # Llama 4's (Scout's, Maverick's; "model.": transformers' causal LM of its config, dummy weights' names)
 MULTIMODAL["llama4"] = ("language_model.model.", "model.language_model.", "model.")
+MULTIMODAL["gemma4"] = ("model.language_model.", "language_model.model.", "model.")  # (Gemma 4's)
 
 
 class TextWeights:
@@ -309,11 +310,29 @@ def text_model(config, weights=None):
         config = config.get_text_config(decoder=True)
     if config.model_type in LLAMA_FIELDS:
         config = llama_fields(config)
+    if config.model_type == "gemma4_text":
+        config = per_layer_fields(config)
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
         return config, RenamedWeights(weights, config)
     if config.model_type == "falcon_h1" and weights is not None:
         return config, ScaledWeights(weights, config)
     return config, weights
+
+
+def per_layer_fields(config):
+    """Gemma 4's config, whose fields per layer (``per_layer_config``: its full-attention layers'
+    wider heads, fewer key/value heads) its global fields refuse to give: a copy whose global
+    fields are its sliding layers' (the first layer's), with ``layer_heads``, each layer's
+    ``(key/value heads, head dim)`` (idempotent)."""
+    if hasattr(config, "layer_heads"):
+        return config
+    heads = [(c.num_key_value_heads, c.head_dim) for c in (config.per_layer_config[i]
+                                                           for i in range(config.num_hidden_layers))]
+    config = copy.deepcopy(config)
+    config.__dict__.pop("_heterogeneity_spec", None)  # (a plain config: its global fields readable)
+    config.num_key_value_heads, config.head_dim = heads[0]
+    config.layer_heads = heads
+    return config
 
 
 LLAMA_FIELDS = ("gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "bloom", "mpt", "gpt_neo", "codegen",
@@ -447,8 +466,9 @@ class Family:
     dtype, Granite's ``embedding_multiplier``); ``attn_scale``: queries' scale (Gemma's
     ``query_pre_attn_scalar ** -0.5``, Granite's ``attention_multiplier``; None:
     ``head_dim ** -0.5``); ``residual_scale``: what attention's and the MLP's outputs are
-    scaled by before the residual sum (Granite's); ``logits_divisor``: Granite's
-    ``logits_scaling``; ``logits_scale``: the logits' factor (Cohere's ``logit_scale``, Falcon-H1's
+    scaled by before the residual sum (Granite's, MiniCPM3's); ``logits_divisor``: Granite's
+    ``logits_scaling``; ``hidden_divisor``: the last hidden state's, before the output layer
+    (MiniCPM3's ``hidden_size / dim_model_base``); ``logits_scale``: the logits' factor (Cohere's ``logit_scale``, Falcon-H1's
     ``lm_head_multiplier``); ``attn_softcap`` / ``final_softcap``: ``cap * tanh(x / cap)`` on
     attention scores (Gemma 2's) / the logits (Gemma 2's, Gemma 3's where set);
     ``activation``: the MLP's gate (``ACTIVATIONS``); ``interleaved_rope``: rotary pairs are
@@ -484,6 +504,7 @@ class Family:
     attn_scale: float | None = None
     residual_scale: float | None = None
     logits_divisor: float | None = None
+    hidden_divisor: float | None = None
     logits_scale: float | None = None
     attn_softcap: float | None = None
     final_softcap: float | None = None
@@ -513,6 +534,10 @@ class Family:
                        residual_scale=config.residual_multiplier, logits_divisor=config.logits_scaling,
                        activation=act)
         latent = Latent.of(config)
+        if latent is not None and config.model_type == "minicpm3":  # muP's multipliers, as Granite's
+            return cls(activation=act, attn_scale=latent.scale(config), embed_scale=config.scale_emb,
+                       residual_scale=config.scale_depth / math.sqrt(config.num_hidden_layers),
+                       hidden_divisor=config.logits_scaling)
         if latent is not None:  # (Mistral 4's queries scaled past its original context, as Ministral 3's)
             return cls(activation=act, attn_scale=latent.scale(config),
                        interleaved_rope=config.model_type == "deepseek_v2" or bool(config.rope_interleave),
@@ -569,6 +594,11 @@ class Family:
         if config.model_type == "llama4_text":  # rotary pairs interleaved, rotated in float32
             return cls(activation=act, interleaved_rope=True, rope_math="float", l2_qk_norm=config.use_qk_norm,
                        query_temperature=query_temperature(config))
+        if config.model_type == "gemma4_text":  # Gemma's embeddings; norms of the weight (not 1 +) in float32;
+            # scores not scaled (q/k norms instead)
+            return cls(float_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
+                       attn_scale=1.0, final_softcap=config.final_logit_softcapping,
+                       activation=config.hidden_activation)
         if config.model_type == "falcon_h1":  # (its other multipliers: in the weights, ``ScaledWeights``)
             return cls(activation=act, embed_scale=config.embedding_multiplier,
                        logits_scale=config.lm_head_multiplier)
@@ -649,22 +679,35 @@ class KVCache:
     prefix reuse is taken only for a matching prefix or once no other is free, so requests
     with distinct prompts one after another do grow the slots up to ``num_slots``.
     ``keys_only``: V is None, the values are the keys' first dimensions (``Latent``'s rows).
-    ``states``: the recurrent layers' (``recurrent.RecurrentStates``), which rewind with it."""
+    ``states``: the recurrent layers' (``recurrent.RecurrentStates``), which rewind with it.
+    ``tracks_ids``: a model whose rows change with the sequence's length (``TorchLlama.switch``):
+    each slot's token ids (``ids``), which factors its rows took (``long``) and the length its
+    prompt reaches (``reach``, ``expect``), so that its rows can be computed again.
+    ``second``: ``(layers, kv_heads, head_dim)`` of layers whose K/V have another shape, kept in
+    ``k2`` / ``v2`` (Gemma 4's full-attention layers: wider heads, fewer of them)."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype, capacity: int = 256, max_rows: int | None = None,
-                 keys_only: bool = False, states: RecurrentStates | None = None):
+                 keys_only: bool = False, states: RecurrentStates | None = None, tracks_ids: bool = False,
+                 second: tuple[int, int, int] | None = None):
         self.limit = None if max_rows is None else max_rows + GRAPH_MAX_TOKENS
         capacity = min(capacity, self.limit or capacity)
         shape = (num_layers, 1, kv_heads, capacity, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = None if keys_only else torch.zeros(shape, device=device, dtype=dtype)
+        self.k2 = self.v2 = None
+        if second is not None:
+            layers, heads, dim = second
+            self.k2, self.v2 = (torch.zeros(layers, 1, heads, capacity, dim, device=device, dtype=dtype)
+                                for _ in range(2))
         self.lengths = [0] * num_slots
         self.states = states
+        self.ids: list[list[int]] | None = [[] for _ in range(num_slots)] if tracks_ids else None
+        self.long, self.reach = [False] * num_slots, [0] * num_slots
 
     @property
     def buffers(self) -> tuple[str, ...]:
-        return ("k",) if self.v is None else ("k", "v")
+        return tuple(n for n in ("k", "v", "k2", "v2") if getattr(self, n) is not None)
 
     @property
     def capacity(self) -> int:
@@ -697,7 +740,15 @@ class KVCache:
         assert 0 <= length <= self.lengths[slot], (length, self.lengths[slot])
         if self.states is not None:
             self.states.rewind(slot, length, self.lengths[slot])
+        if self.ids is not None:
+            del self.ids[slot][length:]
         self.lengths[slot] = length
+
+    def expect(self, slot: int, length: int) -> None:
+        """``slot``'s sequence (a new request's) will reach ``length`` tokens: its prompt's
+        rows take the factors of that length from the start (``TorchLlama.switch``), not the
+        short ones until a chunk passes the switch and all of them again."""
+        self.reach[slot] = length
 
     @torch.inference_mode()
     def copy(self, src: int, dst: int, length: int) -> None:
@@ -709,6 +760,9 @@ class KVCache:
             self.states.copy(src, dst, length, self.lengths[src])
         self.ensure(length, dst + 1)
         start = self.lengths[dst]
+        if self.ids is not None:  # rows of the other factors differ: all of them
+            start = 0 if self.long[dst] != self.long[src] else start
+            self.ids[dst], self.long[dst] = self.ids[src][:length], self.long[src]
         for name in self.buffers:
             t = getattr(self, name)
             t[:, dst, :, start:length] = t[:, src, :, start:length]
@@ -721,6 +775,8 @@ class KVCache:
         assert list(rows) == sorted(rows) and start + rows[-1] < self.lengths[slot]
         if self.states is not None:
             self.states.keep(slot, start, list(rows))
+        if self.ids is not None:
+            self.ids[slot][start:] = [self.ids[slot][start + r] for r in rows]
         src = torch.tensor([start + r for r in rows], device=self.k.device)
         dst = torch.arange(start, start + len(rows), device=self.k.device)
         for name in self.buffers:
@@ -744,9 +800,11 @@ class Batch:
     # cache, one per run, not over a gathered copy of it
     runs: tuple[tuple[int, int, int], ...] | None = None
     hidden: torch.Tensor | None = None  # [B, T, hidden] an EAGLE head's hidden inputs (``eagle.EagleHead``)
+    long: torch.Tensor | None = None  # [B] bool: rows whose rope takes its long factors (``TorchLlama.switch``)
     states: StatePlan | None = None  # where the recurrent layers' states go (``recurrent``)
 
 
+RECOMPUTE_CHUNK = 512  # rows per forward where a slot's rows are computed again (``TorchLlama.switch``)
 RUNS_FROM_KEYS = 256  # a batch in several runs of slots attends run by run from this many keys
 
 
@@ -763,7 +821,8 @@ def slot_runs(slots: list[int], keys: int) -> tuple[tuple[int, int, int], ...] |
 
 
 
-POSITIONAL_ROPE = ("default", "linear", "yarn", "llama3")  # tables that depend on the position alone
+# tables that depend on the position alone (proportional: Gemma 4's, a part of each head's frequencies, the rest 0)
+POSITIONAL_ROPE = ("default", "linear", "yarn", "llama3", "proportional")
 
 
 def ntk_alpha(params: dict) -> float | None:
@@ -779,6 +838,21 @@ def rope_types(config) -> dict[str | None, dict]:
     if params and all(isinstance(v, dict) for v in params.values()):
         return dict(params)
     return {None: params}
+
+
+def longrope_switch(config) -> int | None:
+    """Where transformers' longrope (Phi-3.5, Phi-4-mini) switches from its short factors to its
+    long ones: it picks them for a whole forward, long when the forward goes past
+    ``original_max_position_embeddings`` (per layer type too); None without longrope."""
+    at = [p["original_max_position_embeddings"] for p in rope_types(config).values()
+          if p.get("rope_type") == "longrope" and p.get("original_max_position_embeddings")]
+    return min(at) if at else None
+
+
+# models whose transformers model drops its cache where a sequence first goes past its longrope
+# switch and computes it all again with the long factors (their ``prepare_inputs_for_generation``):
+# every row's rope then follows the sequence's length, as ``TorchLlama.switch`` and ``HFRuntime.recompute_at`` run it
+RECOMPUTES_PAST_SWITCH = ("phi3", "phimoe", "phi4_multimodal")
 
 
 def quant_method(config) -> str | None:
@@ -816,19 +890,31 @@ def unsupported(config) -> str | None:
     if config.model_type == "hunyuan_v1_moe" and len({*(config.moe_topk if isinstance(config.moe_topk, list)
                                                         else [config.moe_topk])}) > 1:
         return "the torch runtime routes every layer to as many experts (one moe_topk)"
+    if config.model_type == "gemma4_text" and config.enable_moe_block:
+        return "the torch runtime runs Gemma 4's dense layers, not its experts beside them (enable_moe_block)"
+    if config.model_type == "gemma4_text" and (len(set(config.layer_heads)) > 2 or
+                                               (config.num_kv_shared_layers or 0) >= config.num_hidden_layers):
+        return "the torch runtime runs Gemma 4 with heads of at most two shapes, and layers with keys of their own"
     if config.model_type == "mpt" and config.attn_config.qk_ln:  # (transformers' MPT leaves it out)
         return "the torch runtime does not run MPT's qk_ln"
     if getattr(config, "moe_latent_size", None):  # Nemotron-H's experts in a latent width
         return "the torch runtime runs experts in the model's width, not through moe_latent_size projections"
-    if getattr(config, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder
+    if getattr(config, "use_bidirectional_attention", False) not in (False, None, "vision"):  # EmbeddingGemma's
+        # encoder (Gemma 4's "vision": among image tokens alone, none in a text prompt)
         return "the torch runtime runs causal attention, not bidirectional"
     for params in rope_types(config).values():
         rope = params.get("rope_type", "default")
-        if rope not in POSITIONAL_ROPE and not ntk_alpha(params):  # dynamic, longrope: rescaled by the sequence's
-            # length
-            return (f"the torch runtime supports rope types {', '.join(POSITIONAL_ROPE)}, not {rope!r} "
+        if rope == "longrope" and config.model_type not in RECOMPUTES_PAST_SWITCH and \
+                (longrope_switch(config) or 0) < (getattr(config, "max_position_embeddings", None) or 1 << 20):
+            # its keys keep the factors of the forward that computed them, a prompt's whole: a chunked prompt differs
+            return (f"the torch runtime runs longrope's switch where the model computes its cache again past it "
+                    f"({', '.join(RECOMPUTES_PAST_SWITCH)}), not on {config.model_type!r}, whose keys keep the factors "
+                    "of the forward that computed them (backend 'hf' runs transformers' own model)")
+        if rope not in (*POSITIONAL_ROPE, "longrope") and not ntk_alpha(params):  # dynamic: rescaled by the length
+            return (f"the torch runtime supports rope types {', '.join(POSITIONAL_ROPE)} and longrope, not {rope!r} "
                     "(backend 'hf' runs transformers' own model)")
-        if params.get("partial_rotary_factor", 1.0) != 1.0 and config.model_type not in PARTIAL_ROTARY:
+        if params.get("partial_rotary_factor", 1.0) != 1.0 and config.model_type not in PARTIAL_ROTARY \
+                and rope != "proportional":
             return f"the torch runtime rotates a part of each head for {', '.join(PARTIAL_ROTARY)} only"
     return None
 
@@ -965,10 +1051,44 @@ def gated_attention(r: CheckpointReader, a: str, config) -> dict:
             "gated": True}
 
 
+@dataclass(frozen=True)
+class KVPlace:
+    """A layer's keys and values where layers differ (Gemma 4's): ``heads`` key/value heads of
+    ``dim``; ``second``: kept in the cache's second group (``KVCache``'s ``k2`` / ``v2``);
+    ``index``: its place in that group, or (``reuse``) the earlier layer's whose rows it attends
+    over, writing none (Gemma 4's last ``num_kv_shared_layers``)."""
+
+    heads: int
+    dim: int
+    second: bool
+    index: int
+    reuse: bool = False
+
+
+def kv_places(config, kv_heads: int, head_dim: int) -> list[KVPlace] | None:
+    """Each layer's ``KVPlace`` for Gemma 4 (``per_layer_fields``' ``layer_heads``; a shared layer
+    reads the last layer of its type before the shared ones), else None."""
+    heads = getattr(config, "layer_heads", None)
+    if heads is None:
+        return None
+    n, shared, types = config.num_hidden_layers, config.num_kv_shared_layers or 0, config.layer_types
+    places: list[KVPlace] = []
+    counts = [0, 0]
+    for i, (kv, dim) in enumerate(heads):
+        if i >= n - shared:
+            source = max(j for j in range(n - shared) if types[j] == types[i])
+            places.append(replace(places[source], reuse=True))
+            continue
+        second = (kv, dim) != (kv_heads, head_dim)
+        places.append(KVPlace(kv, dim, second, counts[second]))
+        counts[second] += 1
+    return places
+
+
 def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, sliding: bool = False,
                   rope: str | None = None, rotates: bool = True, latent: Latent | None = None,
                   recurrent: DeltaNet | Mamba2 | Mamba1 | ShortConv | None = None, index: int = 0,
-                  block: str | None = None) -> dict:
+                  block: str | None = None, kv: "KVPlace | None" = None) -> dict:
     """The weights of the decoder layer under ``pre`` (``model.layers.{i}.``) as
     ``TorchLlama._layers`` reads them: ``moe``: its MLP is experts (with shared ones where the
     checkpoint has them); ``sliding``: it attends within the window (Llama 4's: its chunk); ``rope``: its rope
@@ -977,8 +1097,16 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
     a recurrent layer of that kind, no attention (``recurrent``); ``index``: its KV's (or
     states') index in the cache, among the layers of its kind; ``block``: Nemotron-H's block
     type, a mixer alone or an MLP ("mlp", "moe") alone, or Falcon-H1's "hybrid" (attention and
-    the recurrent layer side by side, their outputs summed; None: a mixer and an MLP)."""
+    the recurrent layer side by side, their outputs summed; None: a mixer and an MLP); ``kv``:
+    its attention's shape and place in the cache where layers differ (Gemma 4's, ``KVPlace``:
+    then ``index`` is ``kv.index``), and whether it reads an earlier layer's keys and values
+    (queries alone then: no k/v projections of its own)."""
     a = pre + "self_attn."
+    if kv is not None:
+        index = kv.index
+    own = ["k", "v"]  # its own projections beside the queries'
+    if kv is not None:  # (Gemma 4's attention_k_eq_v: the keys, before their norm, are the values)
+        own = [] if kv.reuse else ["k", "v"] if a + "v_proj.weight" in r else ["k"]
     mixes, mlps = block not in ("mlp", "moe"), block in (None, "mlp", "moe", "hybrid")
     if not mixes:
         mixer = {}
@@ -988,12 +1116,13 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         mixer = {
             **(latent_attention(r, a, latent) if latent else gated_attention(r, a, config)
                if config.model_type in HYBRID_ARCHS or a + "gate_proj.weight" in r else {
-                "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]),
+                "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in ["q", *own]]),
                                 r.opt(a + "qkv_proj.bias") if a + "qkv_proj.weight" in r else
-                                cat_or_none([r.opt(a + f"{n}_proj.bias") for n in "qkv"]))}),
+                                cat_or_none([r.opt(a + f"{n}_proj.bias") for n in ["q", *own]]))}),
             "o": r.linear(r.get(a + "o_proj.weight"), r.opt(a + "o_proj.bias")),
             "sinks": r.opt(a + "sinks"),  # [H] GPT-OSS's
-            **({} if latent else {"q_norm": r.norm(a + "q_norm.weight"), "k_norm": r.norm(a + "k_norm.weight")}),
+            **({} if latent else {"q_norm": r.norm(a + "q_norm.weight"),
+                                  "k_norm": r.norm(a + "k_norm.weight") if own else None}),
             **(recurrent.weights(r, pre) if block == "hybrid" else {}),
         }
     shared = ("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in r else "shared_expert.") \
@@ -1032,6 +1161,15 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         "rope": rope,  # its rope table's key
         "rotates": rotates,
         "index": index,
+        "kv": kv,
+        "v_from_k": own == ["k"],
+        "v_norm": kv is not None,  # (Gemma 4's values normed, without a weight)
+        # Gemma 4's per-layer input (``TorchLlama._per_layer_inputs``): its gate and projection and their norm
+        "per_layer": (r.linear(r.get(pre + "per_layer_input_gate.weight"), None),
+                      r.linear(r.get(pre + "per_layer_projection.weight"), None),
+                      r.norm(pre + "post_per_layer_input_norm.weight"))
+        if pre + "per_layer_input_gate.weight" in r else None,
+        "scalar": r.opt(pre + "layer_scalar"),  # [1] Gemma 4's: the layer's output scaled
     }
 
 
@@ -1052,10 +1190,21 @@ class TorchLlama:
     slot rewinds by up to ``state_depth - 1`` tokens (``recurrent.RecurrentStates``), another
     request's prompt reuses its rows only at a kept prompt chunk's end (``reuses_prompt_chunks``),
     a token tree is verified in one forward (its scans along each node's path), and a draft model on
-    it drafts chains."""
+    it drafts chains.
+
+    ``switch``: where the rope of Phi-3's longrope (Phi-3.5-mini, Phi-4-mini) goes from its short
+    factors to its long ones, as transformers' model decodes: a row whose forward goes past it
+    takes the long ones, and the slot's rows are computed again with them, since Phi-3's model
+    drops its cache there and computes it all again (and again with the short ones for a slot
+    rewound back before it: prefix reuse of a shorter prompt). A prompt takes the factors of its
+    whole length (``KVCache.expect``), chunked or not; the engine keeps a round's rows on one
+    side of the switch (``Engine._plan``)."""
 
     supports_masks = masks_reach_cache = True
     chunk: int | None = None  # Llama 4's attention_chunk_size: its chunked layers' (``_mask``)
+    switch: int | None = None  # Phi-3's longrope switch, where it falls inside the context
+    second_kv: tuple[int, int, int] | None = None  # (Gemma 4's: ``KVCache``'s second group)
+    per_layer: tuple | None = None  # (Gemma 4's per-layer inputs: ``_per_layer_inputs``)
     batch_layout = "padded"
     reuses_prefixes = True  # a slot's KV rows stay valid after a rewind (Engine's prefix reuse)
     whole_prompts = False
@@ -1080,6 +1229,8 @@ class TorchLlama:
                                                       "norm_epsilon") if getattr(config, n, None)),
                         1e-5)  # (Nemotron-H's name, LFM2's, Cohere's, StarCoder2's; OLMo's, in no field: 1e-5)
         self.max_context = getattr(config, "max_position_embeddings", None) or 1 << 20  # (Mamba's: no bound)
+        switch = longrope_switch(config)
+        self.switch = switch if switch is not None and switch < self.max_context else None
         self.family = Family.of(config, dtype)
         self.window, sliding = sliding_layers(config)
         if config.model_type == "llama4_text" and config.attention_chunk_size:  # its layers with rope attend in chunks
@@ -1112,6 +1263,7 @@ class TorchLlama:
             or self.family.weightless_norms else None  # (BLOOM's, NanoChat's)
         self.vocab_size = self.embed.shape[0]
         self.recurrent = recurrent_mixer(config)  # DeltaNet, Mamba2, Mamba1, ShortConv or None
+        places = kv_places(config, self.kv_heads, self.head_dim)  # (Gemma 4's: attention's shape per layer)
         self.layers, kinds = [], [0, 0]  # layers so far: attention, recurrent
         for i, moe in enumerate(moe_layers(config)):
             rec = self.recurrent if types[i] in RECURRENT_TYPES else None
@@ -1121,10 +1273,22 @@ class TorchLlama:
                                              rope=layer_ropes[i] if layer_ropes else
                                              types[i] if types[i] in self.rope else None,
                                              rotates=bool(rotates[i]), latent=self.latent, recurrent=rec,
-                                             index=kinds[rec is not None], block=block))
+                                             index=kinds[rec is not None], block=block,
+                                             kv=places[i] if places else None))
             kinds[rec is not None] += block not in ("mlp", "moe")
             kinds[0] += block == "hybrid"  # (its attention too: the same index, every layer being so)
         self.kv_layers, self.state_layers = kinds
+        self.second_kv = None  # (layers, kv heads, head dim) of a second group of K/V shapes (``KVCache``)
+        if places:
+            self.kv_layers = sum(not p.second and not p.reuse for p in places)
+            wide = [p for p in places if p.second and not p.reuse]
+            self.second_kv = (len(wide), wide[0].heads, wide[0].dim) if wide else None
+        # Gemma 4's per-layer inputs (``_per_layer_inputs``): a table of each token's, and a projection of its embedding
+        self.per_layer = None
+        if "model.embed_tokens_per_layer.weight" in r:
+            self.per_layer = (r.get("model.embed_tokens_per_layer.weight"),
+                              r.linear(r.get("model.per_layer_model_projection.weight"), None),
+                              r.norm("model.per_layer_projection_norm.weight"))
         if self.recurrent is not None:  # a recurrent state: no graph (yet); prefixes in whole prompt chunks only (their
             self.reuses_prefixes = self.masks_reach_cache = False  # ends' states are kept); trees in one forward
             self.reuses_prompt_chunks = True
@@ -1209,24 +1373,34 @@ class TorchLlama:
         dimensions that rotate, all but where ``partial_rotary_factor`` says (``PARTIAL_ROTARY``)."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        self.rope = {}
+        self.rope, self.rope_long = {}, {}  # rope_long: longrope's long inverse frequencies (``switch``)
         per_layer = {theta: dict(rope_types(config)[None], rope_theta=theta)
                      for theta in getattr(config, "layer_rope_theta", None) or () if theta}  # (keyed by the base)
+        # (Gemma 4's head width per layer type)
+        heads = getattr(config, "layer_heads", None)
+        dims = {t: dim for t, (_, dim) in zip(config.layer_types, heads)} if heads else {}
         for layer_type, params in (per_layer or rope_types(config)).items():
             rope_type = params.get("rope_type", "default")
             alpha = ntk_alpha(params)
+            head_dim = dims.get(layer_type, self.head_dim)
             if rope_type == "default" or alpha:
                 base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-                d = self.latent.rope if self.latent else int(self.head_dim * params.get("partial_rotary_factor", 1.0))
+                d = self.latent.rope if self.latent else int(head_dim * params.get("partial_rotary_factor", 1.0))
                 base *= alpha ** (d / (d - 2)) if alpha else 1.0
                 inv_freq, scale = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
             else:
                 source = config
-                if per_layer:  # (its parameters at that base, as transformers' Granite-SWA builds them)
+                if per_layer or head_dim != self.head_dim:  # (its parameters at that base, as transformers'
+                    # Granite-SWA builds them; Gemma 4's head width of that layer type)
                     source = copy.deepcopy(config)
-                    source.rope_parameters = params
+                    source.rope_parameters = params if per_layer else source.rope_parameters
+                    source.head_dim = head_dim
                 kw = {"layer_type": layer_type} if layer_type is not None and not per_layer else {}
                 inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](source, torch.device("cpu"), **kw)
+                if rope_type == "longrope" and self.switch is not None:  # (the same scale)
+                    long_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](source, torch.device("cpu"), seq_len=self.switch + 1,
+                                                                  **kw)
+                    self.rope_long[layer_type] = long_freq.float().to(self.device)
             self.rope[layer_type] = (inv_freq.float().to(self.device), scale)
 
     @property
@@ -1244,11 +1418,44 @@ class TorchLlama:
         states = None if self.recurrent is None else \
             RecurrentStates(self.state_layers, self.recurrent, self.state_depth, self.device, self.dtype, decays)
         return KVCache(self.kv_layers, num_slots, self.kv_heads, self.head_dim, self.device, self.dtype,
-                       max_rows=max_rows, keys_only=self.latent is not None, states=states)
+                       max_rows=max_rows, keys_only=self.latent is not None, states=states,
+                       tracks_ids=self.switch is not None, second=self.second_kv)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots, tokens, *, positions=None, chunk_masks=None,
                 last_only: bool = False, prefill: bool = False) -> torch.Tensor:
+        long = None if self.switch is None else self._factors(cache, slots, tokens, positions, chunk_masks)
+        return self._forward(cache, slots, tokens, positions, chunk_masks, last_only, long)
+
+    def _factors(self, cache: KVCache, slots, tokens, positions, chunk_masks) -> list[bool]:
+        """Per row, whether its rope takes longrope's long factors (``switch``): where its
+        forward goes past the switch, or its prompt will (``KVCache.expect``). A slot whose rows
+        took the other ones gets them computed again first, as Phi-3's model does (not in a
+        forward whose mask reaches rows of earlier forwards: a draft model's tree, fed depth by
+        depth, whose rows are no sequence; its proposals then keep the factors it has)."""
+        long = []
+        for b, s in enumerate(slots):
+            given = positions is not None and positions[b] is not None
+            end = max(positions[b]) + 1 if given else cache.lengths[s] + len(tokens[b])
+            want = max(end, cache.reach[s]) > self.switch
+            mask = chunk_masks[b] if chunk_masks is not None else None
+            if want != cache.long[s] and cache.lengths[s] and mask is not None and mask.shape[1] > mask.shape[0]:
+                want = cache.long[s]
+            elif want != cache.long[s] and cache.lengths[s]:
+                self._recompute(cache, s, want)
+            cache.long[s] = want
+            long.append(want)
+        return long
+
+    def _recompute(self, cache: KVCache, slot: int, long: bool) -> None:
+        """Compute ``slot``'s rows again, from its ids, with longrope's long (or short) factors."""
+        ids = list(cache.ids[slot])
+        cache.rewind(slot, 0)
+        for i in range(0, len(ids), RECOMPUTE_CHUNK):
+            self._forward(cache, [slot], [ids[i:i + RECOMPUTE_CHUNK]], None, None, True, [long])
+
+    def _forward(self, cache: KVCache, slots, tokens, positions, chunk_masks, last_only: bool,
+                 long: list[bool] | None) -> torch.Tensor:
         B, T = len(slots), max(len(t) for t in tokens)
         starts = [cache.lengths[s] for s in slots]  # host ints: nothing here waits for the device
         graphed = self.graphs is not None and T <= GRAPH_MAX_TOKENS
@@ -1256,7 +1463,7 @@ class TorchLlama:
         cache.ensure(max(starts) + width, max(slots) + 1)
         # a CUDA graph attends over the cache's whole capacity (its shapes are fixed), masked
         batch = self._batch(cache, starts, slots, tokens, positions, chunk_masks, width,
-                            cache.capacity if graphed else None)
+                            cache.capacity if graphed else None, long)
         if cache.states is not None:
             batch.states = cache.states.plan(list(slots), starts, [len(t) for t in tokens], width, chunk_masks)
         last = torch.tensor([len(t) - 1 for t in tokens], device=self.device) if last_only else None  # [B]
@@ -1268,10 +1475,12 @@ class TorchLlama:
             logits, self.features = self._layers(cache, batch, last)
         for b, s in enumerate(slots):
             cache.lengths[s] += len(tokens[b])
+            if cache.ids is not None:
+                cache.ids[s] += tokens[b]
         return logits
 
     def _batch(self, cache: KVCache, starts: list[int], slots, tokens, positions, chunk_masks, T: int,
-               keys: int | None) -> "Batch":
+               keys: int | None, long: list[bool] | None = None) -> "Batch":
         """A forward's inputs as device tensors, ``T`` tokens per row (the longest of
         ``tokens`` or more: padding); ``keys``: keys attended (default: up to the last new
         token's). A graphed forward's (``keys`` given: at most ``GRAPH_MAX_TOKENS`` rows) are
@@ -1287,11 +1496,13 @@ class TorchLlama:
         where = torch.device("cpu") if keys is not None else self.device
         mask, sliding = self._mask(starts, keys or max(starts) + T, T, chunk_masks, where, pos)
         slots = list(slots)
-        packed = torch.cat([ids.flatten(), pos.flatten(), write.flatten(), torch.tensor(slots)]).to(self.device)
-        ids, pos, write, slots_ = packed.split([B * T, B * T, B * T, B])
+        packed = torch.cat([ids.flatten(), pos.flatten(), write.flatten(), torch.tensor(slots),
+                            torch.tensor(long or [], dtype=torch.long)]).to(self.device)
+        ids, pos, write, slots_, long_ = packed.split([B * T, B * T, B * T, B, B if long else 0])
         return Batch(ids.view(B, T), pos.view(B, T), write.view(B, T), slots_, mask.to(self.device),
                       None if sliding is None else sliding.to(self.device),
-                      None if keys is not None else slot_runs(slots, mask.shape[-1]))
+                      None if keys is not None else slot_runs(slots, mask.shape[-1]),
+                      long=long_.bool() if long else None)
 
     def _layers(self, cache: KVCache, x: "Batch", last: torch.Tensor | None = None,
                 to_float: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -1301,7 +1512,7 @@ class TorchLlama:
         Device work alone (no host sync, no allocation that depends on values), so that a
         CUDA graph can capture it."""
         B, T = x.ids.shape
-        rope = self._rope(x.pos)
+        rope = self._rope(x.pos, x.long)
         fam = self.family
         h = F.embedding(x.ids, self.embed)  # [B, T, hidden]
         if self.positions is not None:  # (GPT-2's)
@@ -1310,6 +1521,7 @@ class TorchLlama:
             h = h * fam.embed_scale
         if self.embed_norm is not None:
             h = norm(h, self.embed_norm, self.eps)
+        per_layer = None if self.per_layer is None else self._per_layer_inputs(x.ids, h)  # [B, T, layers, width]
         tapped = {}  # tap -> [B, T, hidden]
         for li, L in enumerate(self.layers):
             if li in self.taps:
@@ -1330,12 +1542,19 @@ class TorchLlama:
             if (L["gate_up"] is not None or L["experts"] is not None) and not fam.parallel:
                 a = h if L["mlp_norm"] is None else norm(h, L["mlp_norm"], self.eps)
                 h = h + self._residual(self._mlp(L, a), L["post_mlp_norm"])
+            if L["per_layer"] is not None:  # (Gemma 4's: its per-layer input, gated by the layer's output)
+                gate, project, post_norm = L["per_layer"]
+                h = h + norm(project(ACTIVATIONS[fam.activation](gate(h)) * per_layer[:, :, li]), post_norm, self.eps)
+            if L["scalar"] is not None:
+                h = h * L["scalar"]
         if self.num_layers in self.taps:  # transformers' last hidden state: after the final norm
             h = tapped[self.num_layers] = norm(h, self.norm, self.eps)
         if last is not None:
             h = h[torch.arange(B, device=h.device), last]  # [B, hidden]
         if self.num_layers not in self.taps:
             h = norm(h, self.norm, self.eps)
+        if fam.hidden_divisor is not None:
+            h = h / fam.hidden_divisor
         logits = softcap(self.lm_head(h), fam.final_softcap)
         if fam.logits_divisor is not None:
             logits = logits / fam.logits_divisor
@@ -1344,10 +1563,24 @@ class TorchLlama:
         features = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits.float() if to_float else logits, features
 
-    def _rope(self, pos: torch.Tensor) -> dict:
-        """Per layer type, (cos, sin) ``[B, 1, T, rotated]`` at positions ``pos [B, T]``."""
+    def _per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's per-layer inputs ``[B, T, layers, width]``: each token's row of its own table
+        (scaled by sqrt(width) as the model's dtype holds it) and a projection of its embeddings
+        ``h`` (scaled by hidden ** -0.5, normed per layer), averaged by 2 ** -0.5."""
+        table, project, post_norm = self.per_layer
+        width = table.shape[1] // self.num_layers
+        own = F.embedding(ids, table) * torch.tensor(width ** 0.5, dtype=table.dtype).item()
+        projected = project(h) * h.shape[-1] ** -0.5
+        projected = norm(projected.view(*ids.shape, self.num_layers, width), post_norm, self.eps)
+        return (projected + own.view(*ids.shape, self.num_layers, width)) * 2 ** -0.5
+
+    def _rope(self, pos: torch.Tensor, long: torch.Tensor | None = None) -> dict:
+        """Per layer type, (cos, sin) ``[B, 1, T, rotated]`` at positions ``pos [B, T]``
+        (``long [B]``: the rows that take longrope's long factors)."""
         rope = {}
         for layer_type, (inv_freq, scale) in self.rope.items():
+            if long is not None and layer_type in self.rope_long:
+                inv_freq = torch.where(long[:, None, None], self.rope_long[layer_type], inv_freq)  # [B, 1, rotated/2]
             freqs = pos[..., None].float() * inv_freq  # [B, T, rotated/2]
             emb = freqs.repeat_interleave(2, dim=-1) if self.family.interleaved_rope else torch.cat((freqs, freqs), dim=-1)
             dtype = torch.float32 if self.family.rope_math == "float" else self.dtype
@@ -1360,25 +1593,29 @@ class TorchLlama:
         tokens' K/V to the cache and returns the output projection's ``[B, T, hidden]``."""
         fam, (B, T) = self.family, x.ids.shape
         S = x.mask.shape[-1]
-        H, KV, D = self.num_heads, self.kv_heads, self.head_dim
+        place = L["kv"]  # (Gemma 4's: this layer's shape, and where its rows are)
+        H, KV, D = self.num_heads, *((place.heads, place.dim) if place else (self.kv_heads, self.head_dim))
+        reuse = place is not None and place.reuse  # its queries over an earlier layer's rows
         qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D], Qwen3-Next's / 3.5's gates after them: + H D
-        q, k, v, *gate = qkv.split([H * D, KV * D, KV * D] + [H * D] * L.get("gated", False), dim=-1)
+        own = 0 if reuse else 1 if L["v_from_k"] else 2  # key/value projections
+        q, *kv = qkv.split([H * D] + [KV * D] * own + [H * D] * L.get("gated", False), dim=-1)
+        k, v, gate = (kv[0], kv[own - 1], kv[own:]) if own else (None, None, kv)  # (attention_k_eq_v: v is k unnormed)
+        if L["v_norm"] and v is not None:  # (Gemma 4's: values normed, without a weight)
+            v = rms_norm(v.view(B, T, KV, D), None, self.eps)
         if fam.scale_queries:  # (OPT's)
             q = q * D ** -0.5
         if L["q_norm"] is not None and not fam.norm_after_rope:  # over each head, or all (a weight that wide: OLMo 2's)
             q = norm(q.view(B, T, -1, norm_width(L["q_norm"])), L["q_norm"], self.eps)
-            k = norm(k.view(B, T, -1, norm_width(L["k_norm"])), L["k_norm"], self.eps)
+            if k is not None:
+                k = norm(k.view(B, T, -1, norm_width(L["k_norm"])), L["k_norm"], self.eps)
         if fam.clip_qkv is not None:
             q, k, v = (t.clamp(-fam.clip_qkv, fam.clip_qkv) for t in (q, k, v))
-        q = q.view(B, T, H, D)
-        k = k.view(B, T, KV, D)
-        v = v.view(B, T, KV, D)
-        q = q.transpose(1, 2)  # [B, H, T, D]
-        k = k.transpose(1, 2)  # [B, KV, T, D]
+        q = q.view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+        k = None if k is None else k.view(B, T, KV, D).transpose(1, 2)  # [B, KV, T, D]
         if L["rotates"]:
             cos, sin = rope[L["rope"]]
-            q, k = (rotate(t if fam.rope_math == "model" else t.float(), cos, sin, fam.interleaved_rope).to(t.dtype)
-                    for t in (q, k))
+            q, k = (None if t is None else rotate(t if fam.rope_math == "model" else t.float(), cos, sin,
+                                                  fam.interleaved_rope).to(t.dtype) for t in (q, k))
         if L["q_norm"] is not None and fam.norm_after_rope:
             q, k = rms_norm(q, L["q_norm"], self.eps), rms_norm(k, L["k_norm"], self.eps)
         if fam.l2_qk_norm and L["rotates"]:
@@ -1386,9 +1623,11 @@ class TorchLlama:
         temperature = fam.query_temperature
         if temperature is not None and not (temperature.nope_only and L["rotates"]):
             q = temperature.scale(q, x.pos)
-        kc, vc = cache.k[L["index"]], cache.v[L["index"]]  # [slots, KV, cap, D]
-        kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
-        vc[x.slots[:, None], :, x.write] = v
+        kc, vc = (cache.k2, cache.v2) if place is not None and place.second else (cache.k, cache.v)
+        kc, vc = kc[L["index"]], vc[L["index"]]  # [slots, KV, cap, D]
+        if not reuse:
+            kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
+            vc[x.slots[:, None], :, x.write] = v.view(B, T, KV, D)
         mask = x.sliding if L["sliding"] else x.mask
         if x.runs is not None:  # views of each run's cache rows [b1 - b0, KV, S, D]
             parts = [attention(q[b0:b1], kc[s0:s0 + b1 - b0, :, :S], vc[s0:s0 + b1 - b0, :, :S], mask[b0:b1],
