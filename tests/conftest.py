@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import DELTA_NET, FALCON_H1, GEMMA4, JAMBA, LLAMA4, MAMBA, MOE, NEMOTRON_H, make_tiny, noisy_copy  # noqa: E402
+from tiny import DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, JAMBA, LLAMA4, MAMBA, MOE, NEMOTRON_H, make_tiny, noisy_copy  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -51,6 +51,7 @@ def tiny_dirs(tmp_path_factory):
                            hidden_size=48),
         # Gemma 4: heads of two widths, keys shared by its last layers, per-layer inputs (``tiny.GEMMA4``)
         "gemma4": make_tiny(root / "gemma4", "gemma4_text", seed=27, **GEMMA4),
+        "gemma4moe": make_tiny(root / "gemma4moe", "gemma4_text", seed=28, **GEMMA4_MOE),  # experts beside the MLP
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

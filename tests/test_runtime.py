@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LLAMA4, MAMBA,
+from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LLAMA4, MAMBA,
                   MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
@@ -303,6 +303,7 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "gemma4-shared-kv-per-layer": ("gemma4_text", GEMMA4),
     "gemma4-plain": ("gemma4_text", dict(GEMMA4, attention_k_eq_v=False, hidden_size_per_layer_input=0,
                                          num_kv_shared_layers=0, use_double_wide_mlp=False)),
+    "gemma4-experts-beside": ("gemma4_text", GEMMA4_MOE),
     "minicpm3-latent-mup": ("minicpm3", dict(LATENT, scale_emb=3.0, scale_depth=1.4, dim_model_base=16,
                                              rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
                                                                   original_max_position_embeddings=512,
@@ -447,7 +448,8 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "mistral4-latent-temperature", "graniteswa-sinks-bases", "bloom-alibi",
                                   "mpt-alibi-clip", "falconrw-alibi", "granitemoeswa-sinks-experts",
                                   "gptneo-local-layers", "youtu-latent-dense", "axk1-latent-experts-normed",
-                                  "kolibri1-windows-experts", "flint-sinks-windows-experts", "minicpm3-latent-mup"])
+                                  "kolibri1-windows-experts", "flint-sinks-windows-experts", "minicpm3-latent-mup",
+                                  "gemma4-experts-beside"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -475,7 +477,9 @@ def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     cache = rt.new_cache(1)
     ours = torch.cat([rt.forward(cache, [0], [ids[0, a:b].tolist()])[0] for a, b in [(0, 30)] + [(i, i + 1) for i in range(30, 40)]])
     assert (ours - ref).abs().max() <= 1.5 * (theirs - ref).abs().max()
-    assert (ours - ref).abs().max() < 0.2 * ref.abs().max()  # (not garbage: both are this far in Bamba's, Jamba's)
+    # not garbage: the typical row is close (in Gemma 4's experts one row's near-tie in routing flips an expert
+    # under either rounding, transformers' as far off as ours there)
+    assert (ours - ref).abs().amax(-1).median() < 0.1 * ref.abs().max()
 
 
 def test_multimodal_gemma3_text_model(tmp_path):
@@ -1110,7 +1114,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "afmoe-gated-windows-experts", "gptneo-local-layers", "youtu-latent-dense",
                                   "axk1-latent-experts-normed", "codegen-blocks", "persimmon-qk-layernorm",
                                   "dbrx-experts-clip", "kolibri1-windows-experts", "flint-sinks-windows-experts",
-                                  "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain"])
+                                  "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain",
+                                  "gemma4-experts-beside"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1129,7 +1134,7 @@ def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n
                   and not any(e in n for e in ("embed", ".wte.", ".wpe.", ".word_embeddings."))
                   and not n.endswith(("mlp.gate.weight", "mixer.gate.weight", "router.weight", "shared_expert_gate.weight",
-                                      "gate.wg.weight", "router.gate.weight", "router.layer.weight",
+                                      "gate.wg.weight", "router.gate.weight", "router.layer.weight", "router.proj.weight",
                                       "A_log", "e_score_correction_bias")))  # (Mamba's decays: [channels, state];
     # ERNIE 4.5's correction: [1, experts])
     assert (expert_bytes(config), linear_bytes(config)) == (4 * experts, 4 * linears)

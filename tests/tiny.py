@@ -60,6 +60,8 @@ GEMMA4 = dict(layers=6, head_dim=16, global_head_dim=32, num_global_key_value_he
               sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
               vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
               use_double_wide_mlp=True, final_logit_softcapping=30.0)
+# Gemma 4's 26B-A4B's kind: experts beside the dense MLP on every layer
+GEMMA4_MOE = dict(GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24)
 MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields)
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -197,6 +199,8 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
                 p.copy_(p + 0.3 * torch.randn_like(p))
             elif name.endswith("router.gate.weight"):  # (AFMoE's router starts at zeros)
                 p.copy_(std * torch.randn_like(p))
+            elif name.endswith(("router.scale", "router.per_expert_scale")):  # (Gemma 4's, 1 at init)
+                p.copy_(1 + 0.3 * torch.randn_like(p))
         for name, b in model.named_buffers():  # GLM-4.5's router correction, LFM2-MoE's expert bias
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(std * torch.randn_like(b))

@@ -157,6 +157,9 @@ def expert_bytes(config) -> int:
     from .torch_llama import text_model
 
     config = text_model(config)[0]  # (DBRX's fields under Llama's names)
+    if config.model_type == "gemma4_text":  # (its experts beside the dense MLP on every layer)
+        return 4 * config.num_hidden_layers * num_experts(config) * 3 * config.hidden_size * \
+            config.moe_intermediate_size if config.enable_moe_block else 0
     if not any(moe_layers(config)):
         return 0
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size

@@ -157,6 +157,8 @@ class Routing:
         if kind == "hunyuan_v1_moe":  # its router in float32, the top k of the softmax renormalised, in float32
             top_k = config.moe_topk if isinstance(config.moe_topk, int) else config.moe_topk[0]
             return cls(top_k, renormalize=True, float_weights=True, float_router=True, activation=config.hidden_act)
+        if kind == "gemma4_text":  # the top k of the softmax renormalised, in float32 (then each expert's factor)
+            return cls(config.top_k_experts, renormalize=True, float_weights=True, activation=config.hidden_activation)
         if kind == "jamba":  # the top k of the softmax, not renormalised
             return cls(config.num_experts_per_tok, activation=config.hidden_act)
         if kind == "ernie4_5_moe":
@@ -255,10 +257,12 @@ class Experts:
 
     def __init__(self, routing: Routing, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, *,
                  router_bias: torch.Tensor | None = None, gate_up_bias: torch.Tensor | None = None,
-                 down_bias: torch.Tensor | None = None, correction: torch.Tensor | None = None):
+                 down_bias: torch.Tensor | None = None, correction: torch.Tensor | None = None,
+                 expert_scale: torch.Tensor | None = None):
         self.routing = routing
         self.router, self.router_bias = router, router_bias  # [experts, hidden], [experts]
         self.correction = correction  # [experts] float32: GLM-4.5's bias on the scores that choose
+        self.expert_scale = expert_scale  # [experts]: Gemma 4's factor of each chosen expert's weight
         self.gate_up, self.gate_up_bias = gate_up, gate_up_bias  # [experts, hidden, 2 * inter], [experts, 2 * inter]
         self.down, self.down_bias = down, down_bias  # [experts, inter, hidden], [experts, hidden]
 
@@ -273,6 +277,8 @@ class Experts:
             return cls._load_gpt_oss(config, weights, layer + "mlp.", device, dtype)
         if config.model_type == "dbrx":
             return cls._load_dbrx(config, weights, layer + "mlp.", device, dtype)
+        if config.model_type == "gemma4_text":
+            return cls._load_gemma4(config, weights, layer, device, dtype)
 
         def stacked(names: list[list[str]]) -> torch.Tensor:  # [experts, out, in]: each expert's tensors' rows
             tensors = [[weights[n] for n in expert] for expert in names]
@@ -347,11 +353,27 @@ class Experts:
         router = weights[mlp + "router.layer.weight"].to(device=device, dtype=dtype, copy=True)
         return cls(Routing.of(config), router, gate_up, get("experts.mlp.w2"))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def _load_gemma4(cls, config, weights, layer: str, device: torch.device, dtype: torch.dtype) -> "Experts":
+        """Gemma 4's, beside its dense MLP: ``experts.gate_up_proj [experts, 2 * inter, hidden]``
+        and ``down_proj [experts, hidden, inter]`` (transformers' fused layout), the router
+        ``router.proj`` and each expert's weight factor ``router.per_expert_scale``."""
+        def get(name: str) -> torch.Tensor:
+            return weights[layer + name].to(device=device, dtype=dtype, copy=True)
+
+        return cls(Routing.of(config), get("router.proj.weight"), get("experts.gate_up_proj").transpose(1, 2),
+                   get("experts.down_proj").transpose(1, 2), expert_scale=get("router.per_expert_scale"))
+
+    def __call__(self, x: torch.Tensor, route: torch.Tensor | None = None) -> torch.Tensor:
+        """The experts' output for ``x [..., hidden]``, routed by ``x`` or by ``route`` (of its
+        shape: Gemma 4's router reads the layer's input otherwise normed than the experts')."""
         flat = x.reshape(-1, x.shape[-1])  # [N, hidden]
         N, k, E = flat.shape[0], self.routing.top_k, self.router.shape[0]
-        logits = F.linear(flat.float() if self.routing.float_router else flat, self.router, self.router_bias)
+        by = flat if route is None else route.reshape(-1, route.shape[-1])
+        logits = F.linear(by.float() if self.routing.float_router else by, self.router, self.router_bias)
         weights, chosen = self.routing.weights(logits, self.correction, x.dtype)  # [N, k]
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[chosen]
         expert, order = chosen.flatten().sort()  # [N k] pairs, grouped by expert
         counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
             0, expert, torch.ones_like(expert, dtype=torch.int32))

@@ -5,7 +5,8 @@ and Falcon-RW with ALiBi's biases: ``Alibi``), its mixtures of experts (Mixtral,
 dots.llm1, ERNIE 4.5, GPT-OSS, GLM-4.5, Granite's, Llama 4's: ``Experts``), the mixtures with multi-head latent
 attention (DeepSeek-V2 and V3, GLM-4.7-Flash, Mistral 4: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text
 model of Gemma 3's multimodal checkpoints: ``text_model``), whose layers differ from Llama's only in small ways
-(``Family``), and the hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the cache):
+(``Family``), Gemma 4 (heads of two widths and layers reading earlier layers' keys: ``KVPlace``; per-layer inputs;
+its experts beside the MLP), Phi-3's longrope (``TorchLlama.switch``), and the hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the cache):
 Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2 layers beside attention
 (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's side by side in each layer:
 ``ScaledWeights``), Mamba layers beside attention (Jamba), LFM2's short convolutions beside attention, and Mamba,
@@ -890,8 +891,6 @@ def unsupported(config) -> str | None:
     if config.model_type == "hunyuan_v1_moe" and len({*(config.moe_topk if isinstance(config.moe_topk, list)
                                                         else [config.moe_topk])}) > 1:
         return "the torch runtime routes every layer to as many experts (one moe_topk)"
-    if config.model_type == "gemma4_text" and config.enable_moe_block:
-        return "the torch runtime runs Gemma 4's dense layers, not its experts beside them (enable_moe_block)"
     if config.model_type == "gemma4_text" and (len(set(config.layer_heads)) > 2 or
                                                (config.num_kv_shared_layers or 0) >= config.num_hidden_layers):
         return "the torch runtime runs Gemma 4 with heads of at most two shapes, and layers with keys of their own"
@@ -1170,6 +1169,13 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
                       r.norm(pre + "post_per_layer_input_norm.weight"))
         if pre + "per_layer_input_gate.weight" in r else None,
         "scalar": r.opt(pre + "layer_scalar"),  # [1] Gemma 4's: the layer's output scaled
+        # Gemma 4's experts beside its dense MLP (``TorchLlama._experts_beside``)
+        "moe_block": {"experts": Experts.load(config, r.weights, pre, r.device, r.dtype),
+                      "router_scale": r.get(pre + "router.scale"),
+                      "pre_norm": r.norm(pre + "pre_feedforward_layernorm_2.weight"),
+                      "dense_norm": r.norm(pre + "post_feedforward_layernorm_1.weight"),
+                      "experts_norm": r.norm(pre + "post_feedforward_layernorm_2.weight")}
+        if pre + "router.proj.weight" in r else None,
     }
 
 
@@ -1301,7 +1307,8 @@ class TorchLlama:
             else r.linear(self.embed, None)  # tied (a bias: ERNIE 4.5 MoE's)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
-        graphable = not any(layer["experts"] for layer in self.layers) or grouped_mm_graphable(device, dtype)
+        graphable = not any(layer["experts"] or layer["moe_block"] for layer in self.layers) \
+            or grouped_mm_graphable(device, dtype)
         if cuda_graphs and self.recurrent is not None:
             raise ValueError("CUDA graphs do not hold recurrent layers' states yet")
         use_graphs = device.type == "cuda" and graphable and self.recurrent is None if cuda_graphs is None else cuda_graphs
@@ -1541,7 +1548,10 @@ class TorchLlama:
                     h = h + mixed
             if (L["gate_up"] is not None or L["experts"] is not None) and not fam.parallel:
                 a = h if L["mlp_norm"] is None else norm(h, L["mlp_norm"], self.eps)
-                h = h + self._residual(self._mlp(L, a), L["post_mlp_norm"])
+                out = self._mlp(L, a)
+                if L["moe_block"] is not None:
+                    out = self._experts_beside(L["moe_block"], h, out)
+                h = h + self._residual(out, L["post_mlp_norm"])
             if L["per_layer"] is not None:  # (Gemma 4's: its per-layer input, gated by the layer's output)
                 gate, project, post_norm = L["per_layer"]
                 h = h + norm(project(ACTIVATIONS[fam.activation](gate(h)) * per_layer[:, :, li]), post_norm, self.eps)
@@ -1686,6 +1696,14 @@ class TorchLlama:
         if L["experts"] is not None:
             out = L["experts"](a) if out is None else L["experts"](a) + out
         return out
+
+    def _experts_beside(self, block: dict, h: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's MLP block: the dense MLP's output ``dense`` and its experts' (of the layer's
+        input ``h`` normed their own way, routed by ``h`` normed without a weight, times the
+        router's scale and hidden ** -0.5), each normed, summed."""
+        route = rms_norm(h, None, self.eps) * block["router_scale"] * h.shape[-1] ** -0.5
+        experts = block["experts"](norm(h, block["pre_norm"], self.eps), route=route)
+        return norm(dense, block["dense_norm"], self.eps) + norm(experts, block["experts_norm"], self.eps)
 
     def _residual(self, out: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
         """What attention's or the MLP's ``out`` adds to the residual stream: normed after
