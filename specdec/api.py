@@ -126,19 +126,16 @@ def vllm_logprobs(tokens: list[int], entries: list[TokenLogprobs], decode) -> li
 
 
 def check_mtp(model, draft, backend: str) -> None:
-    """Refuse method mtp before loading: with a draft model, on backend hf or llamacpp, for a
-    GGUF, or where a local checkpoint's config says it has no MTP layer
-    (``num_nextn_predict_layers``, Qwen's ``mtp_num_hidden_layers``, of an architecture that has
-    them)."""
-    if draft:
-        raise ValueError("method 'mtp' drafts with the target checkpoint's own multi-token prediction layer; "
-                         "give no draft model")
+    """Refuse method mtp before loading: on backend hf or llamacpp, for a GGUF, or without a
+    draft (a Gemma 4 assistant, vLLM's way) where a local checkpoint's config says it has no MTP
+    layer (``num_nextn_predict_layers``, Qwen's ``mtp_num_hidden_layers``, of an architecture that
+    has them)."""
     if backend in ("hf", "llamacpp") or str(model).endswith(".gguf"):
         raise ValueError("method 'mtp' runs the checkpoint's own multi-token prediction layer on specdec's torch "
                          "runtime, read from its safetensors files: not on backend 'hf' or 'llamacpp', nor from "
                          "a GGUF")
     path = Path(model).expanduser() / "config.json" if isinstance(model, str) else None
-    if path is None or not path.is_file():
+    if draft or path is None or not path.is_file():  # (a draft: a Gemma 4 assistant, checked as it loads)
         return
     config = json.loads(path.read_text())
     text = config.get("text_config") or {}
@@ -351,7 +348,8 @@ class LLM:
                 not (Path(c.generation_config) / "generation_config.json").is_file():
             raise ValueError(f"generation_config {c.generation_config!r} is not 'auto', 'vllm' or a directory "
                              "with a generation_config.json")
-        uses_draft = speculative.method in DRAFT_METHODS
+        # (mtp with a draft: a Gemma 4 assistant, else the checkpoint's own MTP layer)
+        uses_draft = speculative.method in DRAFT_METHODS or speculative.method == "mtp" and bool(draft)
         if uses_draft and not draft:
             raise ValueError(f"method {speculative.method!r} needs a draft model (draft=... / --draft, or "
                              "\"model\" in a speculative config)")
@@ -359,7 +357,7 @@ class LLM:
             check_mtp(model, draft, c.backend)
         if draft and not uses_draft:
             raise ValueError(f"a draft model was given but the method is {speculative.method!r}; "
-                             "use method 'draft', 'hybrid', 'eagle' or 'eagle3'")
+                             "use method 'draft', 'hybrid', 'eagle', 'eagle3' or 'mtp' (a Gemma 4 assistant)")
         if c.draft_backend is not None and not uses_draft:
             raise ValueError(f"draft_backend is for a draft model; method {speculative.method!r} has none")
         loading = dict(repack=c.repack, load_format=c.load_format, max_model_len=c.max_model_len,
@@ -458,6 +456,10 @@ class LLM:
             eagle = draft.runtime.kind if isinstance(draft.runtime, EagleHead) else None
         else:
             eagle = eagle_checkpoint(draft, spec.draft_revision)
+        if spec.method == "mtp" and eagle != "mtp":
+            raise ValueError(f"method 'mtp' with a draft model needs a Gemma 4 assistant (gemma4_assistant) as the "
+                             f"draft; {getattr(draft, 'name', draft)!r} is not one (without a draft, method 'mtp' "
+                             "reads the target checkpoint's own multi-token prediction layer)")
         if spec.method in EAGLE_KINDS and eagle != spec.method:
             raise ValueError(f"method {spec.method!r} needs an {spec.method.upper()} head as the draft; "
                              f"{getattr(draft, 'name', draft)!r} is " + (f"an {eagle.upper()} head: use method {eagle!r}"

@@ -333,7 +333,8 @@ class SpecConfig:
 
     # hybrid: n-gram when it matches, else draft (with the cost model: the faster expected)
     # eagle / eagle3: the draft is an EAGLE or EAGLE-3 head (method draft with one becomes its kind)
-    # mtp: the target checkpoint's own multi-token prediction layer (DeepSeek-V3's, GLM-4.5's, Qwen3.5's)
+    # mtp: the target checkpoint's own multi-token prediction layer (DeepSeek-V3's, GLM-4.5's, Qwen3.5's), or
+    # with a draft a Gemma 4 assistant (google/gemma-4-*-it-assistant; method draft with one becomes mtp)
     method: str = "none"  # none | draft | ngram | self | hybrid | eagle | eagle3 | mtp
     num_draft_tokens: int = 4  # k
     ngram_max: int = 3  # longest suffix n-gram the lookup tries first

@@ -91,6 +91,9 @@ class Engine:
         self.k = spec.depth if self.drafters else 0
         self.chunked_prefill_size = chunked_prefill_size  # prompt tokens per step; 0 = whole prompts
         self.cache = self.runtime.new_cache(max_batch_size, max_rows)  # max_rows: the context window
+        for d in self.drafters.values():  # (a Gemma 4 assistant attends over the target's rows)
+            if hasattr(d, "attach"):
+                d.attach(self.cache)
         self.free_slots = list(range(max_batch_size - 1, -1, -1))
         # prefix reuse: a free slot keeps the KV of its last request's prompt, in whole prefill
         # chunks (slot -> those tokens, oldest first), for a new prompt that starts the same

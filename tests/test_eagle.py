@@ -121,41 +121,49 @@ def reference_drafts(head_dir, target_dir, ids: list[int], chain: list[int]) -> 
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("name", ["eagle3", "eagle3-ids", "eagle"])
-@torch.inference_mode()
-def test_head_drafts_as_sglang_and_vllm_lay_them_out(dirs, name):
-    """The head's logits after a prompt and its first output token, fed in two chunks (the
-    target's features handed over per prefill chunk, as the engine does), and after each draft
-    of a chain equal the reference's;
-    a tree's depth fed as one chunk under its mask gives each node the logits its own chain
-    would (the first node's child too)."""
-    llm = LLM(str(dirs["target"]), draft=str(dirs[name]), device="cpu",
-              speculative=SpecConfig(method="draft", draft_quantization="none"))
-    head, target = llm.draft.runtime, llm.target.runtime
-    assert isinstance(head, EagleHead) and llm.spec.method == name.split("-")[0]
-    ids = list(b"the quick brown fox")  # a prompt and the first token the target chose after it
+def assert_drafts_as(reference, head, target, trees: bool = True) -> None:
+    """``head``'s logits after a prompt and the first token the target chose after it (the
+    target's features handed over per prefill chunk, as the engine does; the prompt fed to the
+    head in two chunks) and after each draft of a chain equal ``reference(ids, chain)``'s (its
+    logits after ``ids`` and after each token of ``chain``); with ``trees``, a tree's depth fed
+    as one chunk under its mask gives each node the logits its own chain would (the first
+    node's child too)."""
+    ids = list(b"the quick brown fox")
     tcache, cache = target.new_cache(1), head.new_cache(1)
+    if hasattr(cache, "target"):  # (a Gemma 4 assistant's: the target's rows, as the engine attaches them)
+        cache.target = tcache
     for chunk in (ids[:7], ids[7:-1]):  # the target's prefill of the prompt, chunk by chunk
         start = tcache.lengths[0]
         target.forward(tcache, [0], [chunk])
         cache.store(0, start, head.fuse(target.features[0]))
     chain = [5, 77, 31]
-    ref = reference_drafts(dirs[name], dirs["target"], ids, chain)
+    ref = reference(ids, chain)
     got = [head.forward(cache, [0], [ids[:10]], last_only=True)[0], head.forward(cache, [0], [ids[10:]], last_only=True)[0]]
     for t in chain:
         got.append(head.forward(cache, [0], [[t]], last_only=True)[0])
     torch.testing.assert_close(torch.stack(got[1:]), ref, **CLOSE)
+    if not trees:
+        return
     cache.rewind(0, len(ids))  # a tree's first two depths: (5, 9) under the root, (77, 12) under 5
     depth1 = head.forward(cache, [0], [[5, 9]], chunk_masks=[torch.eye(2, dtype=torch.bool)],
                           positions=[[len(ids)] * 2])[0]
     torch.testing.assert_close(depth1[0], ref[1], **CLOSE)
-    torch.testing.assert_close(depth1[1], reference_drafts(dirs[name], dirs["target"], ids, [9])[1],
-                               **CLOSE)
+    torch.testing.assert_close(depth1[1], reference(ids, [9])[1], **CLOSE)
     depth2 = head.forward(cache, [0], [[77, 12]], chunk_masks=[torch.tensor([[1, 0, 1, 0], [1, 0, 0, 1]]).bool()],
                           positions=[[len(ids) + 1] * 2])[0]
     torch.testing.assert_close(depth2[0], ref[2], **CLOSE)
-    torch.testing.assert_close(depth2[1], reference_drafts(dirs[name], dirs["target"], ids, [5, 12])[2],
-                               **CLOSE)
+    torch.testing.assert_close(depth2[1], reference(ids, [5, 12])[2], **CLOSE)
+
+
+@pytest.mark.parametrize("name", ["eagle3", "eagle3-ids", "eagle"])
+@torch.inference_mode()
+def test_head_drafts_as_sglang_and_vllm_lay_them_out(dirs, name):
+    """The head's drafts, chains and trees, equal the reference's (``assert_drafts_as``)."""
+    llm = LLM(str(dirs["target"]), draft=str(dirs[name]), device="cpu",
+              speculative=SpecConfig(method="draft", draft_quantization="none"))
+    head, target = llm.draft.runtime, llm.target.runtime
+    assert isinstance(head, EagleHead) and llm.spec.method == name.split("-")[0]
+    assert_drafts_as(lambda ids, chain: reference_drafts(dirs[name], dirs["target"], ids, chain), head, target)
 
 
 @pytest.mark.parametrize("name,topk", [("eagle3", 1), ("eagle3", 3), ("eagle", 1), ("eagle", 2)])
@@ -358,8 +366,7 @@ def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["deepseek", "glm45", "qwen35", "qwen3next"])
 @torch.inference_mode()
 def test_mtp_drafts_as_vllm_lays_them_out(mtp_dirs, name):
-    """The MTP layer's logits after a prompt (the target's features handed over per prefill
-    chunk) and after each draft of a chain equal the reference's; the head shares the
+    """The MTP layer's chains equal the reference's (``assert_drafts_as``); the head shares the
     model's embedding and head where the checkpoint's copies equal them."""
     from specdec.runtime.eagle import MtpHead
 
@@ -367,18 +374,7 @@ def test_mtp_drafts_as_vllm_lays_them_out(mtp_dirs, name):
     head, target = llm.draft.runtime, llm.target.runtime
     assert isinstance(head, MtpHead) and head.reads == (target.num_layers,)
     assert (head.embed is target.embed) and ((head.lm_head is target.lm_head) == (name != "glm45"))
-    ids = list(b"the quick brown fox")
-    tcache, cache = target.new_cache(1), head.new_cache(1)
-    for chunk in (ids[:7], ids[7:-1]):
-        start = tcache.lengths[0]
-        target.forward(tcache, [0], [chunk])
-        cache.store(0, start, head.fuse(target.features[0]))
-    chain = [5, 77, 31]
-    ref = reference_mtp(mtp_dirs[name], ids, chain)
-    got = [head.forward(cache, [0], [ids[:10]], last_only=True)[0], head.forward(cache, [0], [ids[10:]], last_only=True)[0]]
-    for t in chain:
-        got.append(head.forward(cache, [0], [[t]], last_only=True)[0])
-    torch.testing.assert_close(torch.stack(got[1:]), ref, **CLOSE)
+    assert_drafts_as(lambda ids, chain: reference_mtp(mtp_dirs[name], ids, chain), head, target, trees=False)
 
 
 @pytest.mark.parametrize("name,topk", [("deepseek", 1), ("deepseek", 2), ("glm45", 1), ("qwen35", 1), ("qwen35", 2),
@@ -401,14 +397,105 @@ def test_greedy_with_mtp_equals_the_target_alone(mtp_dirs, name, topk):
 
 def test_mtp_refusals(mtp_dirs, dirs):
     """Method mtp needs a checkpoint with an MTP layer (a config without one is refused before
-    loading; one whose weights lack it, after), on the torch runtime, and no draft model."""
+    loading; one whose weights lack it, after), on the torch runtime, and no draft model but a
+    Gemma 4 assistant."""
     with pytest.raises(ValueError, match="no multi-token prediction layer"):
         LLM(str(mtp_dirs["none"]), device="cpu", speculative=SpecConfig(method="mtp"))
     with pytest.raises(ValueError, match="config gives no num_nextn_predict_layers or mtp_num_hidden_layers"):  # before loading
         LLM(str(dirs["target"]), device="cpu", speculative=SpecConfig(method="mtp"))
-    with pytest.raises(ValueError, match="give no draft model"):
+    with pytest.raises(ValueError, match="needs a Gemma 4 assistant"):
         LLM(str(mtp_dirs["deepseek"]), draft=str(dirs["target"]), device="cpu", speculative=SpecConfig(method="mtp"))
     for backend in ("hf", "llamacpp"):  # refused before the model loads
         with pytest.raises(ValueError, match="not on backend 'hf' or 'llamacpp', nor from a GGUF"):
             LLM(str(mtp_dirs["deepseek"]), device="cpu", backend=backend, speculative=SpecConfig(method="mtp"))
     assert SpecConfig.from_vllm({"method": "deepseek_mtp"})[0].num_draft_tokens == 1  # vLLM's default: its layers
+
+
+@pytest.fixture(scope="module")
+def gemma4_dirs(tmp_path_factory):
+    """A tiny Gemma 4 target (``tiny.GEMMA4``: windows of 6, wider full-attention heads, shared
+    keys, per-layer inputs) and two assistants for it: E2B's kind (its head over the tokens of
+    the best clusters) and 31B's (a whole head), the latter with two windowed layers."""
+    from tiny import GEMMA4, make_tiny_gemma4_assistant
+
+    root = tmp_path_factory.mktemp("gemma4")
+    target = make_tiny(root / "target", "gemma4_text", seed=27, **GEMMA4)
+    return {"target": target, "clustered": make_tiny_gemma4_assistant(root / "clustered", target, seed=1),
+            "dense": make_tiny_gemma4_assistant(root / "dense", target, seed=2, ordered=False,
+                                                layer_types=("sliding_attention", "sliding_attention",
+                                                             "full_attention"))}
+
+
+def reference_assistant(path, target_path, ids: list[int], chain: list[int]) -> torch.Tensor:
+    """The assistant's logits after the committed ``ids`` and after each token of ``chain``, as
+    transformers' Gemma 4 candidate generator drafts after a prefill: the target's keys and
+    values of ``ids[:-1]`` and its last hidden state there, the last id at its position, each
+    draft fed with the assistant's previous output at that same position."""
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_path).eval()
+    assistant = AutoModelForCausalLM.from_pretrained(path).eval()
+    out = target(torch.tensor([ids[:-1]]), output_hidden_states=True, return_shared_kv_states=True)
+    hidden, token, logits = out.hidden_states[-1][:, -1:], ids[-1], []
+    for step in range(len(chain) + 1):
+        embedding = target.get_input_embeddings()(torch.tensor([[token]]))
+        o = assistant(inputs_embeds=torch.cat([embedding, hidden], dim=-1), position_ids=torch.tensor([[len(ids) - 1]]),
+                      shared_kv_states=out.shared_kv_states)
+        logits.append(o.logits[0, -1])
+        if step < len(chain):
+            hidden, token = o.last_hidden_state, chain[step]
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("name", ["clustered", "dense"])
+@torch.inference_mode()
+def test_gemma4_assistant_drafts_as_transformers(gemma4_dirs, name):
+    """A Gemma 4 assistant's drafts, chains and trees, equal transformers' candidate generator's
+    (``assert_drafts_as``: its prompt is past the target's window, where the windowed layers
+    attend over the last window + 1 rows)."""
+    from specdec.runtime.eagle import Gemma4Assistant
+
+    target_path = gemma4_dirs["target"]
+    llm = LLM(str(target_path), draft=str(gemma4_dirs[name]), device="cpu",
+              speculative=SpecConfig(method="mtp", draft_quantization="none"))
+    head, target = llm.draft.runtime, llm.target.runtime
+    assert isinstance(head, Gemma4Assistant) and llm.spec.method == "mtp" and head.embed is target.embed
+    assert_drafts_as(lambda ids, chain: reference_assistant(gemma4_dirs[name], target_path, ids, chain), head, target)
+
+
+@pytest.mark.parametrize("name,topk", [("clustered", 1), ("clustered", 2), ("dense", 1)])
+def test_greedy_with_a_gemma4_assistant_equals_the_target_alone(gemma4_dirs, name, topk):
+    """Greedy decoding drafting with a Gemma 4 assistant (method draft with one becomes mtp; vLLM's
+    speculative config names it; chains and trees, three requests in one batch, prompts
+    prefilled in chunks, int8 on the CPU) gives the target's own tokens, and every assistant
+    forward over committed tokens in the engine (its target's rows attached) gives
+    transformers' first draft after them; sampled requests repeat with their seed."""
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    target = str(gemma4_dirs["target"])
+    want = [o.token_ids for o in LLM(target, device="cpu").generate(PROMPTS, sp)]
+    spec = SpecConfig(method="draft", num_draft_tokens=3, tree_topk=topk, draft_quantization="none") if topk == 1 \
+        else SpecConfig.from_vllm({"method": "mtp", "model": str(gemma4_dirs[name]), "num_speculative_tokens": 3},
+                                  tree_topk=topk)[0]
+    llm = LLM(target, draft=str(gemma4_dirs[name]), device="cpu", chunked_prefill_size=8, speculative=spec)
+    assert llm.spec.method == "mtp" and isinstance(llm.engine.drafters["draft"], EagleDrafter)
+    calls = recording(llm)
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == want
+    assert all(o.metrics["drafted_tokens"] > 0 for o in outs)
+    assert len(calls) > 8
+    if spec.draft_quantization == "none":
+        for ids, row in calls:
+            torch.testing.assert_close(row, reference_assistant(gemma4_dirs[name], gemma4_dirs["target"], ids, [])[0],
+                                       **CLOSE)
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], sampled)] == \
+        [o.token_ids for o in llm.generate(PROMPTS[:2], sampled)]
+
+
+def test_gemma4_assistant_refusals(gemma4_dirs, dirs):
+    """A Gemma 4 assistant drafts for a Gemma 4 target on the torch runtime alone."""
+    with pytest.raises(ValueError, match="drafts for a Gemma 4 target"):
+        LLM(str(dirs["target"]), draft=str(gemma4_dirs["dense"]), device="cpu", speculative=SpecConfig(method="mtp"))
+    with pytest.raises(ValueError, match="not on backend 'hf' or 'llamacpp'"):
+        LLM(str(gemma4_dirs["target"]), draft=str(gemma4_dirs["dense"]), device="cpu", backend="hf",
+            speculative=SpecConfig(method="mtp"))

@@ -405,6 +405,45 @@ def noisy_copy(src: Path, path: Path, noise: float, seed: int = 0) -> Path:
     return path
 
 
+def make_tiny_gemma4_assistant(path: Path, target: Path, seed: int = 0, ordered: bool = True,
+                                layer_types: tuple[str, ...] = ("sliding_attention", "full_attention"),
+                                std: float = 0.2) -> Path:
+    """A random Gemma 4 assistant (``gemma4_assistant``: Gemma 4's drafter, whose layers attend over
+    its target's keys and values) for the tiny Gemma 4 checkpoint at ``target``: layers of
+    ``layer_types`` with its target's head shapes, narrower (32) than it; ``ordered``: its head
+    over the tokens of the best 2 of 8 clusters (``use_ordered_embeddings``, E2B's and E4B's), else
+    the whole vocabulary (26B-A4B's, 31B's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    t = json.loads((target / "config.json").read_text())
+    kept = ("head_dim", "num_key_value_heads", "attention_k_eq_v",
+            "sliding_window", "rope_parameters", "rms_norm_eps", "vocab_size", "max_position_embeddings",
+            "hidden_activation", "final_logit_softcapping", "bos_token_id", "eos_token_id")
+    text = {**{k: t[k] for k in kept if k in t}, "model_type": "gemma4_text", "hidden_size": 32,
+            "intermediate_size": 64, "num_attention_heads": 4, "num_hidden_layers": len(layer_types),
+            "layer_types": list(layer_types), "num_kv_shared_layers": len(layer_types),
+            "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0, "use_double_wide_mlp": False,
+            "enable_moe_block": False, "initializer_range": std}
+    full = t["per_layer_config"][str(t["layer_types"].index("full_attention"))]  # (its heads' shape)
+    text["per_layer_config"] = {str(i): full for i, kind in enumerate(layer_types) if kind == "full_attention"}
+    config = AutoConfig.for_model("gemma4_assistant", text_config=text, backbone_hidden_size=t["hidden_size"],
+                                  use_ordered_embeddings=ordered, num_centroids=8, centroid_intermediate_top_k=2)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(1 + 0.3 * torch.randn_like(b))
+            elif name.endswith("token_ordering"):  # the tokens of each cluster, side by side
+                b.copy_(torch.randperm(b.shape[0]))
+    model.save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
 def make_tiny_eagle(path: Path, target: Path, kind: str = "eagle3", seed: int = 0, draft_vocab: int | None = None,
                     std: float = 0.2, **config) -> Path:
     """A random EAGLE (``kind="eagle"``, saved as ``pytorch_model.bin`` with EAGLE's names:

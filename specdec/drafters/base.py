@@ -33,4 +33,6 @@ class Drafter(Protocol):
     # (``TorchLlama.capture``), and ``features(seq, start, rows)``, which the engine calls
     # after each target forward with the rows ``[n, features]`` of ``seq``'s committed
     # tokens at positions ``start`` on, and ``share(src, dst, start, end)``, after it copies
-    # the target's KV rows ``start`` to ``end - 1`` from slot ``src`` to slot ``dst``.
+    # the target's KV rows ``start`` to ``end - 1`` from slot ``src`` to slot ``dst``; and
+    # ``attach(cache)``, which the engine calls with the target's KV cache (a Gemma 4
+    # assistant's layers attend over it).

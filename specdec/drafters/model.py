@@ -440,3 +440,9 @@ class EagleDrafter(ModelDrafter):
         """The target copied slot ``src``'s KV rows ``start`` to ``end - 1`` to slot ``dst``:
         their features too."""
         self.cache.share(src, dst, start, end)
+
+    def attach(self, cache) -> None:
+        """The target's KV cache: a Gemma 4 assistant's layers attend over its rows
+        (``runtime.eagle.AssistantCache.target``); an EAGLE head's, over their own."""
+        if hasattr(self.cache, "target"):
+            self.cache.target = cache

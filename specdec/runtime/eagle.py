@@ -31,6 +31,9 @@ token itself. The checkpoints, as SGLang and vLLM load them:
   (``mtp_num_hidden_layers``) are the same in other names (``mtp.``: ``pre_fc_norm_embedding``,
   ``pre_fc_norm_hidden``, ``fc``, ``layers.0``, ``norm``; the model's embedding and head), but
   for the feature: the layer's output after ``mtp.norm``, as vLLM hands it to the next step.
+* **Gemma 4's assistant** (``gemma4_assistant``, vLLM's ``mtp`` method with it as the draft:
+  ``Gemma4Assistant``): a few Gemma 4 layers with queries alone, attending over the target's
+  own keys and values (``AssistantCache.target``), fed EAGLE's pair through ``pre_projection``.
 
 Rows: the head's cache row of the token at position ``p`` holds the pair (feature of
 position ``p - 1``, token ``p``): the target's feature while ``p`` is committed (``store``),
@@ -42,6 +45,7 @@ other token sees it (EAGLE's first pair is (feature 0, token 1)).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -50,8 +54,8 @@ import torch.nn.functional as F
 
 from .cuda_graphs import CudaGraphs
 from .linear import pick_linear
-from .ops import rms_norm
-from .torch_llama import CheckpointReader, Family, KVCache, TorchLlama, decoder_layer, text_model
+from .ops import norm, rms_norm
+from .torch_llama import CheckpointReader, Family, KVCache, TorchLlama, decoder_layer, slot_runs, text_model
 
 EAGLE_KINDS = ("eagle", "eagle3")
 # whose checkpoints may hold MTP layers (Qwen3.5's also as the multimodal checkpoints they are released as)
@@ -60,13 +64,17 @@ MTP_ARCHS = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_
 
 
 def eagle_kind(path: Path, names: Sequence[str] | None = None) -> str | None:
-    """``"eagle3"``, ``"eagle"`` or None: what the checkpoint in ``path`` is, by its config's
-    architectures (EAGLE-3's name one with ``Eagle3``) or its weights' names (``names``;
-    EAGLE-3's ``midlayer.``, EAGLE's ``fc`` beside ``layers.0`` without a model's embedding)."""
+    """``"eagle3"``, ``"eagle"``, ``"mtp"`` (a Gemma 4 assistant, ``Gemma4Assistant``) or None:
+    what the checkpoint in ``path`` is, by its config's model type and architectures (EAGLE-3's
+    name one with ``Eagle3``) or its weights' names (``names``; EAGLE-3's ``midlayer.``, EAGLE's
+    ``fc`` beside ``layers.0`` without a model's embedding)."""
     config = path / "config.json"
     if not config.is_file():
         return None
-    archs = json.loads(config.read_text()).get("architectures") or []
+    fields = json.loads(config.read_text())
+    archs = fields.get("architectures") or []
+    if fields.get("model_type") == "gemma4_assistant":  # Gemma 4's assistant, as vLLM's method mtp takes it
+        return "mtp"
     if any("eagle3" in a.lower() for a in archs):
         return "eagle3"
     if names is None:
@@ -355,6 +363,137 @@ class MtpHead(EagleHead):
         return h, rms_norm(h, L["attn_norm"], self.eps)
 
 
+class AssistantCache(EagleCache):
+    """A Gemma 4 assistant's rows: its output hidden state per row and the target's features
+    (``EagleCache``; its own keys and values: none, one-wide placeholders), and ``target``, the
+    target's ``KVCache`` its layers attend over (the engine's, ``attach``; else a scratch one of
+    zeros, for timing its forwards alone)."""
+
+    def __init__(self, head: "Gemma4Assistant", num_slots: int, max_rows: int | None = None):
+        super().__init__(head, num_slots, max_rows)
+        self.target: KVCache | None = None
+
+
+class Gemma4Assistant(EagleHead):
+    """Gemma 4's assistant (``gemma4_assistant``: the ``google/gemma-4-*-it-assistant``
+    checkpoints), drafting for its Gemma 4 ``target`` as transformers' ``Gemma4AssistantForCausalLM``
+    with its candidate generator does, and vLLM's ``mtp`` method with such a checkpoint:
+
+    * its input is the pair (feature, token) of ``EagleHead``: ``pre_projection`` maps ``[the
+      target's embedding of the token, scaled as the target scales it; the feature]`` (2 x the
+      target's width) to its own width; the feature is the target's last hidden state (after the
+      final norm), or for a draft the assistant's previous output through ``post_projection``
+      (back to the target's width);
+    * its layers are Gemma 4's with queries alone: each attends over the keys and values of the
+      target's last layer of its type with keys of its own (full attention: all rows before the
+      pair's token; sliding: the last ``window + 1`` of them, transformers' bidirectional window),
+      at one position for a whole draft (the last committed token's: ``anchor``), so that it has
+      no cache of its own and its rows of one forward are independent of each other;
+    * its logits (no softcap, as transformers') are its tied head's, or with
+      ``use_ordered_embeddings`` (E2B's, E4B's) those of the tokens of the ``centroid_intermediate_top_k``
+      best of ``num_centroids`` clusters, the others the least of them less 1.
+
+    Rows: a committed token's anchor is its own position, a draft's the last committed one's
+    (``EagleCache.known``): the target's cache holds exactly the rows before it when the engine
+    drafts. No CUDA graphs: it attends over the target's buffers, which grow."""
+
+    def __init__(self, config, weights, target: TorchLlama, linear: str):
+        text = text_model(config.text_config)[0]
+        stores = {layer["sliding"]: layer["kv"] for layer in target.layers if layer.get("kv") and not layer["kv"].reuse}
+        if target.family.embed_scale is None or not stores or text.model_type != "gemma4_text":
+            raise ValueError("a Gemma 4 assistant drafts for a Gemma 4 target (its layers attend over the target's "
+                             "keys and values)")
+        if config.backbone_hidden_size != target.embed.shape[1] or text.vocab_size != target.vocab_size:
+            raise ValueError(f"this Gemma 4 assistant was trained for a target {config.backbone_hidden_size} wide with "
+                             f"{text.vocab_size} tokens, not {target.embed.shape[1]} with {target.vocab_size}")
+        self.kind, self.target = "mtp", target
+        self.device, self.dtype = target.device, target.dtype
+        self.num_layers, self.num_heads = text.num_hidden_layers, text.num_attention_heads
+        self.kv_heads = self.head_dim = 1  # (its own cache's placeholders: it has none)
+        self.hidden_size = target.embed.shape[1]  # its features': the target's width
+        self.eps, self.max_context = text.rms_norm_eps, target.max_context
+        self.family, self.window, self.latent = Family.of(text, self.dtype), None, None
+        self.reach = target.window  # the target's sliding window (its sliding layers': ``window + 1`` rows)
+        self._init_rope(text)
+        self.multi_row = self.one_row_packed = False
+        self.taps, self.features, self.graphs = (), None, None
+        r = CheckpointReader(weights, self.device, self.dtype, self.family, linear, multi_row=False)
+        self.layers = []
+        for i, kind in enumerate(text.layer_types):
+            place = stores.get(kind == "sliding_attention")
+            if place is None or text.layer_heads[i][1] != place.dim or self.num_heads % place.heads:
+                raise ValueError(f"this Gemma 4 assistant's layer {i} ({kind}) has no layer of its kind and head "
+                                 "width in the target to attend over")
+            self.layers.append(decoder_layer(r, text, f"model.layers.{i}.", sliding=kind == "sliding_attention",
+                                             rope=kind if kind in self.rope else None, kv=replace(place, reuse=True)))
+        self.norm = r.norm("model.norm.weight")
+        self.pre_projection = r.linear(r.get("pre_projection.weight"), None)
+        self.post_projection = r.linear(r.get("post_projection.weight"), None)
+        self.head = r.get("lm_head.weight" if "lm_head.weight" in r else "model.embed_tokens.weight")  # [vocab, width]
+        self.lm_head = r.linear(self.head, None)
+        self.embed, self.vocab_size = target.embed, target.vocab_size
+        self.reads = (target.num_layers,)  # the last hidden state, after the final norm
+        self.to_target, self.logit_scale, self.normed_feature = None, 1.0, False
+        self.clusters = None  # [clusters, tokens per cluster] its ordered tokens, and how many clusters it keeps
+        if getattr(config, "use_ordered_embeddings", False):
+            self.centroids = r.linear(r.get("masked_embedding.centroids.weight"), None)
+            order = weights["masked_embedding.token_ordering"].to(self.device, torch.long)
+            self.clusters = order.view(config.num_centroids, -1)
+            self.keep = config.centroid_intermediate_top_k
+
+    def new_cache(self, num_slots: int, max_rows: int | None = None) -> AssistantCache:
+        return AssistantCache(self, num_slots, max_rows)
+
+    def _batch(self, cache: AssistantCache, starts, slots, tokens, positions, chunk_masks, T, keys, long=None):
+        """``EagleHead._batch``'s inputs, but each row's position its anchor, and its masks over
+        the target's rows before it (``[B, 1, T, S]``, S: the greatest anchor; at least row 0)."""
+        x = super()._batch(cache, starts, slots, tokens, positions, chunk_masks, T, keys, long)
+        anchor = torch.zeros(len(slots), T, dtype=torch.long)  # [B, T]
+        for b, (slot, toks) in enumerate(zip(slots, tokens)):
+            given = positions is not None and positions[b] is not None
+            pos = torch.tensor(positions[b] if given else range(starts[b], starts[b] + len(toks)))
+            anchor[b, : len(toks)] = pos.clamp(max=cache.known[slot])
+        S = max(1, int(anchor.max()))
+        if cache.target is None:  # timed alone: attend over zeros
+            cache.target = self.target.new_cache(len(cache.lengths))
+        cache.target.ensure(S, max(slots) + 1)
+        key = torch.arange(S)
+        seen = key < anchor.clamp(min=1)[..., None]  # [B, T, S]
+        near = seen & (key >= anchor[..., None] - (self.reach or S) - 1)
+        x.pos, x.mask, x.sliding = (t.to(self.device) for t in (anchor, seen[:, None], near[:, None]))
+        x.runs = slot_runs(list(slots), S)
+        return x
+
+    def _layers(self, cache: AssistantCache, x, last: torch.Tensor | None = None, to_float: bool = True):
+        if last is not None:  # its rows are independent: the last of each alone
+            B = x.ids.shape[0]
+            rows = torch.arange(B, device=x.ids.device)
+            x = replace(x, ids=x.ids[rows, last][:, None], pos=x.pos[rows, last][:, None],
+                        write=x.write[rows, last][:, None], hidden=x.hidden[rows, last][:, None],
+                        mask=x.mask[rows, :, last][:, :, None], sliding=x.sliding[rows, :, last][:, :, None])
+        e = F.embedding(x.ids, self.embed) * self.target.family.embed_scale  # [B, T, target width]
+        h = self.pre_projection(torch.cat([e, x.hidden], dim=-1))  # [B, T, width]
+        rope = self._rope(x.pos)
+        for L in self.layers:  # Gemma 4's layer, its queries over the target's rows
+            h = h + self._residual(self._attend(cache.target, x, L, norm(h, L["attn_norm"], self.eps), rope),
+                                   L["post_attn_norm"])
+            h = h + self._residual(self._mlp(L, norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])
+            h = h * L["scalar"] if L["scalar"] is not None else h
+        h = norm(h, self.norm, self.eps)
+        cache.hidden[x.slots[:, None], x.write] = self.post_projection(h)  # the next draft's feature
+        logits = self.lm_head(h) if self.clusters is None else self._clustered(h)  # [B, T, vocab]
+        logits = logits[:, 0] if last is not None else logits
+        return (logits.float() if to_float else logits), None
+
+    def _clustered(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` of the tokens of the ``keep`` best clusters for ``h [B, T,
+        width]``; every other token's: the least of those less 1."""
+        tokens = self.clusters[self.centroids(h).topk(self.keep, dim=-1).indices].flatten(-2)  # [B, T, n]
+        chosen = (self.head[tokens] @ h[..., None])[..., 0]  # [B, T, n]
+        out = (chosen.amin(-1, keepdim=True) - 1).expand(*h.shape[:-1], self.vocab_size)
+        return out.scatter(-1, tokens, chosen)
+
+
 def head_linear(rt: TorchLlama, quantize: str) -> str:
     """A head's linears' kind beside the target runtime ``rt``: ``quantize`` is
     ``draft_quantization`` (auto: int8 on a CPU in float32)."""
@@ -397,8 +536,8 @@ def eagle_checkpoint(draft: str, revision: str | None = None) -> str | None:
 
 
 def load_eagle(draft: str, kind: str, target, quantize: str = "auto", revision: str | None = None):
-    """The EAGLE head ``draft`` (a directory or hub id; ``kind`` as ``eagle_checkpoint`` found
-    it) on ``target``'s device and dtype, as a ``LoadedModel`` with the target's tokenizer;
+    """The EAGLE head or Gemma 4 assistant ``draft`` (a directory or hub id; ``kind`` as
+    ``eagle_checkpoint`` found it) on ``target``'s device and dtype, as a ``LoadedModel`` with the target's tokenizer;
     ``quantize``: ``draft_quantization`` (auto: int8 linears on a CPU in float32)."""
     from transformers import AutoConfig
 
@@ -410,5 +549,8 @@ def load_eagle(draft: str, kind: str, target, quantize: str = "auto", revision: 
                          "gives: run the target with backend 'torch' (or 'auto', for an architecture it runs)")
     path = resolve(draft, weights=True, revision=revision)
     config = AutoConfig.from_pretrained(path)
-    head = EagleHead(kind, config, Weights(path), rt, head_linear(rt, quantize), cuda_graphs=rt.graphs is not None)
+    if kind == "mtp":
+        head = Gemma4Assistant(config, Weights(path), rt, head_linear(rt, quantize))
+    else:
+        head = EagleHead(kind, config, Weights(path), rt, head_linear(rt, quantize), cuda_graphs=rt.graphs is not None)
     return LoadedModel(str(draft), path, head, target.tokenizer, target.eos_ids, config)
