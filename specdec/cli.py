@@ -73,7 +73,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "Cohere (Command R, R+, R7B), StarCoder2, Apertus, Phi, GPT-NeoX (Pythia), StableLM, "
                         "Persimmon, GPT-J, CodeGen, Falcon, GPT-2, GPT-Neo, GPT-BigCode, OPT, BLOOM, MPT, Nemotron, "
                         "EXAONE 3, InternLM 3, IQuest-Coder, Helium, Granite-SWA, Jais 2, NanoChat, CWM, Youtu, "
-                        "MiniCPM3, Gemma, Gemma 2, VaultGemma, Gemma 3, Gemma 4, Mixtral, Qwen2/3-MoE, OLMoE, FlexOlmo, "
+                        "MiniCPM3, Gemma, Gemma 2, VaultGemma, Gemma 3, Gemma 4 (12B's unified model too), Mixtral, Qwen2/3-MoE, OLMoE, FlexOlmo, "
                         "EXAONE-MoE, Llama 4, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, dots.llm1, "
                         "ERNIE 4.5 MoE, Granite MoE (-SWA), GPT-OSS, GLM-4.5, DeepSeek-V2/V3, GLM-4.7-Flash, Mistral 4, "
                         "Qwen3-Next, Qwen3.5 (-MoE), Granite 4.0 (-H), Bamba, Nemotron-H, Falcon-H1, Jamba, LFM2 (-MoE), "

@@ -415,15 +415,20 @@ def test_mtp_refusals(mtp_dirs, dirs):
 def gemma4_dirs(tmp_path_factory):
     """A tiny Gemma 4 target (``tiny.GEMMA4``: windows of 6, wider full-attention heads, shared
     keys, per-layer inputs) and two assistants for it: E2B's kind (its head over the tokens of
-    the best clusters) and 31B's (a whole head), the latter with two windowed layers."""
+    the best clusters) and 31B's (a whole head), the latter with two windowed layers; and a
+    unified one (12B's kind: no per-layer inputs, no shared keys) with its own assistant."""
     from tiny import GEMMA4, make_tiny_gemma4_assistant
 
     root = tmp_path_factory.mktemp("gemma4")
     target = make_tiny(root / "target", "gemma4_text", seed=27, **GEMMA4)
+    unified = make_tiny(root / "unified-target", "gemma4_unified_text", seed=28, **{
+        k: v for k, v in GEMMA4.items() if k not in ("vocab_size_per_layer_input", "hidden_size_per_layer_input",
+                                                      "use_double_wide_mlp", "num_kv_shared_layers")})
     return {"target": target, "clustered": make_tiny_gemma4_assistant(root / "clustered", target, seed=1),
             "dense": make_tiny_gemma4_assistant(root / "dense", target, seed=2, ordered=False,
                                                 layer_types=("sliding_attention", "sliding_attention",
-                                                             "full_attention"))}
+                                                             "full_attention")),
+            "unified-target": unified, "unified": make_tiny_gemma4_assistant(root / "unified", unified, seed=3)}
 
 
 def reference_assistant(path, target_path, ids: list[int], chain: list[int]) -> torch.Tensor:
@@ -447,7 +452,7 @@ def reference_assistant(path, target_path, ids: list[int], chain: list[int]) -> 
     return torch.stack(logits)
 
 
-@pytest.mark.parametrize("name", ["clustered", "dense"])
+@pytest.mark.parametrize("name", ["clustered", "dense", "unified"])
 @torch.inference_mode()
 def test_gemma4_assistant_drafts_as_transformers(gemma4_dirs, name):
     """A Gemma 4 assistant's drafts, chains and trees, equal transformers' candidate generator's
@@ -455,7 +460,7 @@ def test_gemma4_assistant_drafts_as_transformers(gemma4_dirs, name):
     attend over the last window + 1 rows)."""
     from specdec.runtime.eagle import Gemma4Assistant
 
-    target_path = gemma4_dirs["target"]
+    target_path = gemma4_dirs["unified-target" if name == "unified" else "target"]
     llm = LLM(str(target_path), draft=str(gemma4_dirs[name]), device="cpu",
               speculative=SpecConfig(method="mtp", draft_quantization="none"))
     head, target = llm.draft.runtime, llm.target.runtime
@@ -463,7 +468,7 @@ def test_gemma4_assistant_drafts_as_transformers(gemma4_dirs, name):
     assert_drafts_as(lambda ids, chain: reference_assistant(gemma4_dirs[name], target_path, ids, chain), head, target)
 
 
-@pytest.mark.parametrize("name,topk", [("clustered", 1), ("clustered", 2), ("dense", 1)])
+@pytest.mark.parametrize("name,topk", [("clustered", 1), ("clustered", 2), ("dense", 1), ("unified", 2)])
 def test_greedy_with_a_gemma4_assistant_equals_the_target_alone(gemma4_dirs, name, topk):
     """Greedy decoding drafting with a Gemma 4 assistant (method draft with one becomes mtp; vLLM's
     speculative config names it; chains and trees, three requests in one batch, prompts
@@ -471,7 +476,7 @@ def test_greedy_with_a_gemma4_assistant_equals_the_target_alone(gemma4_dirs, nam
     forward over committed tokens in the engine (its target's rows attached) gives
     transformers' first draft after them; sampled requests repeat with their seed."""
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
-    target = str(gemma4_dirs["target"])
+    target = str(gemma4_dirs["unified-target" if name == "unified" else "target"])
     want = [o.token_ids for o in LLM(target, device="cpu").generate(PROMPTS, sp)]
     spec = SpecConfig(method="draft", num_draft_tokens=3, tree_topk=topk, draft_quantization="none") if topk == 1 \
         else SpecConfig.from_vllm({"method": "mtp", "model": str(gemma4_dirs[name]), "num_speculative_tokens": 3},
@@ -485,8 +490,7 @@ def test_greedy_with_a_gemma4_assistant_equals_the_target_alone(gemma4_dirs, nam
     assert len(calls) > 8
     if spec.draft_quantization == "none":
         for ids, row in calls:
-            torch.testing.assert_close(row, reference_assistant(gemma4_dirs[name], gemma4_dirs["target"], ids, [])[0],
-                                       **CLOSE)
+            torch.testing.assert_close(row, reference_assistant(gemma4_dirs[name], target, ids, [])[0], **CLOSE)
     sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(PROMPTS[:2], sampled)] == \
         [o.token_ids for o in llm.generate(PROMPTS[:2], sampled)]

@@ -304,6 +304,9 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "gemma4-plain": ("gemma4_text", dict(GEMMA4, attention_k_eq_v=False, hidden_size_per_layer_input=0,
                                          num_kv_shared_layers=0, use_double_wide_mlp=False)),
     "gemma4-experts-beside": ("gemma4_text", GEMMA4_MOE),
+    # Gemma 4 12B's kind (the unified model: no per-layer inputs, keys as values on its full layers)
+    "gemma4-unified": ("gemma4_unified_text", {k: v for k, v in GEMMA4.items() if k not in (
+        "vocab_size_per_layer_input", "hidden_size_per_layer_input", "use_double_wide_mlp", "num_kv_shared_layers")}),
     "minicpm3-latent-mup": ("minicpm3", dict(LATENT, scale_emb=3.0, scale_depth=1.4, dim_model_base=16,
                                              rope_parameters=dict(rope_type="longrope", rope_theta=10000.0,
                                                                   original_max_position_embeddings=512,
@@ -387,7 +390,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "hunyuanmoe-experts", "nanochat-weightless-norms", "afmoe-gated-windows-experts",
                                   "cwm-windows", "codegen-blocks", "persimmon-qk-layernorm",
                                   "phi3-longrope-partial", "phi3-longrope-long", "gemma4-shared-kv-per-layer",
-                                  "gemma4-plain"])
+                                  "gemma4-plain", "gemma4-unified"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -520,12 +523,13 @@ RECURRENT_VL = ("qwen3_5", "lfm2_vl")  # text models with recurrent states: chai
 
 @pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "llava_next", "llava_onevision", "qwen2_vl",
                                   "qwen2_5_vl", "qwen3_vl", "glm4v", "glm4v_moe", "internvl", "smolvlm", "lfm2_vl",
-                                  "qwen3_5", "gemma4"])
+                                  "qwen3_5", "gemma4", "gemma4_unified"])
 def test_vision_language_text_model(tmp_path, kind):
     """Mistral 3's (with a Mistral text model, or Ministral 3's: its queries scaled past the
     original context), LLaVA's, LLaVA-NeXT's, LLaVA-OneVision's, Qwen2-VL's to Qwen3-VL's, GLM-4.1V's, GLM-4.5V's, InternVL's, SmolVLM's (its text
     model under model.text_model.) and LFM2-VL's checkpoints (no causal LMs in
-    transformers: its hf runtime cannot run them) and Qwen3.5's and Gemma 4's, as released, run their text
+    transformers: its hf runtime cannot run them) and Qwen3.5's and Gemma 4's (E2B to 31B's, and 12B's unified model),
+    as released, run their text
     model on the torch runtime: logits equal transformers' image-text-to-text model's on text
     (bit for bit, float32 and bfloat16; the Qwens' multimodal rope on text alone; Qwen3.5's
     DeltaNet layers' fused input products, LFM2's convolutions and Gemma 4's norms (a power of -0.5
@@ -550,7 +554,7 @@ def test_vision_language_text_model(tmp_path, kind):
         with torch.no_grad():
             ref = hf(input_ids=ids).logits[0].float()
         ours = rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0]
-        if kind in RECURRENT_VL + ("gemma4",) and dtype == torch.float32:
+        if kind in RECURRENT_VL + ("gemma4", "gemma4_unified") and dtype == torch.float32:
             assert (ours - ref).abs().max() < ATOL * ref.abs().max(), (ours - ref).abs().max()
         else:
             assert torch.equal(ours, ref), dtype
@@ -570,7 +574,7 @@ def test_vision_language_text_model(tmp_path, kind):
         assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
     dummy = load_model(str(path), load_format="dummy").runtime
     assert dummy.forward(dummy.new_cache(1), [0], [ids[0].tolist()])[0].std().item() > 0.1
-    if kind not in ("qwen3_5", "gemma4"):  # (transformers has a causal LM for Qwen3.5's, Gemma 4's)
+    if kind not in ("qwen3_5", "gemma4", "gemma4_unified"):  # (transformers has a causal LM for Qwen3.5's, Gemma 4's)
         with pytest.raises(ValueError, match=f"no causal LM for '{vl}' .* use backend 'torch' or 'auto'"):
             load_model(str(path), backend="hf")
     import json  # a processor's chat template (LLaVA's), where the tokenizer has none
@@ -1114,7 +1118,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "afmoe-gated-windows-experts", "gptneo-local-layers", "youtu-latent-dense",
                                   "axk1-latent-experts-normed", "codegen-blocks", "persimmon-qk-layernorm",
                                   "dbrx-experts-clip", "kolibri1-windows-experts", "flint-sinks-windows-experts",
-                                  "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain",
+                                  "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain", "gemma4-unified",
                                   "gemma4-experts-beside"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the

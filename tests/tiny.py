@@ -269,6 +269,13 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
                     tie_word_embeddings=True),
                dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
                dict(audio_config=None)),
+    # Gemma 4 12B's (the unified model: ``GEMMA4``'s text model without per-layer inputs or shared keys)
+    "gemma4_unified": (dict(model_type="gemma4_unified_text", num_hidden_layers=6, tie_word_embeddings=True,
+                            **{k: v for k, v in GEMMA4.items() if k not in (
+                                "layers", "vocab_size_per_layer_input", "hidden_size_per_layer_input",
+                                "use_double_wide_mlp", "num_kv_shared_layers")}),
+                       dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+                       dict(audio_config=None)),
     # Gemma 3's 4B and up: windows on one layer of two, eos in the text config, tied embeddings
     "gemma3": (dict(model_type="gemma3_text", head_dim=16, sliding_window=6, query_pre_attn_scalar=24, pad_token_id=0,
                     layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True),
@@ -409,7 +416,8 @@ def make_tiny_gemma4_assistant(path: Path, target: Path, seed: int = 0, ordered:
                                 layer_types: tuple[str, ...] = ("sliding_attention", "full_attention"),
                                 std: float = 0.2) -> Path:
     """A random Gemma 4 assistant (``gemma4_assistant``: Gemma 4's drafter, whose layers attend over
-    its target's keys and values) for the tiny Gemma 4 checkpoint at ``target``: layers of
+    its target's keys and values; ``gemma4_unified_assistant`` for a unified model, 12B's) for the
+    tiny Gemma 4 checkpoint at ``target``: layers of
     ``layer_types`` with its target's head shapes, narrower (32) than it; ``ordered``: its head
     over the tokens of the best 2 of 8 clusters (``use_ordered_embeddings``, E2B's and E4B's), else
     the whole vocabulary (26B-A4B's, 31B's)."""
@@ -419,14 +427,17 @@ def make_tiny_gemma4_assistant(path: Path, target: Path, seed: int = 0, ordered:
     kept = ("head_dim", "num_key_value_heads", "attention_k_eq_v",
             "sliding_window", "rope_parameters", "rms_norm_eps", "vocab_size", "max_position_embeddings",
             "hidden_activation", "final_logit_softcapping", "bos_token_id", "eos_token_id")
-    text = {**{k: t[k] for k in kept if k in t}, "model_type": "gemma4_text", "hidden_size": 32,
+    unified = t["model_type"] == "gemma4_unified_text"  # (12B's: its assistant's kind, without these fields)
+    text = {**{k: t[k] for k in kept if k in t}, "model_type": t["model_type"], "hidden_size": 32,
             "intermediate_size": 64, "num_attention_heads": 4, "num_hidden_layers": len(layer_types),
-            "layer_types": list(layer_types), "num_kv_shared_layers": len(layer_types),
-            "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0, "use_double_wide_mlp": False,
-            "enable_moe_block": False, "initializer_range": std}
+            "layer_types": list(layer_types), "num_kv_shared_layers": len(layer_types), "use_double_wide_mlp": False,
+            "initializer_range": std,
+            **({} if unified else dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                                       enable_moe_block=False))}
     full = t["per_layer_config"][str(t["layer_types"].index("full_attention"))]  # (its heads' shape)
     text["per_layer_config"] = {str(i): full for i, kind in enumerate(layer_types) if kind == "full_attention"}
-    config = AutoConfig.for_model("gemma4_assistant", text_config=text, backbone_hidden_size=t["hidden_size"],
+    config = AutoConfig.for_model("gemma4_unified_assistant" if unified else "gemma4_assistant", text_config=text,
+                                  backbone_hidden_size=t["hidden_size"],
                                   use_ordered_embeddings=ordered, num_centroids=8, centroid_intermediate_top_k=2)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()

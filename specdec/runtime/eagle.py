@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from .cuda_graphs import CudaGraphs
 from .linear import pick_linear
 from .ops import norm, rms_norm
-from .torch_llama import CheckpointReader, Family, KVCache, TorchLlama, decoder_layer, slot_runs, text_model
+from .torch_llama import GEMMA4, CheckpointReader, Family, KVCache, TorchLlama, decoder_layer, slot_runs, text_model
 
 EAGLE_KINDS = ("eagle", "eagle3")
 # whose checkpoints may hold MTP layers (Qwen3.5's also as the multimodal checkpoints they are released as)
@@ -73,7 +73,8 @@ def eagle_kind(path: Path, names: Sequence[str] | None = None) -> str | None:
         return None
     fields = json.loads(config.read_text())
     archs = fields.get("architectures") or []
-    if fields.get("model_type") == "gemma4_assistant":  # Gemma 4's assistant, as vLLM's method mtp takes it
+    if fields.get("model_type") in ("gemma4_assistant", "gemma4_unified_assistant"):  # Gemma 4's assistants, as
+        # vLLM's method mtp takes them
         return "mtp"
     if any("eagle3" in a.lower() for a in archs):
         return "eagle3"
@@ -376,7 +377,7 @@ class AssistantCache(EagleCache):
 
 class Gemma4Assistant(EagleHead):
     """Gemma 4's assistant (``gemma4_assistant``: the ``google/gemma-4-*-it-assistant``
-    checkpoints), drafting for its Gemma 4 ``target`` as transformers' ``Gemma4AssistantForCausalLM``
+    checkpoints; ``gemma4_unified_assistant``: 12B's, for its unified model), drafting for its Gemma 4 ``target`` as transformers' ``Gemma4AssistantForCausalLM``
     with its candidate generator does, and vLLM's ``mtp`` method with such a checkpoint:
 
     * its input is the pair (feature, token) of ``EagleHead``: ``pre_projection`` maps ``[the
@@ -400,7 +401,7 @@ class Gemma4Assistant(EagleHead):
     def __init__(self, config, weights, target: TorchLlama, linear: str):
         text = text_model(config.text_config)[0]
         stores = {layer["sliding"]: layer["kv"] for layer in target.layers if layer.get("kv") and not layer["kv"].reuse}
-        if target.family.embed_scale is None or not stores or text.model_type != "gemma4_text":
+        if target.family.embed_scale is None or not stores or text.model_type not in GEMMA4:
             raise ValueError("a Gemma 4 assistant drafts for a Gemma 4 target (its layers attend over the target's "
                              "keys and values)")
         if config.backbone_hidden_size != target.embed.shape[1] or text.vocab_size != target.vocab_size:
@@ -429,17 +430,19 @@ class Gemma4Assistant(EagleHead):
         self.norm = r.norm("model.norm.weight")
         self.pre_projection = r.linear(r.get("pre_projection.weight"), None)
         self.post_projection = r.linear(r.get("post_projection.weight"), None)
-        self.head = r.get("lm_head.weight" if "lm_head.weight" in r else "model.embed_tokens.weight")  # [vocab, width]
-        self.lm_head = r.linear(self.head, None)
+        head = r.get("lm_head.weight" if "lm_head.weight" in r else "model.embed_tokens.weight")  # [vocab, width]
         self.embed, self.vocab_size = target.embed, target.vocab_size
         self.reads = (target.num_layers,)  # the last hidden state, after the final norm
         self.to_target, self.logit_scale, self.normed_feature = None, 1.0, False
         self.clusters = None  # [clusters, tokens per cluster] its ordered tokens, and how many clusters it keeps
-        if getattr(config, "use_ordered_embeddings", False):
+        if getattr(config, "use_ordered_embeddings", False):  # (its head's rows gathered: ``_clustered``)
+            self.head, self.lm_head = head, None
             self.centroids = r.linear(r.get("masked_embedding.centroids.weight"), None)
             order = weights["masked_embedding.token_ordering"].to(self.device, torch.long)
             self.clusters = order.view(config.num_centroids, -1)
             self.keep = config.centroid_intermediate_top_k
+        else:
+            self.lm_head = r.linear(head, None)
 
     def new_cache(self, num_slots: int, max_rows: int | None = None) -> AssistantCache:
         return AssistantCache(self, num_slots, max_rows)

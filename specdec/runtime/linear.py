@@ -97,16 +97,17 @@ MULTI_ROW_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
 def linear_bytes(config) -> int:
     """fp32 bytes of a model's ``Linear`` weights (from its config): attention's (latent or not) or a recurrent layer's,
     the dense MLPs' (a MoE layer's shared experts': Qwen2-MoE's, GLM-4.5's, Granite's) and the head; not ``Experts``'."""
-    from .torch_llama import Family, text_model  # (its module imports this one)
+    from .torch_llama import GEMMA4, Family, text_model  # (its module imports this one)
 
     config = text_model(config)[0]  # (GPT-J's and Falcon's fields under Llama's names)
     h, heads = config.hidden_size, getattr(config, "num_attention_heads", None) or 1
     d = getattr(config, "head_dim", None) or h // heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     rec = recurrent_mixer(config)  # Qwen3.5's DeltaNet layers beside its gated attention (queries' gates too)
-    if config.model_type == "gemma4_text":  # heads per layer; shared keys, or keys as values; wider shared MLPs
+    if config.model_type in GEMMA4:  # heads per layer; shared keys, or keys as values; wider shared MLPs
         first_shared = config.num_hidden_layers - (config.num_kv_shared_layers or 0)
-        per_layer = config.hidden_size_per_layer_input or 0  # its per-layer inputs' projections: 3 per layer
+        per_layer = getattr(config, "hidden_size_per_layer_input", None) or 0  # its per-layer inputs' projections: 3
+        # per layer
         total = config.vocab_size * h + 3 * config.num_hidden_layers * h * per_layer
         for i, (kv_i, d_i) in enumerate(config.layer_heads):
             own = 0 if i >= first_shared else 1 if config.attention_k_eq_v and \
@@ -154,12 +155,12 @@ def linear_bytes(config) -> int:
 
 def expert_bytes(config) -> int:
     """fp32 bytes of a model's ``Experts`` (from its config; 0 without)."""
-    from .torch_llama import text_model
+    from .torch_llama import GEMMA4, text_model
 
     config = text_model(config)[0]  # (DBRX's fields under Llama's names)
-    if config.model_type == "gemma4_text":  # (its experts beside the dense MLP on every layer)
+    if config.model_type in GEMMA4:  # (its experts beside the dense MLP on every layer)
         return 4 * config.num_hidden_layers * num_experts(config) * 3 * config.hidden_size * \
-            config.moe_intermediate_size if config.enable_moe_block else 0
+            config.moe_intermediate_size if getattr(config, "enable_moe_block", False) else 0
     if not any(moe_layers(config)):
         return 0
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size

@@ -57,13 +57,14 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa",
             "granitemoe_swa")  # (Granite-SWA's and its MoE's: windows on the layers layer_types names, a sink per head,
 # a rope base per layer, layer_rope_theta, 0 for none)
+GEMMA4 = ("gemma4_text", "gemma4_unified_text")  # Gemma 4's text models (the unified one, 12B's: no per-layer inputs)
 ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
-    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", "gemma4_text")
+    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4)
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -92,7 +93,8 @@ MULTIMODAL.update(dict.fromkeys(("qwen3_5", "qwen3_5_moe"), ("model.language_mod
 MULTIMODAL.update(dict.fromkeys(("glm4v", "glm4v_moe"), ("model.language_model.", "language_model.model.")))
 # Llama 4's (Scout's, Maverick's; "model.": transformers' causal LM of its config, dummy weights' names)
 MULTIMODAL["llama4"] = ("language_model.model.", "model.language_model.", "model.")
-MULTIMODAL["gemma4"] = ("model.language_model.", "language_model.model.", "model.")  # (Gemma 4's)
+MULTIMODAL.update(dict.fromkeys(("gemma4", "gemma4_unified"),
+                                ("model.language_model.", "language_model.model.", "model.")))  # (Gemma 4's)
 
 
 class TextWeights:
@@ -311,7 +313,7 @@ def text_model(config, weights=None):
         config = config.get_text_config(decoder=True)
     if config.model_type in LLAMA_FIELDS:
         config = llama_fields(config)
-    if config.model_type == "gemma4_text":
+    if config.model_type in GEMMA4:
         config = per_layer_fields(config)
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
         return config, RenamedWeights(weights, config)
@@ -595,7 +597,7 @@ class Family:
         if config.model_type == "llama4_text":  # rotary pairs interleaved, rotated in float32
             return cls(activation=act, interleaved_rope=True, rope_math="float", l2_qk_norm=config.use_qk_norm,
                        query_temperature=query_temperature(config))
-        if config.model_type == "gemma4_text":  # Gemma's embeddings; norms of the weight (not 1 +) in float32;
+        if config.model_type in GEMMA4:  # Gemma's embeddings; norms of the weight (not 1 +) in float32;
             # scores not scaled (q/k norms instead)
             return cls(float_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                        attn_scale=1.0, final_softcap=config.final_logit_softcapping,
@@ -891,7 +893,7 @@ def unsupported(config) -> str | None:
     if config.model_type == "hunyuan_v1_moe" and len({*(config.moe_topk if isinstance(config.moe_topk, list)
                                                         else [config.moe_topk])}) > 1:
         return "the torch runtime routes every layer to as many experts (one moe_topk)"
-    if config.model_type == "gemma4_text" and (len(set(config.layer_heads)) > 2 or
+    if config.model_type in GEMMA4 and (len(set(config.layer_heads)) > 2 or
                                                (config.num_kv_shared_layers or 0) >= config.num_hidden_layers):
         return "the torch runtime runs Gemma 4 with heads of at most two shapes, and layers with keys of their own"
     if config.model_type == "mpt" and config.attn_config.qk_ln:  # (transformers' MPT leaves it out)
