@@ -26,7 +26,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                                        "(default: the model's own; e.g. the original model's beside a GGUF)")
     g.add_argument("--revision", help="the hub model's branch, tag or commit (default: main)")
     g.add_argument("--tokenizer-revision", help="a hub tokenizer's branch, tag or commit (default: --revision)")
-    g.add_argument("--quantization", "-q", help="the checkpoint's quantization, checked (vLLM's flag: gguf, gptq, awq, "
+    g.add_argument("--quantization", "-q", help="the checkpoint's quantization, checked (vLLM's flag: gguf, fp8, gptq, awq, "
                                                 "...); specdec quantizes nothing at load (default: as it is)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="run the checkpoint's own Python code (config, tokenizer, model on transformers' "

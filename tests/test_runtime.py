@@ -1220,6 +1220,37 @@ def test_gpt_oss_mxfp4_experts(tmp_path):
     assert isinstance(model.runtime, TorchLlama)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_fp8_checkpoints_dequantize_at_load(tmp_path, arch):
+    """A checkpoint in transformers' fine-grained FP8 (``tiny.fp8_copy``: blocks of 24 x 16, which the
+    tiny dimensions leave short at their ends) runs on the torch runtime, dequantized at load:
+    its logits equal those of the checkpoint holding the dequantized weights (computed block by
+    block), on the torch runtime bit for bit and on transformers' within rounding, float32 and
+    bfloat16 (a dense model; experts, each its own blocks; latent attention); the default
+    backend takes it, and ``quantization="fp8"`` names it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec import LLM, SamplingParams
+    from specdec.runtime.loading import Weights
+
+    from tiny import fp8_copy, make_tiny
+
+    config = {} if arch == "llama" else dict(MOE[arch], first_k_dense_replace=1) if arch == "deepseek_v3" else MOE[arch]
+    quantized, reference = fp8_copy(make_tiny(tmp_path / arch, arch, seed=5, **config), tmp_path / "fp8", block=(24, 16))
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.bfloat16, torch.float32):
+        logits = [rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0] for rt in (
+            TorchLlama(AutoConfig.from_pretrained(p), Weights(p), torch.device("cpu"), dtype) for p in (quantized, reference))]
+        assert torch.equal(logits[0], logits[1]), dtype
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(reference).eval()(ids).logits[0]
+    assert (logits[0] - ref).abs().max() < ATOL * ref.abs().max()
+    llm = LLM(str(quantized), device="cpu", quantization="fp8")
+    assert isinstance(llm.target.runtime, TorchLlama)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert llm.generate(["hello"], sp)[0].token_ids == LLM(str(reference), device="cpu").generate(["hello"], sp)[0].token_ids
+
+
 class EagerGraphs:
     """Stands in for ``CudaGraphs`` on the CPU: the graphed branch of ``forward`` (inputs over
     the cache's whole capacity, logits of every row, the last rows picked after), with the

@@ -278,13 +278,46 @@ def gguf_file(model: str | None) -> Path:
     return path
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """An FP8 ``weight [..., rows, cols]`` times its ``scale`` (``weight_scale_inv``: one per
+    ``block`` of rows and columns, ``[..., ceil(rows / b0), ceil(cols / b1)]``, the last blocks
+    cut short; or one for the whole tensor), in float32, as transformers dequantizes it.
+    Without ``block`` the blocks are the grid's exact divisions of the weight."""
+    w = weight.float()
+    if scale.numel() == 1:
+        return w * scale.float().reshape(())
+    (rows, cols), (R, C) = w.shape[-2:], scale.shape[-2:]
+    if block is None:
+        if rows % R or cols % C:
+            raise ValueError(f"an FP8 weight of {rows} x {cols} with a {R} x {C} grid of scales and no "
+                             "weight_block_size in its quantization_config")
+        block = (rows // R, cols // C)
+    if (R, C) != (-(-rows // block[0]), -(-cols // block[1])):
+        raise ValueError(f"an FP8 weight of {rows} x {cols} has a {R} x {C} grid of scales, not one per "
+                         f"{block[0]} x {block[1]} block")
+    s = scale.float().repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)
+    return w * s[..., :cols]
+
+
 class Weights(Mapping):
     """The tensors of an HF directory's checkpoint, read one at a time on access (so a
     runtime converting them keeps at most one extra layer in memory): its safetensors, else
-    its ``pytorch_model*.bin`` files (PyTorch's pickles, memory-mapped, tensors only)."""
+    its ``pytorch_model*.bin`` files (PyTorch's pickles, memory-mapped, tensors only). An FP8
+    weight (transformers' ``fp8`` quantization: DeepSeek-V3's, Qwen3's and GLM-4.5's FP8
+    releases) comes dequantized to float32 by its ``weight_scale_inv`` (``dequantize_fp8``; the
+    blocks its config's ``weight_block_size`` gives)."""
 
     def __init__(self, path: Path):
         self._where = {}
+        qc = {}
+        if (path / "config.json").is_file():
+            config = json.loads((path / "config.json").read_text())
+            qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+        block = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
+        self.fp8_block = tuple(block) if block else None
         for kind, pattern, open_file in (("model.safetensors", "*.safetensors", _open_safetensors),
                                          ("pytorch_model.bin", "pytorch_model*.bin", _PickleFile)):
             index = path / f"{kind}.index.json"
@@ -309,7 +342,14 @@ class Weights(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         stored = self._names[name]
-        return self._where[stored].get_tensor(stored)
+        tensor = self._where[stored].get_tensor(stored)
+        if tensor.dtype not in FP8_DTYPES:
+            return tensor
+        scale = self._names.get(name + "_scale_inv")
+        if scale is None:
+            raise ValueError(f"{stored} is stored in {tensor.dtype} without a weight_scale_inv beside it (an FP8 "
+                             "format specdec does not read)")
+        return dequantize_fp8(tensor, self._where[scale].get_tensor(scale), self.fp8_block)
 
     def __iter__(self):
         return iter(self._names)

@@ -868,14 +868,15 @@ def quant_method(config) -> str | None:
 
 def unsupported(config) -> str | None:
     """Why the torch runtime cannot run ``config`` as transformers does (None: it can)."""
+    method = quant_method(config)  # (a multimodal checkpoint's, beside its text config)
     config, _ = text_model(config)
+    method = method or quant_method(config)
     if config.model_type not in ARCHS:
         return f"the torch runtime supports {', '.join(ARCHS)}, not {config.model_type!r}"
-    mxfp4_experts = (config.model_type, quant_method(config)) == ("gpt_oss", "mxfp4")
-    if getattr(config, "quantization_config", None) and not mxfp4_experts:
-        # GPTQ, AWQ, bitsandbytes, fp8...: packed weights transformers' quantizers unpack (GPT-OSS's MXFP4
-        # experts are dequantized at load: ``mxfp4``)
-        return f"the torch runtime reads unquantized checkpoints, not {quant_method(config)!r} ones"
+    if method is not None and method != "fp8" and (config.model_type, method) != ("gpt_oss", "mxfp4"):
+        # GPTQ, AWQ, bitsandbytes, compressed-tensors...: packed weights transformers' quantizers unpack (GPT-OSS's
+        # MXFP4 experts and fine-grained FP8 weights are dequantized at load: ``mxfp4``, ``loading.dequantize_fp8``)
+        return f"the torch runtime reads unquantized, FP8 and GPT-OSS's MXFP4 checkpoints, not {method!r} ones"
     act = Family.of(config).activation
     if act not in ACTIVATIONS and act not in TRAINED_ACTIVATIONS:
         known = ", ".join([*ACTIVATIONS, *TRAINED_ACTIVATIONS])
