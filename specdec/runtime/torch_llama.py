@@ -858,24 +858,52 @@ def longrope_switch(config) -> int | None:
 RECOMPUTES_PAST_SWITCH = ("phi3", "phimoe", "phi4_multimodal")
 
 
+def quant_config(config) -> dict:
+    """``config``'s ``quantization_config`` as a dict (a multimodal checkpoint's, else its text
+    config's; transformers' object's fields; its ``quant_method`` a string), {} without one."""
+    qc = getattr(config, "quantization_config", None) or \
+        getattr(getattr(config, "text_config", None), "quantization_config", None)
+    qc = {} if qc is None else dict(qc) if isinstance(qc, dict) else qc.to_dict()
+    if qc.get("quant_method") is not None:
+        qc["quant_method"] = str(getattr(qc["quant_method"], "value", qc["quant_method"]))
+    return qc
+
+
 def quant_method(config) -> str | None:
-    """The ``quant_method`` of ``config``'s ``quantization_config`` (a dict, or transformers'
-    object with an enum), None without one."""
-    qc = getattr(config, "quantization_config", None)
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    return None if method is None else str(getattr(method, "value", method))
+    """The ``quant_method`` of ``config``'s ``quantization_config``, None without one."""
+    return quant_config(config).get("quant_method")
+
+
+def fp8_block(qc: dict | None) -> tuple[int, int] | None | bool:
+    """Of a ``quantization_config`` (a dict): False where its weights are not FP8 the torch runtime
+    dequantizes at load (``loading.dequantize_fp8``), else the blocks one scale covers (None: the
+    scales' grid divides the weights exactly, one per row or one for the whole tensor):
+    transformers' fine-grained ``fp8`` (``weight_block_size``), or ``compressed-tensors``' 8-bit
+    float weights (``float-quantized``: vLLM's FP8-dynamic checkpoints; per tensor, channel or
+    ``block_structure``)."""
+    qc = qc or {}
+    if qc.get("quant_method") == "fp8":
+        block = qc.get("weight_block_size")
+        return tuple(block) if block else None
+    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") not in ("float-quantized", None):
+        return False
+    weights = [g.get("weights") or {} for g in (qc.get("config_groups") or {}).values()]
+    if not weights or any((w.get("type"), w.get("num_bits")) != ("float", 8) for w in weights):
+        return False
+    blocks = {tuple(w["block_structure"]) for w in weights if w.get("strategy") == "block" and w.get("block_structure")}
+    return blocks.pop() if len(blocks) == 1 else None if not blocks else False
 
 
 def unsupported(config) -> str | None:
     """Why the torch runtime cannot run ``config`` as transformers does (None: it can)."""
-    method = quant_method(config)  # (a multimodal checkpoint's, beside its text config)
+    qc = quant_config(config)
+    method = qc.get("quant_method")
     config, _ = text_model(config)
-    method = method or quant_method(config)
     if config.model_type not in ARCHS:
         return f"the torch runtime supports {', '.join(ARCHS)}, not {config.model_type!r}"
-    if method is not None and method != "fp8" and (config.model_type, method) != ("gpt_oss", "mxfp4"):
-        # GPTQ, AWQ, bitsandbytes, compressed-tensors...: packed weights transformers' quantizers unpack (GPT-OSS's
-        # MXFP4 experts and fine-grained FP8 weights are dequantized at load: ``mxfp4``, ``loading.dequantize_fp8``)
+    if method is not None and fp8_block(qc) is False and (config.model_type, method) != ("gpt_oss", "mxfp4"):
+        # GPTQ, AWQ, bitsandbytes, int4 compressed-tensors...: packed weights transformers' quantizers unpack (GPT-OSS's
+        # MXFP4 experts and FP8 weights are dequantized at load: ``mxfp4``, ``loading.dequantize_fp8``)
         return f"the torch runtime reads unquantized, FP8 and GPT-OSS's MXFP4 checkpoints, not {method!r} ones"
     act = Family.of(config).activation
     if act not in ACTIVATIONS and act not in TRAINED_ACTIVATIONS:
