@@ -304,6 +304,9 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "gemma4-plain": ("gemma4_text", dict(GEMMA4, attention_k_eq_v=False, hidden_size_per_layer_input=0,
                                          num_kv_shared_layers=0, use_double_wide_mlp=False)),
     "gemma4-experts-beside": ("gemma4_text", GEMMA4_MOE),
+    # MiniMax-M2: q/k norms over all heads, half of each head rotated (rotary_dim), experts chosen by their sigmoid
+    # plus a correction bias
+    "minimax-m2-experts": ("minimax_m2", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, rotary_dim=8)),
     # Gemma 4 12B's kind (the unified model: no per-layer inputs, keys as values on its full layers)
     "gemma4-unified": ("gemma4_unified_text", {k: v for k, v in GEMMA4.items() if k not in (
         "vocab_size_per_layer_input", "hidden_size_per_layer_input", "use_double_wide_mlp", "num_kv_shared_layers")}),
@@ -390,7 +393,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "hunyuanmoe-experts", "nanochat-weightless-norms", "afmoe-gated-windows-experts",
                                   "cwm-windows", "codegen-blocks", "persimmon-qk-layernorm",
                                   "phi3-longrope-partial", "phi3-longrope-long", "gemma4-shared-kv-per-layer",
-                                  "gemma4-plain", "gemma4-unified"])
+                                  "gemma4-plain", "gemma4-unified", "minimax-m2-experts"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -1118,7 +1121,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "afmoe-gated-windows-experts", "gptneo-local-layers", "youtu-latent-dense",
                                   "axk1-latent-experts-normed", "codegen-blocks", "persimmon-qk-layernorm",
                                   "dbrx-experts-clip", "kolibri1-windows-experts", "flint-sinks-windows-experts",
-                                  "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain", "gemma4-unified",
+                                  "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain", "gemma4-unified", "minimax-m2-experts",
                                   "gemma4-experts-beside"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the

@@ -2,7 +2,7 @@
 router picks and weights them (``Routing``), and the grouped products that run them (Mixtral,
 Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
-Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint)."""
+Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +18,7 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
-             "afmoe", "axk1", "dbrx", "kolibri1", "flint")
+             "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
@@ -35,7 +35,7 @@ def moe_layers(config) -> list[bool]:
     if kind not in MOE_ARCHS:
         return [False] * n
     if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text", "olmoe", "flex_olmo", "solar_open", "hunyuan_v1_moe",
-                "dbrx", "kolibri1") + GRANITE_MOES:
+                "dbrx", "kolibri1", "minimax_m2") + GRANITE_MOES:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4"):
         return [i >= config.first_k_dense_replace for i in range(n)]
@@ -147,6 +147,10 @@ class Routing:
                        scale=config.route_scale, activation=config.hidden_act)
         if kind == "flint":  # the router in float32, the top k of its sigmoid, renormalised where norm_topk_prob
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True, float_router=True,
+                       activation=config.hidden_act)
+        if kind == "minimax_m2":  # the sigmoid of the router's logits (in the model's dtype) in float32, chosen with
+            # a correction bias, the top k renormalised
+            return cls(config.num_experts_per_tok, renormalize=True, sigmoid=True, float_scores=True,
                        activation=config.hidden_act)
         if kind == "kolibri1":
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True, float_router=True,
@@ -288,7 +292,8 @@ class Experts:
                 torch.cat([t.to(device=device, dtype=dtype) for t in expert], out=out[e])
             return out
 
-        mixtral, granite = config.model_type == "mixtral", config.model_type in GRANITE_MOES
+        # (MiniMax-M2's released names are Mixtral's: ``block_sparse_moe.experts.{e}.w1``)
+        mixtral, granite = config.model_type in ("mixtral", "minimax_m2"), config.model_type in GRANITE_MOES
         block = layer + ("block_sparse_moe." if granite or mixtral and layer + "mlp.gate.weight" not in weights
                          else "feed_forward." if config.model_type in ("jamba", "llama4_text") else "mlp.")
         routing = Routing.of(config)
