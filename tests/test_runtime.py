@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LLAMA4, MAMBA,
-                  MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H)
+from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3, LLAMA4,
+                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -146,6 +146,10 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "nemotronh-blocks": ("nemotron_h", NEMOTRON_H),
     # LFM2: short convolutions (B * x convolved, times C) beside attention with q/k norms, its names
     "lfm2-conv": ("lfm2", dict(layer_types=["conv", "full_attention", "conv"], layers=3)),
+    # LFM3: LFM2's convolutions beside windowed and full attention (a part of each head rotated, proportional rope),
+    # norms after the mixer and the MLP too, a gate per head on attention's output
+    "lfm3-windows-gates": ("lfm3", dict(LFM3, layers=5)),
+    "lfm3-plain": ("lfm3", dict(LFM3, layers=5, use_sandwich_norm=False, use_attention_gate=False)),
     "lfm2moe-expert-bias": ("lfm2_moe", MOE["lfm2_moe"]),
     # Falcon-H1: attention and Mamba-2 side by side, its muP multipliers; the Mamba-2 output normed before the
     # gate, or not normed
@@ -393,7 +397,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "hunyuanmoe-experts", "nanochat-weightless-norms", "afmoe-gated-windows-experts",
                                   "cwm-windows", "codegen-blocks", "persimmon-qk-layernorm",
                                   "phi3-longrope-partial", "phi3-longrope-long", "gemma4-shared-kv-per-layer",
-                                  "gemma4-plain", "gemma4-unified", "minimax-m2-experts"])
+                                  "gemma4-plain", "gemma4-unified", "minimax-m2-experts", "lfm3-windows-gates",
+                                  "lfm3-plain"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -521,11 +526,11 @@ def test_multimodal_gemma3_text_model(tmp_path):
     assert (logits[0] - logits[1]).abs().max().item() < ATOL
 
 
-RECURRENT_VL = ("qwen3_5", "lfm2_vl")  # text models with recurrent states: chains, float32 within rounding
+RECURRENT_VL = ("qwen3_5", "lfm2_vl", "lfm3_vl")  # text models with recurrent states: chains, float32 within rounding
 
 
 @pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "llava_next", "llava_onevision", "qwen2_vl",
-                                  "qwen2_5_vl", "qwen3_vl", "glm4v", "glm4v_moe", "internvl", "smolvlm", "lfm2_vl",
+                                  "qwen2_5_vl", "qwen3_vl", "glm4v", "glm4v_moe", "internvl", "smolvlm", "lfm2_vl", "lfm3_vl",
                                   "qwen3_5", "gemma4", "gemma4_unified"])
 def test_vision_language_text_model(tmp_path, kind):
     """Mistral 3's (with a Mistral text model, or Ministral 3's: its queries scaled past the
@@ -859,7 +864,7 @@ def test_chunk_mask_and_positions(loaded):
     torch.testing.assert_close(out[1], b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "falconh1", "mamba", "jamba"])
+@pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "lfm3", "falconh1", "mamba", "jamba"])
 def test_tree_through_recurrent_states(loaded, name):
     """A token tree through recurrent layers (DeltaNet's, Mamba-2's, Mamba's, LFM2's convolutions) in one
     forward: each node's logits are those of its path as a chain; after ``keep`` of a path
@@ -1109,7 +1114,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama", "qwen35", "granite4h",
-                                  "nemotronh", "lfm2", "falconh1", "mamba", "jamba", "mamba2-alone", "arcee-relu2",
+                                  "nemotronh", "lfm2", "lfm3", "falconh1", "mamba", "jamba", "mamba2-alone", "arcee-relu2",
                                   "olmoe-experts", "starcoder2-layernorm-biases", "ernie45moe-correction",
                                   "apertus-xielu", "gptneox-parallel", "phi-parallel", "stablelm-norms-per-head",
                                   "gptj-interleaved-partial", "falcon-groups-two-norms", "gpt2-learned-positions",
@@ -1122,6 +1127,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "axk1-latent-experts-normed", "codegen-blocks", "persimmon-qk-layernorm",
                                   "dbrx-experts-clip", "kolibri1-windows-experts", "flint-sinks-windows-experts",
                                   "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain", "gemma4-unified", "minimax-m2-experts",
+                                  "lfm3-windows-gates", "lfm3-plain",
                                   "gemma4-experts-beside"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the

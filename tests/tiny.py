@@ -60,6 +60,9 @@ GEMMA4 = dict(layers=6, head_dim=16, global_head_dim=32, num_global_key_value_he
               sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
               vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
               use_double_wide_mlp=True, final_logit_softcapping=30.0)
+# LFM3's kind: convolutions, windowed attention (6) and full attention (a part of each head rotated) in turn
+LFM3 = dict(head_dim=16, sliding_window=6, pad_token_id=0,
+            layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"])
 # Gemma 4's 26B-A4B's kind: experts beside the dense MLP on every layer
 GEMMA4_MOE = dict(GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24)
 MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields)
@@ -322,6 +325,9 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
                                                num_attention_heads=2, image_size=28, patch_size=14),
                 dict(image_token_id=VOCAB - 1)),
     "lfm2_vl": (dict(model_type="lfm2", num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
+                dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                     num_attention_heads=2, num_patches=16, patch_size=14), dict(image_token_id=VOCAB - 1)),
+    "lfm3_vl": (dict(model_type="lfm3", num_hidden_layers=5, **LFM3),
                 dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_patches=16, patch_size=14), dict(image_token_id=VOCAB - 1)),
     # Llama 4's (Scout's kind: ``LLAMA4``), its text model under language_model.

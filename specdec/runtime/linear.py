@@ -134,6 +134,8 @@ def linear_bytes(config) -> int:
     mlp = sum(shared if moe else dense for moe in moe_layers(config))
     gated = isinstance(rec, DeltaNet) or config.model_type == "afmoe"  # queries' gates (AFMoE's: their own product)
     per_attention = (heads * d * (2 if gated else 1) + 2 * kv * d) * h + h * heads * d
+    if config.model_type == "lfm3" and config.use_attention_gate:  # a gate per head
+        per_attention += heads * h
     if config.model_type == "nemotron_h":  # blocks of one mixer or one MLP (not gated) each
         types = config.layer_types
         mlp = types.count("mlp") * config.intermediate_size + types.count("moe") * config.moe_shared_expert_intermediate_size

@@ -50,7 +50,7 @@ def recurrent_mixer(config) -> "DeltaNet | Mamba2 | Mamba1 | ShortConv | None":
     """The recurrent layers' kind of ``config`` (None: it has none)."""
     if not set(RECURRENT_TYPES) & set(getattr(config, "layer_types", None) or ()):
         return None
-    if config.model_type in ("lfm2", "lfm2_moe"):
+    if config.model_type in ("lfm2", "lfm2_moe", "lfm3"):
         return ShortConv(config.hidden_size, config.conv_L_cache)
     if config.model_type in MAMBA1_ARCHS:
         return Mamba1.of(config)

@@ -9,7 +9,7 @@ model of Gemma 3's multimodal checkpoints: ``text_model``), whose layers differ 
 its experts beside the MLP), Phi-3's longrope (``TorchLlama.switch``), and the hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the cache):
 Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2 layers beside attention
 (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's side by side in each layer:
-``ScaledWeights``), Mamba layers beside attention (Jamba), LFM2's short convolutions beside attention, and Mamba,
+``ScaledWeights``), Mamba layers beside attention (Jamba), LFM2's and LFM3's short convolutions beside attention, and Mamba,
 Falcon-Mamba and Mamba-2 (recurrent layers alone).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
@@ -61,7 +61,7 @@ GEMMA4 = ("gemma4_text", "gemma4_unified_text")  # Gemma 4's text models (the un
 ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
-    "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
+    "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "lfm3", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
     "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4)
@@ -84,7 +84,7 @@ MULTIMODAL.update(dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
 # more that hold a text model the torch runtime runs: LLaVA-NeXT's and LLaVA-OneVision's, InternVL's (the "-hf"
 # checkpoints: Qwen2 / Qwen3 text), LFM2-VL's (LFM2's); SmolVLM's and Idefics3's (Llama). (Not Aya Vision's: its
 # transformers model leaves out its Command R7B text model's logit scale, where vLLM's keeps it.)
-MULTIMODAL.update(dict.fromkeys(("llava_next", "llava_onevision", "internvl", "lfm2_vl"),
+MULTIMODAL.update(dict.fromkeys(("llava_next", "llava_onevision", "internvl", "lfm2_vl", "lfm3_vl"),
                                 ("model.language_model.", "language_model.model.")))
 MULTIMODAL.update(dict.fromkeys(("smolvlm", "idefics3"), ("model.text_model.",)))
 # (Qwen3.5's under "model." too: transformers' causal LM of its config, dummy weights' names)
@@ -148,6 +148,13 @@ class RenamedWeights:
                  (".mlp.down_proj.", ".feed_forward.w2."), ("model.norm.", "model.embedding_norm.")],
     }
     RENAMES["lfm2_moe"] = RENAMES["lfm2"] + [(".mlp.", ".feed_forward.")]  # (its experts, router, expert_bias)
+    # LFM3's: Qwen3's attention names, LFM2's norms and MLP, norms after the mixer and the MLP too (use_sandwich_norm)
+    LFM3_MLP = [(".mlp.gate_proj.", ".feed_forward.w1."), (".mlp.up_proj.", ".feed_forward.w3."),
+                (".mlp.down_proj.", ".feed_forward.w2."), ("model.norm.", "model.embedding_norm."),
+                (".input_layernorm.", ".operator_norm.")]
+    RENAMES["lfm3"] = LFM3_MLP + [(".post_attention_layernorm.", ".post_operator_norm."),
+                                  (".pre_feedforward_layernorm.", ".ffn_norm."),
+                                  (".post_feedforward_layernorm.", ".post_ffn_norm.")]
     RENAMES.update(dict.fromkeys(PURE_RECURRENT, RENAMES["nemotron_h"]))
     RENAMES["nanochat"] = [(".mlp.up_proj.", ".mlp.fc1."), (".mlp.down_proj.", ".mlp.fc2.")]
     RENAMES["hunyuan_v1_dense"] = RENAMES["hunyuan_v1_moe"] = [(".q_norm.", ".query_layernorm."),
@@ -219,6 +226,8 @@ class RenamedWeights:
 
     def __init__(self, weights, config):
         self.weights, self.renames = weights, self.RENAMES[config.model_type]
+        if config.model_type == "lfm3" and not config.use_sandwich_norm:  # its norm before the MLP alone
+            self.renames = self.LFM3_MLP + [(".post_attention_layernorm.", ".ffn_norm.")]
         self.heads = getattr(config, "num_attention_heads", None)
         if "backbone.embedding.weight" in weights:  # (Mamba-2's original checkpoints; transformers renames it at load)
             self.renames = self.renames + [("model.embeddings.", "model.embedding.")]
@@ -612,7 +621,7 @@ class Family:
                        interleaved_rope=config.model_type in ("glm", "glm4", "ernie4_5", "ernie4_5_moe", "helium")
                        + GLM_VL_TEXT,
                        rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe",
-                                                                   "flex_olmo")
+                                                                   "flex_olmo", "lfm3")
                        else "model")
         return cls(offset_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
@@ -1065,8 +1074,9 @@ def latent_attention(r: CheckpointReader, a: str, latent: Latent) -> dict:
 def gated_attention(r: CheckpointReader, a: str, config) -> dict:
     """An attention under ``a`` whose output a gate scales (``sigmoid(gate) * output``, before
     ``o_proj``): Qwen3-Next's and Qwen3.5's ``q_proj`` gives each head's query and then its
-    gate, AFMoE's ``gate_proj`` the gates; the queries, keys, values and gates fused in that
-    order (a gate without a bias beside biased queries: zeros)."""
+    gate, AFMoE's ``gate_proj`` the gates (LFM3's: one per head); the queries, keys, values and
+    gates fused in that order (a gate without a bias beside biased queries: zeros); ``gated``:
+    the gates' width."""
     H, hidden = config.num_attention_heads, config.hidden_size
     if a + "gate_proj.weight" in r:  # (AFMoE's)
         q, qb, gate, gate_b = r.get(a + "q_proj.weight"), r.opt(a + "q_proj.bias"), r.get(a + "gate_proj.weight"), None
@@ -1078,7 +1088,7 @@ def gated_attention(r: CheckpointReader, a: str, config) -> dict:
         gate_b = qb.new_zeros(gate.shape[0])
     return {"qkv": r.linear(torch.cat([q, r.get(a + "k_proj.weight"), r.get(a + "v_proj.weight"), gate]),
                             cat_or_none([qb, r.opt(a + "k_proj.bias"), r.opt(a + "v_proj.bias"), gate_b])),
-            "gated": True}
+            "gated": gate.shape[0]}
 
 
 @dataclass(frozen=True)
@@ -1639,7 +1649,7 @@ class TorchLlama:
         reuse = place is not None and place.reuse  # its queries over an earlier layer's rows
         qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D], Qwen3-Next's / 3.5's gates after them: + H D
         own = 0 if reuse else 1 if L["v_from_k"] else 2  # key/value projections
-        q, *kv = qkv.split([H * D] + [KV * D] * own + [H * D] * L.get("gated", False), dim=-1)
+        q, *kv = qkv.split([H * D] + [KV * D] * own + ([L["gated"]] if L.get("gated") else []), dim=-1)
         k, v, gate = (kv[0], kv[own - 1], kv[own:]) if own else (None, None, kv)  # (attention_k_eq_v: v is k unnormed)
         if L["v_norm"] and v is not None:  # (Gemma 4's: values normed, without a weight)
             v = rms_norm(v.view(B, T, KV, D), None, self.eps)
@@ -1677,8 +1687,11 @@ class TorchLlama:
         else:  # a gathered copy [B, KV, S, D]
             o = attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], mask, fam.attn_scale, fam.attn_softcap,
                           L["sinks"])
-        o = o.transpose(1, 2).reshape(B, T, H * D)
-        return L["o"](o * torch.sigmoid(gate[0]) if gate else o)  # [B, T, hidden]
+        o = o.transpose(1, 2)  # [B, T, H, D]
+        if gate:  # each element's gate, or each head's (LFM3's)
+            g = torch.sigmoid(gate[0])  # [B, T, H D] or [B, T, H]
+            o = o * (g.view(B, T, H, D) if g.shape[-1] == H * D else g[..., None])
+        return L["o"](o.reshape(B, T, H * D))  # [B, T, hidden]
 
     def _attend_latent(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
         """``_attend`` for latent attention (``Latent``): the cache's rows are ``[c, k_rope]``."""
