@@ -131,9 +131,10 @@ def check_mtp(model, draft, backend: str) -> None:
     layer (``num_nextn_predict_layers``, Qwen's ``mtp_num_hidden_layers``, of an architecture that
     has them)."""
     if backend in ("hf", "llamacpp") or str(model).endswith(".gguf"):
-        raise ValueError("method 'mtp' runs the checkpoint's own multi-token prediction layer on specdec's torch "
-                         "runtime, read from its safetensors files: not on backend 'hf' or 'llamacpp', nor from "
-                         "a GGUF")
+        what = "a Gemma 4 assistant over the target's own keys and values" if draft else \
+            "the checkpoint's own multi-token prediction layer, read from its safetensors files,"
+        raise ValueError(f"method 'mtp' runs {what} on specdec's torch runtime: not on backend 'hf' or 'llamacpp', "
+                         "nor from a GGUF")
     path = Path(model).expanduser() / "config.json" if isinstance(model, str) else None
     if draft or path is None or not path.is_file():  # (a draft: a Gemma 4 assistant, checked as it loads)
         return

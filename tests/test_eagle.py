@@ -500,6 +500,7 @@ def test_gemma4_assistant_refusals(gemma4_dirs, dirs):
     """A Gemma 4 assistant drafts for a Gemma 4 target on the torch runtime alone."""
     with pytest.raises(ValueError, match="drafts for a Gemma 4 target"):
         LLM(str(dirs["target"]), draft=str(gemma4_dirs["dense"]), device="cpu", speculative=SpecConfig(method="mtp"))
-    with pytest.raises(ValueError, match="not on backend 'hf' or 'llamacpp'"):
+    with pytest.raises(ValueError, match="a Gemma 4 assistant over the target's own keys and values on specdec's "
+                                         "torch runtime: not on backend 'hf'"):
         LLM(str(gemma4_dirs["target"]), draft=str(gemma4_dirs["dense"]), device="cpu", backend="hf",
             speculative=SpecConfig(method="mtp"))
