@@ -6,7 +6,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import (DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, JAMBA, LFM3, LLAMA4, MAMBA, MOE, NEMOTRON_H,  # noqa: E402
-                  make_tiny, noisy_copy)
+                  OLMO_HYBRID, make_tiny, noisy_copy)
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +37,7 @@ def tiny_dirs(tmp_path_factory):
         "nemotronh": make_tiny(root / "nemotronh", "nemotron_h", seed=17, **NEMOTRON_H),  # one mixer or MLP a block
         "lfm2": make_tiny(root / "lfm2", "lfm2", seed=18, layers=3, layer_types=["conv", "full_attention", "conv"]),
         "lfm3": make_tiny(root / "lfm3", "lfm3", seed=29, layers=5, **LFM3),  # convolutions, windows of 6, gates
+        "olmohybrid": make_tiny(root / "olmohybrid", "olmo_hybrid", seed=30, **OLMO_HYBRID),  # DeltaNet, OLMo 3's
         "falconh1": make_tiny(root / "falconh1", "falcon_h1", seed=19, **FALCON_H1),  # attention beside Mamba-2
         "mamba": make_tiny(root / "mamba", "falcon_mamba", seed=20, **MAMBA),  # a selective scan alone a block
         "jamba": make_tiny(root / "jamba", "jamba", seed=21, **JAMBA),  # Mamba and attention, experts

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3, LLAMA4,
-                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H)
+                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -149,6 +149,10 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # LFM3: LFM2's convolutions beside windowed and full attention (a part of each head rotated, proportional rope),
     # norms after the mixer and the MLP too, a gate per head on attention's output
     "lfm3-windows-gates": ("lfm3", dict(LFM3, layers=5)),
+    # OLMo-Hybrid: Gated DeltaNet layers (projections apart, beta in [0, 2]) beside OLMo 3's attention (norms after),
+    # with rope or without (its released checkpoints')
+    "olmohybrid-rope": ("olmo_hybrid", OLMO_HYBRID),
+    "olmohybrid-nope": ("olmo_hybrid", dict(OLMO_HYBRID, rope_parameters={"rope_type": "default", "rope_theta": None})),
     "lfm3-plain": ("lfm3", dict(LFM3, layers=5, use_sandwich_norm=False, use_attention_gate=False)),
     "lfm2moe-expert-bias": ("lfm2_moe", MOE["lfm2_moe"]),
     # Falcon-H1: attention and Mamba-2 side by side, its muP multipliers; the Mamba-2 output normed before the
@@ -398,7 +402,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "cwm-windows", "codegen-blocks", "persimmon-qk-layernorm",
                                   "phi3-longrope-partial", "phi3-longrope-long", "gemma4-shared-kv-per-layer",
                                   "gemma4-plain", "gemma4-unified", "minimax-m2-experts", "lfm3-windows-gates",
-                                  "lfm3-plain"])
+                                  "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -864,7 +868,8 @@ def test_chunk_mask_and_positions(loaded):
     torch.testing.assert_close(out[1], b, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "lfm3", "falconh1", "mamba", "jamba"])
+@pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "lfm3", "falconh1", "mamba", "jamba",
+                                  "olmohybrid"])
 def test_tree_through_recurrent_states(loaded, name):
     """A token tree through recurrent layers (DeltaNet's, Mamba-2's, Mamba's, LFM2's convolutions) in one
     forward: each node's logits are those of its path as a chain; after ``keep`` of a path
@@ -1114,7 +1119,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "gptoss", "glm45", "deepseek", "llama", "qwen35", "granite4h",
-                                  "nemotronh", "lfm2", "lfm3", "falconh1", "mamba", "jamba", "mamba2-alone", "arcee-relu2",
+                                  "nemotronh", "lfm2", "lfm3", "olmohybrid", "falconh1", "mamba", "jamba", "mamba2-alone",
+                                  "arcee-relu2",
                                   "olmoe-experts", "starcoder2-layernorm-biases", "ernie45moe-correction",
                                   "apertus-xielu", "gptneox-parallel", "phi-parallel", "stablelm-norms-per-head",
                                   "gptj-interleaved-partial", "falcon-groups-two-norms", "gpt2-learned-positions",
@@ -1127,7 +1133,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "axk1-latent-experts-normed", "codegen-blocks", "persimmon-qk-layernorm",
                                   "dbrx-experts-clip", "kolibri1-windows-experts", "flint-sinks-windows-experts",
                                   "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain", "gemma4-unified", "minimax-m2-experts",
-                                  "lfm3-windows-gates", "lfm3-plain",
+                                  "lfm3-windows-gates", "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope",
                                   "gemma4-experts-beside"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the

@@ -63,6 +63,9 @@ GEMMA4 = dict(layers=6, head_dim=16, global_head_dim=32, num_global_key_value_he
 # LFM3's kind: convolutions, windowed attention (6) and full attention (a part of each head rotated) in turn
 LFM3 = dict(head_dim=16, sliding_window=6, pad_token_id=0,
             layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"])
+# OLMo-Hybrid's kind: three Gated DeltaNet layers (4 key heads of 8, as many value heads of 16) then full attention
+OLMO_HYBRID = dict(layers=4, pad_token_id=0, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
+                   linear_value_head_dim=16)
 # Gemma 4's 26B-A4B's kind: experts beside the dense MLP on every layer
 GEMMA4_MOE = dict(GEMMA4, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24)
 MOE = {  # a tiny mixture of experts per architecture (make_tiny's config fields)

@@ -132,7 +132,8 @@ def linear_bytes(config) -> int:
             m = config.block_multiple_of
             dense = m * ((int(config.block_ffn_dim_multiplier * dense) + m - 1) // m)
     mlp = sum(shared if moe else dense for moe in moe_layers(config))
-    gated = isinstance(rec, DeltaNet) or config.model_type == "afmoe"  # queries' gates (AFMoE's: their own product)
+    # queries' gates (AFMoE's: their own product; OLMo-Hybrid's DeltaNet layers beside attention without)
+    gated = isinstance(rec, DeltaNet) and config.model_type != "olmo_hybrid" or config.model_type == "afmoe"
     per_attention = (heads * d * (2 if gated else 1) + 2 * kv * d) * h + h * heads * d
     if config.model_type == "lfm3" and config.use_attention_gate:  # a gate per head
         per_attention += heads * h

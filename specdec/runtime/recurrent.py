@@ -1,5 +1,5 @@
-"""Layers with a recurrent state for the torch runtime: the Gated DeltaNet layers of Qwen3-Next
-and Qwen3.5 (``DeltaNet``), the Mamba-2 layers of Granite 4.0's hybrids, Bamba, Nemotron-H,
+"""Layers with a recurrent state for the torch runtime: the Gated DeltaNet layers of Qwen3-Next,
+Qwen3.5 and OLMo-Hybrid (``DeltaNet``), the Mamba-2 layers of Granite 4.0's hybrids, Bamba, Nemotron-H,
 Falcon-H1 and Mamba-2 (``Mamba2``), the Mamba layers of Mamba, Falcon-Mamba and Jamba (``Mamba1``)
 and LFM2's short convolutions (``ShortConv``: a conv window, no matrix), and the states they
 keep per slot (``RecurrentStates``), which a rewind takes back.
@@ -72,12 +72,16 @@ class DeltaNet:
     k_dim: int
     v_dim: int
     kernel: int
+    beta_scale: float = 1.0  # (OLMo-Hybrid's linear_allow_neg_eigval: beta in [0, 2])
+    norm_eps: float | None = None  # the output's norm's (OLMo-Hybrid's 1e-5; else the model's)
     replays = True  # (not a field)
 
     @classmethod
     def of(cls, config) -> "DeltaNet":
+        olmo = config.model_type == "olmo_hybrid"
         return cls(config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
-                   config.linear_value_head_dim, config.linear_conv_kernel_dim)
+                   config.linear_value_head_dim, config.linear_conv_kernel_dim,
+                   beta_scale=2.0 if olmo and config.linear_allow_neg_eigval else 1.0, norm_eps=1e-5 if olmo else None)
 
     @property
     def conv_dim(self) -> int:
@@ -107,9 +111,13 @@ class DeltaNet:
         ``a``, the decay's), ``conv [conv_dim, kernel]``, ``decay`` ``-exp(A_log)`` (float32) and
         ``dt_bias``, as transformers computes ``g``, ``gate_norm`` (the output's norm, of plain
         weight) and ``mix_out``. Qwen3-Next stores the products grouped per key head
-        (``in_proj_qkvz``, ``in_proj_ba``): they are reordered into Qwen3.5's layout."""
+        (``in_proj_qkvz``, ``in_proj_ba``): they are reordered into Qwen3.5's layout; OLMo-Hybrid's
+        are apart (``q_proj``... ``g_proj``, the gate; ``o_proj``, ``o_norm``)."""
         a = pre + "linear_attn."
-        if a + "in_proj_qkvz.weight" in r:
+        olmo = a + "q_proj.weight" in r
+        if olmo:
+            parts = [r.get(a + f"{n}_proj.weight") for n in ("q", "k", "v", "g", "b", "a")]
+        elif a + "in_proj_qkvz.weight" in r:
             per = self.v_heads // self.k_heads  # value heads per key head
             qkvz = r.get(a + "in_proj_qkvz.weight").view(self.k_heads, -1, r.get(a + "out_proj.weight").shape[0])
             q, k, v, z = qkvz.split([self.k_dim, self.k_dim, per * self.v_dim, per * self.v_dim], dim=1)
@@ -120,12 +128,15 @@ class DeltaNet:
             parts = [r.get(a + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]
         return {
             "mix_in": r.linear(torch.cat(parts), None),
-            "conv": r.get(a + "conv1d.weight")[:, 0],  # [conv_dim, kernel]
+            # [conv_dim, kernel] (OLMo-Hybrid's as released: the queries', keys' and values' apart)
+            "conv": (r.get(a + "conv1d.weight") if a + "conv1d.weight" in r else
+                     torch.cat([r.get(a + f"{n}_conv1d.weight") for n in "qkv"]))[:, 0],
             "conv_bias": None,
-            "decay": -torch.exp(r.get(a + "A_log").float()),  # [v_heads], A_log as the model's dtype holds it
+            # [v_heads]: A_log as the model's dtype holds it (OLMo-Hybrid's model holds it in float32)
+            "decay": -torch.exp(r.weights[a + "A_log"].to(r.device, torch.float32) if olmo else r.get(a + "A_log").float()),
             "dt_bias": r.get(a + "dt_bias"),  # [v_heads]
-            "gate_norm": r.get(a + "norm.weight"),  # [v_dim]
-            "mix_out": r.linear(r.get(a + "out_proj.weight"), None),
+            "gate_norm": r.get(a + ("o_norm.weight" if olmo else "norm.weight")),  # [v_dim]
+            "mix_out": r.linear(r.get(a + ("o_proj.weight" if olmo else "out_proj.weight")), None),
         }
 
     def forward(self, states: "RecurrentStates", li: int, slots: torch.Tensor, plan: "StatePlan", L: dict,
@@ -145,7 +156,7 @@ class DeltaNet:
         q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)  # L2-normed (FLA's eps)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         valid = plan.valid[:, :, None]  # [B, T, 1]: padding neither decays the state nor writes to it
-        beta = torch.where(valid, b.sigmoid().float(), 0.0)  # [B, T, Hv]
+        beta = torch.where(valid, b.sigmoid().float() * self.beta_scale, 0.0)  # [B, T, Hv]
         g = torch.where(valid, L["decay"] * F.softplus(g_in.float() + L["dt_bias"]), 0.0)
         scale = self.k_dim ** -0.5
 
@@ -173,7 +184,8 @@ class DeltaNet:
         o = scan(states, li, slots, plan, step if stepped else None, chunked)  # [B, T, Hv, dv]
         if plan.every:  # each token's inputs, which a rewind replays
             states.keep_inputs(li, slots, plan, torch.cat([g[..., None], k, torch.cat(deltas, 1)], -1))
-        o = rms_norm(o.to(a.dtype), L["gate_norm"], eps) * F.silu(z.view(B, T, self.v_heads, self.v_dim).float())
+        o = rms_norm(o.to(a.dtype), L["gate_norm"], self.norm_eps or eps) * \
+            F.silu(z.view(B, T, self.v_heads, self.v_dim).float())
         return L["mix_out"](o.to(a.dtype).reshape(B, T, self.value_width))
 
 
@@ -272,7 +284,9 @@ class Mamba2:
         a = pre + "mamba."
         return {
             "mix_in": r.linear(r.get(a + "in_proj.weight"), r.opt(a + "in_proj.bias")),
-            "conv": r.get(a + "conv1d.weight")[:, 0],  # [conv_dim, kernel]
+            # [conv_dim, kernel] (OLMo-Hybrid's as released: the queries', keys' and values' apart)
+            "conv": (r.get(a + "conv1d.weight") if a + "conv1d.weight" in r else
+                     torch.cat([r.get(a + f"{n}_conv1d.weight") for n in "qkv"]))[:, 0],
             "conv_bias": r.opt(a + "conv1d.bias"),
             "decay": -torch.exp(r.get(a + "A_log").float()),  # [heads]
             "dt_bias": r.get(a + "dt_bias"),  # [heads]

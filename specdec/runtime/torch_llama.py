@@ -7,7 +7,7 @@ attention (DeepSeek-V2 and V3, GLM-4.7-Flash, Mistral 4: ``Latent``), Gemma's (G
 model of Gemma 3's multimodal checkpoints: ``text_model``), whose layers differ from Llama's only in small ways
 (``Family``), Gemma 4 (heads of two widths and layers reading earlier layers' keys: ``KVPlace``; per-layer inputs;
 its experts beside the MLP), Phi-3's longrope (``TorchLlama.switch``), and the hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the cache):
-Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2 layers beside attention
+Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) or OLMo 3's (OLMo-Hybrid), Mamba-2 layers beside attention
 (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's side by side in each layer:
 ``ScaledWeights``), Mamba layers beside attention (Jamba), LFM2's and LFM3's short convolutions beside attention, and Mamba,
 Falcon-Mamba and Mamba-2 (recurrent layers alone).
@@ -61,7 +61,7 @@ GEMMA4 = ("gemma4_text", "gemma4_unified_text")  # Gemma 4's text models (the un
 ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
-    "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "lfm3", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
+    "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "lfm3", "olmo_hybrid", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
     "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4)
@@ -157,6 +157,9 @@ class RenamedWeights:
                                   (".post_feedforward_layernorm.", ".post_ffn_norm.")]
     RENAMES.update(dict.fromkeys(PURE_RECURRENT, RENAMES["nemotron_h"]))
     RENAMES["nanochat"] = [(".mlp.up_proj.", ".mlp.fc1."), (".mlp.down_proj.", ".mlp.fc2.")]
+    # OLMo-Hybrid's as released (its DeltaNet layers' convolutions apart: ``recurrent.DeltaNet.weights``)
+    RENAMES["olmo_hybrid"] = [(".input_layernorm.", ".attention_layer_norm."),
+                              (".post_attention_layernorm.", ".feedforward_layer_norm.")]
     RENAMES["hunyuan_v1_dense"] = RENAMES["hunyuan_v1_moe"] = [(".q_norm.", ".query_layernorm."),
                                                                (".k_norm.", ".key_layernorm.")]
     RENAMES["starcoder2"] = [(".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj.")]
@@ -228,6 +231,8 @@ class RenamedWeights:
         self.weights, self.renames = weights, self.RENAMES[config.model_type]
         if config.model_type == "lfm3" and not config.use_sandwich_norm:  # its norm before the MLP alone
             self.renames = self.LFM3_MLP + [(".post_attention_layernorm.", ".ffn_norm.")]
+        if config.model_type == "olmo_hybrid" and not any(".feedforward_layer_norm." in n for n in weights):
+            self.renames = []  # (under transformers' names: dummy weights')
         self.heads = getattr(config, "num_attention_heads", None)
         if "backbone.embedding.weight" in weights:  # (Mamba-2's original checkpoints; transformers renames it at load)
             self.renames = self.renames + [("model.embeddings.", "model.embedding.")]
@@ -616,12 +621,13 @@ class Family:
                        logits_scale=config.lm_head_multiplier)
         if config.model_type not in GEMMAS:
             return cls(activation=act,
-                       float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3", "helium", "flex_olmo", "flint"),
+                       float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3", "helium", "flex_olmo", "flint",
+                                                         "olmo_hybrid"),
                        clip_qkv=getattr(config, "clip_qkv", None) if config.model_type == "olmoe" else None,
                        interleaved_rope=config.model_type in ("glm", "glm4", "ernie4_5", "ernie4_5_moe", "helium")
                        + GLM_VL_TEXT,
                        rope_math="float" if config.model_type in ("olmo2", "olmo3", "ernie4_5", "ernie4_5_moe",
-                                                                   "flex_olmo", "lfm3")
+                                                                   "flex_olmo", "lfm3", "olmo_hybrid")
                        else "model")
         return cls(offset_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                    attn_scale=config.query_pre_attn_scalar ** -0.5 if config.model_type != "gemma" else None,
@@ -1285,8 +1291,10 @@ class TorchLlama:
         types = getattr(config, "layer_types", None) or [None] * self.num_layers
         rotates = getattr(config, "no_rope_layers", None) or [1] * self.num_layers  # SmolLM3's: 0 = no rope
         if config.model_type == "granitemoehybrid" and config.position_embedding_type != "rope" or \
-                config.model_type in ("nemotron_h", "jamba"):
-            rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's, Jamba's: no rope
+                config.model_type in ("nemotron_h", "jamba") or \
+                config.model_type == "olmo_hybrid" and not (config.rope_parameters or {}).get("rope_theta"):
+            rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's, Jamba's, OLMo-Hybrid's
+            # released checkpoints' (no rope_parameters): no rope
         if config.model_type in ("exaone4", "exaone_moe", "cohere2", "afmoe", "kolibri1", "flint") \
                 and config.sliding_window:
             # rope on the windowed layers alone
@@ -1433,6 +1441,8 @@ class TorchLlama:
             head_dim = dims.get(layer_type, self.head_dim)
             if rope_type == "default" or alpha:
                 base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+                if base is None:  # no rope at all (OLMo-Hybrid's released checkpoints)
+                    continue
                 d = self.latent.rope if self.latent else int(head_dim * params.get("partial_rotary_factor", 1.0))
                 base *= alpha ** (d / (d - 2)) if alpha else 1.0
                 inv_freq, scale = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
