@@ -5,8 +5,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import (DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, JAMBA, LFM3, LLAMA4, MAMBA, MOE, NEMOTRON_H,  # noqa: E402
-                  OLMO_HYBRID, make_tiny, noisy_copy)
+from tiny import (COHERE2_MOE, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, JAMBA, LFM3, LLAMA4, MAMBA, MOE,  # noqa: E402
+                  NEMOTRON_H, OLMO_HYBRID, make_tiny, noisy_copy)
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +38,7 @@ def tiny_dirs(tmp_path_factory):
         "lfm2": make_tiny(root / "lfm2", "lfm2", seed=18, layers=3, layer_types=["conv", "full_attention", "conv"]),
         "lfm3": make_tiny(root / "lfm3", "lfm3", seed=29, layers=5, **LFM3),  # convolutions, windows of 6, gates
         "olmohybrid": make_tiny(root / "olmohybrid", "olmo_hybrid", seed=30, **OLMO_HYBRID),  # DeltaNet, OLMo 3's
+        "cohere2moe": make_tiny(root / "cohere2moe", "cohere2_moe", seed=31, layers=4, **COHERE2_MOE),  # windows, experts
         "falconh1": make_tiny(root / "falconh1", "falcon_h1", seed=19, **FALCON_H1),  # attention beside Mamba-2
         "mamba": make_tiny(root / "mamba", "falcon_mamba", seed=20, **MAMBA),  # a selective scan alone a block
         "jamba": make_tiny(root / "jamba", "jamba", seed=21, **JAMBA),  # Mamba and attention, experts

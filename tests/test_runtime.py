@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3, LLAMA4,
-                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID)
+                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -315,6 +315,12 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # MiniMax-M2: q/k norms over all heads, half of each head rotated (rotary_dim), experts chosen by their sigmoid
     # plus a correction bias
     "minimax-m2-experts": ("minimax_m2", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, rotary_dim=8)),
+    # Cohere2-MoE (Command A Plus): Cohere's parallel block, rope on windowed layers and dense first ones, experts
+    # weighted by the top logits' softmax averaged with a shared one; or their sigmoid summed with it, RMS norms
+    "cohere2moe-softmax-average": ("cohere2_moe", dict(COHERE2_MOE, layers=4)),
+    "cohere2moe-sigmoid-sum-rms": ("cohere2_moe", dict(COHERE2_MOE, layers=4, expert_selection_fn="sigmoid",
+                                                       shared_expert_combination_strategy="sum", rms_norm_eps=1e-6,
+                                                       prefix_dense_sliding_window_pattern=2)),
     # Gemma 4 12B's kind (the unified model: no per-layer inputs, keys as values on its full layers)
     "gemma4-unified": ("gemma4_unified_text", {k: v for k, v in GEMMA4.items() if k not in (
         "vocab_size_per_layer_input", "hidden_size_per_layer_input", "use_double_wide_mlp", "num_kv_shared_layers")}),
@@ -402,7 +408,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "cwm-windows", "codegen-blocks", "persimmon-qk-layernorm",
                                   "phi3-longrope-partial", "phi3-longrope-long", "gemma4-shared-kv-per-layer",
                                   "gemma4-plain", "gemma4-unified", "minimax-m2-experts", "lfm3-windows-gates",
-                                  "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope"])
+                                  "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope", "cohere2moe-softmax-average",
+                                  "cohere2moe-sigmoid-sum-rms"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -1134,6 +1141,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "dbrx-experts-clip", "kolibri1-windows-experts", "flint-sinks-windows-experts",
                                   "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain", "gemma4-unified", "minimax-m2-experts",
                                   "lfm3-windows-gates", "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope",
+                                  "cohere2moe-softmax-average", "cohere2moe-sigmoid-sum-rms",
                                   "gemma4-experts-beside"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the

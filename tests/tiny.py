@@ -63,6 +63,10 @@ GEMMA4 = dict(layers=6, head_dim=16, global_head_dim=32, num_global_key_value_he
 # LFM3's kind: convolutions, windowed attention (6) and full attention (a part of each head rotated) in turn
 LFM3 = dict(head_dim=16, sliding_window=6, pad_token_id=0,
             layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"])
+# Cohere2-MoE's kind: a dense first layer (its own width, rope), windows of 6 on every other layer after it, 4
+# experts (2 a token) beside a shared one
+COHERE2_MOE = dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1,
+                   prefix_dense_intermediate_size=96, sliding_window=6, sliding_window_pattern=2, head_dim=16)
 # OLMo-Hybrid's kind: three Gated DeltaNet layers (4 key heads of 8, as many value heads of 16) then full attention
 OLMO_HYBRID = dict(layers=4, pad_token_id=0, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
                    linear_value_head_dim=16)

@@ -126,6 +126,9 @@ def linear_bytes(config) -> int:
         shared, dense = config.intermediate_size, config.intermediate_size_mlp
     if config.model_type == "hunyuan_v1_moe":  # its shared MLP as wide as an expert
         shared = config.intermediate_size
+    if config.model_type == "cohere2_moe":  # shared experts as wide as routed ones; dense first layers of their own
+        shared = config.intermediate_size * config.num_shared_experts
+        dense = config.prefix_dense_intermediate_size or config.intermediate_size
     if config.model_type == "lfm2" and config.block_auto_adjust_ff_dim:  # its MLP's width, as transformers sizes it
         dense = int(2 * dense / 3)
         if config.block_ffn_dim_multiplier is not None:

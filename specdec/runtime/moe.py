@@ -2,7 +2,8 @@
 router picks and weights them (``Routing``), and the grouped products that run them (Mixtral,
 Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
-Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2)."""
+Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2,
+Cohere2-MoE)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
-             "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2")
+             "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
@@ -39,7 +40,7 @@ def moe_layers(config) -> list[bool]:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4"):
         return [i >= config.first_k_dense_replace for i in range(n)]
-    if kind in ("glm4_moe_lite", "exaone_moe", "axk1"):
+    if kind in ("glm4_moe_lite", "exaone_moe", "axk1", "cohere2_moe"):
         return [t == "sparse" for t in config.mlp_layer_types]
     if kind == "nemotron_h":  # its blocks: one mixer or one MLP each
         return [t == "moe" for t in config.layer_types]
@@ -112,7 +113,9 @@ class Routing:
     AFMoE's (``sigmoid``, ``float_scores``): the router in the model's dtype, its logits' sigmoid in
     float32, the top k of those plus an expert bias, renormalised and times ``scale``; Kolibri's
     (``sigmoid``, ``choose_by_logits``): the router in float32, the top k of its logits plus a
-    correction bias, weighted by their sigmoid, renormalised where ``norm_topk_prob``."""
+    correction bias, weighted by their sigmoid, renormalised where ``norm_topk_prob``; Cohere2-MoE's
+    (``top_softmax``, or ``top_sigmoid``: the sigmoid of the top k logits, renormalised where
+    ``norm_topk_prob``)."""
 
     top_k: int
     renormalize: bool = False
@@ -134,6 +137,7 @@ class Routing:
     scales_inputs: bool = False
     float_scores: bool = False
     choose_by_logits: bool = False
+    top_sigmoid: bool = False
 
     @classmethod
     def of(cls, config) -> "Routing":
@@ -147,6 +151,12 @@ class Routing:
                        scale=config.route_scale, activation=config.hidden_act)
         if kind == "flint":  # the router in float32, the top k of its sigmoid, renormalised where norm_topk_prob
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True, float_router=True,
+                       activation=config.hidden_act)
+        if kind == "cohere2_moe":  # the top k logits' softmax (float32, then cast), or their sigmoid (renormalised
+            # where norm_topk_prob)
+            if config.expert_selection_fn == "softmax":
+                return cls(config.num_experts_per_tok, top_softmax=True, activation=config.hidden_act)
+            return cls(config.num_experts_per_tok, top_sigmoid=True, renormalize=config.norm_topk_prob,
                        activation=config.hidden_act)
         if kind == "minimax_m2":  # the sigmoid of the router's logits (in the model's dtype) in float32, chosen with
             # a correction bias, the top k renormalised
@@ -199,6 +209,10 @@ class Routing:
         if self.scales_inputs:
             top, chosen = logits.topk(self.top_k, dim=-1)
             return top.float().sigmoid().to(top.dtype), chosen
+        if self.top_sigmoid:  # (Cohere2-MoE's: the sigmoid of the top k logits)
+            top, chosen = logits.topk(self.top_k, dim=-1)
+            weights = top.sigmoid()
+            return (weights / weights.sum(dim=-1, keepdim=True) if self.renormalize else weights), chosen
         if self.gpt_oss or self.top_softmax:
             top, chosen = logits.topk(self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype if self.gpt_oss else torch.float32).to(top.dtype), chosen

@@ -514,7 +514,9 @@ class Family:
     scaled by ``head_dim ** -0.5`` as they come out of their product, the scores then not
     (OPT's); ``alibi``: position biases on the scores, no rope (``Alibi``: BLOOM's, MPT's, Falcon-RW's);
     ``weightless_norms``: RMS norms without weights, the embeddings normed too (NanoChat's);
-    ``rope_reversed``: rotary pairs turned the other way (NanoChat's ``cat(x2, -x1)``: sin negated)."""
+    ``rope_reversed``: rotary pairs turned the other way (NanoChat's ``cat(x2, -x1)``: sin negated);
+    ``experts_mean``: the routed experts' output and the shared ones' averaged, not summed (Cohere2-MoE's
+    ``shared_expert_combination_strategy`` "average")."""
 
     offset_norms: bool = False
     embed_scale: float | None = None
@@ -541,6 +543,7 @@ class Family:
     alibi: Alibi | None = None
     weightless_norms: bool = False
     rope_reversed: bool = False
+    experts_mean: bool = False
 
     @classmethod
     def of(cls, config, dtype: torch.dtype = torch.float32) -> "Family":
@@ -577,9 +580,12 @@ class Family:
             return cls(activation=act, layer_norm="model", clip_qkv=config.clip_qkv)
         if config.model_type in ("jais2", "persimmon"):  # layer norms (Persimmon's q/k ones too), relu2(up) not gated
             return cls(activation=act, layer_norm="model", gated_mlp=False)
-        if config.model_type in ("cohere", "cohere2"):
-            return cls(activation=act, interleaved_rope=True, rope_math="float_math", layer_norm="float",
-                       parallel="residual", logits_scale=config.logit_scale)
+        if config.model_type in ("cohere", "cohere2", "cohere2_moe"):  # (Cohere2-MoE's: RMS norms where rms_norm_eps)
+            rms = config.model_type == "cohere2_moe" and config.rms_norm_eps is not None
+            return cls(activation=act, interleaved_rope=True, rope_math="float_math", layer_norm=None if rms else "float",
+                       parallel="residual", logits_scale=config.logit_scale,
+                       experts_mean=getattr(config, "num_shared_experts", 0) > 0
+                       and config.shared_expert_combination_strategy == "average")
         if config.model_type in ("phi", "gpt_neox", "stablelm", "gptj", "falcon", "codegen"):
             parallel = getattr(config, "use_parallel_residual", True)  # (GPT-NeoX's, StableLM's where they say so)
             if config.model_type == "falcon":
@@ -1295,10 +1301,12 @@ class TorchLlama:
                 config.model_type == "olmo_hybrid" and not (config.rope_parameters or {}).get("rope_theta"):
             rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's, Jamba's, OLMo-Hybrid's
             # released checkpoints' (no rope_parameters): no rope
-        if config.model_type in ("exaone4", "exaone_moe", "cohere2", "afmoe", "kolibri1", "flint") \
+        if config.model_type in ("exaone4", "exaone_moe", "cohere2", "cohere2_moe", "afmoe", "kolibri1", "flint") \
                 and config.sliding_window:
-            # rope on the windowed layers alone
-            rotates = [t == "sliding_attention" for t in types]
+            # rope on the windowed layers alone (and Cohere2-MoE's dense first layers where they have no windows)
+            rotates = [t == "sliding_attention" or config.model_type == "cohere2_moe" and m == "dense"
+                       and config.prefix_dense_sliding_window_pattern == 1
+                       for t, m in zip(types, getattr(config, "mlp_layer_types", None) or types)]
         if self.family.learned_positions is not None or self.family.alibi:  # GPT-2's, ALiBi's: no rope
             rotates = [0] * self.num_layers
         layer_ropes = getattr(config, "layer_rope_theta", None)  # Granite-SWA's base per layer (0: no rope)
@@ -1749,6 +1757,7 @@ class TorchLlama:
                 out = torch.sigmoid(F.linear(a, L["shared_gate"])) * out
         if L["experts"] is not None:
             out = L["experts"](a) if out is None else L["experts"](a) + out
+            out = out / 2 if self.family.experts_mean else out
         return out
 
     def _experts_beside(self, block: dict, h: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
