@@ -334,6 +334,12 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
     "lfm2_vl": (dict(model_type="lfm2", num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
                 dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_patches=16, patch_size=14), dict(image_token_id=VOCAB - 1)),
+    # EXAONE 4.5's (EXAONE 4's text model: windows on three layers of four, rope on those alone)
+    "exaone4_5": (dict(model_type="exaone4", num_hidden_layers=4, sliding_window=6, head_dim=16,
+                       layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+                  dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
+                       fullatt_block_indexes=[0], num_key_value_heads=2),
+                  dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2)),
     "lfm3_vl": (dict(model_type="lfm3", num_hidden_layers=5, **LFM3),
                 dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_patches=16, patch_size=14), dict(image_token_id=VOCAB - 1)),

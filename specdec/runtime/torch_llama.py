@@ -82,9 +82,10 @@ MULTIMODAL = dict.fromkeys(("gemma3", "mistral3", "llava"), ("language_model.mod
 MULTIMODAL.update(dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
                                 ("model.language_model.", "language_model.model.", "model.")))
 # more that hold a text model the torch runtime runs: LLaVA-NeXT's and LLaVA-OneVision's, InternVL's (the "-hf"
-# checkpoints: Qwen2 / Qwen3 text), LFM2-VL's (LFM2's); SmolVLM's and Idefics3's (Llama). (Not Aya Vision's: its
-# transformers model leaves out its Command R7B text model's logit scale, where vLLM's keeps it.)
-MULTIMODAL.update(dict.fromkeys(("llava_next", "llava_onevision", "internvl", "lfm2_vl", "lfm3_vl"),
+# checkpoints: Qwen2 / Qwen3 text), LFM2-VL's (LFM2's), LFM3-VL's, EXAONE 4.5's (EXAONE 4's); SmolVLM's and Idefics3's
+# (Llama). (Not Aya Vision's: its transformers model leaves out its Command R7B text model's logit scale, where vLLM's
+# keeps it.)
+MULTIMODAL.update(dict.fromkeys(("llava_next", "llava_onevision", "internvl", "lfm2_vl", "lfm3_vl", "exaone4_5"),
                                 ("model.language_model.", "language_model.model.")))
 MULTIMODAL.update(dict.fromkeys(("smolvlm", "idefics3"), ("model.text_model.",)))
 # (Qwen3.5's under "model." too: transformers' causal LM of its config, dummy weights' names)
