@@ -5,8 +5,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import (COHERE2_MOE, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, JAMBA, LFM3, LLAMA4, MAMBA, MOE,  # noqa: E402
-                  NEMOTRON_H, OLMO_HYBRID, make_tiny, noisy_copy)
+from tiny import (COHERE2_MOE, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, JAMBA, LFM3, LLAMA4, MAMBA, MIMO,  # noqa: E402
+                  MOE, NEMOTRON_H, OLMO_HYBRID, make_tiny, noisy_copy)
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +39,7 @@ def tiny_dirs(tmp_path_factory):
         "lfm3": make_tiny(root / "lfm3", "lfm3", seed=29, layers=5, **LFM3),  # convolutions, windows of 6, gates
         "olmohybrid": make_tiny(root / "olmohybrid", "olmo_hybrid", seed=30, **OLMO_HYBRID),  # DeltaNet, OLMo 3's
         "cohere2moe": make_tiny(root / "cohere2moe", "cohere2_moe", seed=31, layers=4, **COHERE2_MOE),  # windows, experts
+        "mimo": make_tiny(root / "mimo", "mimo_v2_flash", seed=32, layers=4, **MIMO),  # narrower values, sinks
         "falconh1": make_tiny(root / "falconh1", "falcon_h1", seed=19, **FALCON_H1),  # attention beside Mamba-2
         "mamba": make_tiny(root / "mamba", "falcon_mamba", seed=20, **MAMBA),  # a selective scan alone a block
         "jamba": make_tiny(root / "jamba", "jamba", seed=21, **JAMBA),  # Mamba and attention, experts

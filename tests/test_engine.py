@@ -592,7 +592,7 @@ def test_conv_state_rewinds(tmp_path, backend):
                                           ("gptoss", "torch"), ("deepseek", "torch"), ("pythia", "torch"),
                                           ("llama4", "torch"), ("llama4", "hf"), ("bloom", "torch"),
                                           ("gemma4", "torch"), ("gemma4", "hf"), ("gemma4moe", "torch"),
-                                          ("cohere2moe", "torch")])
+                                          ("cohere2moe", "torch"), ("mimo", "torch")])
 def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, backend):
     """A sliding-window model (Mistral's and Mixtral's, 6 tokens on every layer; Gemma 3's and GPT-OSS's on one of two,
     OLMo 3's and Command R7B's on three of four)
@@ -605,7 +605,8 @@ def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, back
     on three layers of four (a window of the position within its chunk), its queries' temperature on
     the fourth; and BLOOM's ALiBi biases (of each key's position: a tree node's is its depth's); and
     Gemma 4's layers of two head widths, whose last two attend over earlier layers' rows (``tiny.GEMMA4``), with
-    experts beside their MLPs too; and Cohere2-MoE's windows on every other layer after a dense first one."""
+    experts beside their MLPs too; and Cohere2-MoE's windows on every other layer after a dense first one; and
+    MiMo-V2-Flash's windows with sinks and twice the key/value heads, its values narrower than its keys."""
     want = transformers_greedy(tiny_dirs[name], [LLM(loaded(name)).encode(p) for p in PROMPTS])
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     # trees: 3 deep, and 8 deep, past the window (a node's row is past its position there)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3, LLAMA4,
-                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE)
+                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -318,6 +318,9 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # Cohere2-MoE (Command A Plus): Cohere's parallel block, rope on windowed layers and dense first ones, experts
     # weighted by the top logits' softmax averaged with a shared one; or their sigmoid summed with it, RMS norms
     "cohere2moe-softmax-average": ("cohere2_moe", dict(COHERE2_MOE, layers=4)),
+    # MiMo-V2-Flash: values narrower than keys (and scaled), twice the key/value heads and a sink per head on its
+    # windowed layers, a third of each head rotated, DeepSeek-V3's routing without shared experts after a dense layer
+    "mimo-windows-sinks-experts": ("mimo_v2_flash", dict(MIMO, layers=4)),
     "cohere2moe-sigmoid-sum-rms": ("cohere2_moe", dict(COHERE2_MOE, layers=4, expert_selection_fn="sigmoid",
                                                        shared_expert_combination_strategy="sum", rms_norm_eps=1e-6,
                                                        prefix_dense_sliding_window_pattern=2)),
@@ -471,15 +474,16 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "mpt-alibi-clip", "falconrw-alibi", "granitemoeswa-sinks-experts",
                                   "gptneo-local-layers", "youtu-latent-dense", "axk1-latent-experts-normed",
                                   "kolibri1-windows-experts", "flint-sinks-windows-experts", "minicpm3-latent-mup",
-                                  "gemma4-experts-beside"])
+                                  "gemma4-experts-beside", "mimo-windows-sinks-experts"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
     scan in float32 where transformers' one-token step rounds to bfloat16, Falcon's
     products add their biases after the product (a second rounding) and attend its one key
     head broadcast, Granite-SWA's sinks scale the output in float32 (GPT-OSS's: a logit in the
-    softmax, in the model's dtype), and ALiBi's biases join the scores in another order (BLOOM's
-    in one fused product, MPT's and Falcon's in float32), so in bfloat16
+    softmax, in the model's dtype; MiMo-V2-Flash's full-attention layers softmax in the model's dtype in
+    transformers' eager attention, in float32 in PyTorch's fused one), and ALiBi's biases join the scores in
+    another order (BLOOM's in one fused product, MPT's and Falcon's in float32), so in bfloat16
     their logits are not transformers' bit for bit; they are as close to the float32 logits as
     transformers' bfloat16 logits are (within 1.5x of that error, relative to the largest
     logit; dense layers, as near-ties in routing flip experts under either rounding)."""
@@ -1139,10 +1143,10 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "afmoe-gated-windows-experts", "gptneo-local-layers", "youtu-latent-dense",
                                   "axk1-latent-experts-normed", "codegen-blocks", "persimmon-qk-layernorm",
                                   "dbrx-experts-clip", "kolibri1-windows-experts", "flint-sinks-windows-experts",
-                                  "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain", "gemma4-unified", "minimax-m2-experts",
-                                  "lfm3-windows-gates", "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope",
-                                  "cohere2moe-softmax-average", "cohere2moe-sigmoid-sum-rms",
-                                  "gemma4-experts-beside"])
+                                  "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain", "gemma4-unified",
+                                  "minimax-m2-experts", "lfm3-windows-gates", "lfm3-plain", "olmohybrid-rope",
+                                  "olmohybrid-nope", "cohere2moe-softmax-average", "cohere2moe-sigmoid-sum-rms",
+                                  "mimo-windows-sinks-experts", "gemma4-experts-beside"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

@@ -67,6 +67,10 @@ LFM3 = dict(head_dim=16, sliding_window=6, pad_token_id=0,
 # experts (2 a token) beside a shared one
 COHERE2_MOE = dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1,
                    prefix_dense_intermediate_size=96, sliding_window=6, sliding_window_pattern=2, head_dim=16)
+# MiMo-V2-Flash's kind: heads of 24 (values of 16), windows of 6 on three layers of four, 4 experts (2 a token)
+MIMO = dict(head_dim=24, v_head_dim=16, num_key_value_heads=2, sliding_window=6, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, layer_types=["full_attention"] + ["sliding_attention"] * 3,
+            mlp_layer_types=["dense"] + ["sparse"] * 3)
 # OLMo-Hybrid's kind: three Gated DeltaNet layers (4 key heads of 8, as many value heads of 16) then full attention
 OLMO_HYBRID = dict(layers=4, pad_token_id=0, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=8,
                    linear_value_head_dim=16)

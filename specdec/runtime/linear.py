@@ -115,6 +115,13 @@ def linear_bytes(config) -> int:
             wide = 2 if i >= first_shared and config.use_double_wide_mlp else 1
             total += 2 * heads * d_i * h + own * kv_i * d_i * h + 3 * h * config.intermediate_size * wide
         return 4 * total
+    if config.model_type == "mimo_v2_flash":  # values narrower than keys; twice the key/value heads on windowed layers
+        dv, total = config.v_head_dim, config.vocab_size * h
+        for t, m in zip(config.layer_types, config.mlp_layer_types):
+            kv_t = 2 * kv if t == "sliding_attention" else kv
+            total += (heads * d + kv_t * (d + dv) + heads * dv) * h + (3 * h * config.intermediate_size if m == "dense"
+                                                                        else 0)
+        return 4 * total
     if config.model_type in PURE_RECURRENT:  # a Mamba layer alone in each block
         return 4 * (config.num_hidden_layers * rec.projection_params(h) + config.vocab_size * h)
     shared = getattr(config, "shared_expert_intermediate_size", 0) or getattr(config, "shared_intermediate_size", 0) \

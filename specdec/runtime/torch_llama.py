@@ -64,7 +64,7 @@ ARCHS = tuple(dict.fromkeys((
     "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "lfm3", "olmo_hybrid", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
-    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4)
+    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4, "mimo_v2_flash")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -72,7 +72,7 @@ GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemm
 # whose transformers model rotates a part of each head where the config says
 PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
                   "codegen", "persimmon",
-                  "nemotron", "mistral4", "minimax_m2") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's rotated part)
+                  "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's rotated part)
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
@@ -330,6 +330,11 @@ def text_model(config, weights=None):
         config = llama_fields(config)
     if config.model_type in GEMMA4:
         config = per_layer_fields(config)
+    if config.model_type == "mimo_v2_flash" and not hasattr(config, "layer_heads"):  # (its windowed layers' twice as
+        # many key/value heads: ``kv_places``)
+        config = copy.deepcopy(config)
+        kv = config.num_key_value_heads
+        config.layer_heads = [(2 * kv if t == "sliding_attention" else kv, config.head_dim) for t in config.layer_types]
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
         return config, RenamedWeights(weights, config)
     if config.model_type == "falcon_h1" and weights is not None:
@@ -517,7 +522,8 @@ class Family:
     ``weightless_norms``: RMS norms without weights, the embeddings normed too (NanoChat's);
     ``rope_reversed``: rotary pairs turned the other way (NanoChat's ``cat(x2, -x1)``: sin negated);
     ``experts_mean``: the routed experts' output and the shared ones' averaged, not summed (Cohere2-MoE's
-    ``shared_expert_combination_strategy`` "average")."""
+    ``shared_expert_combination_strategy`` "average"); ``value_scale``: the values' factor as they come
+    out of their product (MiMo-V2-Flash's ``attention_value_scale``)."""
 
     offset_norms: bool = False
     embed_scale: float | None = None
@@ -545,6 +551,7 @@ class Family:
     weightless_norms: bool = False
     rope_reversed: bool = False
     experts_mean: bool = False
+    value_scale: float | None = None
 
     @classmethod
     def of(cls, config, dtype: torch.dtype = torch.float32) -> "Family":
@@ -623,6 +630,8 @@ class Family:
             return cls(float_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                        attn_scale=1.0, final_softcap=config.final_logit_softcapping,
                        activation=config.hidden_activation)
+        if config.model_type == "mimo_v2_flash":
+            return cls(activation=act, value_scale=config.attention_value_scale)
         if config.model_type == "falcon_h1":  # (its other multipliers: in the weights, ``ScaledWeights``)
             return cls(activation=act, embed_scale=config.embedding_multiplier,
                        logits_scale=config.lm_head_multiplier)
@@ -709,22 +718,23 @@ class KVCache:
     each slot's token ids (``ids``), which factors its rows took (``long``) and the length its
     prompt reaches (``reach``, ``expect``), so that its rows can be computed again.
     ``second``: ``(layers, kv_heads, head_dim)`` of layers whose K/V have another shape, kept in
-    ``k2`` / ``v2`` (Gemma 4's full-attention layers: wider heads, fewer of them)."""
+    ``k2`` / ``v2`` (Gemma 4's full-attention layers: wider heads, fewer of them); ``v_dim``: the
+    values' width where it is not the keys' (MiMo-V2-Flash's)."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype, capacity: int = 256, max_rows: int | None = None,
                  keys_only: bool = False, states: RecurrentStates | None = None, tracks_ids: bool = False,
-                 second: tuple[int, int, int] | None = None):
+                 second: tuple[int, int, int] | None = None, v_dim: int | None = None):
         self.limit = None if max_rows is None else max_rows + GRAPH_MAX_TOKENS
         capacity = min(capacity, self.limit or capacity)
-        shape = (num_layers, 1, kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = None if keys_only else torch.zeros(shape, device=device, dtype=dtype)
+        self.k = torch.zeros(num_layers, 1, kv_heads, capacity, head_dim, device=device, dtype=dtype)
+        self.v = None if keys_only else \
+            torch.zeros(num_layers, 1, kv_heads, capacity, v_dim or head_dim, device=device, dtype=dtype)
         self.k2 = self.v2 = None
         if second is not None:
             layers, heads, dim = second
-            self.k2, self.v2 = (torch.zeros(layers, 1, heads, capacity, dim, device=device, dtype=dtype)
-                                for _ in range(2))
+            self.k2, self.v2 = (torch.zeros(layers, 1, heads, capacity, width, device=device, dtype=dtype)
+                                for width in (dim, v_dim or dim))
         self.lengths = [0] * num_slots
         self.states = states
         self.ids: list[list[int]] | None = [[] for _ in range(num_slots)] if tracks_ids else None
@@ -1120,11 +1130,11 @@ class KVPlace:
 
 def kv_places(config, kv_heads: int, head_dim: int) -> list[KVPlace] | None:
     """Each layer's ``KVPlace`` for Gemma 4 (``per_layer_fields``' ``layer_heads``; a shared layer
-    reads the last layer of its type before the shared ones), else None."""
+    reads the last layer of its type before the shared ones) and MiMo-V2-Flash (``text_model``'s), else None."""
     heads = getattr(config, "layer_heads", None)
     if heads is None:
         return None
-    n, shared, types = config.num_hidden_layers, config.num_kv_shared_layers or 0, config.layer_types
+    n, shared, types = config.num_hidden_layers, getattr(config, "num_kv_shared_layers", 0) or 0, config.layer_types
     places: list[KVPlace] = []
     counts = [0, 0]
     for i, (kv, dim) in enumerate(heads):
@@ -1173,7 +1183,8 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
                                 r.opt(a + "qkv_proj.bias") if a + "qkv_proj.weight" in r else
                                 cat_or_none([r.opt(a + f"{n}_proj.bias") for n in ["q", *own]]))}),
             "o": r.linear(r.get(a + "o_proj.weight"), r.opt(a + "o_proj.bias")),
-            "sinks": r.opt(a + "sinks"),  # [H] GPT-OSS's
+            "sinks": r.opt(a + "sinks") if a + "sinks" in r else r.opt(a + "attention_sink_bias"),  # [H] GPT-OSS's
+            # (MiMo-V2-Flash's as released)
             **({} if latent else {"q_norm": r.norm(a + "q_norm.weight"),
                                   "k_norm": r.norm(a + "k_norm.weight") if own else None}),
             **(recurrent.weights(r, pre) if block == "hybrid" else {}),
@@ -1216,7 +1227,7 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         "index": index,
         "kv": kv,
         "v_from_k": own == ["k"],
-        "v_norm": kv is not None,  # (Gemma 4's values normed, without a weight)
+        "v_norm": kv is not None and config.model_type in GEMMA4,  # (Gemma 4's values normed, without a weight)
         # Gemma 4's per-layer input (``TorchLlama._per_layer_inputs``): its gate and projection and their norm
         "per_layer": (r.linear(r.get(pre + "per_layer_input_gate.weight"), None),
                       r.linear(r.get(pre + "per_layer_projection.weight"), None),
@@ -1264,6 +1275,7 @@ class TorchLlama:
     chunk: int | None = None  # Llama 4's attention_chunk_size: its chunked layers' (``_mask``)
     switch: int | None = None  # Phi-3's longrope switch, where it falls inside the context
     second_kv: tuple[int, int, int] | None = None  # (Gemma 4's: ``KVCache``'s second group)
+    v_dim: int | None = None  # the values' width where it is not the keys' (MiMo-V2-Flash's)
     per_layer: tuple | None = None  # (Gemma 4's per-layer inputs: ``_per_layer_inputs``)
     batch_layout = "padded"
     reuses_prefixes = True  # a slot's KV rows stay valid after a rewind (Engine's prefix reuse)
@@ -1343,6 +1355,7 @@ class TorchLlama:
             kinds[0] += block == "hybrid"  # (its attention too: the same index, every layer being so)
         self.kv_layers, self.state_layers = kinds
         self.second_kv = None  # (layers, kv heads, head dim) of a second group of K/V shapes (``KVCache``)
+        self.v_dim = config.v_head_dim if config.model_type == "mimo_v2_flash" else None
         if places:
             self.kv_layers = sum(not p.second and not p.reuse for p in places)
             wide = [p for p in places if p.second and not p.reuse]
@@ -1486,7 +1499,7 @@ class TorchLlama:
             RecurrentStates(self.state_layers, self.recurrent, self.state_depth, self.device, self.dtype, decays)
         return KVCache(self.kv_layers, num_slots, self.kv_heads, self.head_dim, self.device, self.dtype,
                        max_rows=max_rows, keys_only=self.latent is not None, states=states,
-                       tracks_ids=self.switch is not None, second=self.second_kv)
+                       tracks_ids=self.switch is not None, second=self.second_kv, v_dim=self.v_dim)
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots, tokens, *, positions=None, chunk_masks=None,
@@ -1665,13 +1678,16 @@ class TorchLlama:
         S = x.mask.shape[-1]
         place = L["kv"]  # (Gemma 4's: this layer's shape, and where its rows are)
         H, KV, D = self.num_heads, *((place.heads, place.dim) if place else (self.kv_heads, self.head_dim))
+        Dv = self.v_dim or D  # (MiMo-V2-Flash's values: narrower than its keys)
         reuse = place is not None and place.reuse  # its queries over an earlier layer's rows
-        qkv = L["qkv"](a)  # [B, T, (H + 2 KV) D], Qwen3-Next's / 3.5's gates after them: + H D
+        qkv = L["qkv"](a)  # [B, T, (H + KV) D + KV Dv], Qwen3-Next's / 3.5's gates after them: + H D
         own = 0 if reuse else 1 if L["v_from_k"] else 2  # key/value projections
-        q, *kv = qkv.split([H * D] + [KV * D] * own + ([L["gated"]] if L.get("gated") else []), dim=-1)
+        q, *kv = qkv.split([H * D] + [KV * D, KV * Dv][:own] + ([L["gated"]] if L.get("gated") else []), dim=-1)
         k, v, gate = (kv[0], kv[own - 1], kv[own:]) if own else (None, None, kv)  # (attention_k_eq_v: v is k unnormed)
         if L["v_norm"] and v is not None:  # (Gemma 4's: values normed, without a weight)
             v = rms_norm(v.view(B, T, KV, D), None, self.eps)
+        if fam.value_scale is not None and v is not None:
+            v = v * fam.value_scale
         if fam.scale_queries:  # (OPT's)
             q = q * D ** -0.5
         if L["q_norm"] is not None and not fam.norm_after_rope:  # over each head, or all (a weight that wide: OLMo 2's)
@@ -1697,7 +1713,7 @@ class TorchLlama:
         kc, vc = kc[L["index"]], vc[L["index"]]  # [slots, KV, cap, D]
         if not reuse:
             kc[x.slots[:, None], :, x.write] = k.transpose(1, 2)  # [B, T, KV, D]
-            vc[x.slots[:, None], :, x.write] = v.view(B, T, KV, D)
+            vc[x.slots[:, None], :, x.write] = v.view(B, T, KV, Dv)
         mask = x.sliding if L["sliding"] else x.mask
         if x.runs is not None:  # views of each run's cache rows [b1 - b0, KV, S, D]
             parts = [attention(q[b0:b1], kc[s0:s0 + b1 - b0, :, :S], vc[s0:s0 + b1 - b0, :, :S], mask[b0:b1],
@@ -1706,11 +1722,11 @@ class TorchLlama:
         else:  # a gathered copy [B, KV, S, D]
             o = attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], mask, fam.attn_scale, fam.attn_softcap,
                           L["sinks"])
-        o = o.transpose(1, 2)  # [B, T, H, D]
+        o = o.transpose(1, 2)  # [B, T, H, Dv]
         if gate:  # each element's gate, or each head's (LFM3's)
-            g = torch.sigmoid(gate[0])  # [B, T, H D] or [B, T, H]
-            o = o * (g.view(B, T, H, D) if g.shape[-1] == H * D else g[..., None])
-        return L["o"](o.reshape(B, T, H * D))  # [B, T, hidden]
+            g = torch.sigmoid(gate[0])  # [B, T, H Dv] or [B, T, H]
+            o = o * (g.view(B, T, H, Dv) if g.shape[-1] == H * Dv else g[..., None])
+        return L["o"](o.reshape(B, T, H * Dv))  # [B, T, hidden]
 
     def _attend_latent(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
         """``_attend`` for latent attention (``Latent``): the cache's rows are ``[c, k_rope]``."""
