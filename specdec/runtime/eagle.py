@@ -377,8 +377,9 @@ class AssistantCache(EagleCache):
 
 class Gemma4Assistant(EagleHead):
     """Gemma 4's assistant (``gemma4_assistant``: the ``google/gemma-4-*-it-assistant``
-    checkpoints; ``gemma4_unified_assistant``: 12B's, for its unified model), drafting for its Gemma 4 ``target`` as transformers' ``Gemma4AssistantForCausalLM``
-    with its candidate generator does, and vLLM's ``mtp`` method with such a checkpoint:
+    checkpoints; ``gemma4_unified_assistant``: 12B's, for its unified model), drafting for its
+    Gemma 4 ``target`` as transformers' ``Gemma4AssistantForCausalLM`` with its candidate
+    generator does, and vLLM's ``mtp`` method with such a checkpoint:
 
     * its input is the pair (feature, token) of ``EagleHead``: ``pre_projection`` maps ``[the
       target's embedding of the token, scaled as the target scales it; the feature]`` (2 x the

@@ -133,7 +133,8 @@ class DeltaNet:
                      torch.cat([r.get(a + f"{n}_conv1d.weight") for n in "qkv"]))[:, 0],
             "conv_bias": None,
             # [v_heads]: A_log as the model's dtype holds it (OLMo-Hybrid's model holds it in float32)
-            "decay": -torch.exp(r.weights[a + "A_log"].to(r.device, torch.float32) if olmo else r.get(a + "A_log").float()),
+            "decay": -torch.exp(r.weights[a + "A_log"].to(r.device, torch.float32) if olmo else
+                                r.get(a + "A_log").float()),
             "dt_bias": r.get(a + "dt_bias"),  # [v_heads]
             "gate_norm": r.get(a + ("o_norm.weight" if olmo else "norm.weight")),  # [v_dim]
             "mix_out": r.linear(r.get(a + ("o_proj.weight" if olmo else "out_proj.weight")), None),

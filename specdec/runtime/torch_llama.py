@@ -6,8 +6,10 @@ dots.llm1, ERNIE 4.5, GPT-OSS, GLM-4.5, Granite's, Llama 4's: ``Experts``), the 
 attention (DeepSeek-V2 and V3, GLM-4.7-Flash, Mistral 4: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text
 model of Gemma 3's multimodal checkpoints: ``text_model``), whose layers differ from Llama's only in small ways
 (``Family``), Gemma 4 (heads of two widths and layers reading earlier layers' keys: ``KVPlace``; per-layer inputs;
-its experts beside the MLP), Phi-3's longrope (``TorchLlama.switch``), and the hybrids of recurrent layers and attention (``recurrent``, whose states rewind with the cache):
-Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) or OLMo 3's (OLMo-Hybrid), Mamba-2 layers beside attention
+its experts beside the MLP), Phi-3's longrope (``TorchLlama.switch``), and the hybrids of recurrent layers and
+attention (``recurrent``, whose states rewind with the cache):
+Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) or OLMo 3's (OLMo-Hybrid), Mamba-2
+layers beside attention
 (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's side by side in each layer:
 ``ScaledWeights``), Mamba layers beside attention (Jamba), LFM2's and LFM3's short convolutions beside attention, and Mamba,
 Falcon-Mamba and Mamba-2 (recurrent layers alone).
@@ -61,10 +63,11 @@ GEMMA4 = ("gemma4_text", "gemma4_unified_text")  # Gemma 4's text models (the un
 ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
-    "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "lfm3", "olmo_hybrid", "falcon_h1", "jamba", "gpt_neox", "phi", "stablelm",
+    "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "lfm3", "olmo_hybrid", "falcon_h1", "jamba",
+    "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
-    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4, "mimo_v2_flash")
+    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4)
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -72,7 +75,8 @@ GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemm
 # whose transformers model rotates a part of each head where the config says
 PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
                   "codegen", "persimmon",
-                  "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's rotated part)
+                  "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's:
+# its latent's rotated part)
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
