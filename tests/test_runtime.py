@@ -321,6 +321,10 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # MiMo-V2-Flash: values narrower than keys (and scaled), twice the key/value heads and a sink per head on its
     # windowed layers, a third of each head rotated, DeepSeek-V3's routing without shared experts after a dense layer
     "mimo-windows-sinks-experts": ("mimo_v2_flash", dict(MIMO, layers=4)),
+    # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
+    "mellum-windows-experts": ("mellum", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, layers=4,
+                                              head_dim=16, sliding_window=6, mlp_layer_types=["dense"] + ["sparse"] * 3,
+                                              layer_types=["sliding_attention", "full_attention"] * 2)),
     "cohere2moe-sigmoid-sum-rms": ("cohere2_moe", dict(COHERE2_MOE, layers=4, expert_selection_fn="sigmoid",
                                                        shared_expert_combination_strategy="sum", rms_norm_eps=1e-6,
                                                        prefix_dense_sliding_window_pattern=2)),
@@ -412,7 +416,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "phi3-longrope-partial", "phi3-longrope-long", "gemma4-shared-kv-per-layer",
                                   "gemma4-plain", "gemma4-unified", "minimax-m2-experts", "lfm3-windows-gates",
                                   "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope", "cohere2moe-softmax-average",
-                                  "cohere2moe-sigmoid-sum-rms"])
+                                  "cohere2moe-sigmoid-sum-rms", "mellum-windows-experts"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -1147,7 +1151,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain", "gemma4-unified",
                                   "minimax-m2-experts", "lfm3-windows-gates", "lfm3-plain", "olmohybrid-rope",
                                   "olmohybrid-nope", "cohere2moe-softmax-average", "cohere2moe-sigmoid-sum-rms",
-                                  "mimo-windows-sinks-experts", "gemma4-experts-beside"])
+                                  "mimo-windows-sinks-experts", "mellum-windows-experts", "gemma4-experts-beside"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
