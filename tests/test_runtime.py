@@ -549,7 +549,7 @@ RECURRENT_VL = ("qwen3_5", "lfm2_vl", "lfm3_vl")  # text models with recurrent s
 
 
 @pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "llava_next", "llava_onevision", "qwen2_vl",
-                                  "qwen2_5_vl", "qwen3_vl", "glm4v", "glm4v_moe", "internvl", "smolvlm", "lfm2_vl",
+                                  "qwen2_5_vl", "qwen3_vl", "glm4v", "glm4v_moe", "glm46v", "internvl", "smolvlm", "lfm2_vl",
                                   "lfm3_vl", "exaone4_5",
                                   "qwen3_5", "gemma4", "gemma4_unified"])
 def test_vision_language_text_model(tmp_path, kind):

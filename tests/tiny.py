@@ -321,6 +321,10 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
     # GLM-4.5V: GLM-4.5's experts
     "glm4v": (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2],
                                     "partial_rotary_factor": 0.5}), GLM4V_VISION, GLM4V_TOKENS),
+    # GLM-4.6V's: GLM-4.1V's text model
+    "glm46v": (dict(model_type="glm4v_text", rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                              "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5}),
+               dict(model_type="glm4v_vision", **GLM4V_VISION), GLM4V_TOKENS),
     "glm4v_moe": (dict(head_dim=16, **{k: v for k, v in MOE["glm4_moe"].items() if k != "layers"}, num_hidden_layers=3,
                        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2],
                                         "partial_rotary_factor": 0.5}), GLM4V_VISION, GLM4V_TOKENS),

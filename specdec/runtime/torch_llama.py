@@ -95,7 +95,8 @@ MULTIMODAL.update(dict.fromkeys(("smolvlm", "idefics3"), ("model.text_model.",))
 # (Qwen3.5's under "model." too: transformers' causal LM of its config, dummy weights' names)
 MULTIMODAL.update(dict.fromkeys(("qwen3_5", "qwen3_5_moe"), ("model.language_model.", "language_model.model.", "model.")))
 # GLM-4.1V's and up
-MULTIMODAL.update(dict.fromkeys(("glm4v", "glm4v_moe"), ("model.language_model.", "language_model.model.")))
+MULTIMODAL.update(dict.fromkeys(("glm4v", "glm4v_moe", "glm46v"),  # (GLM-4.6V's: GLM-4.1V's text model)
+                                ("model.language_model.", "language_model.model.")))
 # Llama 4's (Scout's, Maverick's; "model.": transformers' causal LM of its config, dummy weights' names)
 MULTIMODAL["llama4"] = ("language_model.model.", "model.language_model.", "model.")
 MULTIMODAL.update(dict.fromkeys(("gemma4", "gemma4_unified"),
