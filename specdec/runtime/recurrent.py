@@ -129,8 +129,8 @@ class DeltaNet:
         return {
             "mix_in": r.linear(torch.cat(parts), None),
             # [conv_dim, kernel] (OLMo-Hybrid's as released: the queries', keys' and values' apart)
-            "conv": (r.get(a + "conv1d.weight") if a + "conv1d.weight" in r else
-                     torch.cat([r.get(a + f"{n}_conv1d.weight") for n in "qkv"]))[:, 0],
+            "conv": (torch.cat([r.get(a + f"{n}_conv1d.weight") for n in "qkv"]) if a + "q_conv1d.weight" in r
+                     else r.get(a + "conv1d.weight"))[:, 0],
             "conv_bias": None,
             # [v_heads]: A_log as the model's dtype holds it (OLMo-Hybrid's model holds it in float32)
             "decay": -torch.exp(r.weights[a + "A_log"].to(r.device, torch.float32) if olmo else
@@ -285,9 +285,7 @@ class Mamba2:
         a = pre + "mamba."
         return {
             "mix_in": r.linear(r.get(a + "in_proj.weight"), r.opt(a + "in_proj.bias")),
-            # [conv_dim, kernel] (OLMo-Hybrid's as released: the queries', keys' and values' apart)
-            "conv": (r.get(a + "conv1d.weight") if a + "conv1d.weight" in r else
-                     torch.cat([r.get(a + f"{n}_conv1d.weight") for n in "qkv"]))[:, 0],
+            "conv": r.get(a + "conv1d.weight")[:, 0],  # [conv_dim, kernel]
             "conv_bias": r.opt(a + "conv1d.bias"),
             "decay": -torch.exp(r.get(a + "A_log").float()),  # [heads]
             "dt_bias": r.get(a + "dt_bias"),  # [heads]

@@ -1321,10 +1321,11 @@ class TorchLlama:
             # released checkpoints' (no rope_parameters): no rope
         if config.model_type in ("exaone4", "exaone_moe", "cohere2", "cohere2_moe", "afmoe", "kolibri1", "flint") \
                 and config.sliding_window:
-            # rope on the windowed layers alone (and Cohere2-MoE's dense first layers where they have no windows)
-            rotates = [t == "sliding_attention" or config.model_type == "cohere2_moe" and m == "dense"
-                       and config.prefix_dense_sliding_window_pattern == 1
-                       for t, m in zip(types, getattr(config, "mlp_layer_types", None) or types)]
+            # rope on the windowed layers alone
+            rotates = [t == "sliding_attention" for t in types]
+        if config.model_type == "cohere2_moe" and config.prefix_dense_sliding_window_pattern == 1:
+            # its dense first layers too, which then have no windows
+            rotates = [r or m == "dense" for r, m in zip(rotates, config.mlp_layer_types)]
         if self.family.learned_positions is not None or self.family.alibi:  # GPT-2's, ALiBi's: no rope
             rotates = [0] * self.num_layers
         layer_ropes = getattr(config, "layer_rope_theta", None)  # Granite-SWA's base per layer (0: no rope)
