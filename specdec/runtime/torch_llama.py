@@ -896,10 +896,13 @@ RECOMPUTES_PAST_SWITCH = ("phi3", "phimoe", "phi4_multimodal")
 
 
 def quant_config(config) -> dict:
-    """``config``'s ``quantization_config`` as a dict (a multimodal checkpoint's, else its text
-    config's; transformers' object's fields; its ``quant_method`` a string), {} without one."""
-    qc = getattr(config, "quantization_config", None) or \
-        getattr(getattr(config, "text_config", None), "quantization_config", None)
+    """``config``'s (a config object, or a ``config.json``'s dict) ``quantization_config`` as a
+    dict (a multimodal checkpoint's, else its text config's; transformers' object's fields; its
+    ``quant_method`` a string), {} without one."""
+    def field(c, name: str):
+        return c.get(name) if isinstance(c, dict) else getattr(c, name, None)
+
+    qc = field(config, "quantization_config") or field(field(config, "text_config") or {}, "quantization_config")
     qc = {} if qc is None else dict(qc) if isinstance(qc, dict) else qc.to_dict()
     if qc.get("quant_method") is not None:
         qc["quant_method"] = str(getattr(qc["quant_method"], "value", qc["quant_method"]))
