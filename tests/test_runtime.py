@@ -549,7 +549,7 @@ RECURRENT_VL = ("qwen3_5", "lfm2_vl", "lfm3_vl")  # text models with recurrent s
 
 
 @pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "llava_next", "llava_onevision", "qwen2_vl",
-                                  "qwen2_5_vl", "qwen3_vl", "glm4v", "glm4v_moe", "glm46v", "internvl", "smolvlm", "lfm2_vl",
+                                  "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "glm46v", "internvl", "smolvlm", "lfm2_vl",
                                   "lfm3_vl", "exaone4_5",
                                   "qwen3_5", "gemma4", "gemma4_unified"])
 def test_vision_language_text_model(tmp_path, kind):
@@ -615,6 +615,38 @@ def test_vision_language_text_model(tmp_path, kind):
     for content in ("hi", [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]):
         want = "user: hi;" if isinstance(content, str) else "user: hi there;"
         assert llm.chat([{"role": "user", "content": content}], sp)[0].prompt == want, content
+
+
+def test_qwen3_vl_moe_experts_as_released(tmp_path):
+    """Qwen3-VL-MoE's checkpoints as released keep each layer's experts fused the other way
+    round (``gate_up_proj [experts, hidden, 2 x inter]``, ``down_proj [experts, inter, hidden]``),
+    which transformers transposes at load: its logits equal those of transformers' own layout,
+    bit for bit, and transformers' on the released copy."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny_vision_language
+
+    path = make_tiny_vision_language(tmp_path / "own", "qwen3_vl_moe", seed=5)
+    released = tmp_path / "released"
+    shutil.copytree(path, released)
+    tensors = load_file(path / "model.safetensors")
+    for name in [n for n in tensors if ".mlp.experts." in n]:
+        tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, str(released / "model.safetensors"), metadata={"format": "pt"})
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for where in (path, released):
+        rt = TorchLlama(AutoConfig.from_pretrained(where), Weights(where), torch.device("cpu"), torch.float32)
+        logits.append(rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0])
+    with torch.no_grad():
+        ref = AutoModelForImageTextToText.from_pretrained(released).eval()(input_ids=ids).logits[0]
+    assert torch.equal(logits[0], logits[1])
+    assert (logits[1] - ref).abs().max() < ATOL * ref.abs().max()
 
 
 def test_llama4_text_model(tmp_path):

@@ -333,6 +333,12 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
                                                     "mrope_interleaved": True}),
                  dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),
                  dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3)),
+    # Qwen3-VL-MoE's: Qwen3-VL's with Qwen3-MoE's experts (renormalised), a dense layer where mlp_only_layers says
+    "qwen3_vl_moe": (dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5,
+                                                        "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1]),
+                     dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),
+                     dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3)),
     # GLM-4.1V: GLM-4's layers, rotary pairs interleaved on half of each head, in sections (on text: the text model's);
     # GLM-4.5V: GLM-4.5's experts
     "glm4v": (dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [1, 1, 2],

@@ -3,7 +3,7 @@ router picks and weights them (``Routing``), and the grouped products that run t
 Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
 Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2,
-Cohere2-MoE, MiMo-V2-Flash, Mellum)."""
+Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,7 +19,8 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "qwen3_next", "qwen3_5_moe_text", "granitemoe", "granitemoeshared", "granitemoehybrid", "nemotron_h",
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
-             "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe", "mimo_v2_flash", "mellum")
+             "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe", "mimo_v2_flash", "mellum",
+             "qwen3_vl_moe_text")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
@@ -199,7 +200,8 @@ class Routing:
                        activation=config.mlp_hidden_act if nemotron else getattr(config, "hidden_act", "silu"),
                        sigmoid=True, float_router=True,
                        groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor)
-        return cls(config.num_experts_per_tok, renormalize=kind in ("mixtral", "qwen3_5_moe_text") or config.norm_topk_prob,
+        return cls(config.num_experts_per_tok,
+                   renormalize=kind in ("mixtral", "qwen3_5_moe_text", "qwen3_vl_moe_text") or config.norm_topk_prob,
                    float_weights=kind == "mixtral", activation=getattr(config, "hidden_act", "silu"))
 
     def weights(self, logits: torch.Tensor, correction: torch.Tensor | None = None,
@@ -315,10 +317,15 @@ class Experts:
         fused = [block + "experts." + ("gate_up_proj" if routing.gated else "up_proj"), block + "experts.down_proj"]
         if block + "input_linear.weight" in weights:  # Granite's as saved
             fused = [block + "input_linear.weight", block + "output_linear.weight"]
-        if fused[0] in weights:  # fused, [experts, out, in] (Llama 4's [experts, in, out])
+        if fused[0] in weights:  # fused, [experts, out, in] (Llama 4's [experts, in, out]; Qwen3-VL-MoE's either,
+            # [experts, in, out] as released: where not [experts, out, in], as transformers reads them)
             gate_up, down = (weights[n].to(device=device, dtype=dtype, copy=True) for n in fused)
             if config.model_type == "llama4_text":
                 gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+            if config.model_type == "qwen3_vl_moe_text":
+                h, i = config.hidden_size, config.moe_intermediate_size
+                gate_up = gate_up if gate_up.shape[1:] == (2 * i, h) else gate_up.transpose(1, 2).contiguous()
+                down = down if down.shape[1:] == (h, i) else down.transpose(1, 2).contiguous()
         else:  # (not gated: the up projection alone, Nemotron-H's)
             w123 = mixtral or block + "experts.0.w1.weight" in weights  # (Mixtral's names, LFM2-MoE's)
             gate, up, down = ("w1", "w3", "w2") if w123 else ("gate_proj" if routing.gated else "up_proj", "up_proj",

@@ -47,7 +47,8 @@ from .recurrent import (DEFAULT_DEPTH, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet
 
 log = logging.getLogger(__name__)
 
-QWEN_VL_TEXT = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")  # Qwen2 and Qwen3 on text alone (text_model)
+# Qwen2 and Qwen3 on text alone (text_model; Qwen3-VL-MoE's: Qwen3-MoE's experts)
+QWEN_VL_TEXT = ("qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
 # GLM-4.1V's / GLM-4.6V-Flash's text model: GLM-4's layers (GLM-4.5V's and GLM-4.6V's: GLM-4.5's, ``moe``), its
 # multimodal rope on text alone the text model's
 GLM_VL_TEXT = ("glm4v_text",)
@@ -83,7 +84,7 @@ PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", 
 MULTIMODAL = dict.fromkeys(("gemma3", "mistral3", "llava"), ("language_model.model.", "model.language_model."))
 # Qwen2.5-VL's and Qwen3-VL's (their multimodal rope, on text alone, is the text model's: its three
 # position streams are equal); Qwen2.5-VL's released checkpoints keep the text model under "model."
-MULTIMODAL.update(dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
+MULTIMODAL.update(dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
                                 ("model.language_model.", "language_model.model.", "model.")))
 # more that hold a text model the torch runtime runs: LLaVA-NeXT's and LLaVA-OneVision's, InternVL's (the "-hf"
 # checkpoints: Qwen2 / Qwen3 text), LFM2-VL's (LFM2's), LFM3-VL's, EXAONE 4.5's (EXAONE 4's); SmolVLM's and Idefics3's
