@@ -311,7 +311,7 @@ def mtp_dirs(tmp_path_factory):
     of each head rotated, experts) with a head of its own; Qwen3.5's (DeltaNet target, a
     gated attention layer) and Qwen3-Next's (experts); MiMo-V2-Flash's three (windowed, with
     sinks and values narrower than keys); and a DeepSeek-V3 and a MiMo-V2-Flash without."""
-    from tiny import DELTA_NET, MIMO, MOE, add_mtp
+    from tiny import DELTA_NET, DSA, MIMO, MOE, add_mtp
 
     root = tmp_path_factory.mktemp("mtp")
     return {"deepseek": add_mtp(make_tiny(root / "deepseek", "deepseek_v3", seed=4, **MOE["deepseek_v3"]), seed=5),
@@ -319,6 +319,7 @@ def mtp_dirs(tmp_path_factory):
             "qwen35": add_mtp(make_tiny(root / "qwen35", "qwen3_5_text", seed=8, **DELTA_NET), seed=9),
             "qwen3next": add_mtp(make_tiny(root / "qwen3next", "qwen3_next", seed=10, **MOE["qwen3_next"]), seed=11),
             "mimo": add_mtp(make_tiny(root / "mimo", "mimo_v2_flash", seed=12, layers=4, **MIMO), seed=13),
+            "deepseekv32": add_mtp(make_tiny(root / "deepseekv32", "deepseek_v32", seed=14, **DSA), seed=15),
             "none": make_tiny(root / "none", "deepseek_v3", seed=4, **MOE["deepseek_v3"]),
             "mimo-none": make_tiny(root / "mimo-none", "mimo_v2_flash", seed=12, layers=4, **MIMO)}
 
@@ -353,7 +354,8 @@ def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
         w.update({"shared_head.norm.weight": w["final_layernorm.weight"], "shared_head.head.weight": tensors["lm_head.weight"]})
     more = dict(layer_types=config.layer_types + ["full_attention"]) if qwen else \
         dict(layer_types=config.layer_types + ["sliding_attention"], mlp_layer_types=config.mlp_layer_types + ["dense"]) \
-        if mimo else {}
+        if mimo else dict(layer_types=config.layer_types + ["indexed_attention"],
+                          mlp_layer_types=config.mlp_layer_types + ["sparse"]) if config.model_type == "deepseek_v32" else {}
     target = AutoModelForCausalLM.from_pretrained(path).eval()
     sinks = dict(attn_implementation="eager") if mimo else {}  # (its sinks)
     deeper = AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=L + 1, **sinks, **more).eval()
@@ -369,11 +371,14 @@ def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
         x = F.linear(torch.cat([rms(e, w["enorm.weight"], eps), rms(torch.stack(rows_h), w["hnorm.weight"], eps)], -1),
                      w["eh_proj.weight"])[None]  # [1, R, hidden]
         R, pos = x.shape[1], torch.arange(x.shape[1])[None]
+        i = torch.arange(R)
         if mimo:  # the window: a query sees itself and the sliding_window - 1 keys before it
-            i = torch.arange(R)
             seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - config.sliding_window)
             mask = torch.zeros(R, R).masked_fill(~seen, float("-inf"))[None, None]
             y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rotary(x, pos, "sliding_attention"))[0]
+        elif config.model_type == "deepseek_v32":  # (its indexer scores against a causal mask it is given)
+            mask = torch.zeros(R, R).masked_fill(i[None, :] > i[:, None], float("-inf"))[None, None]
+            y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rotary(x, pos))[0]
         else:
             y = layer(x, attention_mask=None, position_ids=pos, position_embeddings=rotary(x, pos))[0]  # causal
         normed = rms(y[-1], w["shared_head.norm.weight"], eps)
@@ -384,11 +389,12 @@ def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("name", ["deepseek", "glm45", "qwen35", "qwen3next", "mimo"])
+@pytest.mark.parametrize("name", ["deepseek", "glm45", "qwen35", "qwen3next", "mimo", "deepseekv32"])
 @torch.inference_mode()
 def test_mtp_drafts_as_vllm_lays_them_out(mtp_dirs, name):
     """The MTP layer's chains equal the reference's (``assert_drafts_as``; MiMo-V2-Flash's
-    windowed layer's trees too, the prompt longer than its window); the head shares the model's
+    windowed layer's trees too, the prompt longer than its window; DeepSeek-V3.2's under its own indexer's
+    sparse attention, the prompt longer than its 6 keys, trees too); the head shares the model's
     embedding and head where the checkpoint's copies equal them."""
     from specdec.runtime.eagle import MtpHead
 
@@ -396,11 +402,12 @@ def test_mtp_drafts_as_vllm_lays_them_out(mtp_dirs, name):
     head, target = llm.draft.runtime, llm.target.runtime
     assert isinstance(head, MtpHead) and head.reads == (target.num_layers,)
     assert (head.embed is target.embed) and ((head.lm_head is target.lm_head) == (name != "glm45"))
-    assert_drafts_as(lambda ids, chain: reference_mtp(mtp_dirs[name], ids, chain), head, target, trees=name == "mimo")
+    assert_drafts_as(lambda ids, chain: reference_mtp(mtp_dirs[name], ids, chain), head, target,
+                     trees=name in ("mimo", "deepseekv32"))
 
 
 @pytest.mark.parametrize("name,topk", [("deepseek", 1), ("deepseek", 2), ("glm45", 1), ("qwen35", 1), ("qwen35", 2),
-                                       ("qwen3next", 1), ("mimo", 2)])
+                                       ("qwen3next", 1), ("mimo", 2), ("deepseekv32", 2)])
 def test_greedy_with_mtp_equals_the_target_alone(mtp_dirs, name, topk):
     """Greedy decoding drafting with the checkpoint's MTP layer (chains and trees, Qwen3.5's through its DeltaNet
     layers too; three
@@ -408,8 +415,8 @@ def test_greedy_with_mtp_equals_the_target_alone(mtp_dirs, name, topk):
     own tokens; vLLM's names for the method are read."""
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in LLM(str(mtp_dirs[name]), device="cpu").generate(PROMPTS, sp)]
-    method = {"deepseek": "deepseek_mtp", "glm45": "glm4_moe_mtp", "qwen35": "qwen3_5_mtp", "mimo": "mimo_mtp"}.get(
-        name, "qwen3_next_mtp")
+    method = {"deepseek": "deepseek_mtp", "glm45": "glm4_moe_mtp", "qwen35": "qwen3_5_mtp", "mimo": "mimo_mtp",
+              "deepseekv32": "deepseek_mtp"}.get(name, "qwen3_next_mtp")
     spec, _ = SpecConfig.from_vllm({"method": method, "num_speculative_tokens": 3}, tree_topk=topk)
     llm = LLM(str(mtp_dirs[name]), device="cpu", chunked_prefill_size=8, speculative=spec)
     assert spec.method == "mtp" and isinstance(llm.engine.drafters["draft"], EagleDrafter)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3, LLAMA4,
-                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO)
+                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -321,6 +321,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # MiMo-V2-Flash: values narrower than keys (and scaled), twice the key/value heads and a sink per head on its
     # windowed layers, a third of each head rotated, DeepSeek-V3's routing without shared experts after a dense layer
     "mimo-windows-sinks-experts": ("mimo_v2_flash", dict(MIMO, layers=4)),
+    # DeepSeek-V3.2: DeepSeek-V3's layers under sparse attention (an indexer keeping each token's best 6 keys, rotated
+    # by halves where attention's pairs are neighbours); GLM-5's: pairs in its indexer too, its middle layer keeping
+    # the first one's choice
+    "deepseekv32-sparse-attention": ("deepseek_v32", DSA),
+    "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
     # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
     "mellum-windows-experts": ("mellum", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, layers=4,
                                               head_dim=16, sliding_window=6, mlp_layer_types=["dense"] + ["sparse"] * 3,
@@ -478,7 +483,8 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "mpt-alibi-clip", "falconrw-alibi", "granitemoeswa-sinks-experts",
                                   "gptneo-local-layers", "youtu-latent-dense", "axk1-latent-experts-normed",
                                   "kolibri1-windows-experts", "flint-sinks-windows-experts", "minicpm3-latent-mup",
-                                  "gemma4-experts-beside", "mimo-windows-sinks-experts"])
+                                  "gemma4-experts-beside", "mimo-windows-sinks-experts",
+                                  "deepseekv32-sparse-attention", "glm5-sparse-attention-shared"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -1183,7 +1189,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "minicpm3-latent-mup", "gemma4-shared-kv-per-layer", "gemma4-plain", "gemma4-unified",
                                   "minimax-m2-experts", "lfm3-windows-gates", "lfm3-plain", "olmohybrid-rope",
                                   "olmohybrid-nope", "cohere2moe-softmax-average", "cohere2moe-sigmoid-sum-rms",
-                                  "mimo-windows-sinks-experts", "mellum-windows-experts", "gemma4-experts-beside"])
+                                  "mimo-windows-sinks-experts", "mellum-windows-experts", "gemma4-experts-beside",
+                                  "deepseekv32-sparse-attention", "glm5-sparse-attention-shared"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

@@ -111,6 +111,9 @@ MOE.update({
     "glm4_moe_lite": dict(MOE["glm4_moe"], **LATENT, first_k_dense_replace=None),  # mlp_layer_types: dense first
 })
 MOE["glm4_moe_lite"].pop("first_k_dense_replace")
+# DeepSeek Sparse Attention (DeepSeek-V3.2's, GLM-5's): DeepSeek-V3's layers, an indexer keeping each token's best 6
+# keys (8 small heads: keys whose every head's score is 0, ties at the cut, are rare)
+DSA = dict(MOE["deepseek_v3"], index_n_heads=8, index_head_dim=16, index_topk=6)
 
 
 def byte_tokenizer(swap: bool = False):
@@ -234,9 +237,9 @@ def causal_lm(path: Path, **kw):
 
 
 def add_mtp(path: Path, seed: int = 0, std: float = 0.2, own_head: bool = False) -> Path:
-    """Give the tiny DeepSeek-V3 or GLM-4.5 checkpoint at ``path`` a random multi-token
+    """Give the tiny DeepSeek-V3 (or V3.2) or GLM-4.5 checkpoint at ``path`` a random multi-token
     prediction layer after its last, as their checkpoints store one (``model.layers.{L}.``:
-    ``enorm``, ``hnorm``, ``eh_proj``, a decoder layer of the model's kind, experts included,
+    ``enorm``, ``hnorm``, ``eh_proj``, a decoder layer of the model's kind, experts (and V3.2's indexer) included,
     ``shared_head.norm`` / ``.head`` and ``embed_tokens``: copies of the model's, but for a
     head of its own with ``own_head``), and ``num_nextn_predict_layers`` 1 in its config. A
     Qwen3-Next or Qwen3.5 checkpoint gets Qwen's (``mtp.``: ``pre_fc_norm_embedding``,
@@ -251,11 +254,13 @@ def add_mtp(path: Path, seed: int = 0, std: float = 0.2, own_head: bool = False)
     config = json.loads((path / "config.json").read_text())
     L, h = config["num_hidden_layers"], config["hidden_size"]
     qwen = "layer_types" in config and "linear_attention" in config["layer_types"]
-    mimo = config["model_type"] == "mimo_v2_flash"
+    mimo, dsa = config["model_type"] == "mimo_v2_flash", config["model_type"] == "deepseek_v32"
     torch.manual_seed(seed)
     more = dict(layer_types=config["layer_types"] + ["full_attention"]) if qwen else \
         dict(layer_types=config["layer_types"] + ["sliding_attention"], mlp_layer_types=config["mlp_layer_types"] +
-             ["dense"]) if mimo else {}
+             ["dense"]) if mimo else \
+        dict(layer_types=config["layer_types"] + ["indexed_attention"], mlp_layer_types=config["mlp_layer_types"] +
+             ["sparse"]) if dsa else {}
     deeper = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, num_hidden_layers=L + 1, **more))
     tensors = load_file(path / "model.safetensors")
     for pre in [f"model.mtp.layers.{i}." for i in range(3)] if mimo else ["mtp.layers.0." if qwen else f"model.layers.{L}."]:

@@ -60,12 +60,13 @@ import torch.nn.functional as F
 from .cuda_graphs import CudaGraphs
 from .linear import pick_linear
 from .ops import norm, rms_norm
-from .torch_llama import GEMMA4, CheckpointReader, Family, KVCache, TorchLlama, decoder_layer, slot_runs, text_model
+from .torch_llama import (GEMMA4, CheckpointReader, Family, KVCache, TorchLlama, decoder_layer, index_weights, slot_runs,
+                          text_model)
 
 EAGLE_KINDS = ("eagle", "eagle3")
 # whose checkpoints may hold MTP layers (Qwen3.5's also as the multimodal checkpoints they are released as)
 MTP_ARCHS = ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5",
-             "qwen3_5_moe", "mimo_v2_flash")
+             "qwen3_5_moe", "mimo_v2_flash", "deepseek_v32", "glm_moe_dsa")
 
 
 def eagle_kind(path: Path, names: Sequence[str] | None = None) -> str | None:
@@ -145,7 +146,8 @@ class EagleCache(KVCache):
 
     def __init__(self, head: "EagleHead", num_slots: int, max_rows: int | None = None):
         super().__init__(1, num_slots, head.kv_heads, head.head_dim, head.device, head.dtype, max_rows=max_rows,
-                         keys_only=head.latent is not None, v_dim=head.v_dim)
+                         keys_only=head.latent is not None, v_dim=head.v_dim,
+                         index=head.sparse_index and (1, head.sparse_index.dim))
         self.hidden = torch.zeros(1, self.capacity, head.hidden_size, device=head.device, dtype=head.dtype)
         self.targets = torch.zeros(1, self.capacity, head.hidden_size, device=head.device, dtype=head.dtype)
         self.known = [0] * num_slots
@@ -351,6 +353,10 @@ class MtpHead(EagleHead):
             self.layers = [decoder_layer(r, config, pre, sliding=True, rope="sliding_attention")]
         else:
             self.layers = [decoder_layer(r, config, pre, moe, latent=self.latent)]
+        if target.sparse_index is not None and pre + "self_attn.indexer.wk.weight" in weights:  # (DeepSeek-V3.2's,
+            # GLM-5's: sparse attention, an indexer of its own)
+            self.sparse_index = replace(target.sparse_index, owns=(True,))
+            self.layers[0]["indexer"] = index_weights(r, pre + "self_attn.indexer.", 0)
         if self.layers[0]["rope"] not in self.rope:
             raise ValueError("this MTP layer's rope table is not the target's")
         self.to_target, self.logit_scale, self.normed_feature = None, 1.0, qwen or mimo

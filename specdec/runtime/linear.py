@@ -97,7 +97,7 @@ MULTI_ROW_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
 def linear_bytes(config) -> int:
     """fp32 bytes of a model's ``Linear`` weights (from its config): attention's (latent or not) or a recurrent layer's,
     the dense MLPs' (a MoE layer's shared experts': Qwen2-MoE's, GLM-4.5's, Granite's) and the head; not ``Experts``'."""
-    from .torch_llama import GEMMA4, Family, text_model  # (its module imports this one)
+    from .torch_llama import GEMMA4, Family, SparseIndex, text_model  # (its module imports this one)
 
     config = text_model(config)[0]  # (GPT-J's and Falcon's fields under Llama's names)
     h, heads = config.hidden_size, getattr(config, "num_attention_heads", None) or 1
@@ -163,6 +163,9 @@ def linear_bytes(config) -> int:
         attention = config.num_hidden_layers * ((q * (h + query) if q else h * query) + (r + rope) * h
                                                 + r * heads * (config.qk_nope_head_dim + config.v_head_dim)
                                                 + heads * config.v_head_dim * h)
+        index = SparseIndex.of(config)  # (DeepSeek-V3.2's, GLM-5's indexers: queries, a key, the heads' weights)
+        if index is not None:
+            attention += sum(index.owns) * (q * index.heads * index.dim + h * (index.dim + index.heads))
     return 4 * (attention + (3 if Family.of(config).gated_mlp else 2) * h * mlp + config.vocab_size * h)
 
 

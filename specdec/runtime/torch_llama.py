@@ -574,7 +574,7 @@ class Family:
                        hidden_divisor=config.logits_scaling)
         if latent is not None:  # (Mistral 4's queries scaled past its original context, as Ministral 3's)
             return cls(activation=act, attn_scale=latent.scale(config),
-                       interleaved_rope=config.model_type == "deepseek_v2" or bool(config.rope_interleave),
+                       interleaved_rope=config.model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", True)),
                        query_temperature=query_temperature(config) if config.model_type == "mistral4" else None)
         if config.model_type in HYBRID_ARCHS:
             return cls(activation=act, offset_norms=True)
@@ -709,6 +709,39 @@ class Latent:
         return scale
 
 
+DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa")  # latent attention under DeepSeek Sparse Attention (``SparseIndex``)
+INDEX_NORM_EPS = 1e-6  # the indexer's key norm (a layer norm, built without the config's eps)
+
+
+@dataclass(frozen=True)
+class SparseIndex:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2's, GLM-5's): beside latent attention, an indexer
+    of ``heads`` small heads ``dim`` wide keeps for each new token the ``topk`` keys it scores
+    best, and attention sees those alone. A token's index key is ``LayerNorm(wk(x))`` (one per
+    token, kept in the cache's ``index`` rows); a query's heads ``wq_b(q_low)`` (the query's normed
+    low-rank step); the first ``rope`` of each one's dimensions rotated (rotary pairs neighbours
+    with ``interleaved``: GLM-5's; halves: DeepSeek-V3.2's). A key's score is ``sum_h w_h
+    relu(q_h . k / sqrt(dim))`` in float32, ``w = weights_proj(x) / sqrt(heads)``; with no more
+    keys than ``topk`` it keeps them all. ``owns``: the layers with an indexer of their own; the
+    others (GLM-5's "shared") keep the last such layer's choice. As transformers' models compute
+    it (the released kernels' FP8 scores and Hadamard rotation left out, as there)."""
+
+    heads: int
+    dim: int
+    topk: int
+    rope: int
+    interleaved: bool
+    owns: tuple[bool, ...]
+
+    @classmethod
+    def of(cls, config) -> "SparseIndex | None":
+        if config.model_type not in DSA_ARCHS:
+            return None
+        types = getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers
+        return cls(config.index_n_heads, config.index_head_dim, config.index_topk, config.qk_rope_head_dim,
+                   config.model_type == "glm_moe_dsa", tuple(t == "full" for t in types))
+
+
 class KVCache:
     """Per-layer K/V ``[slots, kv_heads, capacity, head_dim]``, grown on demand: rows doubling,
     but past ``max_rows`` (the context window) plus a forward's padding only as far as a
@@ -725,12 +758,14 @@ class KVCache:
     prompt reaches (``reach``, ``expect``), so that its rows can be computed again.
     ``second``: ``(layers, kv_heads, head_dim)`` of layers whose K/V have another shape, kept in
     ``k2`` / ``v2`` (Gemma 4's full-attention layers: wider heads, fewer of them); ``v_dim``: the
-    values' width where it is not the keys' (MiMo-V2-Flash's)."""
+    values' width where it is not the keys' (MiMo-V2-Flash's); ``index``: ``(layers, dim)`` of
+    DeepSeek Sparse Attention's index keys (``SparseIndex``), one row per token in ``index``."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
                  device: torch.device, dtype: torch.dtype, capacity: int = 256, max_rows: int | None = None,
                  keys_only: bool = False, states: RecurrentStates | None = None, tracks_ids: bool = False,
-                 second: tuple[int, int, int] | None = None, v_dim: int | None = None):
+                 second: tuple[int, int, int] | None = None, v_dim: int | None = None,
+                 index: tuple[int, int] | None = None):
         self.limit = None if max_rows is None else max_rows + GRAPH_MAX_TOKENS
         capacity = min(capacity, self.limit or capacity)
         self.k = torch.zeros(num_layers, 1, kv_heads, capacity, head_dim, device=device, dtype=dtype)
@@ -741,6 +776,8 @@ class KVCache:
             layers, heads, dim = second
             self.k2, self.v2 = (torch.zeros(layers, 1, heads, capacity, width, device=device, dtype=dtype)
                                 for width in (dim, v_dim or dim))
+        self.index = None if index is None else torch.zeros(index[0], 1, 1, capacity, index[1], device=device,
+                                                            dtype=dtype)
         self.lengths = [0] * num_slots
         self.states = states
         self.ids: list[list[int]] | None = [[] for _ in range(num_slots)] if tracks_ids else None
@@ -748,7 +785,7 @@ class KVCache:
 
     @property
     def buffers(self) -> tuple[str, ...]:
-        return tuple(n for n in ("k", "v", "k2", "v2") if getattr(self, n) is not None)
+        return tuple(n for n in ("k", "v", "k2", "v2", "index") if getattr(self, n) is not None)
 
     @property
     def capacity(self) -> int:
@@ -843,6 +880,8 @@ class Batch:
     hidden: torch.Tensor | None = None  # [B, T, hidden] an EAGLE head's hidden inputs (``eagle.EagleHead``)
     long: torch.Tensor | None = None  # [B] bool: rows whose rope takes its long factors (``TorchLlama.switch``)
     states: StatePlan | None = None  # where the recurrent layers' states go (``recurrent``)
+    selected: torch.Tensor | None = None  # [B, 1, T, S] the keys DeepSeek Sparse Attention's last indexer kept
+    # (``TorchLlama._select``; None: all)
 
 
 RECOMPUTE_CHUNK = 512  # rows per forward where a slot's rows are computed again (``TorchLlama.switch``)
@@ -1100,7 +1139,17 @@ def latent_attention(r: CheckpointReader, a: str, latent: Latent) -> dict:
         "kv_norm": r.norm(a + "kv_a_layernorm.weight"),
         "uk": up[:, :latent.nope].contiguous(),
         "uv": up[:, latent.nope:].transpose(1, 2).contiguous(),
+        "indexer": None,  # DeepSeek Sparse Attention's (``index_weights``, on the layers with one)
     }
+
+
+def index_weights(r: CheckpointReader, a: str, slot: int) -> dict:
+    """A layer's DeepSeek Sparse Attention indexer under ``a`` (``...self_attn.indexer.``,
+    ``SparseIndex``): its query and key products, the key's layer norm, the heads' weights, and
+    ``slot``, its rows' place in the cache's ``index``."""
+    return {"wq_b": r.linear(r.get(a + "wq_b.weight"), None), "wk": r.linear(r.get(a + "wk.weight"), None),
+            "k_norm": LayerNorm(r.get(a + "k_norm.weight"), r.get(a + "k_norm.bias")),
+            "weights": r.linear(r.get(a + "weights_proj.weight"), None), "slot": slot}
 
 
 def gated_attention(r: CheckpointReader, a: str, config) -> dict:
@@ -1285,6 +1334,7 @@ class TorchLlama:
     switch: int | None = None  # Phi-3's longrope switch, where it falls inside the context
     second_kv: tuple[int, int, int] | None = None  # (Gemma 4's: ``KVCache``'s second group)
     v_dim: int | None = None  # the values' width where it is not the keys' (MiMo-V2-Flash's)
+    sparse_index: SparseIndex | None = None  # DeepSeek Sparse Attention's indexer (DeepSeek-V3.2's, GLM-5's)
     per_layer: tuple | None = None  # (Gemma 4's per-layer inputs: ``_per_layer_inputs``)
     batch_layout = "padded"
     reuses_prefixes = True  # a slot's KV rows stay valid after a rewind (Engine's prefix reuse)
@@ -1303,7 +1353,7 @@ class TorchLlama:
         self.num_heads = getattr(config, "num_attention_heads", None) or 1  # (1: none, Mamba's)
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.latent = Latent.of(config)
+        self.latent, self.sparse_index = Latent.of(config), SparseIndex.of(config)
         if self.latent is not None:  # the cache's one row per token (``Latent``)
             self.kv_heads, self.head_dim = 1, self.latent.rank + self.latent.rope
         self.eps = next((getattr(config, n) for n in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps", "layer_norm_eps",
@@ -1364,6 +1414,10 @@ class TorchLlama:
             kinds[rec is not None] += block not in ("mlp", "moe")
             kinds[0] += block == "hybrid"  # (its attention too: the same index, every layer being so)
         self.kv_layers, self.state_layers = kinds
+        if self.sparse_index is not None:  # (the layers with an indexer of their own, in order)
+            owners = [i for i, own in enumerate(self.sparse_index.owns) if own]
+            for slot, i in enumerate(owners):
+                self.layers[i]["indexer"] = index_weights(r, f"model.layers.{i}.self_attn.indexer.", slot)
         self.second_kv = None  # (layers, kv heads, head dim) of a second group of K/V shapes (``KVCache``)
         self.v_dim = config.v_head_dim if config.model_type == "mimo_v2_flash" else None
         if places:
@@ -1509,7 +1563,8 @@ class TorchLlama:
             RecurrentStates(self.state_layers, self.recurrent, self.state_depth, self.device, self.dtype, decays)
         return KVCache(self.kv_layers, num_slots, self.kv_heads, self.head_dim, self.device, self.dtype,
                        max_rows=max_rows, keys_only=self.latent is not None, states=states,
-                       tracks_ids=self.switch is not None, second=self.second_kv, v_dim=self.v_dim)
+                       tracks_ids=self.switch is not None, second=self.second_kv, v_dim=self.v_dim,
+                       index=self.sparse_index and (sum(self.sparse_index.owns), self.sparse_index.dim))
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, slots, tokens, *, positions=None, chunk_masks=None,
@@ -1754,16 +1809,19 @@ class TorchLlama:
         kc[x.slots[:, None], 0, x.write] = torch.cat([rms_norm(c, L["kv_norm"], LATENT_NORM_EPS), k_rope[:, 0]], dim=-1)
         expand = lat.expands(T)
         query = torch.cat([q_nope if expand else q_nope @ L["uk"], q_rope], dim=-1)  # [B, H, T, nope or rank + rope]
+        if L["indexer"] is not None:  # DeepSeek Sparse Attention: the keys this layer's indexer keeps (else the
+            x.selected = self._select(cache, x, L, a, rms_norm(first, L["q_norm"], LATENT_NORM_EPS), (cos, sin))
+        seen = x.mask if x.selected is None else x.mask & x.selected  # last one's: GLM-5's shared layers)
 
         def attend(b0: int, b1: int, rows: torch.Tensor) -> torch.Tensor:  # rows [b1 - b0, 1, S, rank + rope]
             latents = rows[..., :lat.rank]  # [b, 1, S, rank]
             if not expand:  # multi-query attention over the rows, the latents as values: the heads'
                 b, S = b1 - b0, rows.shape[2]  # queries side by side as one head's (no copy of the rows per head)
-                mask = x.mask[b0:b1].expand(b, H, T, S).reshape(b, 1, H * T, S)
+                mask = seen[b0:b1].expand(b, H, T, S).reshape(b, 1, H * T, S)
                 o = attention(query[b0:b1].reshape(b, 1, H * T, -1), rows, latents, mask, self.family.attn_scale, None)
                 return o.view(b, H, T, lat.rank) @ L["uv"]
             keys = torch.cat([latents @ L["uk"].transpose(1, 2), rows[..., lat.rank:].expand(-1, H, -1, -1)], dim=-1)
-            return attention(query[b0:b1], keys, latents @ L["uv"], x.mask[b0:b1], self.family.attn_scale, None)
+            return attention(query[b0:b1], keys, latents @ L["uv"], seen[b0:b1], self.family.attn_scale, None)
 
         if x.runs is not None:  # views of each run's cache rows
             parts = [attend(b0, b1, kc[s0:s0 + b1 - b0, :, :S]) for b0, b1, s0 in x.runs]
@@ -1771,6 +1829,32 @@ class TorchLlama:
         else:  # a gathered copy
             o = attend(0, B, kc[x.slots, :, :S])
         return L["o"](o.transpose(1, 2).reshape(B, T, H * lat.value))  # o [B, H, T, value] -> [B, T, hidden]
+
+    def _select(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, q_low: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+        """The keys layer ``L``'s DeepSeek Sparse Attention indexer keeps for each new token
+        (``SparseIndex``), ``[B, 1, T, S]`` bool, None where the mask's ``S`` keys are no more
+        than its ``topk`` (all kept); writes the new tokens' index keys. ``a [B, T, hidden]``: the
+        layer's normed input; ``q_low [B, T, q_rank]``: the query's normed low-rank step; ``rope``:
+        the layer's ``(cos, sin)`` ``[B, 1, T, rope]``."""
+        ix, I, (B, T), S = self.sparse_index, L["indexer"], x.ids.shape, x.mask.shape[-1]
+        cos, sin = (t.transpose(1, 2) for t in rope)  # [B, T, 1, rope], laid out for attention's rotation
+        if self.family.interleaved_rope:  # the indexer's rotation by halves: its table by halves
+            cos, sin = (torch.cat([t[..., 0::2]] * 2, dim=-1) for t in (cos, sin))
+        q = I["wq_b"](q_low).view(B, T, ix.heads, ix.dim)  # [B, T, Hi, Di]
+        k = norm(I["wk"](a), I["k_norm"], INDEX_NORM_EPS)[:, :, None]  # [B, T, 1, Di]
+        if ix.interleaved:  # (GLM-5's pairs: each pair's first dimensions, then its second ones, rotate as halves,
+            q, k = (torch.cat([t[..., 0:ix.rope:2], t[..., 1:ix.rope:2], t[..., ix.rope:]], dim=-1) for t in (q, k))
+        q, k = (rotate(t, cos, sin) for t in (q, k))  # in transformers' order; their first ``rope`` dimensions)
+        rows = cache.index[I["slot"]]  # [slots, 1, capacity, Di]
+        rows[x.slots[:, None], 0, x.write] = k[:, :, 0]
+        if S <= ix.topk:
+            return None
+        keys = rows[x.slots, 0, :S]  # [B, S, Di]
+        scores = F.relu((q.float() @ keys.float().transpose(1, 2)[:, None]) * ix.dim ** -0.5)  # [B, T, Hi, S]
+        weights = I["weights"](a).float() * ix.heads ** -0.5  # [B, T, Hi]
+        total = (weights[:, :, None] @ scores)[:, :, 0].masked_fill(~x.mask[:, 0], float("-inf"))  # [B, T, S]
+        return torch.zeros_like(x.mask[:, 0]).scatter(-1, total.topk(ix.topk, dim=-1).indices, True)[:, None]
 
     def _mlp(self, L: dict, a: torch.Tensor) -> torch.Tensor:
         """A layer's MLP over ``a [B, T, hidden]``: dense, experts, or experts beside shared
