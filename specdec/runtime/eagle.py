@@ -272,17 +272,18 @@ class EagleHead(TorchLlama):
         index = torch.zeros(B, T, dtype=torch.long)
         for b, (slot, toks) in enumerate(zip(slots, tokens)):
             mask = None if chunk_masks is None else chunk_masks[b]
-            tail = 0 if mask is None else mask.shape[1] - mask.shape[0]
-            for i in range(len(toks)):
-                row = starts[b] + i
-                pos = row if positions is None or positions[b] is None else positions[b][i]
-                if mask is not None:  # a tree node: its parent is its last ancestor, else the row before the tree
+            if mask is not None:  # a tree's nodes: each one's parent is its last ancestor, else the row before the tree
+                tail = mask.shape[1] - mask.shape[0]
+                for i in range(len(toks)):
                     seen = mask[i, : tail + i].nonzero()
                     source[b, i], index[b, i] = 2, starts[b] - tail + (int(seen[-1]) if len(seen) else -1)
-                elif 0 < pos <= cache.known[slot]:
-                    source[b, i], index[b, i] = 1, pos - 1
-                elif row > 0:
-                    source[b, i], index[b, i] = 2, row - 1
+                continue
+            row = torch.arange(starts[b], starts[b] + len(toks))  # a chain: the target's feature where it has one
+            given = positions is not None and positions[b] is not None
+            pos = torch.tensor(positions[b]) if given else row
+            known = (pos > 0) & (pos <= cache.known[slot])
+            source[b, : len(toks)] = torch.where(known, 1, 2 * (row > 0))
+            index[b, : len(toks)] = torch.where(known, pos - 1, row - 1).clamp(min=0)
         source, index = source.to(self.device), index.to(self.device)
         rows = x.slots[:, None].expand(B, T)
         target = cache.targets[rows.clamp(max=cache.targets.shape[0] - 1), index.clamp(max=cache.targets.shape[1] - 1)]
@@ -493,6 +494,11 @@ class Gemma4Assistant(EagleHead):
         x.pos, x.mask, x.sliding = (t.to(self.device) for t in (anchor, seen[:, None], near[:, None]))
         x.runs = slot_runs(list(slots), S)
         return x
+
+    def _mask(self, starts, S, T, chunk_masks, dev, pos):
+        """A placeholder ``[B, 1, T, 1]``: its layers attend over the target's rows alone (``_batch``'s masks),
+        none of its own."""
+        return torch.ones(len(starts), 1, T, 1, dtype=torch.bool, device=dev), None
 
     def _layers(self, cache: AssistantCache, x, last: torch.Tensor | None = None, to_float: bool = True):
         if last is not None:  # its rows are independent: the last of each alone
