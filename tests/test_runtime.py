@@ -324,6 +324,10 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # DeepSeek-V3.2: DeepSeek-V3's layers under sparse attention (an indexer keeping each token's best 6 keys, rotated
     # by halves where attention's pairs are neighbours); GLM-5's: pairs in its indexer too, its middle layer keeping
     # the first one's choice
+    # Hy3 (Tencent): q/k norms, a float32 router's sigmoid choosing with a correction bias, renormalised and scaled,
+    # beside a shared expert; a dense first layer
+    "hy3-qk-norms-experts": ("hy_v3", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                 head_dim=16, layers=3, router_scaling_factor=2.5)),
     "deepseekv32-sparse-attention": ("deepseek_v32", DSA),
     "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
     # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
@@ -421,7 +425,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "phi3-longrope-partial", "phi3-longrope-long", "gemma4-shared-kv-per-layer",
                                   "gemma4-plain", "gemma4-unified", "minimax-m2-experts", "lfm3-windows-gates",
                                   "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope", "cohere2moe-softmax-average",
-                                  "cohere2moe-sigmoid-sum-rms", "mellum-windows-experts"])
+                                  "cohere2moe-sigmoid-sum-rms", "mellum-windows-experts", "hy3-qk-norms-experts"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -1190,7 +1194,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "minimax-m2-experts", "lfm3-windows-gates", "lfm3-plain", "olmohybrid-rope",
                                   "olmohybrid-nope", "cohere2moe-softmax-average", "cohere2moe-sigmoid-sum-rms",
                                   "mimo-windows-sinks-experts", "mellum-windows-experts", "gemma4-experts-beside",
-                                  "deepseekv32-sparse-attention", "glm5-sparse-attention-shared"])
+                                  "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
+                                  "hy3-qk-norms-experts"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

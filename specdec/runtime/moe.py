@@ -3,7 +3,7 @@ router picks and weights them (``Routing``), and the grouped products that run t
 Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
 Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2,
-Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE, DeepSeek-V3.2, GLM-5)."""
+Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE, DeepSeek-V3.2, GLM-5, Hy3)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +20,7 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
              "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe", "mimo_v2_flash", "mellum",
-             "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa")
+             "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa", "hy_v3")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
@@ -43,7 +43,7 @@ def moe_layers(config) -> list[bool]:
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4"):
         return [i >= config.first_k_dense_replace for i in range(n)]
     if kind in ("glm4_moe_lite", "exaone_moe", "axk1", "cohere2_moe", "mimo_v2_flash", "mellum", "deepseek_v32",
-                "glm_moe_dsa"):
+                "glm_moe_dsa", "hy_v3"):
         return [t == "sparse" for t in config.mlp_layer_types]
     if kind == "nemotron_h":  # its blocks: one mixer or one MLP each
         return [t == "moe" for t in config.layer_types]
@@ -161,6 +161,10 @@ class Routing:
                 return cls(config.num_experts_per_tok, top_softmax=True, activation=config.hidden_act)
             return cls(config.num_experts_per_tok, top_sigmoid=True, renormalize=config.norm_topk_prob,
                        activation=config.hidden_act)
+        if kind == "hy_v3":  # the sigmoid of a float32 router's logits, chosen with a correction bias, the top k
+            # renormalised and scaled
+            return cls(config.num_experts_per_tok, renormalize=True, sigmoid=True, float_router=True,
+                       scale=config.router_scaling_factor, activation=config.hidden_act)
         if kind == "minimax_m2":  # the sigmoid of the router's logits (in the model's dtype) in float32, chosen with
             # a correction bias, the top k renormalised
             return cls(config.num_experts_per_tok, renormalize=True, sigmoid=True, float_scores=True,

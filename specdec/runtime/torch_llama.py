@@ -1867,6 +1867,7 @@ class TorchLlama:
             if L["shared_gate"] is not None:
                 out = torch.sigmoid(F.linear(a, L["shared_gate"])) * out
         if L["experts"] is not None:
+            # (Hy3's enable_moe_fp32_combine sums in float32, then casts: one rounding, as a sum in the model's dtype)
             out = L["experts"](a) if out is None else L["experts"](a) + out
             out = out / 2 if self.family.experts_mean else out
         return out
