@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3, LLAMA4,
-                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA)
+                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -203,6 +203,8 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
                                                    moe_num_shared_experts=1, layers=3)),
     # Apertus: xIELU(up) of each layer's own trained parameters, not gated; q/k norms; its norms' names; llama3 rope
     "apertus-xielu": ("apertus", dict(head_dim=16)),
+    # Apertus 1.5's: Apertus's layers, its head pruned to the text tokens (the logits narrower than the embedding)
+    "apertus1p5-pruned-head": ("apertus1p5_text", dict(head_dim=16, output_vocab_size=VOCAB - 6)),
     # Mistral 4: DeepSeek-V3's latent attention, its queries scaled past the original context (Llama 4's), experts
     # chosen by the softmax among the best groups (each by its best two), renormalised, a dense first layer
     "mistral4-latent-temperature": ("mistral4", dict(MOE["glm4_moe"], **LATENT, rope_parameters=dict(
@@ -411,7 +413,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "seedoss-biases", "ministral-windows", "hunyuan-norms-after-rope-alpha",
                                   "dots1-experts", "cohere-parallel-layernorm", "cohere2-windows-nope",
                                   "starcoder2-layernorm-biases", "ministral3-yarn-temperature", "ernie45moe-correction",
-                                  "apertus-xielu", "gptneox-parallel", "gptneox-sequential", "phi-parallel",
+                                  "apertus-xielu", "apertus1p5-pruned-head", "gptneox-parallel", "gptneox-sequential", "phi-parallel",
                                   "phi-qk-layernorm", "stablelm-norms-per-head", "stablelm-parallel", "cohere-qk-norms",
                                   "olmoe-clip", "olmo-plain-norms-clip", "gptj-interleaved-partial",
                                   "falcon-groups-one-norm", "gpt2-learned-positions", "gpt2-unscaled",
@@ -560,12 +562,12 @@ RECURRENT_VL = ("qwen3_5", "lfm2_vl", "lfm3_vl")  # text models with recurrent s
 
 @pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "llava_next", "llava_onevision", "qwen2_vl",
                                   "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "glm46v", "internvl", "smolvlm", "lfm2_vl",
-                                  "lfm3_vl", "exaone4_5",
+                                  "lfm3_vl", "exaone4_5", "apertus1p5",
                                   "qwen3_5", "gemma4", "gemma4_unified"])
 def test_vision_language_text_model(tmp_path, kind):
     """Mistral 3's (with a Mistral text model, or Ministral 3's: its queries scaled past the
     original context), LLaVA's, LLaVA-NeXT's, LLaVA-OneVision's, Qwen2-VL's to Qwen3-VL's, GLM-4.1V's, GLM-4.5V's, InternVL's, SmolVLM's (its text
-    model under model.text_model.) and LFM2-VL's checkpoints (no causal LMs in
+    model under model.text_model.), LFM2-VL's and Apertus 1.5's (its head pruned to the text tokens) checkpoints (no causal LMs in
     transformers: its hf runtime cannot run them) and Qwen3.5's and Gemma 4's (E2B to 31B's, and 12B's unified model),
     as released, run their text
     model on the torch runtime: logits equal transformers' image-text-to-text model's on text
@@ -1195,7 +1197,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "olmohybrid-nope", "cohere2moe-softmax-average", "cohere2moe-sigmoid-sum-rms",
                                   "mimo-windows-sinks-experts", "mellum-windows-experts", "gemma4-experts-beside",
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
-                                  "hy3-qk-norms-experts"])
+                                  "hy3-qk-norms-experts", "apertus1p5-pruned-head"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

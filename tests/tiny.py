@@ -370,6 +370,17 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
                 dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                      num_attention_heads=2, num_patches=16, patch_size=14), dict(image_token_id=VOCAB - 1)),
     # EXAONE 4.5's (EXAONE 4's text model: windows on three layers of four, rope on those alone)
+    # Apertus 1.5's: images and audio as tokens of its vocabulary (a VQ tokenizer, WavTokenizer's encoder), the head
+    # pruned to the text tokens
+    "apertus1p5": (dict(head_dim=16, output_vocab_size=VOCAB - 6),
+                   dict(codebook_size=2, embed_dim=4, latent_channels=4, base_channels=32, channel_multiplier=[1],
+                        num_res_blocks=1, attn_resolutions=[], resolution=8),
+                   dict(audio_config=dict(model_type="wavtokenizer_encoder", num_filters=4, upsampling_ratios=[2],
+                                          hidden_size=8, codebook_size=2, codebook_dim=8, decoder_hidden_size=8,
+                                          decoder_intermediate_size=16, decoder_num_layers=1, num_lstm_layers=1,
+                                          decoder_attention_num_groups=1, adanorm_num_embeddings=1),
+                        image_token_id=VOCAB - 5, audio_token_id=VOCAB - 6, image_token_offset=VOCAB - 4,
+                        audio_token_offset=VOCAB - 2)),
     "exaone4_5": (dict(model_type="exaone4", num_hidden_layers=4, sliding_window=6, head_dim=16,
                        layer_types=["sliding_attention"] * 3 + ["full_attention"]),
                   dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,

@@ -166,7 +166,8 @@ def linear_bytes(config) -> int:
         index = SparseIndex.of(config)  # (DeepSeek-V3.2's, GLM-5's indexers: queries, a key, the heads' weights)
         if index is not None:
             attention += sum(index.owns) * (q * index.heads * index.dim + h * (index.dim + index.heads))
-    return 4 * (attention + (3 if Family.of(config).gated_mlp else 2) * h * mlp + config.vocab_size * h)
+    head = getattr(config, "output_vocab_size", None) or config.vocab_size  # (Apertus 1.5's: pruned to the text)
+    return 4 * (attention + (3 if Family.of(config).gated_mlp else 2) * h * mlp + head * h)
 
 
 def expert_bytes(config) -> int:

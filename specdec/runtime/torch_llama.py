@@ -64,7 +64,7 @@ GEMMA4 = ("gemma4_text", "gemma4_unified_text")  # Gemma 4's text models (the un
 ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
-    "cohere2", "starcoder2", "apertus", "bamba", "nemotron_h", "lfm2", "lfm3", "olmo_hybrid", "falcon_h1", "jamba",
+    "cohere2", "starcoder2", "apertus", "apertus1p5_text", "bamba", "nemotron_h", "lfm2", "lfm3", "olmo_hybrid", "falcon_h1", "jamba",
     "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
@@ -93,6 +93,7 @@ MULTIMODAL.update(dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl
 MULTIMODAL.update(dict.fromkeys(("llava_next", "llava_onevision", "internvl", "lfm2_vl", "lfm3_vl", "exaone4_5"),
                                 ("model.language_model.", "language_model.model.")))
 MULTIMODAL.update(dict.fromkeys(("smolvlm", "idefics3"), ("model.text_model.",)))
+MULTIMODAL["apertus1p5"] = ("model.language_model.",)  # (Apertus 1.5's: its images and audio as tokens)
 # (Qwen3.5's under "model." too: transformers' causal LM of its config, dummy weights' names)
 MULTIMODAL.update(dict.fromkeys(("qwen3_5", "qwen3_5_moe"), ("model.language_model.", "language_model.model.", "model.")))
 # GLM-4.1V's and up
@@ -170,8 +171,8 @@ class RenamedWeights:
     RENAMES["hunyuan_v1_dense"] = RENAMES["hunyuan_v1_moe"] = [(".q_norm.", ".query_layernorm."),
                                                                (".k_norm.", ".key_layernorm.")]
     RENAMES["starcoder2"] = [(".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj.")]
-    RENAMES["apertus"] = [(".input_layernorm.", ".attention_layernorm."),
-                          (".post_attention_layernorm.", ".feedforward_layernorm.")]
+    RENAMES["apertus"] = RENAMES["apertus1p5_text"] = [(".input_layernorm.", ".attention_layernorm."),
+                                                       (".post_attention_layernorm.", ".feedforward_layernorm.")]
     RENAMES["phi"] = [(".self_attn.o_proj.", ".self_attn.dense."), (".mlp.up_proj.", ".mlp.fc1."),
                       (".mlp.down_proj.", ".mlp.fc2."), ("model.norm.", "model.final_layernorm."),
                       (".q_norm.", ".q_layernorm."), (".k_norm.", ".k_layernorm.")]
@@ -580,7 +581,7 @@ class Family:
             return cls(activation=act, offset_norms=True)
         if config.model_type == "nemotron_h":
             return cls(activation=config.mlp_hidden_act, gated_mlp=False)
-        if config.model_type in ("arcee", "apertus"):  # their MLPs not gated: relu2(up), xielu(up)
+        if config.model_type in ("arcee", "apertus", "apertus1p5_text"):  # their MLPs not gated: relu2(up), xielu(up)
             return cls(activation=act, gated_mlp=False)
         if config.model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
             return cls(activation=act, norm_after_rope=True)
@@ -1397,7 +1398,6 @@ class TorchLlama:
         self.positions = r.get("model.embed_positions.weight") if self.family.learned_positions is not None else None
         self.embed_norm = r.norm("model.embed_norm.weight") if "model.embed_norm.weight" in r \
             or self.family.weightless_norms else None  # (BLOOM's, NanoChat's)
-        self.vocab_size = self.embed.shape[0]
         self.recurrent = recurrent_mixer(config)  # DeltaNet, Mamba2, Mamba1, ShortConv or None
         places = kv_places(config, self.kv_heads, self.head_dim)  # (Gemma 4's: attention's shape per layer)
         self.layers, kinds = [], [0, 0]  # layers so far: attention, recurrent
@@ -1440,6 +1440,8 @@ class TorchLlama:
         self.features: torch.Tensor | None = None  # the last forward's: [B, T, len(taps) * hidden]
         self.lm_head = r.linear(r.get("lm_head.weight"), r.opt("lm_head.bias")) if "lm_head.weight" in r \
             else r.linear(self.embed, None)  # tied (a bias: ERNIE 4.5 MoE's)
+        self.vocab_size = self.lm_head.out_features  # the logits' width (Apertus 1.5's head: the text tokens alone,
+        # its embedding's first output_vocab_size rows)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         graphable = not any(layer["experts"] or layer["moe_block"] for layer in self.layers) \
