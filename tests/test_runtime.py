@@ -330,6 +330,12 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # beside a shared expert; a dense first layer
     "hy3-qk-norms-experts": ("hy_v3", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                                  head_dim=16, layers=3, router_scaling_factor=2.5)),
+    # Sarvam's: Sarvam-30B's GLM-4.5 layers (q/k norms, biases, the whole head rotated) under their original names
+    # (word_embeddings, a fused query_key_value, dense, query/key_layernorm, expert_bias), as transformers saves them;
+    # Sarvam-105B's DeepSeek-V3 layers, its queries in one product (no q_lora_rank)
+    "sarvam-moe-original-names": ("sarvam_moe", dict(MOE["glm4_moe"], head_dim=16, use_qk_norm=True,
+                                                     attention_bias=True)),
+    "sarvam-mla-one-query-product": ("sarvam_mla", dict(MOE["glm4_moe"], **dict(LATENT, q_lora_rank=None))),
     "deepseekv32-sparse-attention": ("deepseek_v32", DSA),
     "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
     # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
@@ -427,7 +433,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "phi3-longrope-partial", "phi3-longrope-long", "gemma4-shared-kv-per-layer",
                                   "gemma4-plain", "gemma4-unified", "minimax-m2-experts", "lfm3-windows-gates",
                                   "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope", "cohere2moe-softmax-average",
-                                  "cohere2moe-sigmoid-sum-rms", "mellum-windows-experts", "hy3-qk-norms-experts"])
+                                  "cohere2moe-sigmoid-sum-rms", "mellum-windows-experts", "hy3-qk-norms-experts",
+                                  "sarvam-moe-original-names"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -490,7 +497,8 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "gptneo-local-layers", "youtu-latent-dense", "axk1-latent-experts-normed",
                                   "kolibri1-windows-experts", "flint-sinks-windows-experts", "minicpm3-latent-mup",
                                   "gemma4-experts-beside", "mimo-windows-sinks-experts",
-                                  "deepseekv32-sparse-attention", "glm5-sparse-attention-shared"])
+                                  "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
+                                  "sarvam-mla-one-query-product"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -1197,7 +1205,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "olmohybrid-nope", "cohere2moe-softmax-average", "cohere2moe-sigmoid-sum-rms",
                                   "mimo-windows-sinks-experts", "mellum-windows-experts", "gemma4-experts-beside",
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
-                                  "hy3-qk-norms-experts", "apertus1p5-pruned-head"])
+                                  "hy3-qk-norms-experts", "apertus1p5-pruned-head", "sarvam-moe-original-names",
+                                  "sarvam-mla-one-query-product"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

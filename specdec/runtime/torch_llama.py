@@ -74,7 +74,7 @@ ARCHS = tuple(dict.fromkeys((
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemma 2's without norms after)
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
+PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "sarvam_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
                   "codegen", "persimmon",
                   "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's:
 # its latent's rotated part)
@@ -170,6 +170,10 @@ class RenamedWeights:
                               (".post_attention_layernorm.", ".feedforward_layer_norm.")]
     RENAMES["hunyuan_v1_dense"] = RENAMES["hunyuan_v1_moe"] = [(".q_norm.", ".query_layernorm."),
                                                                (".k_norm.", ".key_layernorm.")]
+    RENAMES["sarvam_moe"] = [("model.embed_tokens.", "model.word_embeddings."), (".self_attn.", ".attention."),
+                             (".attention.qkv_proj.", ".attention.query_key_value."), (".attention.o_proj.", ".attention.dense."),
+                             (".q_norm.", ".query_layernorm."), (".k_norm.", ".key_layernorm."),
+                             (".gate.e_score_correction_bias", ".gate.expert_bias")]
     RENAMES["starcoder2"] = [(".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj.")]
     RENAMES["apertus"] = RENAMES["apertus1p5_text"] = [(".input_layernorm.", ".attention_layernorm."),
                                                        (".post_attention_layernorm.", ".feedforward_layernorm.")]
