@@ -60,8 +60,8 @@ import torch.nn.functional as F
 from .cuda_graphs import CudaGraphs
 from .linear import pick_linear
 from .ops import norm, rms_norm
-from .torch_llama import (GEMMA4, CheckpointReader, Family, KVCache, TorchLlama, decoder_layer, index_weights, slot_runs,
-                          text_model)
+from .torch_llama import (GEMMA4, CheckpointReader, Family, KVCache, TorchLlama, decoder_layer, index_weights,
+                          slot_runs, text_model)
 
 EAGLE_KINDS = ("eagle", "eagle3")
 # whose checkpoints may hold MTP layers (Qwen3.5's also as the multimodal checkpoints they are released as)
@@ -332,7 +332,8 @@ class MtpHead(EagleHead):
         kind, (config, _) = config.model_type, text_model(config)
         qwen = "mtp.fc.weight" in weights  # Qwen3-Next's, Qwen3.5's names
         mimo = kind == "mimo_v2_flash"  # (its first MTP layer's norm before the MLP: ``pre_mlp_layernorm``)
-        pre = "mtp.layers.0." if qwen else "model.mtp.layers.0." if mimo else f"model.layers.{config.num_hidden_layers}."
+        pre = "mtp.layers.0." if qwen else "model.mtp.layers.0." if mimo else \
+            f"model.layers.{config.num_hidden_layers}."
         if kind not in MTP_ARCHS or not (qwen or pre + "eh_proj.weight" in weights):
             raise ValueError(f"this {kind} checkpoint has no multi-token prediction layer ({pre}eh_proj.weight, "
                              "mtp.fc.weight): method 'mtp' needs one (DeepSeek-V3's, GLM-4.5's, Qwen3.5's)")

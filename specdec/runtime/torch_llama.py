@@ -64,7 +64,8 @@ GEMMA4 = ("gemma4_text", "gemma4_unified_text")  # Gemma 4's text models (the un
 ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
-    "cohere2", "starcoder2", "apertus", "apertus1p5_text", "bamba", "nemotron_h", "lfm2", "lfm3", "olmo_hybrid", "falcon_h1", "jamba",
+    "cohere2", "starcoder2", "apertus", "apertus1p5_text", "bamba", "nemotron_h", "lfm2", "lfm3", "olmo_hybrid",
+    "falcon_h1", "jamba",
     "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
@@ -74,7 +75,8 @@ ARCHS = tuple(dict.fromkeys((
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemma 2's without norms after)
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "sarvam_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
+PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "sarvam_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi",
+                  "stablelm", "gptj",
                   "codegen", "persimmon",
                   "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's:
 # its latent's rotated part)
@@ -171,7 +173,8 @@ class RenamedWeights:
     RENAMES["hunyuan_v1_dense"] = RENAMES["hunyuan_v1_moe"] = [(".q_norm.", ".query_layernorm."),
                                                                (".k_norm.", ".key_layernorm.")]
     RENAMES["sarvam_moe"] = [("model.embed_tokens.", "model.word_embeddings."), (".self_attn.", ".attention."),
-                             (".attention.qkv_proj.", ".attention.query_key_value."), (".attention.o_proj.", ".attention.dense."),
+                             (".attention.qkv_proj.", ".attention.query_key_value."),
+                             (".attention.o_proj.", ".attention.dense."),
                              (".q_norm.", ".query_layernorm."), (".k_norm.", ".key_layernorm."),
                              (".gate.e_score_correction_bias", ".gate.expert_bias")]
     RENAMES["starcoder2"] = [(".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj.")]
@@ -579,7 +582,8 @@ class Family:
                        hidden_divisor=config.logits_scaling)
         if latent is not None:  # (Mistral 4's queries scaled past its original context, as Ministral 3's)
             return cls(activation=act, attn_scale=latent.scale(config),
-                       interleaved_rope=config.model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", True)),
+                       interleaved_rope=config.model_type == "deepseek_v2" or
+                       bool(getattr(config, "rope_interleave", True)),  # (DeepSeek-V3.2's, GLM-5's: no field, always)
                        query_temperature=query_temperature(config) if config.model_type == "mistral4" else None)
         if config.model_type in HYBRID_ARCHS:
             return cls(activation=act, offset_norms=True)
