@@ -383,21 +383,27 @@ def test_cost_key_tells_runtimes_and_dtypes_apart(tiny_dirs):
     assert len(set(keys)) == len(keys) and all(path in k and "threads=" in k for k in keys)
 
 
+def fixed_prices(monkeypatch) -> None:
+    """Forward costs as fixed numbers, not timings, where a test asserts that the planner drafts
+    (on a loaded machine a measured target curve may price a verify of k + 1 tokens past k + 1
+    single ones, and the planner then never drafts): a draft's forwards (its curve: the one of
+    ``CATCH_UP_TOKENS`` sizes) free, the target's one token's whatever their size."""
+    from specdec import api
+
+    def priced(model, max_tokens):
+        return ForwardCosts((1e-9 if max_tokens == api.CATCH_UP_TOKENS else 1e-3,) * max_tokens)
+
+    monkeypatch.setattr(api, "forward_costs", priced)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft", "hybrid"])
 @pytest.mark.parametrize("cost_model", [False, True])
 def test_greedy_equal_whatever_the_plan(loaded, method, cost_model, monkeypatch):
     if method == "hybrid" and cost_model:
         # the draft here is the target itself, so whether it pays would hang on timing noise
-        # (its best case is about plain decoding's rate): price its forwards as free, so the
-        # planner must use it wherever the n-gram has no match
-        from specdec import api
-
-        def free_draft(model, max_tokens):
-            if max_tokens == api.CATCH_UP_TOKENS:  # the draft's curve (the target's: k + 1)
-                return ForwardCosts((1e-9,) * max_tokens)
-            return forward_costs(model, max_tokens)
-
-        monkeypatch.setattr(api, "forward_costs", free_draft)
+        # (its best case is about plain decoding's rate): fixed prices, so the planner must use
+        # it wherever the n-gram has no match
+        fixed_prices(monkeypatch)
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     base = LLM(loaded("llama")).generate(PROMPTS, sp)
     draft = loaded("llama") if method != "ngram" else None  # a perfect draft: every draft accepted
@@ -441,6 +447,7 @@ def test_tree_rounds_recorded_by_depth(loaded, monkeypatch):
     record = Planner.record
     monkeypatch.setattr(Planner, "record", lambda self, rid, c, depth, n: seen.append((c.k, depth, n)) or
                         record(self, rid, c, depth, n))
+    fixed_prices(monkeypatch)  # (so that it drafts)
     llm = LLM(loaded("llama"), speculative=SpecConfig(method="ngram", num_draft_tokens=3, tree_topk=3,
                                                       cost_model=True))
     llm.generate("abcabcabcabcabcabcabc abcabcabc", SamplingParams(max_tokens=30, ignore_eos=True))
@@ -482,14 +489,7 @@ def test_the_engine_times_a_draft_models_drafting(loaded, monkeypatch):
     """With the cost model, each step's drafting by a draft model is timed against its
     measured forwards (``Planner.drafting``), the n-gram drafter's not: a draft whose cached
     curve says its forwards are free is found dearer, step by step."""
-    from specdec import api
-
-    def free_draft(model, max_tokens):
-        if max_tokens == api.CATCH_UP_TOKENS:  # the draft's curve (the target's: k + 1)
-            return ForwardCosts((1e-9,) * max_tokens)
-        return forward_costs(model, max_tokens)
-
-    monkeypatch.setattr(api, "forward_costs", free_draft)
+    fixed_prices(monkeypatch)
     llm = LLM(loaded("llama"), draft=loaded("llama"), speculative=SpecConfig(method="hybrid", cost_model=True))
     llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
     planner, steps = llm.engine.planner, llm.last_run_metrics.to_dict()["drafter_steps"]
