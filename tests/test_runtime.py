@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3, LLAMA4,
-                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB)
+                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
+                  LAGUNA)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -336,6 +337,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "sarvam-moe-original-names": ("sarvam_moe", dict(MOE["glm4_moe"], head_dim=16, use_qk_norm=True,
                                                      attention_bias=True)),
     "sarvam-mla-one-query-product": ("sarvam_mla", dict(MOE["glm4_moe"], **dict(LATENT, q_lora_rank=None))),
+    # Laguna (poolside): a number of query heads per layer, each head's output gated through a softplus (or each
+    # element's), q/k norms, windows and half of each head rotated on the full-attention layers; AFMoE's routing, its
+    # logits capped, scaled; a shared expert (saved as shared_expert, its correction bias under experts.)
+    "laguna-heads-per-layer-gates": ("laguna", LAGUNA),
+    "laguna-element-gates": ("laguna", dict(LAGUNA, gating="per-element", moe_router_logit_softcapping=0.0)),
     "deepseekv32-sparse-attention": ("deepseek_v32", DSA),
     "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
     # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
@@ -498,7 +504,7 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "kolibri1-windows-experts", "flint-sinks-windows-experts", "minicpm3-latent-mup",
                                   "gemma4-experts-beside", "mimo-windows-sinks-experts",
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
-                                  "sarvam-mla-one-query-product"])
+                                  "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -1206,7 +1212,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "mimo-windows-sinks-experts", "mellum-windows-experts", "gemma4-experts-beside",
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
                                   "hy3-qk-norms-experts", "apertus1p5-pruned-head", "sarvam-moe-original-names",
-                                  "sarvam-mla-one-query-product"])
+                                  "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates",
+                                  "laguna-element-gates"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

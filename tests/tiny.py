@@ -111,6 +111,10 @@ MOE.update({
     "glm4_moe_lite": dict(MOE["glm4_moe"], **LATENT, first_k_dense_replace=None),  # mlp_layer_types: dense first
 })
 MOE["glm4_moe_lite"].pop("first_k_dense_replace")
+# Laguna's kind: 2 to 6 query heads by layer, windows of 6 on every other layer, a dense first layer
+LAGUNA = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+              head_dim=16, layers=4, sliding_window=6, layer_types=["full_attention", "sliding_attention"] * 2,
+              num_attention_heads_per_layer=[4, 2, 6, 4], moe_router_logit_softcapping=3.0, moe_routed_scaling_factor=2.0)
 # DeepSeek Sparse Attention (DeepSeek-V3.2's, GLM-5's): DeepSeek-V3's layers, an indexer keeping each token's best 6
 # keys (8 small heads: keys whose every head's score is 0, ties at the cut, are rare)
 DSA = dict(MOE["deepseek_v3"], index_n_heads=8, index_head_dim=16, index_topk=6)

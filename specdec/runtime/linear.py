@@ -155,6 +155,9 @@ def linear_bytes(config) -> int:
     recurrent = sum(map(config.layer_types.count, RECURRENT_TYPES)) if rec else 0
     attended = config.num_hidden_layers - recurrent + (config.layer_types.count("hybrid") if rec else 0)  # (Falcon-H1's)
     attention = attended * per_attention
+    if config.model_type == "laguna":  # query heads per layer, a gate per head (or per element) each
+        gates = 1 if config.gating is True or config.gating == "per-head" else d
+        attention = sum((2 * n * d + 2 * kv * d + n * gates) * h for n in config.num_attention_heads_per_layer)
     if rec:
         attention += recurrent * rec.projection_params(h)
     if getattr(config, "kv_lora_rank", None) is not None:  # latent attention (``torch_llama.Latent``)

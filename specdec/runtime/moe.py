@@ -3,7 +3,7 @@ router picks and weights them (``Routing``), and the grouped products that run t
 Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
 Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2,
-Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE, DeepSeek-V3.2, GLM-5, Hy3, Sarvam)."""
+Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE, DeepSeek-V3.2, GLM-5, Hy3, Sarvam, Laguna)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +20,7 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
              "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe", "mimo_v2_flash", "mellum",
-             "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa", "hy_v3", "sarvam_moe", "sarvam_mla")
+             "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa", "hy_v3", "sarvam_moe", "sarvam_mla", "laguna")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
@@ -45,7 +45,7 @@ def moe_layers(config) -> list[bool]:
                 "sarvam_mla"):
         return [i >= config.first_k_dense_replace for i in range(n)]
     if kind in ("glm4_moe_lite", "exaone_moe", "axk1", "cohere2_moe", "mimo_v2_flash", "mellum", "deepseek_v32",
-                "glm_moe_dsa", "hy_v3"):
+                "glm_moe_dsa", "hy_v3", "laguna"):
         return [t == "sparse" for t in config.mlp_layer_types]
     if kind == "nemotron_h":  # its blocks: one mixer or one MLP each
         return [t == "moe" for t in config.layer_types]
@@ -120,7 +120,8 @@ class Routing:
     (``sigmoid``, ``choose_by_logits``): the router in float32, the top k of its logits plus a
     correction bias, weighted by their sigmoid, renormalised where ``norm_topk_prob``; Cohere2-MoE's
     (``top_softmax``, or ``top_sigmoid``: the sigmoid of the top k logits, renormalised where
-    ``norm_topk_prob``)."""
+    ``norm_topk_prob``); Laguna's: AFMoE's, the logits capped first where ``softcap`` (``cap *
+    tanh(logits / cap)``)."""
 
     top_k: int
     renormalize: bool = False
@@ -143,6 +144,7 @@ class Routing:
     float_scores: bool = False
     choose_by_logits: bool = False
     top_sigmoid: bool = False
+    softcap: float = 0.0
 
     @classmethod
     def of(cls, config) -> "Routing":
@@ -151,6 +153,10 @@ class Routing:
             return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
         if kind in GRANITE_MOES:
             return cls(config.num_experts_per_tok, top_softmax=True, activation=config.hidden_act)
+        if kind == "laguna":  # AFMoE's, its logits capped first (where moe_router_logit_softcapping)
+            return cls(config.num_experts_per_tok, renormalize=True, sigmoid=True, float_scores=True,
+                       scale=config.moe_routed_scaling_factor, softcap=config.moe_router_logit_softcapping,
+                       activation=config.hidden_act)
         if kind == "afmoe":
             return cls(config.num_experts_per_tok, renormalize=True, sigmoid=True, float_scores=True,
                        scale=config.route_scale, activation=config.hidden_act)
@@ -227,6 +233,8 @@ class Routing:
             top, chosen = logits.topk(self.top_k, dim=-1)
             return torch.softmax(top, dim=-1, dtype=top.dtype if self.gpt_oss else torch.float32).to(top.dtype), chosen
         if self.sigmoid:
+            if self.softcap:  # (Laguna's: ``cap * tanh(logits / cap)``, in float32)
+                logits = torch.tanh(logits.float() / self.softcap) * self.softcap
             scores = (logits.float() if self.float_scores else logits).sigmoid()  # [N, experts]
             choice = logits if self.choose_by_logits else scores
             choice = choice if correction is None else choice + correction
@@ -347,9 +355,10 @@ class Experts:
         router = weights[router].to(
             device=device, dtype=torch.float32 if routing.float_router else dtype, copy=True)
         correction = next((block + n for n in ("gate.e_score_correction_bias", "expert_bias",
-                                               "moe_statics.e_score_correction_bias", "e_score_correction_bias")
+                                               "moe_statics.e_score_correction_bias", "e_score_correction_bias",
+                                               "experts.e_score_correction_bias")
                            if block + n in weights),
-                          None)  # GLM-4.5's, LFM2-MoE's, ERNIE 4.5's ([1, experts]), EXAONE-MoE's as saved
+                          None)  # GLM-4.5's, LFM2-MoE's, ERNIE 4.5's ([1, experts]), EXAONE-MoE's as saved, Laguna's
         return cls(routing, router, gate_up.transpose(1, 2), down.transpose(1, 2),
                    correction=weights[correction].to(device=device, dtype=torch.float32, copy=True).flatten()
                    if correction else None)

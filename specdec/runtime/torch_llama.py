@@ -78,7 +78,7 @@ GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemm
 PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "sarvam_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi",
                   "stablelm", "gptj",
                   "codegen", "persimmon",
-                  "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's:
+                  "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash", "laguna") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's:
 # its latent's rotated part)
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
@@ -1164,12 +1164,15 @@ def index_weights(r: CheckpointReader, a: str, slot: int) -> dict:
 def gated_attention(r: CheckpointReader, a: str, config) -> dict:
     """An attention under ``a`` whose output a gate scales (``sigmoid(gate) * output``, before
     ``o_proj``): Qwen3-Next's and Qwen3.5's ``q_proj`` gives each head's query and then its
-    gate, AFMoE's ``gate_proj`` the gates (LFM3's: one per head); the queries, keys, values and
-    gates fused in that order (a gate without a bias beside biased queries: zeros); ``gated``:
-    the gates' width."""
+    gate, AFMoE's ``gate_proj`` the gates (LFM3's: one per head), Laguna's ``g_proj`` (one per
+    head or per element, through a softplus in float32: ``softplus_gate``); the queries, keys,
+    values and gates fused in that order (a gate without a bias beside biased queries: zeros);
+    ``gated``: the gates' width."""
     H, hidden = config.num_attention_heads, config.hidden_size
-    if a + "gate_proj.weight" in r:  # (AFMoE's)
-        q, qb, gate, gate_b = r.get(a + "q_proj.weight"), r.opt(a + "q_proj.bias"), r.get(a + "gate_proj.weight"), None
+    softplus = a + "g_proj.weight" in r
+    if softplus or a + "gate_proj.weight" in r:  # (Laguna's, AFMoE's)
+        gate = r.get(a + ("g_proj" if softplus else "gate_proj") + ".weight")
+        q, qb, gate_b = r.get(a + "q_proj.weight"), r.opt(a + "q_proj.bias"), None
     else:
         q, gate = (t.reshape(-1, hidden) for t in r.get(a + "q_proj.weight").view(H, 2, -1, hidden).unbind(1))
         bias = r.opt(a + "q_proj.bias")
@@ -1178,7 +1181,7 @@ def gated_attention(r: CheckpointReader, a: str, config) -> dict:
         gate_b = qb.new_zeros(gate.shape[0])
     return {"qkv": r.linear(torch.cat([q, r.get(a + "k_proj.weight"), r.get(a + "v_proj.weight"), gate]),
                             cat_or_none([qb, r.opt(a + "k_proj.bias"), r.opt(a + "v_proj.bias"), gate_b])),
-            "gated": gate.shape[0]}
+            "gated": gate.shape[0], "softplus_gate": softplus}
 
 
 @dataclass(frozen=True)
@@ -1245,7 +1248,7 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
     else:
         mixer = {
             **(latent_attention(r, a, latent) if latent else gated_attention(r, a, config)
-               if config.model_type in HYBRID_ARCHS or a + "gate_proj.weight" in r else {
+               if config.model_type in HYBRID_ARCHS or a + "gate_proj.weight" in r or a + "g_proj.weight" in r else {
                 "qkv": r.linear(r.fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in ["q", *own]]),
                                 r.opt(a + "qkv_proj.bias") if a + "qkv_proj.weight" in r else
                                 cat_or_none([r.opt(a + f"{n}_proj.bias") for n in ["q", *own]]))}),
@@ -1422,6 +1425,8 @@ class TorchLlama:
             kinds[rec is not None] += block not in ("mlp", "moe")
             kinds[0] += block == "hybrid"  # (its attention too: the same index, every layer being so)
         self.kv_layers, self.state_layers = kinds
+        for L, heads in zip(self.layers, getattr(config, "num_attention_heads_per_layer", None) or ()):
+            L["heads"] = heads  # (Laguna's queries: a number of heads per layer)
         if self.sparse_index is not None:  # (the layers with an indexer of their own, in order)
             owners = [i for i, own in enumerate(self.sparse_index.owns) if own]
             for slot, i in enumerate(owners):
@@ -1752,7 +1757,8 @@ class TorchLlama:
         fam, (B, T) = self.family, x.ids.shape
         S = x.mask.shape[-1]
         place = L["kv"]  # (Gemma 4's: this layer's shape, and where its rows are)
-        H, KV, D = self.num_heads, *((place.heads, place.dim) if place else (self.kv_heads, self.head_dim))
+        H = L.get("heads") or self.num_heads  # (Laguna's: its own number per layer)
+        KV, D = (place.heads, place.dim) if place else (self.kv_heads, self.head_dim)
         Dv = self.v_dim or D  # (MiMo-V2-Flash's values: narrower than its keys)
         reuse = place is not None and place.reuse  # its queries over an earlier layer's rows
         qkv = L["qkv"](a)  # [B, T, (H + KV) D + KV Dv], Qwen3-Next's / 3.5's gates after them: + H D
@@ -1798,8 +1804,9 @@ class TorchLlama:
             o = attention(q, kc[x.slots, :, :S], vc[x.slots, :, :S], mask, fam.attn_scale, fam.attn_softcap,
                           L["sinks"])
         o = o.transpose(1, 2)  # [B, T, H, Dv]
-        if gate:  # each element's gate, or each head's (LFM3's)
-            g = torch.sigmoid(gate[0])  # [B, T, H Dv] or [B, T, H]
+        if gate:  # each element's gate, or each head's (LFM3's, Laguna's)
+            g = F.softplus(gate[0].float()).to(o.dtype) if L["softplus_gate"] else torch.sigmoid(gate[0])  # [B, T, H Dv]
+            # or [B, T, H]
             o = o * (g.view(B, T, H, Dv) if g.shape[-1] == H * Dv else g[..., None])
         return L["o"](o.reshape(B, T, H * Dv))  # [B, T, hidden]
 
