@@ -512,7 +512,8 @@ def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     products add their biases after the product (a second rounding) and attend its one key
     head broadcast, Granite-SWA's sinks scale the output in float32 (GPT-OSS's: a logit in the
     softmax, in the model's dtype; MiMo-V2-Flash's full-attention layers softmax in the model's dtype in
-    transformers' eager attention, in float32 in PyTorch's fused one), and ALiBi's biases join the scores in
+    transformers' eager attention, in float32 in PyTorch's fused one; Laguna's routed scale multiplies
+    the experts' summed output in transformers, each routing weight here), and ALiBi's biases join the scores in
     another order (BLOOM's in one fused product, MPT's and Falcon's in float32), so in bfloat16
     their logits are not transformers' bit for bit; they are as close to the float32 logits as
     transformers' bfloat16 logits are (within 1.5x of that error, relative to the largest
