@@ -7,7 +7,7 @@ from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3, LLAMA4,
                   MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
-                  LAGUNA)
+                  LAGUNA, PHIMOE)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -342,6 +342,10 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # logits capped, scaled; a shared expert (saved as shared_expert, its correction bias under experts.)
     "laguna-heads-per-layer-gates": ("laguna", LAGUNA),
     "laguna-element-gates": ("laguna", dict(LAGUNA, gating="per-element", moe_router_logit_softcapping=0.0)),
+    # Phi-3.5-MoE: layer norms, biases (the head's too), longrope's scales past 8 positions (its factors alike before
+    # and after: ``test_phimoe_long_factors``), experts by its sparsemixer (the best, then the best of the others, each
+    # weighted among those near it), under Mixtral's names
+    "phimoe-sparsemixer-longrope": ("phimoe", PHIMOE),
     "deepseekv32-sparse-attention": ("deepseek_v32", DSA),
     "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
     # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
@@ -392,6 +396,26 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
 }
 
 
+def test_phimoe_long_factors(tmp_path):
+    """Past its original context Phi-3.5-MoE's rows rotate by its long factors and scale by its
+    long_mscale, as its released code and vLLM compute them (transformers' model keeps the short
+    factors at every length: ``VARIANTS`` checks the rest against it with factors alike)."""
+    from transformers import AutoConfig
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny
+
+    rope = dict(PHIMOE["rope_parameters"], long_factor=[3.0 + 0.7 * i for i in range(8)])
+    path = make_tiny(tmp_path / "phimoe", "phimoe", seed=5, **dict(PHIMOE, rope_parameters=rope))
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
+    base = 10000.0 ** (torch.arange(0, 16, 2).float() / 16)
+    (short, short_scale), (long, long_scale) = rt.rope[None], rt.rope_long[None]
+    torch.testing.assert_close(short, 1 / (torch.tensor(rope["short_factor"]) * base))
+    torch.testing.assert_close(long, 1 / (torch.tensor(rope["long_factor"]) * base))
+    assert (short_scale, long_scale) == (rope["short_mscale"], rope["long_mscale"]) and rt.switch == 8
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_config_variants_match_transformers(tmp_path, variant):
     """Biases on every projection, scaled rotary embeddings, and sliding windows (Mistral's on
@@ -440,7 +464,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "gemma4-plain", "gemma4-unified", "minimax-m2-experts", "lfm3-windows-gates",
                                   "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope", "cohere2moe-softmax-average",
                                   "cohere2moe-sigmoid-sum-rms", "mellum-windows-experts", "hy3-qk-norms-experts",
-                                  "sarvam-moe-original-names"])
+                                  "sarvam-moe-original-names", "phimoe-sparsemixer-longrope"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -1214,7 +1238,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
                                   "hy3-qk-norms-experts", "apertus1p5-pruned-head", "sarvam-moe-original-names",
                                   "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates",
-                                  "laguna-element-gates"])
+                                  "laguna-element-gates", "phimoe-sparsemixer-longrope"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

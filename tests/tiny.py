@@ -115,6 +115,12 @@ MOE["glm4_moe_lite"].pop("first_k_dense_replace")
 LAGUNA = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
               head_dim=16, layers=4, sliding_window=6, layer_types=["full_attention", "sliding_attention"] * 2,
               num_attention_heads_per_layer=[4, 2, 6, 4], moe_router_logit_softcapping=3.0, moe_routed_scaling_factor=2.0)
+# Phi-3.5-MoE's kind: biases, longrope past 8 positions (its scales; factors alike before and after), 4 experts
+PHIMOE = dict(num_local_experts=4, router_jitter_noise=0.01, attention_bias=True, lm_head_bias=True, pad_token_id=0,
+              original_max_position_embeddings=8,
+              rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=8,
+                                   short_mscale=1.1, long_mscale=1.3, short_factor=[1.0 + 0.2 * i for i in range(8)],
+                                   long_factor=[1.0 + 0.2 * i for i in range(8)]))
 # DeepSeek Sparse Attention (DeepSeek-V3.2's, GLM-5's): DeepSeek-V3's layers, an indexer keeping each token's best 6
 # keys (8 small heads: keys whose every head's score is 0, ties at the cut, are rare)
 DSA = dict(MOE["deepseek_v3"], index_n_heads=8, index_head_dim=16, index_topk=6)

@@ -3,7 +3,7 @@ router picks and weights them (``Routing``), and the grouped products that run t
 Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
 Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2,
-Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE, DeepSeek-V3.2, GLM-5, Hy3, Sarvam, Laguna)."""
+Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE, DeepSeek-V3.2, GLM-5, Hy3, Sarvam, Laguna, Phi-3.5-MoE)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,7 +20,8 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "lfm2_moe", "jamba", "olmoe", "dots1", "glm4v_moe_text", "ernie4_5_moe", "mistral4", "exaone_moe",
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
              "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe", "mimo_v2_flash", "mellum",
-             "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa", "hy_v3", "sarvam_moe", "sarvam_mla", "laguna")
+             "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa", "hy_v3", "sarvam_moe", "sarvam_mla", "laguna",
+             "phimoe")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
@@ -39,7 +40,7 @@ def moe_layers(config) -> list[bool]:
     if kind not in MOE_ARCHS:
         return [False] * n
     if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text", "olmoe", "flex_olmo", "solar_open", "hunyuan_v1_moe",
-                "dbrx", "kolibri1", "minimax_m2") + GRANITE_MOES:
+                "dbrx", "kolibri1", "minimax_m2", "phimoe") + GRANITE_MOES:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4", "sarvam_moe",
                 "sarvam_mla"):
@@ -121,7 +122,7 @@ class Routing:
     correction bias, weighted by their sigmoid, renormalised where ``norm_topk_prob``; Cohere2-MoE's
     (``top_softmax``, or ``top_sigmoid``: the sigmoid of the top k logits, renormalised where
     ``norm_topk_prob``); Laguna's: AFMoE's, the logits capped first where ``softcap`` (``cap *
-    tanh(logits / cap)``)."""
+    tanh(logits / cap)``); Phi-3.5-MoE's (``sparsemixer``, its ``router_jitter_noise``: ``_sparsemixer``)."""
 
     top_k: int
     renormalize: bool = False
@@ -145,6 +146,7 @@ class Routing:
     choose_by_logits: bool = False
     top_sigmoid: bool = False
     softcap: float = 0.0
+    sparsemixer: float | None = None
 
     @classmethod
     def of(cls, config) -> "Routing":
@@ -153,6 +155,8 @@ class Routing:
             return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
         if kind in GRANITE_MOES:
             return cls(config.num_experts_per_tok, top_softmax=True, activation=config.hidden_act)
+        if kind == "phimoe":  # (``sparsemixer``)
+            return cls(2, sparsemixer=config.router_jitter_noise, activation=config.hidden_act)
         if kind == "laguna":  # AFMoE's, its logits capped first (where moe_router_logit_softcapping)
             return cls(config.num_experts_per_tok, renormalize=True, sigmoid=True, float_scores=True,
                        scale=config.moe_routed_scaling_factor, softcap=config.moe_router_logit_softcapping,
@@ -217,6 +221,19 @@ class Routing:
                    renormalize=kind in ("mixtral", "qwen3_5_moe_text", "qwen3_vl_moe_text") or config.norm_topk_prob,
                    float_weights=kind == "mixtral", activation=getattr(config, "hidden_act", "silu"))
 
+    def _sparsemixer(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Phi-3.5-MoE's two experts at inference (``sparsemixer``): the best, weighted by its
+        softmax among the experts whose logits are within ``2 eps`` of its (relative to the larger
+        magnitude), then the best of the others, weighted so among the others."""
+        weights, chosen, left = [], [], logits
+        for _ in range(2):
+            best, pick = left.max(dim=-1, keepdim=True)  # [N, 1]
+            far = (best - logits) / logits.abs().clamp(min=best) > 2 * self.sparsemixer
+            weights.append(torch.softmax(left.masked_fill(far, float("-inf")), dim=-1).gather(-1, pick))
+            chosen.append(pick)
+            left = left.scatter(-1, pick, float("-inf"))
+        return torch.cat(weights, dim=-1), torch.cat(chosen, dim=-1)
+
     def weights(self, logits: torch.Tensor, correction: torch.Tensor | None = None,
                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(weights, experts)`` ``[N, top_k]`` of router ``logits [N, experts]`` (``correction
@@ -225,6 +242,8 @@ class Routing:
         if self.scales_inputs:
             top, chosen = logits.topk(self.top_k, dim=-1)
             return top.float().sigmoid().to(top.dtype), chosen
+        if self.sparsemixer is not None:
+            return self._sparsemixer(logits)
         if self.top_sigmoid:  # (Cohere2-MoE's: the sigmoid of the top k logits)
             top, chosen = logits.topk(self.top_k, dim=-1)
             weights = top.sigmoid()
@@ -324,8 +343,8 @@ class Experts:
                 torch.cat([t.to(device=device, dtype=dtype) for t in expert], out=out[e])
             return out
 
-        # (MiniMax-M2's released names are Mixtral's: ``block_sparse_moe.experts.{e}.w1``)
-        mixtral, granite = config.model_type in ("mixtral", "minimax_m2"), config.model_type in GRANITE_MOES
+        # (MiniMax-M2's and Phi-3.5-MoE's released names are Mixtral's: ``block_sparse_moe.experts.{e}.w1``)
+        mixtral, granite = config.model_type in ("mixtral", "minimax_m2", "phimoe"), config.model_type in GRANITE_MOES
         block = layer + ("block_sparse_moe." if granite or mixtral and layer + "mlp.gate.weight" not in weights
                          else "feed_forward." if config.model_type in ("jamba", "llama4_text") else "mlp.")
         routing = Routing.of(config)

@@ -589,6 +589,8 @@ class Family:
             return cls(activation=act, offset_norms=True)
         if config.model_type == "nemotron_h":
             return cls(activation=config.mlp_hidden_act, gated_mlp=False)
+        if config.model_type == "phimoe":  # layer norms (with biases) at rms_norm_eps
+            return cls(activation=act, layer_norm="model")
         if config.model_type in ("arcee", "apertus", "apertus1p5_text"):  # their MLPs not gated: relu2(up), xielu(up)
             return cls(activation=act, gated_mlp=False)
         if config.model_type in ("hunyuan_v1_dense", "hunyuan_v1_moe"):
@@ -1530,7 +1532,7 @@ class TorchLlama:
         dimensions that rotate, all but where ``partial_rotary_factor`` says (``PARTIAL_ROTARY``)."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        self.rope, self.rope_long = {}, {}  # rope_long: longrope's long inverse frequencies (``switch``)
+        self.rope, self.rope_long = {}, {}  # rope_long: longrope's long inverse frequencies and scale (``switch``)
         per_layer = {theta: dict(rope_types(config)[None], rope_theta=theta)
                      for theta in getattr(config, "layer_rope_theta", None) or () if theta}  # (keyed by the base)
         # (Gemma 4's head width per layer type)
@@ -1556,10 +1558,12 @@ class TorchLlama:
                     source.head_dim = head_dim
                 kw = {"layer_type": layer_type} if layer_type is not None and not per_layer else {}
                 inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](source, torch.device("cpu"), **kw)
-                if rope_type == "longrope" and self.switch is not None:  # (the same scale)
+                # (Phi-3.5-MoE's scales of cos and sin: short_mscale, long_mscale past the switch)
+                scale = params.get("short_mscale", scale) if rope_type == "longrope" else scale
+                if rope_type == "longrope" and self.switch is not None:
                     long_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](source, torch.device("cpu"), seq_len=self.switch + 1,
                                                                   **kw)
-                    self.rope_long[layer_type] = long_freq.float().to(self.device)
+                    self.rope_long[layer_type] = (long_freq.float().to(self.device), params.get("long_mscale", scale))
             self.rope[layer_type] = (inv_freq.float().to(self.device), scale)
 
     @property
@@ -1743,7 +1747,10 @@ class TorchLlama:
         rope = {}
         for layer_type, (inv_freq, scale) in self.rope.items():
             if long is not None and layer_type in self.rope_long:
-                inv_freq = torch.where(long[:, None, None], self.rope_long[layer_type], inv_freq)  # [B, 1, rotated/2]
+                long_freq, long_scale = self.rope_long[layer_type]
+                inv_freq = torch.where(long[:, None, None], long_freq, inv_freq)  # [B, 1, rotated/2]
+                if long_scale != scale:  # [B, 1, 1]
+                    scale = torch.where(long[:, None, None], long_scale, scale)
             freqs = pos[..., None].float() * inv_freq  # [B, T, rotated/2]
             emb = freqs.repeat_interleave(2, dim=-1) if self.family.interleaved_rope else torch.cat((freqs, freqs), dim=-1)
             dtype = torch.float32 if self.family.rope_math == "float" else self.dtype
