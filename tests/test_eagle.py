@@ -320,6 +320,8 @@ def mtp_dirs(tmp_path_factory):
             "qwen3next": add_mtp(make_tiny(root / "qwen3next", "qwen3_next", seed=10, **MOE["qwen3_next"]), seed=11),
             "mimo": add_mtp(make_tiny(root / "mimo", "mimo_v2_flash", seed=12, layers=4, **MIMO), seed=13),
             "deepseekv32": add_mtp(make_tiny(root / "deepseekv32", "deepseek_v32", seed=14, **DSA), seed=15),
+            "glm5": add_mtp(make_tiny(root / "glm5", "glm_moe_dsa", seed=16, **DSA,
+                                      indexer_types=["full", "shared", "full"]), seed=17),
             "none": make_tiny(root / "none", "deepseek_v3", seed=4, **MOE["deepseek_v3"]),
             "mimo-none": make_tiny(root / "mimo-none", "mimo_v2_flash", seed=12, layers=4, **MIMO)}
 
@@ -343,6 +345,7 @@ def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
     tensors = load_file(path / "model.safetensors")
     w = {k.removeprefix(f"model.layers.{L}."): v for k, v in tensors.items()}
     qwen, mimo = "mtp.fc.weight" in tensors, config.model_type == "mimo_v2_flash"
+    dsa_shared = getattr(config, "indexer_types", None)  # (GLM-5's)
     own = "mtp.layers.0." if qwen else "model.mtp.layers.0." if mimo else None  # the layer transformers does not read
     if qwen:  # Qwen's names, as DeepSeek's; the model's head; norms of 1 + weight
         w = {k.removeprefix("mtp.layers.0."): v for k, v in tensors.items()}
@@ -355,7 +358,9 @@ def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
     more = dict(layer_types=config.layer_types + ["full_attention"]) if qwen else \
         dict(layer_types=config.layer_types + ["sliding_attention"], mlp_layer_types=config.mlp_layer_types + ["dense"]) \
         if mimo else dict(layer_types=config.layer_types + ["indexed_attention"],
-                          mlp_layer_types=config.mlp_layer_types + ["sparse"]) if config.model_type == "deepseek_v32" else {}
+                          mlp_layer_types=config.mlp_layer_types + ["sparse"],
+                          **({"indexer_types": config.indexer_types + ["full"]} if dsa_shared else {})) \
+        if config.model_type in ("deepseek_v32", "glm_moe_dsa") else {}
     target = AutoModelForCausalLM.from_pretrained(path).eval()
     sinks = dict(attn_implementation="eager") if mimo else {}  # (its sinks)
     deeper = AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=L + 1, **sinks, **more).eval()
@@ -376,9 +381,10 @@ def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
             seen = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - config.sliding_window)
             mask = torch.zeros(R, R).masked_fill(~seen, float("-inf"))[None, None]
             y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rotary(x, pos, "sliding_attention"))[0]
-        elif config.model_type == "deepseek_v32":  # (its indexer scores against a causal mask it is given)
+        elif config.model_type in ("deepseek_v32", "glm_moe_dsa"):  # (its indexer scores against a causal mask)
             mask = torch.zeros(R, R).masked_fill(i[None, :] > i[:, None], float("-inf"))[None, None]
-            y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rotary(x, pos))[0]
+            y = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rotary(x, pos))
+            y = (y[0] if isinstance(y, tuple) else y)[0]  # (GLM-5's layer returns its choice of keys too)
         else:
             y = layer(x, attention_mask=None, position_ids=pos, position_embeddings=rotary(x, pos))[0]  # causal
         normed = rms(y[-1], w["shared_head.norm.weight"], eps)
@@ -389,12 +395,12 @@ def reference_mtp(path, ids: list[int], chain: list[int]) -> torch.Tensor:
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("name", ["deepseek", "glm45", "qwen35", "qwen3next", "mimo", "deepseekv32"])
+@pytest.mark.parametrize("name", ["deepseek", "glm45", "qwen35", "qwen3next", "mimo", "deepseekv32", "glm5"])
 @torch.inference_mode()
 def test_mtp_drafts_as_vllm_lays_them_out(mtp_dirs, name):
     """The MTP layer's chains equal the reference's (``assert_drafts_as``; MiMo-V2-Flash's
-    windowed layer's trees too, the prompt longer than its window; DeepSeek-V3.2's under its own indexer's
-    sparse attention, the prompt longer than its 6 keys, trees too); the head shares the model's
+    windowed layer's trees too, the prompt longer than its window; DeepSeek-V3.2's and GLM-5's under its own
+    indexer's sparse attention, the prompt longer than its 6 keys, trees too); the head shares the model's
     embedding and head where the checkpoint's copies equal them."""
     from specdec.runtime.eagle import MtpHead
 
@@ -403,7 +409,7 @@ def test_mtp_drafts_as_vllm_lays_them_out(mtp_dirs, name):
     assert isinstance(head, MtpHead) and head.reads == (target.num_layers,)
     assert (head.embed is target.embed) and ((head.lm_head is target.lm_head) == (name != "glm45"))
     assert_drafts_as(lambda ids, chain: reference_mtp(mtp_dirs[name], ids, chain), head, target,
-                     trees=name in ("mimo", "deepseekv32"))
+                     trees=name in ("mimo", "deepseekv32", "glm5"))
 
 
 @pytest.mark.parametrize("name,topk", [("deepseek", 1), ("deepseek", 2), ("glm45", 1), ("qwen35", 1), ("qwen35", 2),

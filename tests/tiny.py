@@ -247,9 +247,9 @@ def causal_lm(path: Path, **kw):
 
 
 def add_mtp(path: Path, seed: int = 0, std: float = 0.2, own_head: bool = False) -> Path:
-    """Give the tiny DeepSeek-V3 (or V3.2) or GLM-4.5 checkpoint at ``path`` a random multi-token
+    """Give the tiny DeepSeek-V3 (or V3.2, or GLM-5) or GLM-4.5 checkpoint at ``path`` a random multi-token
     prediction layer after its last, as their checkpoints store one (``model.layers.{L}.``:
-    ``enorm``, ``hnorm``, ``eh_proj``, a decoder layer of the model's kind, experts (and V3.2's indexer) included,
+    ``enorm``, ``hnorm``, ``eh_proj``, a decoder layer of the model's kind, experts (and an indexer) included,
     ``shared_head.norm`` / ``.head`` and ``embed_tokens``: copies of the model's, but for a
     head of its own with ``own_head``), and ``num_nextn_predict_layers`` 1 in its config. A
     Qwen3-Next or Qwen3.5 checkpoint gets Qwen's (``mtp.``: ``pre_fc_norm_embedding``,
@@ -264,13 +264,14 @@ def add_mtp(path: Path, seed: int = 0, std: float = 0.2, own_head: bool = False)
     config = json.loads((path / "config.json").read_text())
     L, h = config["num_hidden_layers"], config["hidden_size"]
     qwen = "layer_types" in config and "linear_attention" in config["layer_types"]
-    mimo, dsa = config["model_type"] == "mimo_v2_flash", config["model_type"] == "deepseek_v32"
+    mimo, dsa = config["model_type"] == "mimo_v2_flash", config["model_type"] in ("deepseek_v32", "glm_moe_dsa")
     torch.manual_seed(seed)
     more = dict(layer_types=config["layer_types"] + ["full_attention"]) if qwen else \
         dict(layer_types=config["layer_types"] + ["sliding_attention"], mlp_layer_types=config["mlp_layer_types"] +
              ["dense"]) if mimo else \
         dict(layer_types=config["layer_types"] + ["indexed_attention"], mlp_layer_types=config["mlp_layer_types"] +
-             ["sparse"]) if dsa else {}
+             ["sparse"], **({"indexer_types": config["indexer_types"] + ["full"]} if config.get("indexer_types") else {})) \
+        if dsa else {}
     deeper = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, num_hidden_layers=L + 1, **more))
     tensors = load_file(path / "model.safetensors")
     for pre in [f"model.mtp.layers.{i}." for i in range(3)] if mimo else ["mtp.layers.0." if qwen else f"model.layers.{L}."]:
