@@ -42,7 +42,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="drafter (default: draft when --draft is given, else none); hybrid = "
                         "n-gram when the lookup matches, else the draft model; eagle / eagle3 = --draft is an "
                         "EAGLE or EAGLE-3 head over the target's hidden states (draft with one becomes its kind); "
-                        "mtp = the model's own multi-token prediction layer (DeepSeek-V3, GLM-4.5, Qwen3-Next, Qwen3.5; "
+                        "mtp = the model's own multi-token prediction layer (DeepSeek-V3 / V3.2, GLM-4.5 / 5, Qwen3-Next, "
+                        "Qwen3.5, MiMo-V2-Flash; "
                         "no --draft), or with --draft a Gemma 4 assistant (google/gemma-4-*-it-assistant; draft with "
                         "one becomes mtp)")
     g.add_argument("--num-draft-tokens", "-k", type=int, default=SpecConfig.num_draft_tokens,
