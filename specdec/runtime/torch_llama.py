@@ -75,10 +75,10 @@ ARCHS = tuple(dict.fromkeys((
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemma 2's without norms after)
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "sarvam_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi",
+PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi",
                   "stablelm", "gptj",
                   "codegen", "persimmon",
-                  "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash", "laguna") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's:
+                  "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash", "laguna", "sarvam_moe") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's:
 # its latent's rotated part)
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
