@@ -1,4 +1,6 @@
 """The torch runtime against transformers on the same weights, and its cache mechanics."""
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -346,6 +348,10 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # and after: ``test_phimoe_long_factors``), experts by its sparsemixer (the best, then the best of the others, each
     # weighted among those near it), under Mixtral's names
     "phimoe-sparsemixer-longrope": ("phimoe", PHIMOE),
+    # A.X K2: DeepSeek-V3.2's layers, its second query product giving each head's output gates too (from the normed
+    # low-rank step beside the raw one), RMS norms gated by a low-rank sigmoid (W_down / W_up as released), the experts
+    # outside the best groups scored 0
+    "axk2-gated-norms-query-gates": ("axk2", dict(DSA, gated_norm_rank=4)),
     "deepseekv32-sparse-attention": ("deepseek_v32", DSA),
     "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
     # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
@@ -528,7 +534,8 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "kolibri1-windows-experts", "flint-sinks-windows-experts", "minicpm3-latent-mup",
                                   "gemma4-experts-beside", "mimo-windows-sinks-experts",
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
-                                  "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates"])
+                                  "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates",
+                                  "axk2-gated-norms-query-gates"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -1238,7 +1245,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
                                   "hy3-qk-norms-experts", "apertus1p5-pruned-head", "sarvam-moe-original-names",
                                   "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates",
-                                  "laguna-element-gates", "phimoe-sparsemixer-longrope"])
+                                  "laguna-element-gates", "phimoe-sparsemixer-longrope", "axk2-gated-norms-query-gates"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1745,6 +1752,36 @@ def test_deepseek_v2_routing_in_bfloat16(method):
     order, want = chosen.sort(dim=-1), want_e.sort(dim=-1)
     assert torch.equal(order.values, want.values)
     assert torch.equal(weights.gather(1, order.indices), want_w.gather(1, want.indices))
+
+
+def test_axk2_routing_scores_other_groups_zero():
+    """A.X K2's router scores the experts outside each token's best groups 0, not -inf: where the
+    correction bias drives the best groups' scores below 0, another group's expert is chosen.
+    The same experts and weights as transformers' router for every token."""
+    from transformers import AutoConfig
+    from transformers.models.axk2.modeling_axk2 import AXK2TopkRouter
+
+    from specdec.runtime.moe import Routing
+
+    config = AutoConfig.for_model("axk2", hidden_size=64, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                                  topk_group=2, q_lora_rank=16, routed_scaling_factor=2.5)
+    router = AXK2TopkRouter(config)
+    g = torch.Generator().manual_seed(0)
+    router.weight.data = torch.randn(16, 64, generator=g)
+    # one expert per group lifted, the others' scores pushed under 0: the best groups hold two experts worth more than
+    # nothing, so two of a token's four come from the others, scored 0
+    router.e_score_correction_bias.data = torch.tensor([0.5, -2.0, -2.0, -2.0] * 4)
+    x = torch.randn(500, 64, generator=g)
+    with torch.no_grad():
+        _, want_w, want_e = router(x)
+    routing = Routing.of(config)
+    weights, chosen = routing.weights(F.linear(x, router.weight), router.e_score_correction_bias)
+    order, want = chosen.sort(dim=-1), want_e.sort(dim=-1)
+    assert torch.equal(order.values, want.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), want_w.gather(1, want.indices))
+    ours_inf = replace(routing, group_fill=float("-inf")).weights(F.linear(x, router.weight),
+                                                                 router.e_score_correction_bias)[1]
+    assert not torch.equal(ours_inf.sort(dim=-1).values, want.values)  # (the case arises)
 
 
 @pytest.mark.parametrize("arch,prefix", [("gpt2", "transformer."), ("opt", "model."), ("bloom", "transformer.")])

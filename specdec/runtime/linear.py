@@ -166,6 +166,10 @@ def linear_bytes(config) -> int:
         attention = config.num_hidden_layers * ((q * (h + query) if q else h * query) + (r + rope) * h
                                                 + r * heads * (config.qk_nope_head_dim + config.v_head_dim)
                                                 + heads * config.v_head_dim * h)
+        if config.model_type == "axk2":  # its second query product gives output gates too, from twice the rank; its
+            # norms gated (before attention, and before the experts): two products of gated_norm_rank each
+            attention += config.num_hidden_layers * q * (2 * (query + heads * config.v_head_dim) - query)
+            attention += (config.num_hidden_layers + sum(moe_layers(config))) * 2 * h * config.gated_norm_rank
         index = SparseIndex.of(config)  # (DeepSeek-V3.2's, GLM-5's indexers: queries, a key, the heads' weights)
         if index is not None:
             attention += sum(index.owns) * (q * index.heads * index.dim + h * (index.dim + index.heads))

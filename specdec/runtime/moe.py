@@ -3,7 +3,7 @@ router picks and weights them (``Routing``), and the grouped products that run t
 Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V3, GLM-4.7-Flash,
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
 Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2,
-Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE, DeepSeek-V3.2, GLM-5, Hy3, Sarvam, Laguna, Phi-3.5-MoE)."""
+Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE, DeepSeek-V3.2, GLM-5, Hy3, Sarvam, Laguna, Phi-3.5-MoE, A.X K2)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,14 +21,15 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
              "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe", "mimo_v2_flash", "mellum",
              "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa", "hy_v3", "sarvam_moe", "sarvam_mla", "laguna",
-             "phimoe")
+             "phimoe", "axk2")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text", "exaone_moe",
-                  "solar_open", "axk1", "mimo_v2_flash", "deepseek_v32", "glm_moe_dsa", "sarvam_moe", "sarvam_mla")
+                  "solar_open", "axk1", "mimo_v2_flash", "deepseek_v32", "glm_moe_dsa", "sarvam_moe", "sarvam_mla",
+                  "axk2")
 # (Solar Open's: GLM-4.5's experts on every layer; A.X K1's, MiMo-V2-Flash's, DeepSeek-V3.2's, GLM-5's: DeepSeek-V3's;
-# Sarvam's: GLM-4.5's, DeepSeek-V3's)
+# Sarvam's: GLM-4.5's, DeepSeek-V3's; A.X K2's: DeepSeek-V3's, the other groups' experts at 0, not -inf)
 
 
 def moe_layers(config) -> list[bool]:
@@ -46,7 +47,7 @@ def moe_layers(config) -> list[bool]:
                 "sarvam_mla"):
         return [i >= config.first_k_dense_replace for i in range(n)]
     if kind in ("glm4_moe_lite", "exaone_moe", "axk1", "cohere2_moe", "mimo_v2_flash", "mellum", "deepseek_v32",
-                "glm_moe_dsa", "hy_v3", "laguna"):
+                "glm_moe_dsa", "hy_v3", "laguna", "axk2"):
         return [t == "sparse" for t in config.mlp_layer_types]
     if kind == "nemotron_h":  # its blocks: one mixer or one MLP each
         return [t == "moe" for t in config.layer_types]
@@ -122,7 +123,8 @@ class Routing:
     correction bias, weighted by their sigmoid, renormalised where ``norm_topk_prob``; Cohere2-MoE's
     (``top_softmax``, or ``top_sigmoid``: the sigmoid of the top k logits, renormalised where
     ``norm_topk_prob``); Laguna's: AFMoE's, the logits capped first where ``softcap`` (``cap *
-    tanh(logits / cap)``); Phi-3.5-MoE's (``sparsemixer``, its ``router_jitter_noise``: ``_sparsemixer``)."""
+    tanh(logits / cap)``); Phi-3.5-MoE's (``sparsemixer``, its ``router_jitter_noise``: ``_sparsemixer``);
+    A.X K2's: DeepSeek-V3's, the experts outside the best groups scored 0 (``group_fill``), not -inf."""
 
     top_k: int
     renormalize: bool = False
@@ -147,6 +149,7 @@ class Routing:
     top_sigmoid: bool = False
     softcap: float = 0.0
     sparsemixer: float | None = None
+    group_fill: float = float("-inf")
 
     @classmethod
     def of(cls, config) -> "Routing":
@@ -216,7 +219,8 @@ class Routing:
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, gated=not nemotron,
                        activation=config.mlp_hidden_act if nemotron else getattr(config, "hidden_act", "silu"),
                        sigmoid=True, float_router=True,
-                       groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor)
+                       groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor,
+                       group_fill=0.0 if kind == "axk2" else float("-inf"))
         return cls(config.num_experts_per_tok,
                    renormalize=kind in ("mixtral", "qwen3_5_moe_text", "qwen3_vl_moe_text") or config.norm_topk_prob,
                    float_weights=kind == "mixtral", activation=getattr(config, "hidden_act", "silu"))
@@ -258,7 +262,7 @@ class Routing:
             choice = logits if self.choose_by_logits else scores
             choice = choice if correction is None else choice + correction
             if self.groups > 1:  # each group by its best two
-                choice = self._best_groups(choice, lambda g: g.topk(2, dim=-1)[0].sum(dim=-1), float("-inf"))
+                choice = self._best_groups(choice, lambda g: g.topk(2, dim=-1)[0].sum(dim=-1), self.group_fill)
             chosen = choice.topk(self.top_k, dim=-1, sorted=False)[1]
             weights = scores.gather(1, chosen)
             if self.renormalize:

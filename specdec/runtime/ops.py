@@ -53,9 +53,23 @@ class LayerNorm:
     in_float: bool = False
 
 
-def norm(x: torch.Tensor, weight: "torch.Tensor | LayerNorm", eps: float) -> torch.Tensor:
+@dataclass(frozen=True)
+class GatedNorm:
+    """An RMS norm whose output a low-rank gate of it scales (A.X K2's): ``y = rms_norm(x)``,
+    then ``y * sigmoid(up(silu(down(y))))``, the sigmoid in float32; ``down``, ``up``: the
+    gate's products (callables)."""
+
+    weight: torch.Tensor
+    down: object
+    up: object
+
+
+def norm(x: torch.Tensor, weight: "torch.Tensor | LayerNorm | GatedNorm", eps: float) -> torch.Tensor:
     """``rms_norm``, or a ``LayerNorm``'s (one of a weight per head in float32, then cast, written
-    out as transformers' ``CohereLayerNorm``)."""
+    out as transformers' ``CohereLayerNorm``), or a ``GatedNorm``'s."""
+    if isinstance(weight, GatedNorm):
+        y = rms_norm(x, weight.weight, eps)
+        return (y * torch.sigmoid(weight.up(F.silu(weight.down(y))).float())).to(y.dtype)
     if not isinstance(weight, LayerNorm):
         return rms_norm(x, weight, eps)
     if weight.weight is not None and weight.weight.dim() > 1:

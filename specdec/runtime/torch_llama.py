@@ -40,8 +40,8 @@ from .. import disk_cache
 from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
 from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
-from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, LayerNorm, attention, norm, norm_width, rms_norm, rotate, softcap,
-                  xielu)
+from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, GatedNorm, LayerNorm, attention, norm, norm_width, rms_norm, rotate,
+                  softcap, xielu)
 from .recurrent import (DEFAULT_DEPTH, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, Mamba1, Mamba2, RecurrentStates,
                         ShortConv, StatePlan, recurrent_mixer)
 
@@ -720,7 +720,7 @@ class Latent:
         return scale
 
 
-DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa")  # latent attention under DeepSeek Sparse Attention (``SparseIndex``)
+DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa", "axk2")  # latent attention under DeepSeek Sparse Attention (``SparseIndex``)
 INDEX_NORM_EPS = 1e-6  # the indexer's key norm (a layer norm, built without the config's eps)
 
 
@@ -1091,6 +1091,12 @@ class CheckpointReader:
         float16 model, which transformers keeps them float32 for); a layer norm's weight and bias
         (``Family.layer_norm``; OLMo's hold none: "plain"); NanoChat's none either: a weight of 1
         (``weightless_norms``)."""
+        gated = name.removesuffix("weight") + "norm.weight"  # (A.X K2's: ``GatedNorm``, its gate's products beside,
+        if name.endswith("layernorm.weight") and gated in self.weights:  # as released or under transformers' names)
+            down, up = (name.removesuffix("weight") + n + ".weight" for n in ("W_down", "W_up"))
+            if down not in self.weights:
+                down, up = (name.removesuffix("weight") + f"mlp.{n}.weight" for n in ("fc1", "fc2"))
+            return GatedNorm(self.get(gated), self.linear(self.get(down), None), self.linear(self.get(up), None))
         plain = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight")
         if self.family.layer_norm == "plain" and name.endswith(plain):
             return LayerNorm(None, None, in_float=True)
@@ -1143,10 +1149,15 @@ def latent_attention(r: CheckpointReader, a: str, latent: Latent) -> dict:
     weights, biases = [r.get(n + ".weight") for n in names], [r.opt(n + ".bias") for n in names]
     if any(b is not None for b in biases):  # attention_bias: q_proj has none beside the latent's
         biases = [w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)]
+    # (A.X K2's second query product gives each head's query and its output's gates, from the normed low-rank step
+    # beside the raw one: q_b_proj as released, twice as wide in; q_gate_proj under transformers' names)
+    q_b = None if latent.q_rank is None else r.get(a + "q_gate_proj.weight") if a + "q_gate_proj.weight" in r else \
+        r.get(a + "q_b_proj.weight")
     return {
         "qkv": r.linear(torch.cat(weights), cat_or_none(biases)),
         "q_norm": r.norm(a + "q_a_layernorm.weight"),
-        "q_b": r.linear(r.get(a + "q_b_proj.weight"), None) if latent.q_rank is not None else None,
+        "q_b": None if q_b is None else r.linear(q_b, None),
+        "q_gated": q_b is not None and q_b.shape[1] == 2 * latent.q_rank,
         "kv_norm": r.norm(a + "kv_a_layernorm.weight"),
         "uk": up[:, :latent.nope].contiguous(),
         "uv": up[:, latent.nope:].transpose(1, 2).contiguous(),
@@ -1822,8 +1833,13 @@ class TorchLlama:
         lat, (B, T), H = self.latent, x.ids.shape, self.num_heads
         S = x.mask.shape[-1]
         first, c, k_rope = L["qkv"](a).split([lat.q_rank or H * (lat.nope + lat.rope), lat.rank, lat.rope], dim=-1)
-        q = first if L["q_b"] is None else L["q_b"](rms_norm(first, L["q_norm"], LATENT_NORM_EPS))
-        q_nope, q_rope = q.view(B, T, H, lat.nope + lat.rope).transpose(1, 2).split([lat.nope, lat.rope], dim=-1)
+        q_low = None if L["q_b"] is None else rms_norm(first, L["q_norm"], LATENT_NORM_EPS)
+        if L["q_gated"]:  # (A.X K2's: each head's query, then its output's gates)
+            q, gate = L["q_b"](torch.cat([q_low, first], dim=-1)).view(B, T, H, -1).split(
+                [lat.nope + lat.rope, lat.value], dim=-1)  # [B, T, H, nope + rope], [B, T, H, value]
+        else:
+            q, gate = first if q_low is None else L["q_b"](q_low), None
+        q_nope, q_rope = q.reshape(B, T, H, lat.nope + lat.rope).transpose(1, 2).split([lat.nope, lat.rope], dim=-1)
         if self.family.query_temperature is not None:  # (Mistral 4's, on the whole query)
             q_nope, q_rope = (self.family.query_temperature.scale(t, x.pos) for t in (q_nope, q_rope))
         cos, sin = rope[L["rope"]]  # [B, 1, T, rope]
@@ -1834,7 +1850,7 @@ class TorchLlama:
         expand = lat.expands(T)
         query = torch.cat([q_nope if expand else q_nope @ L["uk"], q_rope], dim=-1)  # [B, H, T, nope or rank + rope]
         if L["indexer"] is not None:  # DeepSeek Sparse Attention: the keys this layer's indexer keeps (else the
-            x.selected = self._select(cache, x, L, a, rms_norm(first, L["q_norm"], LATENT_NORM_EPS), (cos, sin))
+            x.selected = self._select(cache, x, L, a, q_low, (cos, sin))
         seen = x.mask if x.selected is None else x.mask & x.selected  # last one's: GLM-5's shared layers)
 
         def attend(b0: int, b1: int, rows: torch.Tensor) -> torch.Tensor:  # rows [b1 - b0, 1, S, rank + rope]
@@ -1852,7 +1868,10 @@ class TorchLlama:
             o = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:  # a gathered copy
             o = attend(0, B, kc[x.slots, :, :S])
-        return L["o"](o.transpose(1, 2).reshape(B, T, H * lat.value))  # o [B, H, T, value] -> [B, T, hidden]
+        o = o.transpose(1, 2)  # [B, T, H, value]
+        if gate is not None:
+            o = (o * torch.sigmoid(gate.float())).to(o.dtype)
+        return L["o"](o.reshape(B, T, H * lat.value))  # [B, T, hidden]
 
     def _select(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, q_low: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
