@@ -75,11 +75,9 @@ ARCHS = tuple(dict.fromkeys((
 # weights
 GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemma 2's without norms after)
 # whose transformers model rotates a part of each head where the config says
-PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi",
-                  "stablelm", "gptj",
-                  "codegen", "persimmon",
-                  "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash", "laguna", "sarvam_moe") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's:
-# its latent's rotated part)
+PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
+                  "codegen", "persimmon", "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash", "laguna",
+                  "sarvam_moe") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's rotated part)
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
@@ -726,7 +724,7 @@ INDEX_NORM_EPS = 1e-6  # the indexer's key norm (a layer norm, built without the
 
 @dataclass(frozen=True)
 class SparseIndex:
-    """DeepSeek Sparse Attention (DeepSeek-V3.2's, GLM-5's): beside latent attention, an indexer
+    """DeepSeek Sparse Attention (DeepSeek-V3.2's, GLM-5's, A.X K2's): beside latent attention, an indexer
     of ``heads`` small heads ``dim`` wide keeps for each new token the ``topk`` keys it scores
     best, and attention sees those alone. A token's index key is ``LayerNorm(wk(x))`` (one per
     token, kept in the cache's ``index`` rows); a query's heads ``wq_b(q_low)`` (the query's normed
