@@ -160,13 +160,10 @@ class Routing:
             return cls(config.num_experts_per_tok, top_softmax=True, activation=config.hidden_act)
         if kind == "phimoe":  # (``sparsemixer``)
             return cls(2, sparsemixer=config.router_jitter_noise, activation=config.hidden_act)
-        if kind == "laguna":  # AFMoE's, its logits capped first (where moe_router_logit_softcapping)
+        if kind in ("afmoe", "laguna"):  # (Laguna's logits capped first, where moe_router_logit_softcapping)
             return cls(config.num_experts_per_tok, renormalize=True, sigmoid=True, float_scores=True,
-                       scale=config.moe_routed_scaling_factor, softcap=config.moe_router_logit_softcapping,
-                       activation=config.hidden_act)
-        if kind == "afmoe":
-            return cls(config.num_experts_per_tok, renormalize=True, sigmoid=True, float_scores=True,
-                       scale=config.route_scale, activation=config.hidden_act)
+                       scale=config.route_scale if kind == "afmoe" else config.moe_routed_scaling_factor,
+                       softcap=getattr(config, "moe_router_logit_softcapping", 0.0), activation=config.hidden_act)
         if kind == "flint":  # the router in float32, the top k of its sigmoid, renormalised where norm_topk_prob
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True, float_router=True,
                        activation=config.hidden_act)

@@ -889,8 +889,8 @@ class Batch:
     hidden: torch.Tensor | None = None  # [B, T, hidden] an EAGLE head's hidden inputs (``eagle.EagleHead``)
     long: torch.Tensor | None = None  # [B] bool: rows whose rope takes its long factors (``TorchLlama.switch``)
     states: StatePlan | None = None  # where the recurrent layers' states go (``recurrent``)
-    selected: torch.Tensor | None = None  # [B, 1, T, S] the keys DeepSeek Sparse Attention's last indexer kept
-    # (``TorchLlama._select``; None: all)
+    selected: torch.Tensor | None = None  # [B, 1, T, S] ``mask`` less the keys DeepSeek Sparse Attention's last
+    # indexer dropped (``TorchLlama._select``; None: none dropped)
 
 
 RECOMPUTE_CHUNK = 512  # rows per forward where a slot's rows are computed again (``TorchLlama.switch``)
@@ -1848,8 +1848,8 @@ class TorchLlama:
         expand = lat.expands(T)
         query = torch.cat([q_nope if expand else q_nope @ L["uk"], q_rope], dim=-1)  # [B, H, T, nope or rank + rope]
         if L["indexer"] is not None:  # DeepSeek Sparse Attention: the keys this layer's indexer keeps (else the
-            x.selected = self._select(cache, x, L, a, q_low, (cos, sin))
-        seen = x.mask if x.selected is None else x.mask & x.selected  # last one's: GLM-5's shared layers)
+            x.selected = self._select(cache, x, L, a, q_low, (cos, sin))  # last one's: GLM-5's shared layers)
+        seen = x.mask if x.selected is None else x.selected
 
         def attend(b0: int, b1: int, rows: torch.Tensor) -> torch.Tensor:  # rows [b1 - b0, 1, S, rank + rope]
             latents = rows[..., :lat.rank]  # [b, 1, S, rank]
@@ -1873,9 +1873,9 @@ class TorchLlama:
 
     def _select(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, q_low: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
-        """The keys layer ``L``'s DeepSeek Sparse Attention indexer keeps for each new token
-        (``SparseIndex``), ``[B, 1, T, S]`` bool, None where the mask's ``S`` keys are no more
-        than its ``topk`` (all kept); writes the new tokens' index keys. ``a [B, T, hidden]``: the
+        """The keys each new token sees under layer ``L``'s DeepSeek Sparse Attention indexer
+        (``SparseIndex``): ``x.mask`` and the ``topk`` it keeps, ``[B, 1, T, S]`` bool, None where
+        the mask's ``S`` keys are no more than its ``topk`` (all kept); writes the new tokens' index keys. ``a [B, T, hidden]``: the
         layer's normed input; ``q_low [B, T, q_rank]``: the query's normed low-rank step; ``rope``:
         the layer's ``(cos, sin)`` ``[B, 1, T, rope]``."""
         ix, I, (B, T), S = self.sparse_index, L["indexer"], x.ids.shape, x.mask.shape[-1]
@@ -1895,7 +1895,8 @@ class TorchLlama:
         scores = F.relu((q.float() @ keys.float().transpose(1, 2)[:, None]) * ix.dim ** -0.5)  # [B, T, Hi, S]
         weights = I["weights"](a).float() * ix.heads ** -0.5  # [B, T, Hi]
         total = (weights[:, :, None] @ scores)[:, :, 0].masked_fill(~x.mask[:, 0], float("-inf"))  # [B, T, S]
-        return torch.zeros_like(x.mask[:, 0]).scatter(-1, total.topk(ix.topk, dim=-1).indices, True)[:, None]
+        kept = torch.zeros_like(x.mask[:, 0]).scatter(-1, total.topk(ix.topk, dim=-1).indices, True)[:, None]
+        return x.mask & kept
 
     def _mlp(self, L: dict, a: torch.Tensor) -> torch.Tensor:
         """A layer's MLP over ``a [B, T, hidden]``: dense, experts, or experts beside shared
