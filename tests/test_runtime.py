@@ -1,4 +1,6 @@
 """The torch runtime against transformers on the same weights, and its cache mechanics."""
+import re
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -7,7 +9,7 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3, LLAMA4,
+from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, KIMI_LINEAR, LATENT, LFM3, LLAMA4,
                   MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
                   LAGUNA, PHIMOE)
 
@@ -353,6 +355,10 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # outside the best groups scored 0
     "axk2-gated-norms-query-gates": ("axk2", dict(DSA, gated_norm_rank=4)),
     "deepseekv32-sparse-attention": ("deepseek_v32", DSA),
+    # Kimi Linear: Kimi Delta Attention (a decay per key channel, low-rank forget and output gates, the output's norm
+    # gated by a sigmoid) beside latent attention without rope (its query in one product, or a low-rank step), experts
+    "kimilinear-kda-latent-nope": ("kimi_linear", KIMI_LINEAR),
+    "kimilinear-query-low-rank": ("kimi_linear", dict(KIMI_LINEAR, q_lora_rank=20)),
     "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
     # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
     "mellum-windows-experts": ("mellum", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, layers=4,
@@ -400,6 +406,29 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
                                                  num_experts_per_tok=1, attention_chunk_size=None,
                                                  attn_temperature_tuning=False)),
 }
+
+
+def test_kimi_linear_dense_mlp_as_released(tmp_path):
+    """Kimi Linear's released checkpoints keep their dense MLPs under ``mlp.`` and their experts under
+    ``block_sparse_moe.``; transformers saves both under ``block_sparse_moe.``: either loads to the same logits."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import make_tiny
+
+    path = make_tiny(tmp_path / "saved", "kimi_linear", seed=5, **KIMI_LINEAR)
+    released = tmp_path / "released"
+    shutil.copytree(path, released)
+    tensors = load_file(path / "model.safetensors")
+    dense = [n for n in tensors if re.search(r"block_sparse_moe\.(gate|up|down)_proj\.", n)]
+    assert dense
+    save_file({n.replace(".block_sparse_moe.", ".mlp.") if n in dense else n: t for n, t in tensors.items()},
+              released / "model.safetensors", metadata={"format": "pt"})
+    runtimes = [TorchLlama(AutoConfig.from_pretrained(p), Weights(p), torch.device("cpu"), torch.float32)
+                for p in (path, released)]
+    assert torch.equal(*(rt.forward(rt.new_cache(1), [0], [list(range(3, 20))]) for rt in runtimes))
 
 
 def test_phimoe_long_factors(tmp_path):
@@ -535,7 +564,7 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "gemma4-experts-beside", "mimo-windows-sinks-experts",
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
                                   "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates",
-                                  "axk2-gated-norms-query-gates"])
+                                  "axk2-gated-norms-query-gates", "kimilinear-kda-latent-nope"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -975,7 +1004,7 @@ def test_chunk_mask_and_positions(loaded):
 
 
 @pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "lfm3", "falconh1", "mamba", "jamba",
-                                  "olmohybrid"])
+                                  "olmohybrid", "kimilinear"])
 def test_tree_through_recurrent_states(loaded, name):
     """A token tree through recurrent layers (DeltaNet's, Mamba-2's, Mamba's, LFM2's convolutions) in one
     forward: each node's logits are those of its path as a chain; after ``keep`` of a path
@@ -1245,7 +1274,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
                                   "hy3-qk-norms-experts", "apertus1p5-pruned-head", "sarvam-moe-original-names",
                                   "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates",
-                                  "laguna-element-gates", "phimoe-sparsemixer-longrope", "axk2-gated-norms-query-gates"])
+                                  "laguna-element-gates", "phimoe-sparsemixer-longrope", "axk2-gated-norms-query-gates",
+                                  "kimilinear-kda-latent-nope", "kimilinear-query-low-rank"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1810,24 +1840,26 @@ def test_original_checkpoints_with_bare_names(tmp_path, arch, prefix):
     assert (rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0] - ref).abs().max() < ATOL
 
 
+@pytest.mark.parametrize("channels", [False, True])
 @pytest.mark.parametrize("T", [1, 2, 9])
-def test_delta_rule_in_closed_form_equals_token_by_token(T):
+def test_delta_rule_in_closed_form_equals_token_by_token(T, channels):
     """A verify's few tokens through the gated delta rule in closed form (``delta_chunk``): the
     outputs, the state after and each token's correction equal the rule token by token (``S =
-    exp(g) S; delta = beta (v - k S); S += k delta; o = scale q S``) within float32 rounding;
-    a padding token (g = beta = 0) leaves the state as it was."""
+    exp(g) S; delta = beta (v - k S); S += k delta; o = scale q S``) within float32 rounding,
+    with one log decay per head or one per key channel (Kimi Delta Attention's: ``exp(g)``
+    scales the state's rows); a padding token (g = beta = 0) leaves the state as it was."""
     from specdec.runtime.recurrent import delta_chunk
 
     gen = torch.Generator().manual_seed(T)
     B, H, dk, dv = 2, 3, 8, 5
     q, k = (F.normalize(torch.randn(B, T, H, dk, generator=gen), dim=-1) for _ in range(2))
     v, state = torch.randn(B, T, H, dv, generator=gen), torch.randn(B, H, dk, dv, generator=gen)
-    g, beta = -torch.rand(B, T, H, generator=gen), torch.rand(B, T, H, generator=gen)
+    g, beta = -torch.rand(B, T, H, dk if channels else 1, generator=gen), torch.rand(B, T, H, generator=gen)
     g[1, -1], beta[1, -1] = 0.0, 0.0  # row 1's last token: padding
     o, after, delta = delta_chunk(state, q, k, v, g, beta, 0.3)
     s = state.clone()
     for t in range(T):
-        s = g[:, t].exp()[..., None, None] * s
+        s = g[:, t].exp()[..., None] * s
         d = beta[:, t, :, None] * (v[:, t] - (k[:, t, :, None, :] @ s)[:, :, 0])  # [B, H, dv]
         s = s + k[:, t, :, :, None] * d[:, :, None, :]
         assert torch.allclose(delta[:, t], d, atol=1e-5)
@@ -1840,7 +1872,7 @@ def test_delta_rule_in_closed_form_equals_token_by_token(T):
 
 
 @pytest.mark.parametrize("arch", ["qwen35-delta-net", "granite4h-dense-rope", "lfm2-conv", "falconh1-parallel-mup",
-                                  "falconmamba", "jamba-experts"])
+                                  "falconmamba", "jamba-experts", "kimilinear-kda-latent-nope"])
 def test_recurrent_states_random_rewinds(tmp_path, arch):
     """Random forwards (1 to 7 tokens, now and then a prompt-sized chunk), rewinds to any
     length the cache says it holds, prompt chunk ends saved and copies between slots, on two

@@ -195,6 +195,14 @@ def char_tokenizer(chars, **kw):
 
     return CharTokenizer(**kw)
 
+# Kimi Linear's kind: Kimi Delta Attention (4 heads of 8, a decay per key channel) on two layers of three, latent
+# attention without rope (its query without a low-rank step, as released) on the second; a dense first layer, then
+# DeepSeek-V3's experts (sigmoid routing in 2 groups, a correction bias, a shared expert)
+KIMI_LINEAR = dict(LATENT, q_lora_rank=None, pad_token_id=0, linear_num_heads=4, linear_head_dim=8, num_experts=4,
+                   num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.0,
+                   layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
+                   mlp_layer_types=["dense", "sparse", "sparse"])
+
 
 def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, std: float = 0.2,
               swap_tokens: bool = False, vocab: int = VOCAB, tokenizer=None, **config) -> Path:

@@ -163,9 +163,11 @@ def linear_bytes(config) -> int:
     if getattr(config, "kv_lora_rank", None) is not None:  # latent attention (``torch_llama.Latent``)
         q, r, rope = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
         query = heads * (config.qk_nope_head_dim + rope)
-        attention = config.num_hidden_layers * ((q * (h + query) if q else h * query) + (r + rope) * h
-                                                + r * heads * (config.qk_nope_head_dim + config.v_head_dim)
-                                                + heads * config.v_head_dim * h)
+        attention = attended * ((q * (h + query) if q else h * query) + (r + rope) * h
+                                + r * heads * (config.qk_nope_head_dim + config.v_head_dim)
+                                + heads * config.v_head_dim * h)
+        if rec:  # (Kimi Linear's recurrent layers beside it)
+            attention += recurrent * rec.projection_params(h)
         if config.model_type == "axk2":  # its second query product gives output gates too, from twice the rank; its
             # norms gated (before attention, and before the experts): two products of gated_norm_rank each
             attention += config.num_hidden_layers * q * (2 * (query + heads * config.v_head_dim) - query)

@@ -1,5 +1,5 @@
 """Layers with a recurrent state for the torch runtime: the Gated DeltaNet layers of Qwen3-Next,
-Qwen3.5 and OLMo-Hybrid (``DeltaNet``), the Mamba-2 layers of Granite 4.0's hybrids, Bamba, Nemotron-H,
+Qwen3.5 and OLMo-Hybrid and Kimi Linear's Kimi Delta Attention (``DeltaNet``), the Mamba-2 layers of Granite 4.0's hybrids, Bamba, Nemotron-H,
 Falcon-H1 and Mamba-2 (``Mamba2``), the Mamba layers of Mamba, Falcon-Mamba and Jamba (``Mamba1``)
 and LFM2's short convolutions (``ShortConv``: a conv window, no matrix), and the states they
 keep per slot (``RecurrentStates``), which a rewind takes back.
@@ -65,7 +65,10 @@ class DeltaNet:
     heads), and the convolution's ``kernel``. A state advances as ``S_t = exp(g_t) S_{t-1} +
     k_t delta_t^T`` (``delta_t`` the rule's correction of ``v_t``), so that, as Mamba-2's, its
     ring keeps each token's ``(g, k, delta)`` and the state before a forward, and a rewind
-    replays them (``RecurrentStates._replay``)."""
+    replays them (``RecurrentStates._replay``). ``channels``: Kimi Delta Attention's (Kimi
+    Linear's, ``kimi_linear``): ``g_t`` is a log decay per key channel (``exp(g_t)`` scales
+    the state's rows), from a low-rank forget gate, and the output's norm is gated by the
+    sigmoid of a low-rank product, not by ``silu(z)``."""
 
     k_heads: int
     v_heads: int
@@ -74,10 +77,14 @@ class DeltaNet:
     kernel: int
     beta_scale: float = 1.0  # (OLMo-Hybrid's linear_allow_neg_eigval: beta in [0, 2])
     norm_eps: float | None = None  # the output's norm's (OLMo-Hybrid's 1e-5; else the model's)
+    channels: bool = False  # a decay per key channel (Kimi Delta Attention)
     replays = True  # (not a field)
 
     @classmethod
     def of(cls, config) -> "DeltaNet":
+        if config.model_type == "kimi_linear":  # (as many key heads as value heads, of one width)
+            H, d = config.linear_num_heads, config.linear_head_dim
+            return cls(H, H, d, d, config.linear_conv_kernel_dim, channels=True)
         olmo = config.model_type == "olmo_hybrid"
         return cls(config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                    config.linear_value_head_dim, config.linear_conv_kernel_dim,
@@ -97,12 +104,20 @@ class DeltaNet:
         return self.v_heads, self.k_dim, self.v_dim
 
     @property
+    def decay_width(self) -> int:
+        """A token's log decays per head: one, or one per key channel (``channels``)."""
+        return self.k_dim if self.channels else 1
+
+    @property
     def input_shape(self) -> tuple[int, int]:
-        """A token's inputs to a replay, per value head: its log decay ``g``, key and ``delta``."""
-        return self.v_heads, 1 + self.k_dim + self.v_dim
+        """A token's inputs to a replay, per value head: its log decay(s) ``g``, key and ``delta``."""
+        return self.v_heads, self.decay_width + self.k_dim + self.v_dim
 
     def projection_params(self, hidden: int) -> int:
         """One layer's linears' weights (``linear.linear_bytes``)."""
+        if self.channels:  # q, k, v, beta's, and the output's; the gates' low-rank pairs (rank k_dim)
+            return hidden * (self.conv_dim + self.v_heads + self.value_width) + \
+                2 * self.k_dim * (hidden + self.value_width)
         return hidden * (self.conv_dim + 2 * self.value_width + 2 * self.v_heads)
 
     def weights(self, r, pre: str) -> dict:
@@ -113,6 +128,8 @@ class DeltaNet:
         weight) and ``mix_out``. Qwen3-Next stores the products grouped per key head
         (``in_proj_qkvz``, ``in_proj_ba``): they are reordered into Qwen3.5's layout; OLMo-Hybrid's
         are apart (``q_proj``... ``g_proj``, the gate; ``o_proj``, ``o_norm``)."""
+        if self.channels:
+            return self._kda_weights(r, pre + "self_attn.")
         a = pre + "linear_attn."
         olmo = a + "q_proj.weight" in r
         if olmo:
@@ -140,31 +157,69 @@ class DeltaNet:
             "mix_out": r.linear(r.get(a + ("o_proj.weight" if olmo else "out_proj.weight")), None),
         }
 
+    def _kda_weights(self, r, a: str) -> dict:
+        """Kimi Delta Attention's weights under ``a`` (``...self_attn.``), as ``weights``'s:
+        ``mix_in`` fuses q, k, v (as convolved: ``q_conv1d``...), the output gate's low-rank step
+        ``g_a``, the forget gate's ``f_a`` and beta's ``b``; ``gate_b`` and ``forget_b`` their
+        second steps (``g_b``, ``f_b``); ``decay`` ``-exp(A_log) [heads, 1]``, ``dt_bias
+        [heads, k_dim]`` (float32, as transformers keeps it)."""
+        conv = [a + f"{n}_conv1d.weight" for n in "qkv"]
+        return {
+            "mix_in": r.linear(torch.cat([r.get(a + f"{n}_proj.weight") for n in ("q", "k", "v", "g_a", "f_a", "b")]),
+                               None),
+            "gate_b": r.linear(r.get(a + "g_b_proj.weight"), None),
+            "forget_b": r.linear(r.get(a + "f_b_proj.weight"), None),
+            "conv": (torch.cat([r.get(n) for n in conv]) if conv[0] in r else r.get(a + "conv1d.weight"))[:, 0],
+            "conv_bias": None,
+            "decay": -torch.exp(r.get(a + "A_log").float()).view(self.v_heads, 1),
+            "dt_bias": r.weights[a + "dt_bias"].to(r.device, torch.float32).view(self.v_heads, self.k_dim),
+            "gate_norm": r.weights[a + "o_norm.weight"].to(r.device, torch.float32),  # (scales in float32)
+            "mix_out": r.linear(r.get(a + "o_proj.weight"), None),
+        }
+
+    def _gates(self, L: dict, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The input products of ``a [B, T, hidden]``: ``(mixed [B, T, conv_dim], the output's gate
+        [B, T, Hv, dv] (its activation applied, float32), beta's logits [B, T, Hv], log decays
+        [B, T, Hv, decay_width])``."""
+        B, T, _ = a.shape
+        if self.channels:
+            mixed, gate, forget, b = L["mix_in"](a).split([self.conv_dim, self.k_dim, self.k_dim, self.v_heads], dim=-1)
+            gate = torch.sigmoid(L["gate_b"](gate).float())
+            g_in = L["forget_b"](forget).float().view(B, T, self.v_heads, self.k_dim) + L["dt_bias"]
+            g = L["decay"] * torch.where(g_in > 20.0, g_in, torch.log(1.0 + torch.exp(g_in)))  # [B, T, Hv, dk]:
+            # (softplus as transformers writes it out)
+        else:
+            mixed, gate, b, g_in = L["mix_in"](a).split([self.conv_dim, self.value_width, self.v_heads, self.v_heads],
+                                                        dim=-1)
+            gate = F.silu(gate.float())
+            g = (L["decay"] * F.softplus(g_in.float() + L["dt_bias"]))[..., None]  # [B, T, Hv, 1]
+        return mixed, gate.view(B, T, self.v_heads, self.v_dim), b, g
+
     def forward(self, states: "RecurrentStates", li: int, slots: torch.Tensor, plan: "StatePlan", L: dict,
                 a: torch.Tensor, eps: float) -> torch.Tensor:
         """Layer ``li`` (its index among them) over ``a [B, T, hidden]`` (its input, normed) for
         the rows of ``slots [B]``: advances their states and returns ``[B, T, hidden]``, as
         transformers' Qwen3.5 computes it (the rule in float32; queries and keys L2-normed, the
-        queries scaled by ``k_dim ** -0.5``; the output normed, then gated by ``silu(z)``)."""
+        queries scaled by ``k_dim ** -0.5``; the output normed, then gated by ``silu(z)``), or
+        Kimi Linear (``channels``)."""
         B, T, _ = a.shape
-        mixed, z, b, g_in = L["mix_in"](a).split([self.conv_dim, self.value_width, self.v_heads, self.v_heads], dim=-1)
+        mixed, gate, b, g = self._gates(L, a)
         conv = convolve(states, li, slots, plan, mixed, L).to(a.dtype)  # [B, T, conv_dim]
         q, k, v = conv.split([self.k_heads * self.k_dim] * 2 + [self.value_width], dim=-1)
         per = self.v_heads // self.k_heads
         q = q.reshape(B, T, self.k_heads, self.k_dim).repeat_interleave(per, dim=2).float()  # [B, T, Hv, dk]
         k = k.reshape(B, T, self.k_heads, self.k_dim).repeat_interleave(per, dim=2).float()
         v = v.reshape(B, T, self.v_heads, self.v_dim).float()  # [B, T, Hv, dv]
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)  # L2-normed (FLA's eps)
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q, k = (l2_norm(t, self.channels) for t in (q, k))
         valid = plan.valid[:, :, None]  # [B, T, 1]: padding neither decays the state nor writes to it
         beta = torch.where(valid, b.sigmoid().float() * self.beta_scale, 0.0)  # [B, T, Hv]
-        g = torch.where(valid, L["decay"] * F.softplus(g_in.float() + L["dt_bias"]), 0.0)
+        g = torch.where(valid[..., None], g, 0.0)  # [B, T, Hv, decay_width]
         scale = self.k_dim ** -0.5
 
         deltas = []  # [B, T, Hv, dv] each: the tokens' corrections, which a rewind replays
 
         def step(state, t):  # [B, Hv, dk, dv], in place: one token, as transformers' own
-            state.mul_(g[:, t].exp()[..., None, None])
+            state.mul_(g[:, t].exp()[..., None])
             delta = (v[:, t] - (k[:, t, :, None, :] @ state)[:, :, 0]) * beta[:, t, :, None]  # [B, Hv, dv]
             state.addcmul_(k[:, t, :, :, None], delta[:, :, None, :])
             deltas.append(delta[:, None])
@@ -175,47 +230,64 @@ class DeltaNet:
                 o, state, delta = delta_chunk(state, q, k, v, g, beta, scale, plan.tree)
                 deltas.append(delta)
                 return o, state
-            from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+            if self.channels:
+                from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention as rule
+            else:
+                from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule as rule
 
-            o, state = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=state,
-                                                    output_final_state=True)
+            o, state = rule(q, k, v, g=g if self.channels else g[..., 0], beta=beta, initial_state=state,
+                            output_final_state=True)
             return o.float(), state
 
         stepped = T <= 2 and plan.tree is None  # (2 tokens: the steps cost a third of the closed form's products)
         o = scan(states, li, slots, plan, step if stepped else None, chunked)  # [B, T, Hv, dv]
         if plan.every:  # each token's inputs, which a rewind replays
-            states.keep_inputs(li, slots, plan, torch.cat([g[..., None], k, torch.cat(deltas, 1)], -1))
-        o = rms_norm(o.to(a.dtype), L["gate_norm"], self.norm_eps or eps) * \
-            F.silu(z.view(B, T, self.v_heads, self.v_dim).float())
+            states.keep_inputs(li, slots, plan, torch.cat([g, k, torch.cat(deltas, 1)], -1))
+        o = o.to(a.dtype)  # (Kimi's norm and gate in float32 throughout; Qwen3.5's norm scales in the model's dtype)
+        o = rms_norm(o.float() if self.channels else o, L["gate_norm"], self.norm_eps or eps) * gate
         return L["mix_out"](o.to(a.dtype).reshape(B, T, self.value_width))
+
+
+def l2_norm(x: torch.Tensor, divide: bool = False) -> torch.Tensor:
+    """``x`` L2-normed over its last dimension with FLA's eps inside the root, as transformers' Qwen3.5
+    (times the inverse root) or Kimi Linear (``divide``: over the root) rounds it."""
+    square = (x * x).sum(-1, keepdim=True) + 1e-6
+    return x / torch.sqrt(square) if divide else x * torch.rsqrt(square)
 
 
 def delta_chunk(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 beta: torch.Tensor, scale: float, tree: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gated delta rule over a few tokens (``q, k [B, T, H, dk]``, ``v [B, T, H, dv]``, ``g,
-    beta [B, T, H]``) from ``state [B, H, dk, dv]``, in closed form: ``(outputs [B, T, H, dv],
-    the state after, deltas [B, T, H, dv])``. With ``G`` the decays' running sum, ``exp(g_i)
-    S_{i-1} = exp(G_i) S_0 + sum_{j<i} exp(G_i - G_j) k_j delta_j^T``, so that the deltas
-    ``delta_i = beta_i (v_i - k_i^T exp(g_i) S_{i-1})`` solve one unit lower-triangular system,
-    and the state is read and written once, not four times a token (5x faster for 9 tokens of
-    Qwen3.5's widths on the CPU). A ``tree [B, T, T]`` (each token's ancestors and itself, in
-    order) runs each token from its ancestors' states, not the tokens before it: ``G`` sums
-    along each one's path; the state after is then the last token's path's (``keep`` replays
-    the accepted one's)."""
-    T = q.shape[1]
+    """The gated delta rule over a few tokens (``q, k [B, T, H, dk]``, ``v [B, T, H, dv]``, log
+    decays ``g [B, T, H, 1 or dk]``: one per head, or one per key channel (Kimi's), ``beta [B,
+    T, H]``) from ``state [B, H, dk, dv]``, in closed form: ``(outputs [B, T, H, dv], the state
+    after, deltas [B, T, H, dv])``. With ``G`` the decays' running sum, ``exp(g_i) S_{i-1} =
+    exp(G_i) S_0 + sum_{j<i} exp(G_i - G_j) k_j delta_j^T`` (per key channel: those scale the
+    rows), so that the deltas ``delta_i = beta_i (v_i - k_i^T exp(g_i) S_{i-1})`` solve one unit
+    lower-triangular system, and the state is read and written once, not four times a token (5x
+    faster for 9 tokens of Qwen3.5's widths on the CPU). A ``tree [B, T, T]`` (each token's
+    ancestors and itself, in order) runs each token from its ancestors' states, not the tokens
+    before it: ``G`` sums along each one's path; the state after is then the last token's
+    path's (``keep`` replays the accepted one's)."""
+    B, T, H, _ = q.shape
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, d]
     seen = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if tree is None else tree[:, None]
-    G = g.transpose(1, 2).cumsum(-1) if tree is None else (tree.float() @ g).transpose(1, 2)  # [B, H, T]
+    G = g.cumsum(1) if tree is None else (tree.float() @ g.flatten(2)).view_as(g)
+    G = G.transpose(1, 2)  # [B, H, T, 1 or dk]
     b = beta.transpose(1, 2)[..., None]  # [B, H, T, 1]
-    decay = torch.where(seen, G[..., :, None] - G[..., None, :], float("-inf")).exp()  # [B, H, T, T]: exp(G_i - G_j)
+    if G.shape[-1] == 1:  # exp(G_i - G_j) [B, H, T, T] weighs the products
+        decay = torch.where(seen, G - G.transpose(-1, -2), float("-inf")).exp()
+        kk, qk = (k @ k.transpose(-1, -2)) * decay, (q @ k.transpose(-1, -2)) * decay  # [B, H, T, T]
+    else:  # per key channel [B, H, T, T, dk]: inside them
+        decay = torch.where(seen[..., None], G[..., :, None, :] - G[..., None, :, :], float("-inf")).exp()
+        kk, qk = (torch.einsum("bhic,bhjc,bhijc->bhij", x, k, decay) for x in (k, q))
     eye = torch.eye(T, device=q.device)
-    system = eye + b * (k @ k.transpose(-1, -2)) * (decay - eye)  # (the diagonal's decay is 1)
-    before = G.exp()[..., None]  # [B, H, T, 1]: exp(G_i)
-    delta = torch.linalg.solve_triangular(system, b * (v - before * (k @ state)), upper=False, unitriangular=True)
-    o = scale * (before * (q @ state) + ((q @ k.transpose(-1, -2)) * decay) @ delta)  # [B, H, T, dv]
-    last = G[..., -1:]  # [B, H, 1]
-    state = last.exp()[..., None] * state + (k * (last - G).exp()[..., None]).transpose(-1, -2) @ delta
+    system = eye + b * kk * (1 - eye)  # (kk's diagonal, each key's own, out)
+    before = G.exp()  # [B, H, T, 1 or dk]: exp(G_i)
+    delta = torch.linalg.solve_triangular(system, b * (v - (k * before) @ state), upper=False, unitriangular=True)
+    o = scale * ((q * before) @ state + qk @ delta)  # [B, H, T, dv]
+    last = G[..., -1:, :]  # [B, H, 1, 1 or dk]
+    state = last.exp().transpose(-1, -2) * state + (k * (last - G).exp()).transpose(-1, -2) @ delta
     return o.transpose(1, 2), state, delta.transpose(1, 2)
 
 
@@ -723,14 +795,15 @@ class RecurrentStates:
     def _replay(self, slot: int, ssm: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Mamba-2's states ``ssm [layers, H, P, N]`` (DeltaNet's ``[layers, H, dk, dv]``) before
         token ``start`` advanced over the tokens ``start .. end - 1`` (their inputs in the ring:
-        log decays, then what the state adds, ``dt x`` and ``B`` or ``k`` and ``delta``), in
-        closed form."""
+        log decays, one per head or per key channel, then what the state adds, ``dt x`` and ``B``
+        or ``k`` and ``delta``), in closed form."""
         rows = torch.tensor([p % self.depth for p in range(start, end)], device=ssm.device)
-        a, dx, b = self.ring_inputs[:, slot, rows].split([1, ssm.shape[-2], ssm.shape[-1]], dim=-1)  # [layers, n, H, .]
-        a = a[..., 0]  # [layers, n, H]: each token's log decay
-        after = a.flip(1).cumsum(1).flip(1) - a  # [layers, n, H]: the decay after each token, to the end
-        added = torch.einsum("lsh,lshp,lshn->lhpn", after.exp(), dx, b)  # [layers, H, P, N]
-        return added.addcmul_(torch.exp(a.sum(1))[..., None, None], ssm)
+        inputs = self.ring_inputs[:, slot, rows]  # [layers, n, H, A + P + N]
+        P, N = ssm.shape[-2:]
+        a, dx, b = inputs.split([inputs.shape[-1] - P - N, P, N], dim=-1)  # a: each token's log decay(s), 1 or P
+        after = a.flip(1).cumsum(1).flip(1) - a  # [layers, n, H, 1 or P]: the decay after each token, to the end
+        added = torch.einsum("lshp,lshn->lhpn", after.exp() * dx, b)  # [layers, H, P, N]
+        return added.addcmul_(torch.exp(a.sum(1))[..., None], ssm)  # (a decay per P: Kimi's, per key channel)
 
     @torch.inference_mode()
     def rewind(self, slot: int, length: int, current: int) -> None:

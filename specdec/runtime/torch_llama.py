@@ -8,7 +8,8 @@ model of Gemma 3's multimodal checkpoints: ``text_model``), whose layers differ 
 (``Family``), Gemma 4 (heads of two widths and layers reading earlier layers' keys: ``KVPlace``; per-layer inputs;
 its experts beside the MLP), Phi-3's longrope (``TorchLlama.switch``), and the hybrids of recurrent layers and
 attention (``recurrent``, whose states rewind with the cache):
-Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) or OLMo 3's (OLMo-Hybrid), Mamba-2
+Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), OLMo 3's (OLMo-Hybrid) or latent
+attention without rope (Kimi Linear's Kimi Delta Attention, a decay per key channel), Mamba-2
 layers beside attention
 (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's side by side in each layer:
 ``ScaledWeights``), Mamba layers beside attention (Jamba), LFM2's and LFM3's short convolutions beside attention, and Mamba,
@@ -69,7 +70,7 @@ ARCHS = tuple(dict.fromkeys((
     "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
-    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4)
+    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4, "kimi_linear")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -175,6 +176,8 @@ class RenamedWeights:
                              (".attention.o_proj.", ".attention.dense."),
                              (".q_norm.", ".query_layernorm."), (".k_norm.", ".key_layernorm."),
                              (".gate.e_score_correction_bias", ".gate.expert_bias")]
+    # Kimi Linear's experts, router and shared experts as released (``block_sparse_moe.``; its dense MLP ``mlp.``)
+    RENAMES["kimi_linear"] = [(f".mlp.{n}.", f".block_sparse_moe.{n}.") for n in ("experts", "gate", "shared_experts")]
     RENAMES["starcoder2"] = [(".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj.")]
     RENAMES["apertus"] = RENAMES["apertus1p5_text"] = [(".input_layernorm.", ".attention_layernorm."),
                                                        (".post_attention_layernorm.", ".feedforward_layernorm.")]
@@ -246,6 +249,8 @@ class RenamedWeights:
             self.renames = self.LFM3_MLP + [(".post_attention_layernorm.", ".ffn_norm.")]
         if config.model_type == "olmo_hybrid" and not any(".feedforward_layer_norm." in n for n in weights):
             self.renames = []  # (under transformers' names: dummy weights')
+        if config.model_type == "kimi_linear" and any(n.endswith(".block_sparse_moe.down_proj.weight") for n in weights):
+            self.renames = [(".mlp.", ".block_sparse_moe.")]  # (transformers saves its dense MLPs so too)
         self.heads = getattr(config, "num_attention_heads", None)
         if "backbone.embedding.weight" in weights:  # (Mamba-2's original checkpoints; transformers renames it at load)
             self.renames = self.renames + [("model.embeddings.", "model.embedding.")]
@@ -1396,6 +1401,8 @@ class TorchLlama:
                 config.model_type == "olmo_hybrid" and not (config.rope_parameters or {}).get("rope_theta"):
             rotates = [0] * self.num_layers  # Granite 4.0's hybrids' attention, Nemotron-H's, Jamba's, OLMo-Hybrid's
             # released checkpoints' (no rope_parameters): no rope
+        if config.model_type == "kimi_linear":  # its latent attention without rope (its rotated part's width none the
+            rotates = [0] * self.num_layers  # less)
         if config.model_type in ("exaone4", "exaone_moe", "cohere2", "cohere2_moe", "afmoe", "kolibri1", "flint") \
                 and config.sliding_window:
             # rope on the windowed layers alone
@@ -1841,8 +1848,10 @@ class TorchLlama:
         if self.family.query_temperature is not None:  # (Mistral 4's, on the whole query)
             q_nope, q_rope = (self.family.query_temperature.scale(t, x.pos) for t in (q_nope, q_rope))
         cos, sin = rope[L["rope"]]  # [B, 1, T, rope]
-        q_rope = rotate(q_rope, cos, sin, self.family.interleaved_rope)  # [B, H, T, rope]
-        k_rope = rotate(k_rope[:, None], cos, sin, self.family.interleaved_rope)  # [B, 1, T, rope]
+        k_rope = k_rope[:, None]  # [B, 1, T, rope]
+        if L["rotates"]:
+            q_rope = rotate(q_rope, cos, sin, self.family.interleaved_rope)  # [B, H, T, rope]
+            k_rope = rotate(k_rope, cos, sin, self.family.interleaved_rope)
         kc = cache.k[L["index"]]  # [slots, 1, cap, rank + rope]
         kc[x.slots[:, None], 0, x.write] = torch.cat([rms_norm(c, L["kv_norm"], LATENT_NORM_EPS), k_rope[:, 0]], dim=-1)
         expand = lat.expands(T)
