@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, KIMI_LINEAR, LATENT, LFM3, LLAMA4,
-                  MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
-                  LAGUNA, PHIMOE)
+from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3,
+                  LLAMA4, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
+                  LAGUNA, PHIMOE, KIMI_LINEAR, LING)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -359,6 +359,10 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # gated by a sigmoid) beside latent attention without rope (its query in one product, or a low-rank step), experts
     "kimilinear-kda-latent-nope": ("kimi_linear", KIMI_LINEAR),
     "kimilinear-query-low-rank": ("kimi_linear", dict(KIMI_LINEAR, q_lora_rank=20)),
+    # Ling's hybrids: Kimi Delta Attention with full-rank gates, decays bounded by a sigmoid (kda_safe_gate) or Kimi's
+    # softplus, its convolution in float32; latent attention with rope, a sigmoid gate per head on its output
+    "ling-kda-bounded-decays": ("bailing_hybrid", LING),
+    "ling-kda-softplus-no-q-lora": ("bailing_hybrid", dict(LING, kda_safe_gate=False, q_lora_rank=None)),
     "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
     # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
     "mellum-windows-experts": ("mellum", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, layers=4,
@@ -564,7 +568,8 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "gemma4-experts-beside", "mimo-windows-sinks-experts",
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
                                   "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates",
-                                  "axk2-gated-norms-query-gates", "kimilinear-kda-latent-nope"])
+                                  "axk2-gated-norms-query-gates", "kimilinear-kda-latent-nope",
+                                  "ling-kda-bounded-decays"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -1004,7 +1009,7 @@ def test_chunk_mask_and_positions(loaded):
 
 
 @pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "lfm3", "falconh1", "mamba", "jamba",
-                                  "olmohybrid", "kimilinear"])
+                                  "olmohybrid", "kimilinear", "ling"])
 def test_tree_through_recurrent_states(loaded, name):
     """A token tree through recurrent layers (DeltaNet's, Mamba-2's, Mamba's, LFM2's convolutions) in one
     forward: each node's logits are those of its path as a chain; after ``keep`` of a path
@@ -1275,7 +1280,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "hy3-qk-norms-experts", "apertus1p5-pruned-head", "sarvam-moe-original-names",
                                   "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates",
                                   "laguna-element-gates", "phimoe-sparsemixer-longrope", "axk2-gated-norms-query-gates",
-                                  "kimilinear-kda-latent-nope", "kimilinear-query-low-rank"])
+                                  "kimilinear-kda-latent-nope", "kimilinear-query-low-rank", "ling-kda-bounded-decays",
+                                  "ling-kda-softplus-no-q-lora"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

@@ -202,6 +202,11 @@ KIMI_LINEAR = dict(LATENT, q_lora_rank=None, pad_token_id=0, linear_num_heads=4,
                    num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.0,
                    layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
                    mlp_layer_types=["dense", "sparse", "sparse"])
+# Ling's hybrids' kind (bailing_hybrid): Kimi Delta Attention with full-rank gates and bounded decays, beside latent
+# attention with rope and a gate per head, DeepSeek-V3's experts after a dense layer; its names as saved
+LING = dict(LATENT, pad_token_id=0, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
+            topk_group=1, routed_scaling_factor=2.0, first_k_dense_replace=1, num_mtp_layers=0, layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"])
 
 
 def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, std: float = 0.2,

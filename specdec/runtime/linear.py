@@ -166,8 +166,10 @@ def linear_bytes(config) -> int:
         attention = attended * ((q * (h + query) if q else h * query) + (r + rope) * h
                                 + r * heads * (config.qk_nope_head_dim + config.v_head_dim)
                                 + heads * config.v_head_dim * h)
-        if rec:  # (Kimi Linear's recurrent layers beside it)
+        if rec:  # (Kimi Linear's and Ling's recurrent layers beside it)
             attention += recurrent * rec.projection_params(h)
+        if config.model_type == "bailing_hybrid":  # (Ling's: a gate per head)
+            attention += attended * heads * h
         if config.model_type == "axk2":  # its second query product gives output gates too, from twice the rank; its
             # norms gated (before attention, and before the experts): two products of gated_norm_rank each
             attention += config.num_hidden_layers * q * (2 * (query + heads * config.v_head_dim) - query)

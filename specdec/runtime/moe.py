@@ -4,7 +4,7 @@ Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
 Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2,
 Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE, DeepSeek-V3.2, GLM-5, Hy3, Sarvam, Laguna, Phi-3.5-MoE, A.X K2,
-Kimi Linear)."""
+Kimi Linear, Ling's hybrids)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,13 +22,13 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
              "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe", "mimo_v2_flash", "mellum",
              "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa", "hy_v3", "sarvam_moe", "sarvam_mla", "laguna",
-             "phimoe", "axk2", "kimi_linear")
+             "phimoe", "axk2", "kimi_linear", "bailing_hybrid")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text", "exaone_moe",
                   "solar_open", "axk1", "mimo_v2_flash", "deepseek_v32", "glm_moe_dsa", "sarvam_moe", "sarvam_mla",
-                  "axk2", "kimi_linear")
+                  "axk2", "kimi_linear", "bailing_hybrid")
 # (Solar Open's: GLM-4.5's experts on every layer; A.X K1's, MiMo-V2-Flash's, DeepSeek-V3.2's, GLM-5's: DeepSeek-V3's;
 # Sarvam's: GLM-4.5's, DeepSeek-V3's; A.X K2's: DeepSeek-V3's, the other groups' experts at 0, not -inf)
 
@@ -48,7 +48,7 @@ def moe_layers(config) -> list[bool]:
                 "sarvam_mla"):
         return [i >= config.first_k_dense_replace for i in range(n)]
     if kind in ("glm4_moe_lite", "exaone_moe", "axk1", "cohere2_moe", "mimo_v2_flash", "mellum", "deepseek_v32",
-                "glm_moe_dsa", "hy_v3", "laguna", "axk2", "kimi_linear"):
+                "glm_moe_dsa", "hy_v3", "laguna", "axk2", "kimi_linear", "bailing_hybrid"):
         return [t == "sparse" for t in config.mlp_layer_types]
     if kind == "nemotron_h":  # its blocks: one mixer or one MLP each
         return [t == "moe" for t in config.layer_types]

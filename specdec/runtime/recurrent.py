@@ -1,8 +1,9 @@
 """Layers with a recurrent state for the torch runtime: the Gated DeltaNet layers of Qwen3-Next,
-Qwen3.5 and OLMo-Hybrid and Kimi Linear's Kimi Delta Attention (``DeltaNet``), the Mamba-2 layers of Granite 4.0's hybrids, Bamba, Nemotron-H,
-Falcon-H1 and Mamba-2 (``Mamba2``), the Mamba layers of Mamba, Falcon-Mamba and Jamba (``Mamba1``)
-and LFM2's short convolutions (``ShortConv``: a conv window, no matrix), and the states they
-keep per slot (``RecurrentStates``), which a rewind takes back.
+Qwen3.5 and OLMo-Hybrid and the Kimi Delta Attention of Kimi Linear and Ling 3 (``DeltaNet``), the
+Mamba-2 layers of Granite 4.0's hybrids, Bamba, Nemotron-H, Falcon-H1 and Mamba-2 (``Mamba2``), the
+Mamba layers of Mamba, Falcon-Mamba and Jamba (``Mamba1``) and LFM2's short convolutions (``ShortConv``:
+a conv window, no matrix), and the states they keep per slot (``RecurrentStates``), which a rewind
+takes back.
 
 Such a layer keeps no row per token. Each slot holds, per layer, the last ``kernel - 1``
 inputs of its short convolution (``conv``) and one matrix per head that every token updates
@@ -65,10 +66,12 @@ class DeltaNet:
     heads), and the convolution's ``kernel``. A state advances as ``S_t = exp(g_t) S_{t-1} +
     k_t delta_t^T`` (``delta_t`` the rule's correction of ``v_t``), so that, as Mamba-2's, its
     ring keeps each token's ``(g, k, delta)`` and the state before a forward, and a rewind
-    replays them (``RecurrentStates._replay``). ``channels``: Kimi Delta Attention's (Kimi
-    Linear's, ``kimi_linear``): ``g_t`` is a log decay per key channel (``exp(g_t)`` scales
-    the state's rows), from a low-rank forget gate, and the output's norm is gated by the
-    sigmoid of a low-rank product, not by ``silu(z)``."""
+    replays them (``RecurrentStates._replay``). ``kda``: Kimi Delta Attention (``channels``):
+    ``g_t`` is a log decay per key channel (``exp(g_t)`` scales the state's rows), from a forget
+    gate, and the output's norm is gated by a sigmoid, not by ``silu(z)``; Kimi Linear's
+    (``"kimi"``) gates go through low-rank pairs of products, its decays ``-A softplus(f)``;
+    Ling's (``"ling"``, ``bailing_hybrid``) are full-rank, its decays ``gate_bound sigmoid(A f)``
+    (``kda_safe_gate``; else Kimi's), rounded to the model's dtype."""
 
     k_heads: int
     v_heads: int
@@ -77,14 +80,17 @@ class DeltaNet:
     kernel: int
     beta_scale: float = 1.0  # (OLMo-Hybrid's linear_allow_neg_eigval: beta in [0, 2])
     norm_eps: float | None = None  # the output's norm's (OLMo-Hybrid's 1e-5; else the model's)
-    channels: bool = False  # a decay per key channel (Kimi Delta Attention)
+    kda: str | None = None  # Kimi Delta Attention's kind: "kimi" or "ling" (None: Gated DeltaNet)
+    gate_bound: float | None = None  # (Ling's kda_lower_bound, where kda_safe_gate)
     replays = True  # (not a field)
 
     @classmethod
     def of(cls, config) -> "DeltaNet":
-        if config.model_type == "kimi_linear":  # (as many key heads as value heads, of one width)
+        if config.model_type in ("kimi_linear", "bailing_hybrid"):  # (as many key heads as value heads, one width)
             H, d = config.linear_num_heads, config.linear_head_dim
-            return cls(H, H, d, d, config.linear_conv_kernel_dim, channels=True)
+            ling = config.model_type == "bailing_hybrid"
+            return cls(H, H, d, d, config.linear_conv_kernel_dim, kda="ling" if ling else "kimi",
+                       gate_bound=config.kda_lower_bound if ling and config.kda_safe_gate else None)
         olmo = config.model_type == "olmo_hybrid"
         return cls(config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
                    config.linear_value_head_dim, config.linear_conv_kernel_dim,
@@ -104,6 +110,11 @@ class DeltaNet:
         return self.v_heads, self.k_dim, self.v_dim
 
     @property
+    def channels(self) -> bool:
+        """Whether a log decay is per key channel (Kimi Delta Attention's), not per head."""
+        return self.kda is not None
+
+    @property
     def decay_width(self) -> int:
         """A token's log decays per head: one, or one per key channel (``channels``)."""
         return self.k_dim if self.channels else 1
@@ -115,9 +126,11 @@ class DeltaNet:
 
     def projection_params(self, hidden: int) -> int:
         """One layer's linears' weights (``linear.linear_bytes``)."""
-        if self.channels:  # q, k, v, beta's, and the output's; the gates' low-rank pairs (rank k_dim)
+        if self.kda == "kimi":  # q, k, v, beta's, and the output's; the gates' low-rank pairs (rank k_dim)
             return hidden * (self.conv_dim + self.v_heads + self.value_width) + \
                 2 * self.k_dim * (hidden + self.value_width)
+        if self.kda == "ling":  # q, k, v, the two gates, beta's, the output's
+            return hidden * (self.conv_dim + 3 * self.value_width + self.v_heads)
         return hidden * (self.conv_dim + 2 * self.value_width + 2 * self.v_heads)
 
     def weights(self, r, pre: str) -> dict:
@@ -159,19 +172,22 @@ class DeltaNet:
 
     def _kda_weights(self, r, a: str) -> dict:
         """Kimi Delta Attention's weights under ``a`` (``...self_attn.``), as ``weights``'s:
-        ``mix_in`` fuses q, k, v (as convolved: ``q_conv1d``...), the output gate's low-rank step
-        ``g_a``, the forget gate's ``f_a`` and beta's ``b``; ``gate_b`` and ``forget_b`` their
-        second steps (``g_b``, ``f_b``); ``decay`` ``-exp(A_log) [heads, 1]``, ``dt_bias
-        [heads, k_dim]`` (float32, as transformers keeps it)."""
+        ``mix_in`` fuses q, k, v (as convolved: ``q_conv1d``...), the output gate (Kimi's low-rank
+        step ``g_a``; Ling's ``g``), the forget gate (``f_a``; ``f``) and beta's ``b``;
+        ``gate_b`` and ``forget_b`` Kimi's second steps (``g_b``, ``f_b``); ``A`` ``exp(A_log)
+        [heads, 1]``, ``dt_bias [heads, k_dim]`` (float32, as transformers keeps it; Ling's
+        convolution too)."""
+        kimi = self.kda == "kimi"
         conv = [a + f"{n}_conv1d.weight" for n in "qkv"]
+        raw = (lambda n: r.weights[n].to(r.device, torch.float32)) if not kimi else r.get  # (Ling's kept in float32)
         return {
-            "mix_in": r.linear(torch.cat([r.get(a + f"{n}_proj.weight") for n in ("q", "k", "v", "g_a", "f_a", "b")]),
-                               None),
-            "gate_b": r.linear(r.get(a + "g_b_proj.weight"), None),
-            "forget_b": r.linear(r.get(a + "f_b_proj.weight"), None),
-            "conv": (torch.cat([r.get(n) for n in conv]) if conv[0] in r else r.get(a + "conv1d.weight"))[:, 0],
+            "mix_in": r.linear(torch.cat([r.get(a + f"{n}_proj.weight") for n in
+                                          ("q", "k", "v", "g_a" if kimi else "g", "f_a" if kimi else "f", "b")]), None),
+            "gate_b": r.linear(r.get(a + "g_b_proj.weight"), None) if kimi else None,
+            "forget_b": r.linear(r.get(a + "f_b_proj.weight"), None) if kimi else None,
+            "conv": (torch.cat([raw(n) for n in conv]) if conv[0] in r else raw(a + "conv1d.weight"))[:, 0],
             "conv_bias": None,
-            "decay": -torch.exp(r.get(a + "A_log").float()).view(self.v_heads, 1),
+            "A": torch.exp(raw(a + "A_log").float()).view(self.v_heads, 1),
             "dt_bias": r.weights[a + "dt_bias"].to(r.device, torch.float32).view(self.v_heads, self.k_dim),
             "gate_norm": r.weights[a + "o_norm.weight"].to(r.device, torch.float32),  # (scales in float32)
             "mix_out": r.linear(r.get(a + "o_proj.weight"), None),
@@ -183,11 +199,17 @@ class DeltaNet:
         [B, T, Hv, decay_width])``."""
         B, T, _ = a.shape
         if self.channels:
-            mixed, gate, forget, b = L["mix_in"](a).split([self.conv_dim, self.k_dim, self.k_dim, self.v_heads], dim=-1)
-            gate = torch.sigmoid(L["gate_b"](gate).float())
-            g_in = L["forget_b"](forget).float().view(B, T, self.v_heads, self.k_dim) + L["dt_bias"]
-            g = L["decay"] * torch.where(g_in > 20.0, g_in, torch.log(1.0 + torch.exp(g_in)))  # [B, T, Hv, dk]:
-            # (softplus as transformers writes it out)
+            rank = self.k_dim if self.kda == "kimi" else self.value_width
+            mixed, gate, forget, b = L["mix_in"](a).split([self.conv_dim, rank, rank, self.v_heads], dim=-1)
+            if L["gate_b"] is not None:  # (Kimi's second steps)
+                gate, forget = L["gate_b"](gate), L["forget_b"](forget)
+            gate = torch.sigmoid(gate.float())
+            g_in = forget.float().view(B, T, self.v_heads, self.k_dim) + L["dt_bias"]
+            if self.kda == "kimi":  # (softplus as transformers writes it out)
+                g = -L["A"] * torch.where(g_in > 20.0, g_in, torch.log(1.0 + torch.exp(g_in)))  # [B, T, Hv, dk]
+            else:
+                g = (self.gate_bound * torch.sigmoid(L["A"] * g_in) if self.gate_bound is not None else
+                     -L["A"] * F.softplus(g_in)).to(a.dtype).float()
         else:
             mixed, gate, b, g_in = L["mix_in"](a).split([self.conv_dim, self.value_width, self.v_heads, self.v_heads],
                                                         dim=-1)
@@ -850,7 +872,7 @@ def convolve(states: RecurrentStates, li: int, slots: torch.Tensor, plan: StateP
         states.ring_conv[li, slots[:, None], plan.ring] = windows[..., :-1].transpose(1, 2)
         states.conv[li, slots] = windows[torch.arange(B, device=mixed.device), :, plan.last - 1, 1:]
         return out.transpose(1, 2)
-    out = F.conv1d(seq, L["conv"][:, None], L["conv_bias"], groups=C)  # [B, C, T]
+    out = F.conv1d(seq.to(L["conv"].dtype), L["conv"][:, None], L["conv_bias"], groups=C)  # [B, C, T]
     out = out if act is None else act(out)
     windows = seq.unfold(-1, states.conv.shape[-1], 1)  # [B, C, T + 1, K - 1]: after 0..T tokens
     states.ring_conv[li, slots[:, None], plan.ring] = windows[:, :, :plan.ring.shape[1]].transpose(1, 2)

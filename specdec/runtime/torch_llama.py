@@ -9,7 +9,7 @@ model of Gemma 3's multimodal checkpoints: ``text_model``), whose layers differ 
 its experts beside the MLP), Phi-3's longrope (``TorchLlama.switch``), and the hybrids of recurrent layers and
 attention (``recurrent``, whose states rewind with the cache):
 Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), OLMo 3's (OLMo-Hybrid) or latent
-attention without rope (Kimi Linear's Kimi Delta Attention, a decay per key channel), Mamba-2
+attention (Kimi Delta Attention, a decay per key channel: Kimi Linear's, Ling 3's), Mamba-2
 layers beside attention
 (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's side by side in each layer:
 ``ScaledWeights``), Mamba layers beside attention (Jamba), LFM2's and LFM3's short convolutions beside attention, and Mamba,
@@ -70,7 +70,7 @@ ARCHS = tuple(dict.fromkeys((
     "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
-    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4, "kimi_linear")
+    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4, "kimi_linear", "bailing_hybrid")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -178,6 +178,10 @@ class RenamedWeights:
                              (".gate.e_score_correction_bias", ".gate.expert_bias")]
     # Kimi Linear's experts, router and shared experts as released (``block_sparse_moe.``; its dense MLP ``mlp.``)
     RENAMES["kimi_linear"] = [(f".mlp.{n}.", f".block_sparse_moe.{n}.") for n in ("experts", "gate", "shared_experts")]
+    # Ling's hybrids (bailing_hybrid) as saved: attention (either kind) under ``attention.``, its output ``dense``
+    RENAMES["bailing_hybrid"] = [("model.embed_tokens.", "model.word_embeddings."),
+                                 (".self_attn.o_proj.", ".attention.dense."), (".self_attn.", ".attention."),
+                                 (".gate.e_score_correction_bias", ".gate.expert_bias")]
     RENAMES["starcoder2"] = [(".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj.")]
     RENAMES["apertus"] = RENAMES["apertus1p5_text"] = [(".input_layernorm.", ".attention_layernorm."),
                                                        (".post_attention_layernorm.", ".feedforward_layernorm.")]
@@ -1144,7 +1148,8 @@ def latent_attention(r: CheckpointReader, a: str, latent: Latent) -> dict:
     the layer's input fused (the query's low-rank step or the query itself, then the latent
     and the shared rotated key), ``q_norm`` / ``q_b`` the query's second step (None without
     one), ``kv_norm`` the latent's norm, ``uk [heads, nope, rank]`` and ``uv [heads, rank,
-    value]`` the per-head up-projections of keys and values, absorbed (``Latent``). The two
+    value]`` the per-head up-projections of keys and values, absorbed (``Latent``), ``head_gate``
+    a gate per head on the output (Ling's ``g_proj``; None without). The two
     norms' epsilon is transformers' (its modules' default, 1e-6, not ``rms_norm_eps``)."""
     names = [a + ("q_a_proj" if latent.q_rank is not None else "q_proj"), a + "kv_a_proj_with_mqa"]
     up = r.get(a + "kv_b_proj.weight")  # [heads (nope + value), rank]
@@ -1162,6 +1167,7 @@ def latent_attention(r: CheckpointReader, a: str, latent: Latent) -> dict:
         "q_b": None if q_b is None else r.linear(q_b, None),
         "q_gated": q_b is not None and q_b.shape[1] == 2 * latent.q_rank,
         "kv_norm": r.norm(a + "kv_a_layernorm.weight"),
+        "head_gate": r.linear(r.get(a + "g_proj.weight"), None) if a + "g_proj.weight" in r else None,  # (Ling's)
         "uk": up[:, :latent.nope].contiguous(),
         "uv": up[:, latent.nope:].transpose(1, 2).contiguous(),
         "indexer": None,  # DeepSeek Sparse Attention's (``index_weights``, on the layers with one)
@@ -1878,6 +1884,8 @@ class TorchLlama:
         o = o.transpose(1, 2)  # [B, T, H, value]
         if gate is not None:
             o = (o * torch.sigmoid(gate.float())).to(o.dtype)
+        if L["head_gate"] is not None:  # (Ling's: a gate per head, in the model's dtype)
+            o = o * torch.sigmoid(L["head_gate"](a).float()).to(o.dtype)[..., None]
         return L["o"](o.reshape(B, T, H * lat.value))  # [B, T, hidden]
 
     def _select(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, q_low: torch.Tensor,
