@@ -181,8 +181,10 @@ class Grammars:
         import llguidance.hf
 
         with self._lock:
-            if self._lltokenizer is None:
-                self._lltokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
+            if self._lltokenizer is None:  # (a head narrower than the tokenizer: Apertus 1.5's, pruned to the text
+                # tokens; the masks keep the head's columns)
+                self._lltokenizer = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=max(self.vocab_size,
+                                                                                             len(self.tokenizer)),
                                                                  eos_token=sorted(self.eos_ids) or None)
             return self._lltokenizer
 
@@ -217,7 +219,7 @@ class Grammars:
         if matcher.is_error():
             raise invalid(matcher.get_error())
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
-        return Matcher(matcher, self.vocab_size, self.eos_ids, gate, decode)
+        return Matcher(matcher, self.vocab_size, self.eos_ids, gate, decode, tokenizer.vocab_size)
 
 
 class Matcher:
@@ -226,16 +228,18 @@ class Matcher:
     pattern whose match (at most ``GATE_SPAN`` characters) it starts after, sought in
     ``decode`` of the output's ids (special tokens kept, as the reasoning parser reads)."""
 
-    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int], gate: "str | re.Pattern" = "", decode=None):
+    def __init__(self, matcher, vocab_size: int, eos_ids: frozenset[int], gate: "str | re.Pattern" = "", decode=None,
+                 table: int | None = None):
         self._m, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
-        self._words = (vocab_size + 31) // 32  # the bitmask's int32 words per row
+        self._table = table or vocab_size  # llguidance's tokens (the logits' width, or the tokenizer's if wider)
+        self._words = (self._table + 31) // 32  # the bitmask's int32 words per row
         self.gate, self._decode = gate, decode
         # the output's last ids while the gate is closed: a spelling of the gate ending in later
         # tokens starts in these (each token spells one character of it at least)
         self._tail: list[int] = []
 
     def copy(self) -> "Matcher":
-        twin = Matcher(self._m.deep_copy(), self.vocab_size, self.eos_ids, self.gate, self._decode)
+        twin = Matcher(self._m.deep_copy(), self.vocab_size, self.eos_ids, self.gate, self._decode, self._table)
         twin._tail = list(self._tail)
         return twin
 
@@ -296,7 +300,7 @@ class Matcher:
         if not self.eos_ids:
             return torch.ones(self.vocab_size, dtype=torch.bool)
         ends = torch.zeros(self.vocab_size, dtype=torch.bool)
-        ends[sorted(self.eos_ids)] = True
+        ends[[i for i in sorted(self.eos_ids) if i < self.vocab_size]] = True
         return ends
 
     def valid_prefix(self, tokens: list[int]) -> int:

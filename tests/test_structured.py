@@ -391,3 +391,22 @@ def test_reasoning_end_spelled_any_way_opens_the_grammar(tiny_dirs, tmp_path, me
             llm.engine.step()
         out = seqs[0].output_ids
         assert out[:len(spelling)] == spelling and re.fullmatch("[0-9]{4}", tok.decode(out[len(spelling):-1])), out
+
+
+def test_head_narrower_than_the_tokenizer(tmp_path):
+    """Apertus 1.5's head is pruned to the text tokens, narrower than its tokenizer (which holds its
+    image tokens too): the grammar's token table is the tokenizer's, its masks the head's width. The
+    constrained output follows the grammar, equal under speculation."""
+    from tiny import VOCAB, byte_tokenizer, make_tiny
+
+    tok = byte_tokenizer()
+    tok.add_tokens([f"<image_{i}>" for i in range(VOCAB - len(tok))], special_tokens=True)  # ids past the head
+    head = VOCAB - 6
+    assert len(tok) == VOCAB > head
+    path = make_tiny(tmp_path / "apertus15", "apertus1p5_text", seed=5, head_dim=16, output_vocab_size=head,
+                     tokenizer=tok)
+    sp = SamplingParams(max_tokens=40, structured_outputs=CASES["regex"])
+    base = LLM(str(path)).generate(PROMPTS, sp)
+    assert all(o.finish_reason == "stop" and follows("regex", o.text) for o in base), [o.text for o in base]
+    outs = LLM(str(path), speculative=SpecConfig(method="ngram", num_draft_tokens=3)).generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
