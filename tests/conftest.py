@@ -6,7 +6,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import (COHERE2_MOE, DELTA_NET, DSA, FALCON_H1, GEMMA4, GEMMA4_MOE, JAMBA, LFM3, LLAMA4, MAMBA, MIMO,  # noqa: E402
-                  KIMI_LINEAR, LING, MOE, NEMOTRON_H, OLMO_HYBRID, make_tiny, noisy_copy)
+                  HY4, KIMI_LINEAR, LING, MOE, NEMOTRON_H, OLMO_HYBRID, make_tiny, noisy_copy)
 
 
 @pytest.fixture(scope="session")
@@ -45,6 +45,7 @@ def tiny_dirs(tmp_path_factory):
         # sparse attention: each token's best 6 keys (DeepSeek-V3.2's indexer; GLM-5's, its middle layer shared)
         "deepseekv32": make_tiny(root / "deepseekv32", "deepseek_v32", seed=33, **DSA),
         "glm5": make_tiny(root / "glm5", "glm_moe_dsa", seed=34, **DSA, indexer_types=["full", "shared", "full"]),
+        "hy4": make_tiny(root / "hy4", "hy_v4", seed=37, **HY4),  # hyper-connections, sparse attention with sinks
         "falconh1": make_tiny(root / "falconh1", "falcon_h1", seed=19, **FALCON_H1),  # attention beside Mamba-2
         "mamba": make_tiny(root / "mamba", "falcon_mamba", seed=20, **MAMBA),  # a selective scan alone a block
         "jamba": make_tiny(root / "jamba", "jamba", seed=21, **JAMBA),  # Mamba and attention, experts

@@ -11,7 +11,7 @@ from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3,
                   LLAMA4, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
-                  LAGUNA, PHIMOE, KIMI_LINEAR, LING)
+                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -363,6 +363,10 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # softplus, its convolution in float32; latent attention with rope, a sigmoid gate per head on its output
     "ling-kda-bounded-decays": ("bailing_hybrid", LING),
     "ling-kda-softplus-no-q-lora": ("bailing_hybrid", dict(LING, kda_safe_gate=False, q_lora_rank=None)),
+    # Hy4: hyper-connections (3 streams a token), DeepSeek Sparse Attention (its indexer rotating its last dimensions,
+    # by halves, its key norm and weights in float32) over latent attention (rope by halves) with a sink per head and
+    # a gate per element on its output, experts whose silu clamps, its head in float32; its names as saved
+    "hy4-hyper-connections-sparse-sinks": ("hy_v4", HY4),
     "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
     # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
     "mellum-windows-experts": ("mellum", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, layers=4,
@@ -433,6 +437,28 @@ def test_kimi_linear_dense_mlp_as_released(tmp_path):
     runtimes = [TorchLlama(AutoConfig.from_pretrained(p), Weights(p), torch.device("cpu"), torch.float32)
                 for p in (path, released)]
     assert torch.equal(*(rt.forward(rt.new_cache(1), [0], [list(range(3, 20))]) for rt in runtimes))
+
+
+def test_hy4_long_chunk_expands_with_sinks(tmp_path):
+    """Hy4's sinks join the softmax of latent attention in both of its forms: a long chunk's
+    (keys and values expanded per head) and a short one's (the heads as rows of one, each row its
+    head's sink): both give transformers' logits."""
+    from transformers import AutoConfig
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import causal_lm, make_tiny
+
+    path = make_tiny(tmp_path / "hy4", "hy_v4", seed=5, **HY4)
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = causal_lm(path).eval()(ids).logits[0]  # [40, vocab]
+    assert rt.latent.expands(40) and not rt.latent.expands(8)
+    cache = rt.new_cache(1)
+    ours = torch.cat([rt.forward(cache, [0], [ids[0, a:b].tolist()])[0] for a, b in ((0, 32), (32, 40))])
+    assert (ours - ref).abs().max().item() < ATOL * ref.abs().max().item()
+    assert rt.layers[0]["sinks"].abs().min() > 0.5  # (sinks that weigh: Hy4's tiny starts them at 3)
 
 
 def test_phimoe_long_factors(tmp_path):
@@ -569,7 +595,7 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
                                   "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates",
                                   "axk2-gated-norms-query-gates", "kimilinear-kda-latent-nope",
-                                  "ling-kda-bounded-decays"])
+                                  "ling-kda-bounded-decays", "hy4-hyper-connections-sparse-sinks"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -1281,7 +1307,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates",
                                   "laguna-element-gates", "phimoe-sparsemixer-longrope", "axk2-gated-norms-query-gates",
                                   "kimilinear-kda-latent-nope", "kimilinear-query-low-rank", "ling-kda-bounded-decays",
-                                  "ling-kda-softplus-no-q-lora"])
+                                  "ling-kda-softplus-no-q-lora", "hy4-hyper-connections-sparse-sinks"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

@@ -202,6 +202,12 @@ KIMI_LINEAR = dict(LATENT, q_lora_rank=None, pad_token_id=0, linear_num_heads=4,
                    num_experts_per_tok=2, moe_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.0,
                    layers=3, layer_types=["linear_attention", "full_attention", "linear_attention"],
                    mlp_layer_types=["dense", "sparse", "sparse"])
+# Hy4's kind: DeepSeek Sparse Attention (each token's best 6 keys; its middle layer shared) over latent attention with
+# a sink per head and a gate per element on its output, 3 hyper-connection streams, a dense first layer, then experts
+# whose silu clamps gate and up at 0.5
+HY4 = dict(LATENT, pad_token_id=0, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
+           topk_group=1, routed_scaling_factor=2.0, layers=3, index_n_heads=8, index_head_dim=16, index_topk=6,
+           indexer_types=["full", "shared", "full"], hc_mult=3, swiglu_limit=0.5, learnable_sink_init=3.0)
 # Ling's hybrids' kind (bailing_hybrid): Kimi Delta Attention with full-rank gates and bounded decays, beside latent
 # attention with rope and a gate per head, DeepSeek-V3's experts after a dense layer; its names as saved
 LING = dict(LATENT, pad_token_id=0, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,
@@ -241,6 +247,8 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
                 p.copy_(std * torch.randn_like(p))
             elif name.endswith(("router.scale", "router.per_expert_scale")):  # (Gemma 4's, 1 at init)
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif arch == "hy_v4" and name.endswith(("hc.scale", "hc.base", "hc_scale", "hc_base", "self_attn.sinks")):
+                p.copy_(p + 0.5 * torch.randn_like(p))  # (Hy4's hyper-connections' scales 0.01, sinks 0 at init)
         for name, b in model.named_buffers():  # GLM-4.5's router correction, LFM2-MoE's expert bias
             if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(std * torch.randn_like(b))

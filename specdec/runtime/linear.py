@@ -170,6 +170,9 @@ def linear_bytes(config) -> int:
             attention += recurrent * rec.projection_params(h)
         if config.model_type == "bailing_hybrid":  # (Ling's: a gate per head)
             attention += attended * heads * h
+        if config.model_type == "hy_v4":  # (Hy4's: a gate per element; its hyper-connections' products, two a layer
+            N = config.hc_mult  # and the head's)
+            attention += attended * heads * config.v_head_dim * h + (4 * config.num_hidden_layers + 1) * N * N * h
         if config.model_type == "axk2":  # its second query product gives output gates too, from twice the rank; its
             # norms gated (before attention, and before the experts): two products of gated_norm_rank each
             attention += config.num_hidden_layers * q * (2 * (query + heads * config.v_head_dim) - query)

@@ -4,7 +4,7 @@ Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
 Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2,
 Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE, DeepSeek-V3.2, GLM-5, Hy3, Sarvam, Laguna, Phi-3.5-MoE, A.X K2,
-Kimi Linear, Ling's hybrids)."""
+Kimi Linear, Ling's hybrids, Hy4)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,13 +22,13 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
              "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe", "mimo_v2_flash", "mellum",
              "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa", "hy_v3", "sarvam_moe", "sarvam_mla", "laguna",
-             "phimoe", "axk2", "kimi_linear", "bailing_hybrid")
+             "phimoe", "axk2", "kimi_linear", "bailing_hybrid", "hy_v4")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
 SIGMOID_ROUTED = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "nemotron_h", "dots1", "glm4v_moe_text", "exaone_moe",
                   "solar_open", "axk1", "mimo_v2_flash", "deepseek_v32", "glm_moe_dsa", "sarvam_moe", "sarvam_mla",
-                  "axk2", "kimi_linear", "bailing_hybrid")
+                  "axk2", "kimi_linear", "bailing_hybrid", "hy_v4")
 # (Solar Open's: GLM-4.5's experts on every layer; A.X K1's, MiMo-V2-Flash's, DeepSeek-V3.2's, GLM-5's: DeepSeek-V3's;
 # Sarvam's: GLM-4.5's, DeepSeek-V3's; A.X K2's: DeepSeek-V3's, the other groups' experts at 0, not -inf)
 
@@ -48,7 +48,7 @@ def moe_layers(config) -> list[bool]:
                 "sarvam_mla"):
         return [i >= config.first_k_dense_replace for i in range(n)]
     if kind in ("glm4_moe_lite", "exaone_moe", "axk1", "cohere2_moe", "mimo_v2_flash", "mellum", "deepseek_v32",
-                "glm_moe_dsa", "hy_v3", "laguna", "axk2", "kimi_linear", "bailing_hybrid"):
+                "glm_moe_dsa", "hy_v3", "laguna", "axk2", "kimi_linear", "bailing_hybrid", "hy_v4"):
         return [t == "sparse" for t in config.mlp_layer_types]
     if kind == "nemotron_h":  # its blocks: one mixer or one MLP each
         return [t == "moe" for t in config.layer_types]
@@ -104,8 +104,9 @@ class Routing:
     Qwens' ``norm_topk_prob``; weights in float32 where ``float_weights``, Mixtral's, else the
     model's dtype), ``activation(gate) * up``; GPT-OSS (``gpt_oss``): the softmax of the top k
     logits, in the model's dtype, and ``(up + 1) * gate * sigmoid(alpha * gate)`` with gate
-    and up clamped at ``limit``; Granite's (``top_softmax``): the softmax of the top k logits
-    in float32, then the model's dtype, ``activation(gate) * up``; GLM-4.5, DeepSeek-V3, GLM-4.7-Flash (``sigmoid``): the router
+    and up clamped at ``limit`` (Hy4's: its silu's gate and up so); Granite's (``top_softmax``):
+    the softmax of the top k logits in float32, then the model's dtype, ``activation(gate) * up``; GLM-4.5,
+    DeepSeek-V3, GLM-4.7-Flash (``sigmoid``): the router
     in float32 (``float_router``), sigmoid scores, the top k of those plus a correction bias
     among the ``top_groups`` best of ``groups`` groups of experts (each group by its best
     two), their scores renormalised and times ``scale``, in float32; DeepSeek-V2: the router
@@ -135,7 +136,7 @@ class Routing:
     top_softmax: bool = False
     gated: bool = True
     alpha: float = 1.702
-    limit: float = 7.0
+    limit: float | None = None  # GPT-OSS's clamp; Hy4's, of a plain silu (None or <= 0: none)
     sigmoid: bool = False
     float_router: bool = False
     groups: int = 1
@@ -218,7 +219,8 @@ class Routing:
                        activation=config.mlp_hidden_act if nemotron else getattr(config, "hidden_act", "silu"),
                        sigmoid=True, float_router=True,
                        groups=config.n_group, top_groups=config.topk_group, scale=config.routed_scaling_factor,
-                       group_fill=0.0 if kind == "axk2" else float("-inf"))
+                       group_fill=0.0 if kind == "axk2" else float("-inf"),
+                       limit=config.swiglu_limit if kind == "hy_v4" else None)
         return cls(config.num_experts_per_tok,
                    renormalize=kind in ("mixtral", "qwen3_5_moe_text", "qwen3_vl_moe_text") or config.norm_topk_prob,
                    float_weights=kind == "mixtral", activation=getattr(config, "hidden_act", "silu"))
@@ -296,6 +298,8 @@ class Routing:
         if not self.gated:
             return ACTIVATIONS[self.activation](gate)
         if not self.gpt_oss:
+            if self.limit is not None and self.limit > 0:  # (Hy4's clamp)
+                gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
             return ACTIVATIONS[self.activation](gate) * up
         gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))

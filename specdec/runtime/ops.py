@@ -98,7 +98,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     PyTorch's fused attention, or where it cannot the product written out as transformers'
     eager attention has it: capped scores (Gemma 2's; softmax in float32) or a sink per head
     (GPT-OSS's ``sinks [H]``: a logit beside the keys' that takes a share of the softmax
-    and no value; softmax in the model's dtype)."""
+    and no value; softmax in the model's dtype, or float32 where the sinks are: Hy4's; ``[H, T]``
+    a sink per row)."""
     H, KV = q.shape[1], k.shape[1]
     if cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=KV != H)
@@ -108,7 +109,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
         return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
-    scores = torch.cat([scores, sinks[None, :, None, None].expand(*scores.shape[:3], 1)], dim=-1)
+    sinks = sinks[None, :, None, None] if sinks.dim() == 1 else sinks[None, :, :, None]  # (per head, or [H, T] by row)
+    scores = torch.cat([scores, sinks.expand(*scores.shape[:3], 1)], dim=-1)
     scores = scores - scores.max(dim=-1, keepdim=True).values  # [B, H, T, S + 1]
     return torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(v.dtype) @ v
 
@@ -132,3 +134,42 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
         return x * cos + turn(x) * sin
     part = x[..., :r]
     return torch.cat([part * cos + turn(part) * sin, x[..., r:]], dim=-1)
+
+
+@dataclass(frozen=True)
+class HyperConnections:
+    """Hy4's hyper-connections: each token carries ``streams`` copies of the hidden state
+    ``[B, T, streams, hidden]`` (the embedding's, at first). A block (attention, or the MLP) reads
+    their mix ``sum_i pre_i x_i`` and adds its output to each stream ``i`` times ``post_i``; ``pre``
+    and ``post`` come from one product of the streams side by side (``fn [2 streams, streams
+    hidden]``) times their inverse RMS, through ``sigmoid(logits scale + base)`` (``post`` times
+    ``magnitude``), plus ``eps``; all in float32. The head's mix (``head``) has ``pre`` alone."""
+
+    streams: int
+    magnitude: float
+    eps: float
+    norm_eps: float
+
+    def _logits(self, w: dict, streams: torch.Tensor) -> torch.Tensor:
+        """``[B, T, 2 streams or streams]``: the streams' product, times their inverse RMS."""
+        flat = streams.flatten(2).float()  # [B, T, streams hidden]
+        return F.linear(flat, w["fn"]) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)
+
+    def collapse(self, w: dict, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(post [B, T, streams], the block's input [B, T, hidden])`` of ``streams [B, T, streams, hidden]``."""
+        pre, post = self._logits(w, streams).split(self.streams, dim=-1)
+        base_pre, base_post = w["base"].split(self.streams)
+        pre = torch.sigmoid(pre * w["scale"][0] + base_pre) + self.eps
+        post = self.magnitude * torch.sigmoid(post * w["scale"][1] + base_post) + self.eps
+        return post, (pre[..., None] * streams).sum(2).to(streams.dtype)
+
+    @staticmethod
+    def expand(post: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """The streams after a block: ``out [B, T, hidden]`` added to each, times its ``post``."""
+        return (post[..., None] * out.float()[..., None, :] + streams.float()).to(streams.dtype)
+
+    def head(self, w: dict, streams: torch.Tensor) -> torch.Tensor:
+        """The last streams' mix ``[B, T, hidden]``, before the final norm."""
+        pre = torch.sigmoid(self._logits(w, streams) * w["scale"] + w["base"]) + self.eps
+        return (pre[..., None] * streams).sum(2).to(streams.dtype)
+

@@ -6,7 +6,8 @@ dots.llm1, ERNIE 4.5, GPT-OSS, GLM-4.5, Granite's, Llama 4's: ``Experts``), the 
 attention (DeepSeek-V2 and V3, GLM-4.7-Flash, Mistral 4: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text
 model of Gemma 3's multimodal checkpoints: ``text_model``), whose layers differ from Llama's only in small ways
 (``Family``), Gemma 4 (heads of two widths and layers reading earlier layers' keys: ``KVPlace``; per-layer inputs;
-its experts beside the MLP), Phi-3's longrope (``TorchLlama.switch``), and the hybrids of recurrent layers and
+its experts beside the MLP), Hy4's hyper-connections (``ops.HyperConnections``), Phi-3's longrope
+(``TorchLlama.switch``), and the hybrids of recurrent layers and
 attention (``recurrent``, whose states rewind with the cache):
 Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), OLMo 3's (OLMo-Hybrid) or latent
 attention (Kimi Delta Attention, a decay per key channel: Kimi Linear's, Ling 3's), Mamba-2
@@ -41,8 +42,8 @@ from .. import disk_cache
 from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
 from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
-from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, GatedNorm, LayerNorm, attention, norm, norm_width, rms_norm, rotate,
-                  softcap, xielu)
+from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, GatedNorm, HyperConnections, LayerNorm, attention, norm, norm_width,
+                  rms_norm, rotate, softcap, xielu)
 from .recurrent import (DEFAULT_DEPTH, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, Mamba1, Mamba2, RecurrentStates,
                         ShortConv, StatePlan, recurrent_mixer)
 
@@ -70,7 +71,8 @@ ARCHS = tuple(dict.fromkeys((
     "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
-    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4, "kimi_linear", "bailing_hybrid")
+    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4, "kimi_linear",
+    "bailing_hybrid", "hy_v4")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -182,6 +184,11 @@ class RenamedWeights:
     RENAMES["bailing_hybrid"] = [("model.embed_tokens.", "model.word_embeddings."),
                                  (".self_attn.o_proj.", ".attention.dense."), (".self_attn.", ".attention."),
                                  (".gate.e_score_correction_bias", ".gate.expert_bias")]
+    # Hy4's as saved: its gates (attention's output, the MLPs') ``linear_gate``, sinks ``learnable_sink_param``, its
+    # hyper-connections' under ``hc_pre.``
+    RENAMES["hy_v4"] = [(".gate_proj.", ".linear_gate."), (".self_attn.sinks", ".self_attn.learnable_sink_param"),
+                        (".attn_hc.", ".hc_pre.hc_attn_layer.hc_"), (".ffn_hc.", ".hc_pre.hc_mlp_layer.hc_"),
+                        ("model.hc_head.", "model.hc_pre.hc_head.hc_head_")]
     RENAMES["starcoder2"] = [(".mlp.up_proj.", ".mlp.c_fc."), (".mlp.down_proj.", ".mlp.c_proj.")]
     RENAMES["apertus"] = RENAMES["apertus1p5_text"] = [(".input_layernorm.", ".attention_layernorm."),
                                                        (".post_attention_layernorm.", ".feedforward_layernorm.")]
@@ -589,8 +596,9 @@ class Family:
                        hidden_divisor=config.logits_scaling)
         if latent is not None:  # (Mistral 4's queries scaled past its original context, as Ministral 3's)
             return cls(activation=act, attn_scale=latent.scale(config),
-                       interleaved_rope=config.model_type == "deepseek_v2" or
-                       bool(getattr(config, "rope_interleave", True)),  # (DeepSeek-V3.2's, GLM-5's: no field, always)
+                       interleaved_rope=config.model_type == "deepseek_v2" or config.model_type != "hy_v4" and
+                       bool(getattr(config, "rope_interleave", True)),  # (DeepSeek-V3.2's, GLM-5's: no field, always;
+                       # Hy4's: halves)
                        query_temperature=query_temperature(config) if config.model_type == "mistral4" else None)
         if config.model_type in HYBRID_ARCHS:
             return cls(activation=act, offset_norms=True)
@@ -727,7 +735,8 @@ class Latent:
         return scale
 
 
-DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa", "axk2")  # latent attention under DeepSeek Sparse Attention (``SparseIndex``)
+# latent attention under DeepSeek Sparse Attention (``SparseIndex``)
+DSA_ARCHS = ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4")
 INDEX_NORM_EPS = 1e-6  # the indexer's key norm (a layer norm, built without the config's eps)
 
 
@@ -742,22 +751,28 @@ class SparseIndex:
     relu(q_h . k / sqrt(dim))`` in float32, ``w = weights_proj(x) / sqrt(heads)``; with no more
     keys than ``topk`` it keeps them all. ``owns``: the layers with an indexer of their own; the
     others (GLM-5's "shared") keep the last such layer's choice. As transformers' models compute
-    it (the released kernels' FP8 scores and Hadamard rotation left out, as there)."""
+    it (the released kernels' FP8 scores and Hadamard rotation left out, as there). Hy4's
+    (``layout`` "last") rotates the last ``rope`` dimensions by halves, its key's norm (at
+    ``norm_eps``) and heads' weights in float32 (``in_float``)."""
 
     heads: int
     dim: int
     topk: int
     rope: int
-    interleaved: bool
+    layout: str  # the rotated dimensions: "halves" (the first, DeepSeek-V3.2's), "pairs" (GLM-5's), "last" (Hy4's)
     owns: tuple[bool, ...]
+    norm_eps: float = 1e-6  # (transformers' layer norm's default; Hy4's rms_norm_eps)
+    in_float: bool = False
 
     @classmethod
     def of(cls, config) -> "SparseIndex | None":
         if config.model_type not in DSA_ARCHS:
             return None
         types = getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers
+        hy = config.model_type == "hy_v4"
         return cls(config.index_n_heads, config.index_head_dim, config.index_topk, config.qk_rope_head_dim,
-                   config.model_type == "glm_moe_dsa", tuple(t == "full" for t in types))
+                   "pairs" if config.model_type == "glm_moe_dsa" else "last" if hy else "halves",
+                   tuple(t == "full" for t in types), config.rms_norm_eps if hy else INDEX_NORM_EPS, in_float=hy)
 
 
 class KVCache:
@@ -1092,6 +1107,10 @@ class CheckpointReader:
     def opt(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self.weights else None
 
+    def raw(self, name: str) -> torch.Tensor:
+        """A tensor the model keeps in float32 whatever its dtype (Hy4's hyper-connections, its head...)."""
+        return self.weights[name].to(device=self.device, dtype=torch.float32, copy=True)
+
     def norm(self, name: str) -> torch.Tensor | LayerNorm | None:
         """A norm's weight: Gemma's, Qwen3-Next's and Qwen3.5's as 1 + weight in float32, GPT-OSS's
         in float32 (both as the model's dtype holds them, as transformers; GPT-OSS's exact for a
@@ -1148,8 +1167,9 @@ def latent_attention(r: CheckpointReader, a: str, latent: Latent) -> dict:
     the layer's input fused (the query's low-rank step or the query itself, then the latent
     and the shared rotated key), ``q_norm`` / ``q_b`` the query's second step (None without
     one), ``kv_norm`` the latent's norm, ``uk [heads, nope, rank]`` and ``uv [heads, rank,
-    value]`` the per-head up-projections of keys and values, absorbed (``Latent``), ``head_gate``
-    a gate per head on the output (Ling's ``g_proj``; None without). The two
+    value]`` the per-head up-projections of keys and values, absorbed (``Latent``), ``out_gate``
+    a gate on the output per head (Ling's ``g_proj``) or per element (Hy4's ``gate_proj``; None
+    without), ``sinks`` a logit per head beside the keys' (Hy4's, float32). The two
     norms' epsilon is transformers' (its modules' default, 1e-6, not ``rms_norm_eps``)."""
     names = [a + ("q_a_proj" if latent.q_rank is not None else "q_proj"), a + "kv_a_proj_with_mqa"]
     up = r.get(a + "kv_b_proj.weight")  # [heads (nope + value), rank]
@@ -1167,20 +1187,25 @@ def latent_attention(r: CheckpointReader, a: str, latent: Latent) -> dict:
         "q_b": None if q_b is None else r.linear(q_b, None),
         "q_gated": q_b is not None and q_b.shape[1] == 2 * latent.q_rank,
         "kv_norm": r.norm(a + "kv_a_layernorm.weight"),
-        "head_gate": r.linear(r.get(a + "g_proj.weight"), None) if a + "g_proj.weight" in r else None,  # (Ling's)
+        # a gate on the output per head (Ling's g_proj) or per element (Hy4's gate_proj); a sink per head (Hy4's)
+        "out_gate": next((r.linear(r.get(a + n), None) for n in ("g_proj.weight", "gate_proj.weight") if a + n in r),
+                         None),
+        "sinks": r.raw(a + "sinks") if a + "sinks" in r else None,
         "uk": up[:, :latent.nope].contiguous(),
         "uv": up[:, latent.nope:].transpose(1, 2).contiguous(),
         "indexer": None,  # DeepSeek Sparse Attention's (``index_weights``, on the layers with one)
     }
 
 
-def index_weights(r: CheckpointReader, a: str, slot: int) -> dict:
+def index_weights(r: CheckpointReader, a: str, slot: int, in_float: bool = False) -> dict:
     """A layer's DeepSeek Sparse Attention indexer under ``a`` (``...self_attn.indexer.``,
-    ``SparseIndex``): its query and key products, the key's layer norm, the heads' weights, and
-    ``slot``, its rows' place in the cache's ``index``."""
+    ``SparseIndex``): its query and key products, the key's layer norm, the heads' weights (the
+    norm and these in float32 where ``in_float``: Hy4's), and ``slot``, its rows' place in the
+    cache's ``index``."""
+    get = r.raw if in_float else r.get
     return {"wq_b": r.linear(r.get(a + "wq_b.weight"), None), "wk": r.linear(r.get(a + "wk.weight"), None),
-            "k_norm": LayerNorm(r.get(a + "k_norm.weight"), r.get(a + "k_norm.bias")),
-            "weights": r.linear(r.get(a + "weights_proj.weight"), None), "slot": slot}
+            "k_norm": LayerNorm(get(a + "k_norm.weight"), get(a + "k_norm.bias"), in_float=in_float),
+            "weights": r.linear(get(a + "weights_proj.weight"), None), "slot": slot}
 
 
 def gated_attention(r: CheckpointReader, a: str, config) -> dict:
@@ -1275,10 +1300,10 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
                                 r.opt(a + "qkv_proj.bias") if a + "qkv_proj.weight" in r else
                                 cat_or_none([r.opt(a + f"{n}_proj.bias") for n in ["q", *own]]))}),
             "o": r.linear(r.get(a + "o_proj.weight"), r.opt(a + "o_proj.bias")),
-            "sinks": r.opt(a + "sinks") if a + "sinks" in r else r.opt(a + "attention_sink_bias"),  # [H] GPT-OSS's
-            # (MiMo-V2-Flash's as released)
-            **({} if latent else {"q_norm": r.norm(a + "q_norm.weight"),
-                                  "k_norm": r.norm(a + "k_norm.weight") if own else None}),
+            **({} if latent else {  # (latent attention's sinks: ``latent_attention``'s)
+                "sinks": r.opt(a + "sinks") if a + "sinks" in r else r.opt(a + "attention_sink_bias"),  # [H] GPT-OSS's
+                # (MiMo-V2-Flash's as released)
+                "q_norm": r.norm(a + "q_norm.weight"), "k_norm": r.norm(a + "k_norm.weight") if own else None}),
             **(recurrent.weights(r, pre) if block == "hybrid" else {}),
         }
     shared = ("shared_experts." if pre + "mlp.shared_experts.down_proj.weight" in r else "shared_expert.") \
@@ -1326,6 +1351,9 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
                       r.norm(pre + "post_per_layer_input_norm.weight"))
         if pre + "per_layer_input_gate.weight" in r else None,
         "scalar": r.opt(pre + "layer_scalar"),  # [1] Gemma 4's: the layer's output scaled
+        # Hy4's hyper-connections (``ops.HyperConnections``) into attention and into the MLP
+        "hc": tuple({n: r.raw(f"{pre}{hc}.{n}") for n in ("fn", "base", "scale")} for hc in ("attn_hc", "ffn_hc"))
+        if pre + "attn_hc.fn" in r else None,
         # Gemma 4's experts beside its dense MLP (``TorchLlama._experts_beside``)
         "moe_block": {"experts": Experts.load(config, r.weights, pre, r.device, r.dtype),
                       "router_scale": r.get(pre + "router.scale"),
@@ -1454,7 +1482,8 @@ class TorchLlama:
         if self.sparse_index is not None:  # (the layers with an indexer of their own, in order)
             owners = [i for i, own in enumerate(self.sparse_index.owns) if own]
             for slot, i in enumerate(owners):
-                self.layers[i]["indexer"] = index_weights(r, f"model.layers.{i}.self_attn.indexer.", slot)
+                self.layers[i]["indexer"] = index_weights(r, f"model.layers.{i}.self_attn.indexer.", slot,
+                                                          self.sparse_index.in_float)
         self.second_kv = None  # (layers, kv heads, head dim) of a second group of K/V shapes (``KVCache``)
         self.v_dim = config.v_head_dim if config.model_type == "mimo_v2_flash" else None
         if places:
@@ -1477,6 +1506,12 @@ class TorchLlama:
         self.features: torch.Tensor | None = None  # the last forward's: [B, T, len(taps) * hidden]
         self.lm_head = r.linear(r.get("lm_head.weight"), r.opt("lm_head.bias")) if "lm_head.weight" in r \
             else r.linear(self.embed, None)  # tied (a bias: ERNIE 4.5 MoE's)
+        self.hc = self.hc_head = None  # Hy4's hyper-connections (``ops.HyperConnections``), the head's mix; its head
+        self.float_head = config.model_type == "hy_v4"  # in float32
+        if config.model_type == "hy_v4":
+            self.hc = HyperConnections(config.hc_mult, config.hc_magnitude, config.hc_eps, config.rms_norm_eps)
+            self.hc_head = {n: r.raw("model.hc_head." + n) for n in ("fn", "base", "scale")}
+            self.lm_head = r.linear(r.raw("lm_head.weight"), None)
         self.vocab_size = self.lm_head.out_features  # the logits' width (Apertus 1.5's head: the text tokens alone,
         # its embedding's first output_vocab_size rows)
         if cuda_graphs and device.type != "cuda":
@@ -1499,6 +1534,9 @@ class TorchLlama:
         ``num_layers`` the last layer's output after the final norm (what an EAGLE drafter
         reads)."""
         taps = tuple(sorted(taps))
+        if taps and self.hc is not None:
+            raise ValueError("hidden states between layers of hyper-connections (Hy4's) are several streams: no "
+                             "drafter reads them")
         if taps and not 0 <= taps[0] <= taps[-1] <= self.num_layers:
             raise ValueError(f"hidden states {list(taps)}: this model has {self.num_layers} layers, "
                              f"so 0 to {self.num_layers}")
@@ -1708,11 +1746,15 @@ class TorchLlama:
         if self.embed_norm is not None:
             h = norm(h, self.embed_norm, self.eps)
         per_layer = None if self.per_layer is None else self._per_layer_inputs(x.ids, h)  # [B, T, layers, width]
+        if self.hc is not None:  # Hy4's: the embedding's copies [B, T, streams, hidden]
+            h = h[:, :, None].expand(-1, -1, self.hc.streams, -1).contiguous()
         tapped = {}  # tap -> [B, T, hidden]
         for li, L in enumerate(self.layers):
             if li in self.taps:
                 tapped[li] = h
             if "qkv" in L or "mix_in" in L:  # (Nemotron-H's blocks: a mixer, or an MLP, alone)
+                if L["hc"] is not None:  # (the streams' mix in, the output added to each out)
+                    streams, (post, h) = h, self.hc.collapse(L["hc"][0], h)
                 a = h if L["attn_norm"] is None else norm(h, L["attn_norm"], self.eps)  # (OLMo 2's: none before)
                 mixed = 0
                 if "mix_in" in L:  # a recurrent layer (beside attention: Falcon-H1's)
@@ -1724,18 +1766,23 @@ class TorchLlama:
                     mlp = self._mlp(L, a if L["mlp_norm"] is None else norm(h, L["mlp_norm"], self.eps))
                     h = h + mixed + mlp if fam.parallel == "residual" else h + (mixed + mlp)
                 else:
-                    h = h + mixed
+                    h = h + mixed if L["hc"] is None else self.hc.expand(post, mixed, streams)
             if (L["gate_up"] is not None or L["experts"] is not None) and not fam.parallel:
+                if L["hc"] is not None:
+                    streams, (post, h) = h, self.hc.collapse(L["hc"][1], h)
                 a = h if L["mlp_norm"] is None else norm(h, L["mlp_norm"], self.eps)
                 out = self._mlp(L, a)
                 if L["moe_block"] is not None:
                     out = self._experts_beside(L["moe_block"], h, out)
-                h = h + self._residual(out, L["post_mlp_norm"])
+                out = self._residual(out, L["post_mlp_norm"])
+                h = h + out if L["hc"] is None else self.hc.expand(post, out, streams)
             if L["per_layer"] is not None:  # (Gemma 4's: its per-layer input, gated by the layer's output)
                 gate, project, post_norm = L["per_layer"]
                 h = h + norm(project(ACTIVATIONS[fam.activation](gate(h)) * per_layer[:, :, li]), post_norm, self.eps)
             if L["scalar"] is not None:
                 h = h * L["scalar"]
+        if self.hc is not None:
+            h = self.hc.head(self.hc_head, h)  # [B, T, hidden]
         if self.num_layers in self.taps:  # transformers' last hidden state: after the final norm
             h = tapped[self.num_layers] = norm(h, self.norm, self.eps)
         if last is not None:
@@ -1744,7 +1791,7 @@ class TorchLlama:
             h = norm(h, self.norm, self.eps)
         if fam.hidden_divisor is not None:
             h = h / fam.hidden_divisor
-        logits = softcap(self.lm_head(h), fam.final_softcap)
+        logits = softcap(self.lm_head(h.float() if self.float_head else h), fam.final_softcap)
         if fam.logits_divisor is not None:
             logits = logits / fam.logits_divisor
         if fam.logits_scale is not None:
@@ -1871,10 +1918,13 @@ class TorchLlama:
             if not expand:  # multi-query attention over the rows, the latents as values: the heads'
                 b, S = b1 - b0, rows.shape[2]  # queries side by side as one head's (no copy of the rows per head)
                 mask = seen[b0:b1].expand(b, H, T, S).reshape(b, 1, H * T, S)
-                o = attention(query[b0:b1].reshape(b, 1, H * T, -1), rows, latents, mask, self.family.attn_scale, None)
+                sinks = None if L["sinks"] is None else L["sinks"].repeat_interleave(T)[None]  # [1, H * T]: by row
+                o = attention(query[b0:b1].reshape(b, 1, H * T, -1), rows, latents, mask, self.family.attn_scale, None,
+                              sinks)
                 return o.view(b, H, T, lat.rank) @ L["uv"]
             keys = torch.cat([latents @ L["uk"].transpose(1, 2), rows[..., lat.rank:].expand(-1, H, -1, -1)], dim=-1)
-            return attention(query[b0:b1], keys, latents @ L["uv"], seen[b0:b1], self.family.attn_scale, None)
+            return attention(query[b0:b1], keys, latents @ L["uv"], seen[b0:b1], self.family.attn_scale, None,
+                             L["sinks"])
 
         if x.runs is not None:  # views of each run's cache rows
             parts = [attend(b0, b1, kc[s0:s0 + b1 - b0, :, :S]) for b0, b1, s0 in x.runs]
@@ -1884,8 +1934,8 @@ class TorchLlama:
         o = o.transpose(1, 2)  # [B, T, H, value]
         if gate is not None:
             o = (o * torch.sigmoid(gate.float())).to(o.dtype)
-        if L["head_gate"] is not None:  # (Ling's: a gate per head, in the model's dtype)
-            o = o * torch.sigmoid(L["head_gate"](a).float()).to(o.dtype)[..., None]
+        if L["out_gate"] is not None:  # (Ling's per head, Hy4's per element: in the model's dtype)
+            o = o * torch.sigmoid(L["out_gate"](a).float()).to(o.dtype).view(B, T, H, -1)
         return L["o"](o.reshape(B, T, H * lat.value))  # [B, T, hidden]
 
     def _select(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, q_low: torch.Tensor,
@@ -1900,9 +1950,12 @@ class TorchLlama:
         if self.family.interleaved_rope:  # the indexer's rotation by halves: its table by halves
             cos, sin = (torch.cat([t[..., 0::2]] * 2, dim=-1) for t in (cos, sin))
         q = I["wq_b"](q_low).view(B, T, ix.heads, ix.dim)  # [B, T, Hi, Di]
-        k = norm(I["wk"](a), I["k_norm"], INDEX_NORM_EPS)[:, :, None]  # [B, T, 1, Di]
-        if ix.interleaved:  # (GLM-5's pairs: each pair's first dimensions, then its second ones, rotate as halves,
+        k = norm(I["wk"](a), I["k_norm"], ix.norm_eps)[:, :, None]  # [B, T, 1, Di]
+        if ix.layout == "pairs":  # (GLM-5's pairs: each pair's first dimensions, then its second ones, rotate as
+            # halves,
             q, k = (torch.cat([t[..., 0:ix.rope:2], t[..., 1:ix.rope:2], t[..., ix.rope:]], dim=-1) for t in (q, k))
+        elif ix.layout == "last":  # (Hy4's: the last dimensions rotate, moved first; the dot products the same)
+            q, k = (torch.cat([t[..., -ix.rope:], t[..., :-ix.rope]], dim=-1) for t in (q, k))
         q, k = (rotate(t, cos, sin) for t in (q, k))  # in transformers' order; their first ``rope`` dimensions)
         rows = cache.index[I["slot"]]  # [slots, 1, capacity, Di]
         rows[x.slots[:, None], 0, x.write] = k[:, :, 0]
@@ -1910,7 +1963,7 @@ class TorchLlama:
             return None
         keys = rows[x.slots, 0, :S]  # [B, S, Di]
         scores = F.relu((q.float() @ keys.float().transpose(1, 2)[:, None]) * ix.dim ** -0.5)  # [B, T, Hi, S]
-        weights = I["weights"](a).float() * ix.heads ** -0.5  # [B, T, Hi]
+        weights = I["weights"](a.float() if ix.in_float else a).float() * ix.heads ** -0.5  # [B, T, Hi]
         total = (weights[:, :, None] @ scores)[:, :, 0].masked_fill(~x.mask[:, 0], float("-inf"))  # [B, T, S]
         kept = torch.zeros_like(x.mask[:, 0]).scatter(-1, total.topk(ix.topk, dim=-1).indices, True)[:, None]
         return x.mask & kept
