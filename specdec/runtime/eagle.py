@@ -348,13 +348,12 @@ class MtpHead(EagleHead):
         self.multi_row = self.one_row_packed = False
         self.taps, self.features = (), None
         r = CheckpointReader(weights, self.device, self.dtype, self.family, linear, multi_row=False)
-        moe = pre + "mlp.gate.weight" in weights  # DeepSeek-V3's, GLM-4.5's, Qwen3-Next's: experts
         if mimo:  # a windowed layer of the target's: its key/value heads and window, sinks, its rope
             place = next(layer["kv"] for layer in target.layers if layer["sliding"])
             self.kv_heads, self.head_dim, self.v_dim, self.window = place.heads, place.dim, target.v_dim, target.window
             self.layers = [decoder_layer(r, config, pre, sliding=True, rope="sliding_attention")]
-        else:
-            self.layers = [decoder_layer(r, config, pre, moe, latent=self.latent)]
+        else:  # (experts where the checkpoint's layer has a router: DeepSeek-V3's, GLM-4.5's, Qwen3-Next's)
+            self.layers = [decoder_layer(r, config, pre, pre + "mlp.gate.weight" in weights, latent=self.latent)]
         if target.sparse_index is not None and pre + "self_attn.indexer.wk.weight" in weights:  # (DeepSeek-V3.2's,
             # GLM-5's: sparse attention, an indexer of its own)
             self.sparse_index = replace(target.sparse_index, owns=(True,))
