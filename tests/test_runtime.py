@@ -529,7 +529,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "gemma4-plain", "gemma4-unified", "minimax-m2-experts", "lfm3-windows-gates",
                                   "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope", "cohere2moe-softmax-average",
                                   "cohere2moe-sigmoid-sum-rms", "mellum-windows-experts", "hy3-qk-norms-experts",
-                                  "sarvam-moe-original-names", "phimoe-sparsemixer-longrope"])
+                                  "sarvam-moe-original-names", "phimoe-sparsemixer-longrope",
+                                  "laguna-heads-per-layer-gates", "laguna-element-gates"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -593,7 +594,7 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "kolibri1-windows-experts", "flint-sinks-windows-experts", "minicpm3-latent-mup",
                                   "gemma4-experts-beside", "mimo-windows-sinks-experts",
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
-                                  "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates",
+                                  "sarvam-mla-one-query-product",
                                   "axk2-gated-norms-query-gates", "kimilinear-kda-latent-nope",
                                   "ling-kda-bounded-decays", "hy4-hyper-connections-sparse-sinks"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
@@ -603,8 +604,7 @@ def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     products add their biases after the product (a second rounding) and attend its one key
     head broadcast, Granite-SWA's sinks scale the output in float32 (GPT-OSS's: a logit in the
     softmax, in the model's dtype; MiMo-V2-Flash's full-attention layers softmax in the model's dtype in
-    transformers' eager attention, in float32 in PyTorch's fused one; Laguna's routed scale multiplies
-    the experts' summed output in transformers, each routing weight here), and ALiBi's biases join the scores in
+    transformers' eager attention, in float32 in PyTorch's fused one), and ALiBi's biases join the scores in
     another order (BLOOM's in one fused product, MPT's and Falcon's in float32), so in bfloat16
     their logits are not transformers' bit for bit; they are as close to the float32 logits as
     transformers' bfloat16 logits are (within 1.5x of that error, relative to the largest

@@ -125,7 +125,8 @@ class Routing:
     correction bias, weighted by their sigmoid, renormalised where ``norm_topk_prob``; Cohere2-MoE's
     (``top_softmax``, or ``top_sigmoid``: the sigmoid of the top k logits, renormalised where
     ``norm_topk_prob``); Laguna's: AFMoE's, the logits capped first where ``softcap`` (``cap *
-    tanh(logits / cap)``); Phi-3.5-MoE's (``sparsemixer``, its ``router_jitter_noise``: ``_sparsemixer``);
+    tanh(logits / cap)``), its weights in the model's dtype and ``scale`` times their experts' sum
+    (``scale_sum``); Phi-3.5-MoE's (``sparsemixer``, its ``router_jitter_noise``: ``_sparsemixer``);
     A.X K2's: DeepSeek-V3's, the experts outside the best groups scored 0 (``group_fill``), not -inf."""
 
     top_k: int
@@ -150,6 +151,7 @@ class Routing:
     choose_by_logits: bool = False
     top_sigmoid: bool = False
     softcap: float = 0.0
+    scale_sum: bool = False  # (Laguna's: ``scale`` times the experts' sum, the weights in the model's dtype)
     sparsemixer: float | None = None
     group_fill: float = float("-inf")
 
@@ -165,7 +167,8 @@ class Routing:
         if kind in ("afmoe", "laguna"):  # (Laguna's logits capped first, where moe_router_logit_softcapping)
             return cls(config.num_experts_per_tok, renormalize=True, sigmoid=True, float_scores=True,
                        scale=config.route_scale if kind == "afmoe" else config.moe_routed_scaling_factor,
-                       softcap=getattr(config, "moe_router_logit_softcapping", 0.0), activation=config.hidden_act)
+                       softcap=getattr(config, "moe_router_logit_softcapping", 0.0), activation=config.hidden_act,
+                       scale_sum=kind == "laguna")
         if kind == "flint":  # the router in float32, the top k of its sigmoid, renormalised where norm_topk_prob
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, sigmoid=True, float_router=True,
                        activation=config.hidden_act)
@@ -267,6 +270,8 @@ class Routing:
             weights = scores.gather(1, chosen)
             if self.renormalize:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + self.renorm_eps)
+            if self.scale_sum:
+                return weights.to(dtype or logits.dtype), chosen
             return weights * self.scale, chosen
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [N, experts]
         if self.groups > 1:  # DeepSeek-V2's group_limited_greedy: each group by its best expert (Mistral 4's: two)
@@ -459,4 +464,5 @@ class Experts:
             out = out * weights.flatten()[order, None]
         by_token = torch.empty_like(out)
         by_token[order] = out  # back in token order
-        return by_token.view(N, k, -1).sum(dim=1).to(x.dtype).view_as(x)
+        out = by_token.view(N, k, -1).sum(dim=1).to(x.dtype).view_as(x)
+        return out * self.routing.scale if self.routing.scale_sum else out
