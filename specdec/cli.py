@@ -73,7 +73,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "Granite, SmolLM3, GLM(-4), OLMo (2/3), EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan, "
                         "Cohere (Command R, R+, R7B, A Plus's MoE), StarCoder2, Apertus, Phi, GPT-NeoX (Pythia), StableLM, "
                         "Persimmon, GPT-J, CodeGen, Falcon, GPT-2, GPT-Neo, GPT-BigCode, OPT, BLOOM, MPT, Nemotron, "
-                        "EXAONE 3, InternLM 3, IQuest-Coder, Helium, Granite-SWA, Jais 2, NanoChat, CWM, Youtu, "
+                        "EXAONE 3, InternLM 3, IQuest-Coder, Helium, Granite-SWA, HyperCLOVA X, Jais 2, NanoChat, CWM, Youtu, "
                         "MiniCPM3, Gemma, Gemma 2, VaultGemma, Gemma 3, Gemma 4 (12B's unified model too), Mixtral, "
                         "Qwen2/3-MoE, OLMoE, FlexOlmo, "
                         "EXAONE-MoE, Llama 4, Hy4, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2, "

@@ -367,6 +367,9 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # by halves, its key norm and weights in float32) over latent attention (rope by halves) with a sink per head and
     # a gate per element on its output, experts whose silu clamps, its head in float32; its names as saved
     "hy4-hyper-connections-sparse-sinks": ("hy_v4", HY4),
+    # HyperCLOVA X: Granite's muP multipliers (its logits times logits_scaling), norms after attention and the MLP too
+    # (Peri-LN: post_norm1 / post_norm2), before the residual multiplier
+    "hyperclovax-peri-norms-mup": ("hyperclovax", dict(GRANITE, head_dim=16)),
     "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
     # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
     "mellum-windows-experts": ("mellum", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, layers=4,
@@ -530,7 +533,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope", "cohere2moe-softmax-average",
                                   "cohere2moe-sigmoid-sum-rms", "mellum-windows-experts", "hy3-qk-norms-experts",
                                   "sarvam-moe-original-names", "phimoe-sparsemixer-longrope",
-                                  "laguna-heads-per-layer-gates", "laguna-element-gates"])
+                                  "laguna-heads-per-layer-gates", "laguna-element-gates", "hyperclovax-peri-norms-mup"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -1307,7 +1310,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "sarvam-mla-one-query-product", "laguna-heads-per-layer-gates",
                                   "laguna-element-gates", "phimoe-sparsemixer-longrope", "axk2-gated-norms-query-gates",
                                   "kimilinear-kda-latent-nope", "kimilinear-query-low-rank", "ling-kda-bounded-decays",
-                                  "ling-kda-softplus-no-q-lora", "hy4-hyper-connections-sparse-sinks"])
+                                  "ling-kda-softplus-no-q-lora", "hy4-hyper-connections-sparse-sinks",
+                                  "hyperclovax-peri-norms-mup"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

@@ -60,8 +60,8 @@ HYBRID_ARCHS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # Granite's multipliers; Granite 4.0's hybrids (granitemoehybrid, with or without experts) have Mamba-2 layers
 # beside attention without rope, as Bamba's beside attention with rope on half of each head
 GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "granite_swa",
-            "granitemoe_swa")  # (Granite-SWA's and its MoE's: windows on the layers layer_types names, a sink per head,
-# a rope base per layer, layer_rope_theta, 0 for none)
+            "granitemoe_swa", "hyperclovax")  # (Granite-SWA's and its MoE's: windows on the layers layer_types names,
+# a sink per head, a rope base per layer, layer_rope_theta, 0 for none; HyperCLOVA X's: Granite's, norms after too)
 GEMMA4 = ("gemma4_text", "gemma4_unified_text")  # Gemma 4's text models (the unified one, 12B's: no per-layer inputs)
 ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
@@ -585,10 +585,11 @@ class Family:
     def of(cls, config, dtype: torch.dtype = torch.float32) -> "Family":
         gemma23 = config.model_type in ("gemma2", "gemma3_text", "vaultgemma")  # the fields only their models read
         act = (config.hidden_activation if gemma23 else None) or getattr(config, "hidden_act", "silu")
-        if config.model_type in GRANITES:
+        if config.model_type in GRANITES:  # (HyperCLOVA X's logits times logits_scaling, not over it)
+            clova = config.model_type == "hyperclovax"
             return cls(embed_scale=config.embedding_multiplier, attn_scale=config.attention_multiplier,
-                       residual_scale=config.residual_multiplier, logits_divisor=config.logits_scaling,
-                       activation=act)
+                       residual_scale=config.residual_multiplier, activation=act,
+                       **{"logits_scale" if clova else "logits_divisor": config.logits_scaling})
         latent = Latent.of(config)
         if latent is not None and config.model_type == "minicpm3":  # muP's multipliers, as Granite's
             return cls(activation=act, attn_scale=latent.scale(config), embed_scale=config.scale_emb,
@@ -1321,18 +1322,19 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         if config.model_type == "axk1" and moe else None
     after = pre + "input_layernorm.weight" not in r and pre + "post_feedforward_layernorm.weight" in r  # OLMo 2's,
     # Exaone 4's: norms after alone
+    peri = pre + "post_norm1.weight" in r  # HyperCLOVA X's: norms after too (Peri-LN), named so
     return {
         "attn_norm": r.norm(pre + "input_layernorm.weight") if mixes else None,
         **mixer,
         "post_attn_norm": r.norm(pre + "post_attention_layernorm.weight") if sandwich or after or afmoe else
-        r.norm(pre + "post_self_attn_layernorm.weight") if glm4 else None,
+        r.norm(pre + "post_self_attn_layernorm.weight") if glm4 else r.norm(pre + "post_norm1.weight") if peri else None,
         "mlp_norm": r.norm(pre + ("pre_feedforward_layernorm" if sandwich else "pre_mlp_layernorm" if afmoe else
                                   "pre_ff_layernorm" if pre + "pre_ff_layernorm.weight" in r else
                                   "post_attention_layernorm") + ".weight")
         if mlps and not after else None,
-        "post_mlp_norm": r.norm(pre + (inner or ("post_mlp_layernorm" if glm4 or afmoe else
+        "post_mlp_norm": r.norm(pre + (inner or ("post_mlp_layernorm" if glm4 or afmoe else "post_norm2" if peri else
                                                  "post_feedforward_layernorm")) + ".weight")
-        if sandwich or glm4 or after or afmoe or inner else None,
+        if sandwich or glm4 or after or afmoe or inner or peri else None,
         "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
         "xielu": xielu_weights(r, mlp) if r.family.activation == "xielu" and gate_up is not None else None,
         "down": down,
