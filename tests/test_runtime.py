@@ -11,7 +11,7 @@ from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3,
                   LLAMA4, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
-                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4)
+                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -370,6 +370,9 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # HyperCLOVA X: Granite's muP multipliers (its logits times logits_scaling), norms after attention and the MLP too
     # (Peri-LN: post_norm1 / post_norm2), before the residual multiplier
     "hyperclovax-peri-norms-mup": ("hyperclovax", dict(GRANITE, head_dim=16)),
+    # Lara: Qwen3.5's DeltaNet layers (one fused input product, their gated norm in float32) beside windowed and full
+    # attention without a gate, float32 norms, experts of a float32 router beside an ungated shared expert
+    "lara-delta-windows-experts": ("lara_mini", LARA),
     "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
     # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
     "mellum-windows-experts": ("mellum", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, layers=4,
@@ -533,7 +536,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "lfm3-plain", "olmohybrid-rope", "olmohybrid-nope", "cohere2moe-softmax-average",
                                   "cohere2moe-sigmoid-sum-rms", "mellum-windows-experts", "hy3-qk-norms-experts",
                                   "sarvam-moe-original-names", "phimoe-sparsemixer-longrope",
-                                  "laguna-heads-per-layer-gates", "laguna-element-gates", "hyperclovax-peri-norms-mup"])
+                                  "laguna-heads-per-layer-gates", "laguna-element-gates", "hyperclovax-peri-norms-mup",
+                                  "lara-delta-windows-experts"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -1038,7 +1042,7 @@ def test_chunk_mask_and_positions(loaded):
 
 
 @pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "lfm3", "falconh1", "mamba", "jamba",
-                                  "olmohybrid", "kimilinear", "ling"])
+                                  "olmohybrid", "kimilinear", "ling", "lara"])
 def test_tree_through_recurrent_states(loaded, name):
     """A token tree through recurrent layers (DeltaNet's, Mamba-2's, Mamba's, LFM2's convolutions) in one
     forward: each node's logits are those of its path as a chain; after ``keep`` of a path
@@ -1311,7 +1315,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "laguna-element-gates", "phimoe-sparsemixer-longrope", "axk2-gated-norms-query-gates",
                                   "kimilinear-kda-latent-nope", "kimilinear-query-low-rank", "ling-kda-bounded-decays",
                                   "ling-kda-softplus-no-q-lora", "hy4-hyper-connections-sparse-sinks",
-                                  "hyperclovax-peri-norms-mup"])
+                                  "hyperclovax-peri-norms-mup", "lara-delta-windows-experts"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

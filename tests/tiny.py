@@ -208,6 +208,11 @@ KIMI_LINEAR = dict(LATENT, q_lora_rank=None, pad_token_id=0, linear_num_heads=4,
 HY4 = dict(LATENT, pad_token_id=0, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
            topk_group=1, routed_scaling_factor=2.0, layers=3, index_n_heads=8, index_head_dim=16, index_topk=6,
            indexer_types=["full", "shared", "full"], hc_mult=3, swiglu_limit=0.5, learnable_sink_init=3.0)
+# Lara's kind (lara_mini): Qwen3.5's Gated DeltaNet layers (their input products fused in one), windowed (6) and full
+# attention with q/k norms and no gate, norms' products in float32, experts (a float32 router) beside a shared expert
+LARA = dict(DELTA_NET, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, sliding_window=6, layers=4,
+            layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"])
 # Ling's hybrids' kind (bailing_hybrid): Kimi Delta Attention with full-rank gates and bounded decays, beside latent
 # attention with rope and a gate per head, DeepSeek-V3's experts after a dense layer; its names as saved
 LING = dict(LATENT, pad_token_id=0, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=2,

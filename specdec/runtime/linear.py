@@ -143,7 +143,8 @@ def linear_bytes(config) -> int:
             dense = m * ((int(config.block_ffn_dim_multiplier * dense) + m - 1) // m)
     mlp = sum(shared if moe else dense for moe in moe_layers(config))
     # queries' gates (AFMoE's: their own product; OLMo-Hybrid's DeltaNet layers beside attention without)
-    gated = isinstance(rec, DeltaNet) and config.model_type != "olmo_hybrid" or config.model_type == "afmoe"
+    gated = isinstance(rec, DeltaNet) and config.model_type not in ("olmo_hybrid", "lara_mini") \
+        or config.model_type == "afmoe"
     per_attention = (heads * d * (2 if gated else 1) + 2 * kv * d) * h + h * heads * d
     if config.model_type == "lfm3" and config.use_attention_gate:  # a gate per head
         per_attention += heads * h

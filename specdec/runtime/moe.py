@@ -4,7 +4,7 @@ Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
 Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2,
 Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE, DeepSeek-V3.2, GLM-5, Hy3, Sarvam, Laguna, Phi-3.5-MoE, A.X K2,
-Kimi Linear, Ling's hybrids, Hy4)."""
+Kimi Linear, Ling's hybrids, Hy4, Lara)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
              "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe", "mimo_v2_flash", "mellum",
              "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa", "hy_v3", "sarvam_moe", "sarvam_mla", "laguna",
-             "phimoe", "axk2", "kimi_linear", "bailing_hybrid", "hy_v4")
+             "phimoe", "axk2", "kimi_linear", "bailing_hybrid", "hy_v4", "lara_mini")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
@@ -42,7 +42,7 @@ def moe_layers(config) -> list[bool]:
     if kind not in MOE_ARCHS:
         return [False] * n
     if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text", "olmoe", "flex_olmo", "solar_open", "hunyuan_v1_moe",
-                "dbrx", "kolibri1", "minimax_m2", "phimoe") + GRANITE_MOES:
+                "dbrx", "kolibri1", "minimax_m2", "phimoe", "lara_mini") + GRANITE_MOES:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4", "sarvam_moe",
                 "sarvam_mla"):
@@ -197,6 +197,9 @@ class Routing:
             return cls(top_k, renormalize=True, float_weights=True, float_router=True, activation=config.hidden_act)
         if kind == "gemma4_text":  # the top k of the softmax renormalised, in float32 (then each expert's factor)
             return cls(config.top_k_experts, renormalize=True, float_weights=True, activation=config.hidden_activation)
+        if kind == "lara_mini":  # the router in float32, the top k of its softmax renormalised where norm_topk_prob
+            return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, float_router=True,
+                       activation=config.hidden_act)
         if kind == "jamba":  # the top k of the softmax, not renormalised
             return cls(config.num_experts_per_tok, activation=config.hidden_act)
         if kind == "ernie4_5_moe":
@@ -379,11 +382,13 @@ class Experts:
             gate_up = stacked([list(dict.fromkeys([x + gate + ".weight", x + up + ".weight"])) for x in experts])
             down = stacked([[x + down + ".weight"] for x in experts])
 
-        router = next(block + n for n in ("gate.weight", "router.layer.weight", "router.weight", "gate.wg.weight",
-                                          "router.gate.weight")
-                      if block + n in weights)  # (Granite's as saved, as transformers names it; HunYuan's, AFMoE's)
-        router = weights[router].to(
-            device=device, dtype=torch.float32 if routing.float_router else dtype, copy=True)
+        router_name = next(block + n for n in ("gate.weight", "router.layer.weight", "router.weight", "gate.wg.weight",
+                                               "router.gate.weight")
+                           if block + n in weights)  # (Granite's as saved, as transformers names it; HunYuan's, AFMoE's)
+        router = weights[router_name].to(device=device, dtype=dtype, copy=True)
+        if routing.float_router:  # (kept in float32 where transformers keeps it so; Lara's as the model's dtype holds it)
+            router = (weights[router_name].to(device=device, dtype=torch.float32, copy=True)
+                      if config.model_type != "lara_mini" else router.float())
         correction = next((block + n for n in ("gate.e_score_correction_bias", "expert_bias",
                                                "moe_statics.e_score_correction_bias", "e_score_correction_bias",
                                                "experts.e_score_correction_bias")

@@ -1,5 +1,5 @@
 """Layers with a recurrent state for the torch runtime: the Gated DeltaNet layers of Qwen3-Next,
-Qwen3.5 and OLMo-Hybrid and the Kimi Delta Attention of Kimi Linear and Ling 3 (``DeltaNet``), the
+Qwen3.5, OLMo-Hybrid and Lara and the Kimi Delta Attention of Kimi Linear and Ling 3 (``DeltaNet``), the
 Mamba-2 layers of Granite 4.0's hybrids, Bamba, Nemotron-H, Falcon-H1 and Mamba-2 (``Mamba2``), the
 Mamba layers of Mamba, Falcon-Mamba and Jamba (``Mamba1``) and LFM2's short convolutions (``ShortConv``:
 a conv window, no matrix), and the states they keep per slot (``RecurrentStates``), which a rewind
@@ -140,13 +140,16 @@ class DeltaNet:
         ``dt_bias``, as transformers computes ``g``, ``gate_norm`` (the output's norm, of plain
         weight) and ``mix_out``. Qwen3-Next stores the products grouped per key head
         (``in_proj_qkvz``, ``in_proj_ba``): they are reordered into Qwen3.5's layout; OLMo-Hybrid's
-        are apart (``q_proj``... ``g_proj``, the gate; ``o_proj``, ``o_norm``)."""
+        are apart (``q_proj``... ``g_proj``, the gate; ``o_proj``, ``o_norm``); Lara's fused in one
+        (``in_proj``, Qwen3.5's order; its norm ``out_norm``, in float32)."""
         if self.channels:
             return self._kda_weights(r, pre + "self_attn.")
         a = pre + "linear_attn."
         olmo = a + "q_proj.weight" in r
         if olmo:
             parts = [r.get(a + f"{n}_proj.weight") for n in ("q", "k", "v", "g", "b", "a")]
+        elif a + "in_proj.weight" in r:  # (Lara's: all four fused, in Qwen3.5's order)
+            parts = [r.get(a + "in_proj.weight")]
         elif a + "in_proj_qkvz.weight" in r:
             per = self.v_heads // self.k_heads  # value heads per key head
             qkvz = r.get(a + "in_proj_qkvz.weight").view(self.k_heads, -1, r.get(a + "out_proj.weight").shape[0])
@@ -166,7 +169,9 @@ class DeltaNet:
             "decay": -torch.exp(r.weights[a + "A_log"].to(r.device, torch.float32) if olmo else
                                 r.get(a + "A_log").float()),
             "dt_bias": r.get(a + "dt_bias"),  # [v_heads]
-            "gate_norm": r.get(a + ("o_norm.weight" if olmo else "norm.weight")),  # [v_dim]
+            # [v_dim] (Lara's, as released ``out_norm``, to float32: its product and gate in float32 too)
+            "gate_norm": r.get(a + "o_norm.weight") if olmo else r.get(a + "norm.weight") if a + "norm.weight" in r
+            else r.get(a + "out_norm.weight").float(),
             "mix_out": r.linear(r.get(a + ("o_proj.weight" if olmo else "out_proj.weight")), None),
         }
 
@@ -189,7 +194,7 @@ class DeltaNet:
             "conv_bias": None,
             "A": torch.exp(raw(a + "A_log").float()).view(self.v_heads, 1),
             "dt_bias": r.weights[a + "dt_bias"].to(r.device, torch.float32).view(self.v_heads, self.k_dim),
-            "gate_norm": r.weights[a + "o_norm.weight"].to(r.device, torch.float32),  # (scales in float32)
+            "gate_norm": r.get(a + "o_norm.weight").float(),  # (as the model's dtype holds it; scales in float32)
             "mix_out": r.linear(r.get(a + "o_proj.weight"), None),
         }
 
@@ -265,8 +270,10 @@ class DeltaNet:
         o = scan(states, li, slots, plan, step if stepped else None, chunked)  # [B, T, Hv, dv]
         if plan.every:  # each token's inputs, which a rewind replays
             states.keep_inputs(li, slots, plan, torch.cat([g, k, torch.cat(deltas, 1)], -1))
-        o = o.to(a.dtype)  # (Kimi's norm and gate in float32 throughout; Qwen3.5's norm scales in the model's dtype)
-        o = rms_norm(o.float() if self.channels else o, L["gate_norm"], self.norm_eps or eps) * gate
+        o = o.to(a.dtype)  # (Kimi's and Lara's norm and gate in float32 throughout, a float32 weight's; Qwen3.5's
+        # norm scales in the model's dtype)
+        o = rms_norm(o.float() if L["gate_norm"].dtype == torch.float32 else o, L["gate_norm"], self.norm_eps or eps) \
+            * gate
         return L["mix_out"](o.to(a.dtype).reshape(B, T, self.value_width))
 
 

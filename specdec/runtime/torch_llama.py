@@ -72,7 +72,7 @@ ARCHS = tuple(dict.fromkeys((
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
     "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4, "kimi_linear",
-    "bailing_hybrid", "hy_v4")
+    "bailing_hybrid", "hy_v4", "lara_mini")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -671,7 +671,7 @@ class Family:
         if config.model_type not in GEMMAS:
             return cls(activation=act,
                        float_norms=config.model_type in ("gpt_oss", "olmo2", "olmo3", "helium", "flex_olmo", "flint",
-                                                         "olmo_hybrid"),
+                                                         "olmo_hybrid", "lara_mini"),
                        clip_qkv=getattr(config, "clip_qkv", None) if config.model_type == "olmoe" else None,
                        interleaved_rope=config.model_type in ("glm", "glm4", "ernie4_5", "ernie4_5_moe", "helium")
                        + GLM_VL_TEXT,
@@ -1439,7 +1439,8 @@ class TorchLlama:
             # released checkpoints' (no rope_parameters): no rope
         if config.model_type == "kimi_linear":  # its latent attention without rope (its rotated part's width none the
             rotates = [0] * self.num_layers  # less)
-        if config.model_type in ("exaone4", "exaone_moe", "cohere2", "cohere2_moe", "afmoe", "kolibri1", "flint") \
+        if config.model_type in ("exaone4", "exaone_moe", "cohere2", "cohere2_moe", "afmoe", "kolibri1", "flint",
+                                 "lara_mini") \
                 and config.sliding_window:
             # rope on the windowed layers alone
             rotates = [t == "sliding_attention" for t in types]
