@@ -77,7 +77,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "MiniCPM3, Gemma, Gemma 2, VaultGemma, Gemma 3, Gemma 4 (12B's unified model too), Mixtral, "
                         "Qwen2/3-MoE, OLMoE, FlexOlmo, "
                         "EXAONE-MoE, Llama 4, Hy4, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2, "
-                        "MiMo-V2-Flash, Mellum 2, dots.llm1, "
+                        "MiMo-V2-Flash, Mellum 2, Aria, dots.llm1, "
                         "ERNIE 4.5 MoE, Granite MoE (-SWA), GPT-OSS, GLM-4.5, DeepSeek-V2/V3, GLM-4.7-Flash, Mistral 4, "
                         "Qwen3-Next, Qwen3.5 (-MoE), OLMo-Hybrid, Kimi Linear, Ling 3, Lara 4 Mini, Granite 4.0 (-H), Bamba, Nemotron-H, Falcon-H1, Jamba, "
                         "LFM2 (-MoE), LFM3, "

@@ -373,6 +373,10 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # Lara: Qwen3.5's DeltaNet layers (one fused input product, their gated norm in float32) beside windowed and full
     # attention without a gate, float32 norms, experts of a float32 router beside an ungated shared expert
     "lara-delta-windows-experts": ("lara_mini", LARA),
+    # Aria's text model: experts on every layer (the softmax of the top 2 logits; silu whatever hidden_act says, the
+    # shared experts' gelu here), stored [experts, in, out] (fc1 / fc2), beside shared experts twice as wide
+    "aria-experts-transposed": ("aria_text", dict(moe_num_experts=4, moe_topk=2, moe_num_shared_experts=2,
+                                                  intermediate_size=32, pad_token_id=0, hidden_act="gelu_pytorch_tanh")),
     "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
     # Mellum 2 (JetBrains): Qwen3-MoE's attention and experts, windows and a rope base per layer type, a dense layer
     "mellum-windows-experts": ("mellum", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, layers=4,
@@ -537,7 +541,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "cohere2moe-sigmoid-sum-rms", "mellum-windows-experts", "hy3-qk-norms-experts",
                                   "sarvam-moe-original-names", "phimoe-sparsemixer-longrope",
                                   "laguna-heads-per-layer-gates", "laguna-element-gates", "hyperclovax-peri-norms-mup",
-                                  "lara-delta-windows-experts"])
+                                  "lara-delta-windows-experts", "aria-experts-transposed"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -675,7 +679,7 @@ RECURRENT_VL = ("qwen3_5", "lfm2_vl", "lfm3_vl")  # text models with recurrent s
 
 @pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "llava_next", "llava_onevision", "qwen2_vl",
                                   "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "glm46v", "internvl", "smolvlm", "lfm2_vl",
-                                  "lfm3_vl", "exaone4_5", "apertus1p5",
+                                  "lfm3_vl", "exaone4_5", "apertus1p5", "aria",
                                   "qwen3_5", "gemma4", "gemma4_unified"])
 def test_vision_language_text_model(tmp_path, kind):
     """Mistral 3's (with a Mistral text model, or Ministral 3's: its queries scaled past the
@@ -1315,7 +1319,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "laguna-element-gates", "phimoe-sparsemixer-longrope", "axk2-gated-norms-query-gates",
                                   "kimilinear-kda-latent-nope", "kimilinear-query-low-rank", "ling-kda-bounded-decays",
                                   "ling-kda-softplus-no-q-lora", "hy4-hyper-connections-sparse-sinks",
-                                  "hyperclovax-peri-norms-mup", "lara-delta-windows-experts"])
+                                  "hyperclovax-peri-norms-mup", "lara-delta-windows-experts", "aria-experts-transposed"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

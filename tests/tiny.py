@@ -358,6 +358,12 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
     "mistral3": (dict(model_type="mistral"), dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
                  num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
                  dict(image_token_index=VOCAB - 1)),
+    # Aria's: its text model's experts on every layer beside shared ones, an Idefics3 vision tower
+    "aria": (dict(model_type="aria_text", moe_num_experts=4, moe_topk=2, moe_num_shared_experts=2, intermediate_size=32,
+                  pad_token_id=0),
+             dict(model_type="idefics3_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14),
+             dict(image_token_index=VOCAB - 1, projector_patch_to_query_dict={4: 2})),
     "llava": (dict(model_type="llama"), dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
               num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14), dict(image_token_index=VOCAB - 1)),
     # LLaVA-NeXT's (Mistral text), LLaVA-OneVision's (Qwen2 text, SigLIP vision)

@@ -129,6 +129,8 @@ def linear_bytes(config) -> int:
             or getattr(config, "num_shared_experts", 0) or 0) \
         * (getattr(config, "moe_intermediate_size", 0) or 0)
     dense = shared if config.model_type == "granitemoehybrid" else config.intermediate_size  # (its shared_mlp)
+    if config.model_type == "aria_text":  # its shared experts as wide as its routed ones, side by side
+        shared = config.intermediate_size * config.moe_num_shared_experts
     if config.model_type == "llama4_text":  # a shared expert as wide as a routed one, dense layers of their own width
         shared, dense = config.intermediate_size, config.intermediate_size_mlp
     if config.model_type == "hunyuan_v1_moe":  # its shared MLP as wide as an expert

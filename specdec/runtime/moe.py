@@ -4,7 +4,7 @@ Qwen2-MoE, Qwen3-MoE, GPT-OSS with its MXFP4 experts, GLM-4.5, DeepSeek-V2 and V
 Qwen3.5-MoE, Qwen3-Next, Granite's, Nemotron-H, LFM2-MoE, Jamba, OLMoE, dots.llm1, GLM-4.5V, ERNIE 4.5,
 Mistral 4, EXAONE-MoE, Llama 4, FlexOlmo, Solar Open, HunYuan-MoE, AFMoE, A.X K1, DBRX, Kolibri, Flint, MiniMax-M2,
 Cohere2-MoE, MiMo-V2-Flash, Mellum, Qwen3-VL-MoE, DeepSeek-V3.2, GLM-5, Hy3, Sarvam, Laguna, Phi-3.5-MoE, A.X K2,
-Kimi Linear, Ling's hybrids, Hy4, Lara)."""
+Kimi Linear, Ling's hybrids, Hy4, Lara, Aria)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
              "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe", "mimo_v2_flash", "mellum",
              "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa", "hy_v3", "sarvam_moe", "sarvam_mla", "laguna",
-             "phimoe", "axk2", "kimi_linear", "bailing_hybrid", "hy_v4", "lara_mini")
+             "phimoe", "axk2", "kimi_linear", "bailing_hybrid", "hy_v4", "lara_mini", "aria_text")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
@@ -42,7 +42,7 @@ def moe_layers(config) -> list[bool]:
     if kind not in MOE_ARCHS:
         return [False] * n
     if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text", "olmoe", "flex_olmo", "solar_open", "hunyuan_v1_moe",
-                "dbrx", "kolibri1", "minimax_m2", "phimoe", "lara_mini") + GRANITE_MOES:
+                "dbrx", "kolibri1", "minimax_m2", "phimoe", "lara_mini", "aria_text") + GRANITE_MOES:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4", "sarvam_moe",
                 "sarvam_mla"):
@@ -69,7 +69,7 @@ def moe_layers(config) -> list[bool]:
 def num_experts(config) -> int:
     """The routed experts of a mixture's layer (0 without)."""
     return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or \
-        getattr(config, "n_routed_experts", 0) or 0
+        getattr(config, "n_routed_experts", 0) or getattr(config, "moe_num_experts", 0) or 0  # (Aria's)
 
 
 grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm from torch 2.10
@@ -197,6 +197,8 @@ class Routing:
             return cls(top_k, renormalize=True, float_weights=True, float_router=True, activation=config.hidden_act)
         if kind == "gemma4_text":  # the top k of the softmax renormalised, in float32 (then each expert's factor)
             return cls(config.top_k_experts, renormalize=True, float_weights=True, activation=config.hidden_activation)
+        if kind == "aria_text":  # the softmax of the top k logits; its routed experts silu's whatever hidden_act says
+            return cls(config.moe_topk, top_softmax=True)
         if kind == "lara_mini":  # the router in float32, the top k of its softmax renormalised where norm_topk_prob
             return cls(config.num_experts_per_tok, renormalize=config.norm_topk_prob, float_router=True,
                        activation=config.hidden_act)
@@ -365,10 +367,12 @@ class Experts:
         fused = [block + "experts." + ("gate_up_proj" if routing.gated else "up_proj"), block + "experts.down_proj"]
         if block + "input_linear.weight" in weights:  # Granite's as saved
             fused = [block + "input_linear.weight", block + "output_linear.weight"]
+        if block + "experts.fc1.weight" in weights:  # Aria's as saved ([experts, in, out])
+            fused = [block + "experts.fc1.weight", block + "experts.fc2.weight"]
         if fused[0] in weights:  # fused, [experts, out, in] (Llama 4's [experts, in, out]; Qwen3-VL-MoE's either,
             # [experts, in, out] as released: where not [experts, out, in], as transformers reads them)
             gate_up, down = (weights[n].to(device=device, dtype=dtype, copy=True) for n in fused)
-            if config.model_type == "llama4_text":
+            if config.model_type in ("llama4_text", "aria_text"):
                 gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
             if config.model_type == "qwen3_vl_moe_text":
                 h, i = config.hidden_size, config.moe_intermediate_size

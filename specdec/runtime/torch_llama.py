@@ -84,7 +84,7 @@ PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", 
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
-MULTIMODAL = dict.fromkeys(("gemma3", "mistral3", "llava"), ("language_model.model.", "model.language_model."))
+MULTIMODAL = dict.fromkeys(("gemma3", "mistral3", "llava", "aria"), ("language_model.model.", "model.language_model."))
 # Qwen2.5-VL's and Qwen3-VL's (their multimodal rope, on text alone, is the text model's: its three
 # position streams are equal); Qwen2.5-VL's released checkpoints keep the text model under "model."
 MULTIMODAL.update(dict.fromkeys(("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"),
