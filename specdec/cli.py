@@ -71,7 +71,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="torch = specdec's own runtime (Llama, Mistral, Ministral (3), Qwen2/3, Phi-3 (longrope too), "
                         "Granite, SmolLM3, GLM(-4), OLMo (2/3), EXAONE 4, ERNIE 4.5, Arcee, Seed-OSS, HunYuan, "
-                        "Cohere (Command R, R+, R7B, A Plus's MoE), StarCoder2, Apertus, Phi, GPT-NeoX (Pythia), StableLM, "
+                        "Cohere (Command R, R+, R7B, A Plus's MoE, Compass), StarCoder2, Apertus, Phi, GPT-NeoX (Pythia), StableLM, "
                         "Persimmon, GPT-J, CodeGen, Falcon, GPT-2, GPT-Neo, GPT-BigCode, OPT, BLOOM, MPT, Nemotron, "
                         "EXAONE 3, InternLM 3, IQuest-Coder, Helium, Granite-SWA, HyperCLOVA X, Jais 2, NanoChat, CWM, Youtu, "
                         "MiniCPM3, Gemma, Gemma 2, VaultGemma, Gemma 3, Gemma 4 (12B's unified model too), Mixtral, "

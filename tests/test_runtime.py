@@ -375,6 +375,12 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "lara-delta-windows-experts": ("lara_mini", LARA),
     # Aria's text model: experts on every layer (the softmax of the top 2 logits; silu whatever hidden_act says, the
     # shared experts' gelu here), stored [experts, in, out] (fc1 / fc2), beside shared experts twice as wide
+    # Cohere Compass's text model (North): Command R7B's layers, rope by halves on the windowed layers alone (its rope
+    # parameters per layer type, None for the full ones), logits scaled
+    "cohere-compass-halves-nope-full": ("cohere_compass_text", dict(
+        layers=4, head_dim=16, sliding_window=6, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}, "full_attention": None},
+        logit_scale=0.5, pad_token_id=0)),
     "aria-experts-transposed": ("aria_text", dict(moe_num_experts=4, moe_topk=2, moe_num_shared_experts=2,
                                                   intermediate_size=32, pad_token_id=0, hidden_act="gelu_pytorch_tanh")),
     "glm5-sparse-attention-shared": ("glm_moe_dsa", dict(DSA, indexer_types=["full", "shared", "full"])),
@@ -541,7 +547,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "cohere2moe-sigmoid-sum-rms", "mellum-windows-experts", "hy3-qk-norms-experts",
                                   "sarvam-moe-original-names", "phimoe-sparsemixer-longrope",
                                   "laguna-heads-per-layer-gates", "laguna-element-gates", "hyperclovax-peri-norms-mup",
-                                  "lara-delta-windows-experts", "aria-experts-transposed"])
+                                  "lara-delta-windows-experts", "aria-experts-transposed",
+                                  "cohere-compass-halves-nope-full"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -679,7 +686,7 @@ RECURRENT_VL = ("qwen3_5", "lfm2_vl", "lfm3_vl")  # text models with recurrent s
 
 @pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "llava_next", "llava_onevision", "qwen2_vl",
                                   "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "glm46v", "internvl", "smolvlm", "lfm2_vl",
-                                  "lfm3_vl", "exaone4_5", "apertus1p5", "aria",
+                                  "lfm3_vl", "exaone4_5", "apertus1p5", "aria", "cohere_compass",
                                   "qwen3_5", "gemma4", "gemma4_unified"])
 def test_vision_language_text_model(tmp_path, kind):
     """Mistral 3's (with a Mistral text model, or Ministral 3's: its queries scaled past the
@@ -689,8 +696,9 @@ def test_vision_language_text_model(tmp_path, kind):
     as released, run their text
     model on the torch runtime: logits equal transformers' image-text-to-text model's on text
     (bit for bit, float32 and bfloat16; the Qwens' multimodal rope on text alone; Qwen3.5's
-    DeltaNet layers' fused input products, LFM2's convolutions and Gemma 4's norms (a power of -0.5
-    where specdec takes the reciprocal square root) round otherwise in float32: within rounding there), greedy output under speculation equal to its argmax (chains only
+    DeltaNet layers' fused input products, LFM2's convolutions, Gemma 4's norms (a power of -0.5
+    where specdec takes the reciprocal square root) and Cohere Compass's (transformers' eager attention) round
+    otherwise in float32: within rounding there), greedy output under speculation equal to its argmax (chains only
     through Qwen3.5's and LFM2's recurrent states), a window on Mistral 3's layers, dummy weights."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -711,7 +719,7 @@ def test_vision_language_text_model(tmp_path, kind):
         with torch.no_grad():
             ref = hf(input_ids=ids).logits[0].float()
         ours = rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0]
-        if kind in RECURRENT_VL + ("gemma4", "gemma4_unified") and dtype == torch.float32:
+        if kind in RECURRENT_VL + ("gemma4", "gemma4_unified", "cohere_compass") and dtype == torch.float32:
             assert (ours - ref).abs().max() < ATOL * ref.abs().max(), (ours - ref).abs().max()
         else:
             assert torch.equal(ours, ref), dtype
@@ -1319,7 +1327,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "laguna-element-gates", "phimoe-sparsemixer-longrope", "axk2-gated-norms-query-gates",
                                   "kimilinear-kda-latent-nope", "kimilinear-query-low-rank", "ling-kda-bounded-decays",
                                   "ling-kda-softplus-no-q-lora", "hy4-hyper-connections-sparse-sinks",
-                                  "hyperclovax-peri-norms-mup", "lara-delta-windows-experts", "aria-experts-transposed"])
+                                  "hyperclovax-peri-norms-mup", "lara-delta-windows-experts", "aria-experts-transposed",
+                                  "cohere-compass-halves-nope-full"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed

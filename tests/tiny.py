@@ -377,6 +377,14 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
     "qwen2_5_vl": (dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
                    dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),
                    dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3)),
+    # Cohere Compass's (North's): its text model ``VARIANTS["cohere-compass-halves-nope-full"]``'s kind (logits not
+    # scaled: dummy weights' logits stay wide), Qwen3-VL's vision
+    "cohere_compass": (dict(model_type="cohere_compass_text", head_dim=16, sliding_window=6, num_hidden_layers=4,
+                            layer_types=["sliding_attention"] * 3 + ["full_attention"], logit_scale=1.0, pad_token_id=0,
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                   "mrope_section": [4, 2, 2]}, "full_attention": None}),
+                       dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),
+                       dict(image_token_id=VOCAB - 1, video_token_id=VOCAB - 2)),
     "qwen3_vl": (dict(head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 5e5, "mrope_section": [2, 3, 3],
                                                     "mrope_interleaved": True}),
                  dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64),

@@ -72,7 +72,7 @@ ARCHS = tuple(dict.fromkeys((
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
     "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4, "kimi_linear",
-    "bailing_hybrid", "hy_v4", "lara_mini")
+    "bailing_hybrid", "hy_v4", "lara_mini", "cohere_compass_text")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -97,6 +97,7 @@ MULTIMODAL.update(dict.fromkeys(("llava_next", "llava_onevision", "internvl", "l
                                 ("model.language_model.", "language_model.model.")))
 MULTIMODAL.update(dict.fromkeys(("smolvlm", "idefics3"), ("model.text_model.",)))
 MULTIMODAL["apertus1p5"] = ("model.language_model.",)  # (Apertus 1.5's: its images and audio as tokens)
+MULTIMODAL["cohere_compass"] = ("model.language_model.",)  # (North's: Qwen3-VL's layout around Command R7B's layers)
 # (Qwen3.5's under "model." too: transformers' causal LM of its config, dummy weights' names)
 MULTIMODAL.update(dict.fromkeys(("qwen3_5", "qwen3_5_moe"), ("model.language_model.", "language_model.model.", "model.")))
 # GLM-4.1V's and up
@@ -621,9 +622,12 @@ class Family:
             return cls(activation=act, layer_norm="model", clip_qkv=config.clip_qkv)
         if config.model_type in ("jais2", "persimmon"):  # layer norms (Persimmon's q/k ones too), relu2(up) not gated
             return cls(activation=act, layer_norm="model", gated_mlp=False)
-        if config.model_type in ("cohere", "cohere2", "cohere2_moe"):  # (Cohere2-MoE's: RMS norms where rms_norm_eps)
+        if config.model_type in ("cohere", "cohere2", "cohere2_moe", "cohere_compass_text"):  # (Cohere2-MoE's: RMS
+            # norms where rms_norm_eps; Cohere Compass's rope by halves, as Llama's)
             rms = config.model_type == "cohere2_moe" and config.rms_norm_eps is not None
-            return cls(activation=act, interleaved_rope=True, rope_math="float_math", layer_norm=None if rms else "float",
+            compass = config.model_type == "cohere_compass_text"
+            return cls(activation=act, interleaved_rope=not compass, rope_math="model" if compass else "float_math",
+                       layer_norm=None if rms else "float",
                        parallel="residual", logits_scale=config.logit_scale,
                        experts_mean=getattr(config, "num_shared_experts", 0) > 0
                        and config.shared_expert_combination_strategy == "average")
@@ -946,11 +950,12 @@ def ntk_alpha(params: dict) -> float | None:
 
 
 def rope_types(config) -> dict[str | None, dict]:
-    """The rope parameters per layer type (Gemma 3's ``full_attention`` / ``sliding_attention``),
-    or ``{None: ...}`` for one set on every layer."""
+    """The rope parameters per layer type (Gemma 3's ``full_attention`` / ``sliding_attention``; a
+    type whose are None has no rope: Cohere Compass's full layers), or ``{None: ...}`` for one set
+    on every layer."""
     params = getattr(config, "rope_parameters", None) or {}
-    if params and all(isinstance(v, dict) for v in params.values()):
-        return dict(params)
+    if params and all(isinstance(v, dict) or v is None for v in params.values()) and any(params.values()):
+        return {t: p for t, p in params.items() if p is not None}
     return {None: params}
 
 
@@ -1444,6 +1449,8 @@ class TorchLlama:
                 and config.sliding_window:
             # rope on the windowed layers alone
             rotates = [t == "sliding_attention" for t in types]
+        if config.model_type == "cohere_compass_text":  # rope on the layer types its rope parameters name
+            rotates = [t in rope_types(config) for t in types]
         if config.model_type == "cohere2_moe" and config.prefix_dense_sliding_window_pattern == 1:
             # its dense first layers too, which then have no windows
             rotates = [r or m == "dense" for r, m in zip(rotates, config.mlp_layer_types)]
