@@ -161,16 +161,12 @@ def linear_bytes(config) -> int:
     if config.model_type == "laguna":  # query heads per layer, a gate per head (or per element) each
         gates = 1 if config.gating is True or config.gating == "per-head" else d
         attention = sum((2 * n * d + 2 * kv * d + n * gates) * h for n in config.num_attention_heads_per_layer)
-    if rec:
-        attention += recurrent * rec.projection_params(h)
     if getattr(config, "kv_lora_rank", None) is not None:  # latent attention (``torch_llama.Latent``)
         q, r, rope = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
         query = heads * (config.qk_nope_head_dim + rope)
         attention = attended * ((q * (h + query) if q else h * query) + (r + rope) * h
                                 + r * heads * (config.qk_nope_head_dim + config.v_head_dim)
                                 + heads * config.v_head_dim * h)
-        if rec:  # (Kimi Linear's and Ling's recurrent layers beside it)
-            attention += recurrent * rec.projection_params(h)
         if config.model_type == "bailing_hybrid":  # (Ling's: a gate per head)
             attention += attended * heads * h
         if config.model_type == "hy_v4":  # (Hy4's: a gate per element; its hyper-connections' products, two a layer
@@ -183,6 +179,8 @@ def linear_bytes(config) -> int:
         index = SparseIndex.of(config)  # (DeepSeek-V3.2's, GLM-5's indexers: queries, a key, the heads' weights)
         if index is not None:
             attention += sum(index.owns) * (q * index.heads * index.dim + h * (index.dim + index.heads))
+    if rec:  # (beside latent attention too: Kimi Linear's, Ling's)
+        attention += recurrent * rec.projection_params(h)
     head = getattr(config, "output_vocab_size", None) or config.vocab_size  # (Apertus 1.5's: pruned to the text)
     return 4 * (attention + (3 if Family.of(config).gated_mlp else 2) * h * mlp + head * h)
 

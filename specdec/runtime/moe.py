@@ -307,11 +307,10 @@ class Routing:
         """The experts' activation of ``gate`` times ``up`` (of ``gate`` alone, not ``gated``)."""
         if not self.gated:
             return ACTIVATIONS[self.activation](gate)
+        if self.limit is not None and self.limit > 0:  # (GPT-OSS's clamp; Hy4's)
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
         if not self.gpt_oss:
-            if self.limit is not None and self.limit > 0:  # (Hy4's clamp)
-                gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
             return ACTIVATIONS[self.activation](gate) * up
-        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
@@ -389,10 +388,10 @@ class Experts:
         router_name = next(block + n for n in ("gate.weight", "router.layer.weight", "router.weight", "gate.wg.weight",
                                                "router.gate.weight")
                            if block + n in weights)  # (Granite's as saved, as transformers names it; HunYuan's, AFMoE's)
-        router = weights[router_name].to(device=device, dtype=dtype, copy=True)
-        if routing.float_router:  # (kept in float32 where transformers keeps it so; Lara's as the model's dtype holds it)
-            router = (weights[router_name].to(device=device, dtype=torch.float32, copy=True)
-                      if config.model_type != "lara_mini" else router.float())
+        # a float32 router kept so where transformers keeps it so (Lara's: as the model's dtype holds it, widened)
+        held = torch.float32 if routing.float_router and config.model_type != "lara_mini" else dtype
+        router = weights[router_name].to(device=device, dtype=held, copy=True)
+        router = router.float() if routing.float_router else router
         correction = next((block + n for n in ("gate.e_score_correction_bias", "expert_bias",
                                                "moe_statics.e_score_correction_bias", "e_score_correction_bias",
                                                "experts.e_score_correction_bias")

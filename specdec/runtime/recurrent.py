@@ -166,8 +166,7 @@ class DeltaNet:
                      else r.get(a + "conv1d.weight"))[:, 0],
             "conv_bias": None,
             # [v_heads]: A_log as the model's dtype holds it (OLMo-Hybrid's model holds it in float32)
-            "decay": -torch.exp(r.weights[a + "A_log"].to(r.device, torch.float32) if olmo else
-                                r.get(a + "A_log").float()),
+            "decay": -torch.exp(r.raw(a + "A_log") if olmo else r.get(a + "A_log").float()),
             "dt_bias": r.get(a + "dt_bias"),  # [v_heads]
             # [v_dim] (Lara's, as released ``out_norm``, to float32: its product and gate in float32 too)
             "gate_norm": r.get(a + "o_norm.weight") if olmo else r.get(a + "norm.weight") if a + "norm.weight" in r
@@ -184,7 +183,7 @@ class DeltaNet:
         convolution too)."""
         kimi = self.kda == "kimi"
         conv = [a + f"{n}_conv1d.weight" for n in "qkv"]
-        raw = (lambda n: r.weights[n].to(r.device, torch.float32)) if not kimi else r.get  # (Ling's kept in float32)
+        raw = r.get if kimi else r.raw  # (Ling's kept in float32)
         return {
             "mix_in": r.linear(torch.cat([r.get(a + f"{n}_proj.weight") for n in
                                           ("q", "k", "v", "g_a" if kimi else "g", "f_a" if kimi else "f", "b")]), None),
@@ -193,7 +192,7 @@ class DeltaNet:
             "conv": (torch.cat([raw(n) for n in conv]) if conv[0] in r else raw(a + "conv1d.weight"))[:, 0],
             "conv_bias": None,
             "A": torch.exp(raw(a + "A_log").float()).view(self.v_heads, 1),
-            "dt_bias": r.weights[a + "dt_bias"].to(r.device, torch.float32).view(self.v_heads, self.k_dim),
+            "dt_bias": r.raw(a + "dt_bias").view(self.v_heads, self.k_dim),
             "gate_norm": r.get(a + "o_norm.weight").float(),  # (as the model's dtype holds it; scales in float32)
             "mix_out": r.linear(r.get(a + "o_proj.weight"), None),
         }

@@ -1517,8 +1517,9 @@ class TorchLlama:
         self.lm_head = r.linear(r.get("lm_head.weight"), r.opt("lm_head.bias")) if "lm_head.weight" in r \
             else r.linear(self.embed, None)  # tied (a bias: ERNIE 4.5 MoE's)
         self.hc = self.hc_head = None  # Hy4's hyper-connections (``ops.HyperConnections``), the head's mix; its head
-        self.float_head = config.model_type == "hy_v4"  # in float32
+        self.float_head = False  # in float32
         if config.model_type == "hy_v4":
+            self.float_head = True
             self.hc = HyperConnections(config.hc_mult, config.hc_magnitude, config.hc_eps, config.rms_norm_eps)
             self.hc_head = {n: r.raw("model.hc_head." + n) for n in ("fn", "base", "scale")}
             self.lm_head = r.linear(r.raw("lm_head.weight"), None)
@@ -1952,21 +1953,22 @@ class TorchLlama:
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
         """The keys each new token sees under layer ``L``'s DeepSeek Sparse Attention indexer
         (``SparseIndex``): ``x.mask`` and the ``topk`` it keeps, ``[B, 1, T, S]`` bool, None where
-        the mask's ``S`` keys are no more than its ``topk`` (all kept); writes the new tokens' index keys. ``a [B, T, hidden]``: the
-        layer's normed input; ``q_low [B, T, q_rank]``: the query's normed low-rank step; ``rope``:
-        the layer's ``(cos, sin)`` ``[B, 1, T, rope]``."""
+        the mask's ``S`` keys are no more than its ``topk`` (all kept); writes the new tokens' index
+        keys. ``a [B, T, hidden]``: the layer's normed input; ``q_low [B, T, q_rank]``: the query's
+        normed low-rank step; ``rope``: the layer's ``(cos, sin)`` ``[B, 1, T, rope]``."""
         ix, I, (B, T), S = self.sparse_index, L["indexer"], x.ids.shape, x.mask.shape[-1]
         cos, sin = (t.transpose(1, 2) for t in rope)  # [B, T, 1, rope], laid out for attention's rotation
         if self.family.interleaved_rope:  # the indexer's rotation by halves: its table by halves
             cos, sin = (torch.cat([t[..., 0::2]] * 2, dim=-1) for t in (cos, sin))
         q = I["wq_b"](q_low).view(B, T, ix.heads, ix.dim)  # [B, T, Hi, Di]
         k = norm(I["wk"](a), I["k_norm"], ix.norm_eps)[:, :, None]  # [B, T, 1, Di]
-        if ix.layout == "pairs":  # (GLM-5's pairs: each pair's first dimensions, then its second ones, rotate as
-            # halves,
+        # the rotated dimensions in transformers' order, first: GLM-5's pairs (each pair's first dimensions, then its
+        # second ones, rotate as halves), Hy4's last ones (moved first: the dot products are the same)
+        if ix.layout == "pairs":
             q, k = (torch.cat([t[..., 0:ix.rope:2], t[..., 1:ix.rope:2], t[..., ix.rope:]], dim=-1) for t in (q, k))
-        elif ix.layout == "last":  # (Hy4's: the last dimensions rotate, moved first; the dot products the same)
+        elif ix.layout == "last":
             q, k = (torch.cat([t[..., -ix.rope:], t[..., :-ix.rope]], dim=-1) for t in (q, k))
-        q, k = (rotate(t, cos, sin) for t in (q, k))  # in transformers' order; their first ``rope`` dimensions)
+        q, k = (rotate(t, cos, sin) for t in (q, k))
         rows = cache.index[I["slot"]]  # [slots, 1, capacity, Di]
         rows[x.slots[:, None], 0, x.write] = k[:, :, 0]
         if S <= ix.topk:
