@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import (COHERE2_MOE, DELTA_NET, DSA, FALCON_H1, GEMMA4, GEMMA4_MOE, JAMBA, LFM3, LLAMA4, MAMBA, MIMO,  # noqa: E402
+from tiny import (COHERE2_MOE, DELTA_NET, DSA, FALCON_H1, GEMMA3N, GEMMA4, GEMMA4_MOE, JAMBA, LFM3, LLAMA4, MAMBA, MIMO,  # noqa: E402
                   HY4, KIMI_LINEAR, LARA, LING, MOE, NEMOTRON_H, OLMO_HYBRID, make_tiny, noisy_copy)
 
 
@@ -64,6 +64,8 @@ def tiny_dirs(tmp_path_factory):
         # Gemma 4: heads of two widths, keys shared by its last layers, per-layer inputs (``tiny.GEMMA4``)
         "gemma4": make_tiny(root / "gemma4", "gemma4_text", seed=27, **GEMMA4),
         "gemma4moe": make_tiny(root / "gemma4moe", "gemma4_text", seed=28, **GEMMA4_MOE),  # experts beside the MLP
+        # Gemma 3n: 4 streams (alternating updates), LAuReL, sparse gates, shared keys, per-layer inputs (``tiny.GEMMA3N``)
+        "gemma3n": make_tiny(root / "gemma3n", "gemma3n_text", seed=39, **GEMMA3N),
         "draft": make_tiny(root / "draft", "llama", seed=7, layers=1),
         "alien": make_tiny(root / "alien", "llama", seed=8, layers=1, swap_tokens=True),  # other vocab
     }

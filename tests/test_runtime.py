@@ -11,7 +11,7 @@ from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3,
                   LLAMA4, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
-                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA)
+                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA, GEMMA3N)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -367,6 +367,14 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # by halves, its key norm and weights in float32) over latent attention (rope by halves) with a sink per head and
     # a gate per element on its output, experts whose silu clamps, its head in float32; its names as saved
     "hy4-hyper-connections-sparse-sinks": ("hy_v4", HY4),
+    # Gemma 3n: 4 streams a token (alternating updates), LAuReL's low-rank residual, sparse gates on 2 layers, per-layer
+    # inputs, keys shared by the last 2 layers (``tiny.GEMMA3N``); and 3 streams, the second active, its corrected
+    # output unscaled, no shared keys or sparse gates, MLPs of two widths
+    "gemma3n-altup-laurel-sparse": ("gemma3n_text", GEMMA3N),
+    "gemma3n-active-second-unscaled": ("gemma3n_text", dict(GEMMA3N, altup_num_inputs=3, altup_active_idx=1,
+                                                            altup_correct_scale=False, num_kv_shared_layers=0,
+                                                            activation_sparsity_pattern=[0.0] * 6,
+                                                            intermediate_size=[96, 128] * 3)),
     # HyperCLOVA X: Granite's muP multipliers (its logits times logits_scaling), norms after attention and the MLP too
     # (Peri-LN: post_norm1 / post_norm2), before the residual multiplier
     "hyperclovax-peri-norms-mup": ("hyperclovax", dict(GRANITE, head_dim=16)),
@@ -548,7 +556,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "sarvam-moe-original-names", "phimoe-sparsemixer-longrope",
                                   "laguna-heads-per-layer-gates", "laguna-element-gates", "hyperclovax-peri-norms-mup",
                                   "lara-delta-windows-experts", "aria-experts-transposed",
-                                  "cohere-compass-halves-nope-full"])
+                                  "cohere-compass-halves-nope-full", "gemma3n-altup-laurel-sparse",
+                                  "gemma3n-active-second-unscaled"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -646,6 +655,68 @@ def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     # not garbage: the typical row is close (in Gemma 4's experts one row's near-tie in routing flips an expert
     # under either rounding, transformers' as far off as ours there)
     assert (ours - ref).abs().amax(-1).median() < 0.1 * ref.abs().max()
+
+
+def test_multimodal_gemma3n_text_model(tmp_path):
+    """Gemma 3n's checkpoints as released (E2B, E4B: an image-text-to-text model with vision and
+    audio towers, its text model under ``model.language_model.``, the head tied) run their text
+    model on the torch runtime: logits equal those of the text model's own checkpoint, bit for bit
+    (float32 and bfloat16; transformers' multimodal model needs timm's vision tower, not installed
+    here), its eos read from the text config, greedy output under speculation equal to
+    transformers' causal LM's."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from specdec import LLM, SamplingParams, SpecConfig
+    from specdec.runtime import load_model
+    from specdec.runtime.loading import Weights
+
+    from tiny import causal_lm, make_tiny
+
+    text = make_tiny(tmp_path / "text", "gemma3n_text", seed=3, **dict(GEMMA3N, tie_word_embeddings=True))
+    path = tmp_path / "gemma3n"
+    path.mkdir()
+    for f in text.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, path / f.name)
+    config = AutoConfig.for_model("gemma3n", text_config=AutoConfig.from_pretrained(text).to_dict()).to_dict()
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["Gemma3nForConditionalGeneration"]}))
+    tensors = {"model.language_model." + n.removeprefix("model."): t for n, t in load_file(text / "model.safetensors").items()}
+    assert "lm_head.weight" not in tensors
+    tensors["model.embed_vision.embedding.weight"] = torch.randn(8, 48)  # (a tower's, never read)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        rts = [TorchLlama(AutoConfig.from_pretrained(p), Weights(p), torch.device("cpu"), dtype) for p in (path, text)]
+        mm, own = (rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0] for rt in rts)
+        assert torch.equal(mm, own), dtype
+    model = load_model(str(path))
+    assert isinstance(model.runtime, TorchLlama) and 257 in model.eos_ids
+    hf = causal_lm(text).eval()
+    sp, prompts = SamplingParams(max_tokens=20, ignore_eos=True), ["hello hello world", "abcabc"]
+    want = []
+    for p in prompts:  # greedy by whole forwards
+        seq = LLM(model).encode(p)
+        with torch.no_grad():
+            for _ in range(20):
+                seq.append(hf(input_ids=torch.tensor([seq])).logits[0, -1].argmax().item())
+        want.append(seq[-20:])
+    for kw in (dict(), dict(speculative="self"),
+               dict(speculative=SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3))):
+        assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
+
+
+@pytest.mark.parametrize("name", ["hy4", "gemma3n"])
+def test_streams_give_no_features(loaded, name):
+    """Hy4's hyper-connections and Gemma 3n's alternating updates carry several streams a token
+    between layers: an EAGLE head's taps are refused with the reason, the last layer's output
+    too (no drafter of theirs reads one)."""
+    for taps in ([1], [loaded(name).runtime.num_layers]):
+        with pytest.raises(ValueError, match="several streams"):
+            loaded(name).runtime.capture(taps)
 
 
 def test_multimodal_gemma3_text_model(tmp_path):
@@ -1328,7 +1399,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "kimilinear-kda-latent-nope", "kimilinear-query-low-rank", "ling-kda-bounded-decays",
                                   "ling-kda-softplus-no-q-lora", "hy4-hyper-connections-sparse-sinks",
                                   "hyperclovax-peri-norms-mup", "lara-delta-windows-experts", "aria-experts-transposed",
-                                  "cohere-compass-halves-nope-full"])
+                                  "cohere-compass-halves-nope-full", "gemma3n-altup-laurel-sparse",
+                                  "gemma3n-active-second-unscaled"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1345,11 +1417,11 @@ def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     experts = sum(p.numel() for n, p in params.items()
                   if ".experts." in n and (p.dim() == 3 or n.endswith(("mlp.w1", "mlp.v1", "mlp.w2"))))  # (DBRX's: 2-D)
     linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n
-                  and not any(e in n for e in ("embed", ".wte.", ".wpe.", ".word_embeddings."))
+                  and not any(e in n.replace("unembed", "") for e in ("embed", ".wte.", ".wpe.", ".word_embeddings."))
                   and not n.endswith(("mlp.gate.weight", "mixer.gate.weight", "router.weight", "shared_expert_gate.weight",
                                       "gate.wg.weight", "router.gate.weight", "router.layer.weight", "router.proj.weight",
                                       "A_log", "e_score_correction_bias")))  # (Mamba's decays: [channels, state];
-    # ERNIE 4.5's correction: [1, experts])
+    # ERNIE 4.5's correction: [1, experts]; Gemma 3n's altup_unembed_projections are products)
     assert (expert_bytes(config), linear_bytes(config)) == (4 * experts, 4 * linears)
 
 
@@ -1382,15 +1454,17 @@ def test_experts_under_transformers_own_names(tiny_dirs, tmp_path, name):
     assert not torch.equal(logits[1], logits[2])
 
 
-def test_gemma4_dummy_weights_agree_across_runtimes(tiny_dirs):
+@pytest.mark.parametrize("name", ["gemma4", "gemma3n"])
+def test_gemma_dummy_weights_agree_across_runtimes(tiny_dirs, name):
     """Gemma 4's dummy weights scale each layer's output by 1, as transformers starts its layer
-    scalars (0, as other vectors but norms, made every logit 0): both runtimes' logits agree."""
+    scalars (0, as other vectors but norms, made every logit 0): both runtimes' logits agree;
+    so do Gemma 3n's (its corrected outputs scaled by 0, as transformers starts them)."""
     from specdec.runtime import load_model
 
     ids = list(range(40, 57))
     logits = []
     for backend in ("torch", "hf"):
-        rt = load_model(str(tiny_dirs["gemma4"]), backend=backend, load_format="dummy").runtime
+        rt = load_model(str(tiny_dirs[name]), backend=backend, load_format="dummy").runtime
         logits.append(rt.forward(rt.new_cache(1), [0], [ids])[0])  # [17, vocab]
     assert (logits[0] - logits[1]).abs().max().item() < ATOL * logits[1].abs().max().item()
     assert logits[0].std().item() > 0.1

@@ -60,6 +60,14 @@ GEMMA4 = dict(layers=6, head_dim=16, global_head_dim=32, num_global_key_value_he
               sliding_window=6, layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
               vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
               use_double_wide_mlp=True, final_logit_softcapping=30.0)
+# Gemma 3n (E2B / E4B's kind): 4 streams (alternating updates), a low-rank residual (LAuReL), sparse gates on the
+# first 2 layers, windows of 6 on 2 layers of 3, per-layer inputs of a table narrower than the vocabulary (tokens
+# past it read row 0), the last 2 layers over earlier layers' keys; a width of 48 (its scales 48 ** -0.5, 1 / 48 not
+# exact in bfloat16); logits capped
+GEMMA3N = dict(layers=6, hidden_size=48, head_dim=16, sliding_window=6, laurel_rank=8, altup_num_inputs=4,
+               layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+               vocab_size_per_layer_input=200, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
+               activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0, 0.0, 0.0], final_logit_softcapping=30.0)
 # LFM3's kind: convolutions, windowed attention (6) and full attention (a part of each head rotated) in turn
 LFM3 = dict(head_dim=16, sliding_window=6, pad_token_id=0,
             layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"])
@@ -251,6 +259,8 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
             elif name.endswith("router.gate.weight"):  # (AFMoE's router starts at zeros)
                 p.copy_(std * torch.randn_like(p))
             elif name.endswith(("router.scale", "router.per_expert_scale")):  # (Gemma 4's, 1 at init)
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("altup.correct_output_scale"):  # (Gemma 3n's, 0 at init)
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif arch == "hy_v4" and name.endswith(("hc.scale", "hc.base", "hc_scale", "hc_base", "self_attn.sinks")):
                 p.copy_(p + 0.5 * torch.randn_like(p))  # (Hy4's hyper-connections' scales 0.01, sinks 0 at init)

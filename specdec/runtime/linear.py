@@ -97,23 +97,28 @@ MULTI_ROW_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
 def linear_bytes(config) -> int:
     """fp32 bytes of a model's ``Linear`` weights (from its config): attention's (latent or not) or a recurrent layer's,
     the dense MLPs' (a MoE layer's shared experts': Qwen2-MoE's, GLM-4.5's, Granite's) and the head; not ``Experts``'."""
-    from .torch_llama import GEMMA4, Family, SparseIndex, text_model  # (its module imports this one)
+    from .torch_llama import GEMMA_N, Family, SparseIndex, text_model  # (its module imports this one)
 
     config = text_model(config)[0]  # (GPT-J's and Falcon's fields under Llama's names)
     h, heads = config.hidden_size, getattr(config, "num_attention_heads", None) or 1
     d = getattr(config, "head_dim", None) or h // heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     rec = recurrent_mixer(config)  # Qwen3.5's DeltaNet layers beside its gated attention (queries' gates too)
-    if config.model_type in GEMMA4:  # heads per layer; shared keys, or keys as values; wider shared MLPs
-        first_shared = config.num_hidden_layers - (config.num_kv_shared_layers or 0)
+    if config.model_type in GEMMA_N:  # heads per layer; shared keys, or keys as values; wider shared MLPs
+        n = config.num_hidden_layers
+        first_shared = n - (config.num_kv_shared_layers or 0)
         per_layer = getattr(config, "hidden_size_per_layer_input", None) or 0  # its per-layer inputs' projections: 3
         # per layer
-        total = config.vocab_size * h + 3 * config.num_hidden_layers * h * per_layer
+        widths = config.intermediate_size if isinstance(config.intermediate_size, list) else [config.intermediate_size] * n
+        total = config.vocab_size * h + 3 * n * h * per_layer
         for i, (kv_i, d_i) in enumerate(config.layer_heads):
-            own = 0 if i >= first_shared else 1 if config.attention_k_eq_v and \
+            own = 0 if i >= first_shared else 1 if getattr(config, "attention_k_eq_v", False) and \
                 config.layer_types[i] == "full_attention" else 2
-            wide = 2 if i >= first_shared and config.use_double_wide_mlp else 1
-            total += 2 * heads * d_i * h + own * kv_i * d_i * h + 3 * h * config.intermediate_size * wide
+            wide = 2 if i >= first_shared and getattr(config, "use_double_wide_mlp", False) else 1
+            total += 2 * heads * d_i * h + own * kv_i * d_i * h + 3 * h * widths[i] * wide
+        if config.model_type == "gemma3n_text":  # its streams' projections in and out; each layer's coefficients
+            S = config.altup_num_inputs  # [S^2, S] and [S, S] and LAuReL's two products (not its router's)
+            total += 2 * (S - 1) * h * h + n * (S ** 3 + S * S + 2 * h * config.laurel_rank)
         return 4 * total
     if config.model_type == "mimo_v2_flash":  # values narrower than keys; twice the key/value heads on windowed layers
         dv, total = config.v_head_dim, config.vocab_size * h

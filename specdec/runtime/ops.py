@@ -173,3 +173,54 @@ class HyperConnections:
         pre = torch.sigmoid(self._logits(w, streams) * w["scale"] + w["base"]) + self.eps
         return (pre[..., None] * streams).sum(2).to(streams.dtype)
 
+
+
+@dataclass(frozen=True)
+class AltUp:
+    """Gemma 3n's alternating updates: each token carries ``streams`` predictions of the hidden
+    state ``[B, T, streams, hidden]`` and a layer computes on one of them, the ``active`` one.
+    ``predict``: each stream plus a mix of all ``sum_j C_ij x_j``, whose coefficients ``C [streams,
+    streams]`` a router (``tanh`` of a product of the active stream, normed, times 1 / hidden)
+    gives each token; ``correct``: the layer's output less its predicted input (the innovation)
+    added to each stream times ``1 + c_i`` (the router's of the output). ``spread`` / ``gather``:
+    the embedding into streams and the streams back into one, each projected stream rescaled to
+    the first's RMS. In the model's dtype, as transformers' model rounds (``router_scale``: 1 / hidden as
+    that dtype holds it)."""
+
+    streams: int
+    active: int
+    router_scale: float
+
+    def _route(self, w: dict, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """The router's ``[B, T, streams]`` of ``x [B, T, hidden]``."""
+        routed = F.linear(norm(x, w["router_norm"], eps) * self.router_scale, w["router"])
+        return torch.tanh(routed.float()).to(x.dtype)
+
+    def predict(self, w: dict, streams: torch.Tensor, eps: float) -> torch.Tensor:
+        """``[B, T, streams, hidden]``: each stream's prediction of the layer's input."""
+        S = self.streams
+        coefs = F.linear(self._route(w, streams[:, :, self.active], eps), w["predict"])  # [B, T, S * S]
+        coefs = coefs.unflatten(-1, (S, S)).transpose(-1, -2)  # [B, T, S, S] [j, i]: stream i's weight of x_j
+        return (streams.transpose(-1, -2) @ coefs).transpose(-1, -2) + streams
+
+    def correct(self, w: dict, predictions: torch.Tensor, out: torch.Tensor, eps: float) -> torch.Tensor:
+        """``[B, T, streams, hidden]``: the predictions corrected by the layer's ``out [B, T, hidden]``."""
+        innovation = out - predictions[:, :, self.active]  # [B, T, hidden]
+        coefs = F.linear(self._route(w, out, eps), w["correct"]) + 1.0  # [B, T, S]
+        return innovation[:, :, None] * coefs[..., None] + predictions
+
+    @staticmethod
+    def _rescaled(x: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
+        return x * rms / torch.sqrt(torch.mean(x ** 2, dim=-1, keepdim=True).clamp(min=1e-5))
+
+    def spread(self, projections: list, h: torch.Tensor) -> torch.Tensor:
+        """The embeddings ``h [B, T, hidden]`` as streams: ``h`` and its projections."""
+        rms = torch.mean(h ** 2, dim=-1, keepdim=True) ** 0.5
+        return torch.stack([h] + [self._rescaled(p(h), rms) for p in projections], dim=2)
+
+    def gather(self, projections: list, streams: torch.Tensor) -> torch.Tensor:
+        """The last streams' mean ``[B, T, hidden]``: the first and the others' projections back."""
+        first = streams[:, :, 0]
+        rms = torch.mean(first ** 2, dim=-1, keepdim=True) ** 0.5
+        rest = [self._rescaled(p(streams[:, :, i + 1]), rms) for i, p in enumerate(projections)]
+        return torch.stack([first] + rest).mean(0)

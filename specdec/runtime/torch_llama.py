@@ -6,7 +6,8 @@ dots.llm1, ERNIE 4.5, GPT-OSS, GLM-4.5, Granite's, Llama 4's: ``Experts``), the 
 attention (DeepSeek-V2 and V3, GLM-4.7-Flash, Mistral 4: ``Latent``), Gemma's (Gemma, Gemma 2, Gemma 3, and the text
 model of Gemma 3's multimodal checkpoints: ``text_model``), whose layers differ from Llama's only in small ways
 (``Family``), Gemma 4 (heads of two widths and layers reading earlier layers' keys: ``KVPlace``; per-layer inputs;
-its experts beside the MLP), Hy4's hyper-connections (``ops.HyperConnections``), Phi-3's longrope
+its experts beside the MLP), Gemma 3n (Gemma 4's shared keys and per-layer inputs under alternating updates:
+``ops.AltUp``, ``TorchLlama._altup_layer``), Hy4's hyper-connections (``ops.HyperConnections``), Phi-3's longrope
 (``TorchLlama.switch``), and the hybrids of recurrent layers and
 attention (``recurrent``, whose states rewind with the cache):
 Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), OLMo 3's (OLMo-Hybrid) or latent
@@ -42,7 +43,7 @@ from .. import disk_cache
 from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
 from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
-from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, GatedNorm, HyperConnections, LayerNorm, attention, norm, norm_width,
+from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, AltUp, GatedNorm, HyperConnections, LayerNorm, attention, norm, norm_width,
                   rms_norm, rotate, softcap, xielu)
 from .recurrent import (DEFAULT_DEPTH, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, Mamba1, Mamba2, RecurrentStates,
                         ShortConv, StatePlan, recurrent_mixer)
@@ -63,6 +64,8 @@ GRANITES = ("granite", "granitemoe", "granitemoeshared", "granitemoehybrid", "gr
             "granitemoe_swa", "hyperclovax")  # (Granite-SWA's and its MoE's: windows on the layers layer_types names,
 # a sink per head, a rope base per layer, layer_rope_theta, 0 for none; HyperCLOVA X's: Granite's, norms after too)
 GEMMA4 = ("gemma4_text", "gemma4_unified_text")  # Gemma 4's text models (the unified one, 12B's: no per-layer inputs)
+# Gemma 3n's and 4's: keys shared by the last layers (``KVPlace``), values normed without a weight, per-layer inputs
+GEMMA_N = ("gemma3n_text", *GEMMA4)
 ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
@@ -71,7 +74,7 @@ ARCHS = tuple(dict.fromkeys((
     "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
-    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA4, "kimi_linear",
+    "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA_N, "kimi_linear",
     "bailing_hybrid", "hy_v4", "lara_mini", "cohere_compass_text")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
@@ -107,6 +110,7 @@ MULTIMODAL.update(dict.fromkeys(("glm4v", "glm4v_moe", "glm46v"),  # (GLM-4.6V's
 MULTIMODAL["llama4"] = ("language_model.model.", "model.language_model.", "model.")
 MULTIMODAL.update(dict.fromkeys(("gemma4", "gemma4_unified"),
                                 ("model.language_model.", "language_model.model.", "model.")))  # (Gemma 4's)
+MULTIMODAL["gemma3n"] = ("model.language_model.",)  # (Gemma 3n's: E2B's, E4B's, as released)
 
 
 class TextWeights:
@@ -357,7 +361,7 @@ def text_model(config, weights=None):
         config = config.get_text_config(decoder=True)
     if config.model_type in LLAMA_FIELDS:
         config = llama_fields(config)
-    if config.model_type in GEMMA4:
+    if config.model_type in GEMMA_N:
         config = per_layer_fields(config)
     if config.model_type == "mimo_v2_flash" and not hasattr(config, "layer_heads"):  # (its windowed layers' twice as
         # many key/value heads: ``kv_places``)
@@ -375,11 +379,12 @@ def per_layer_fields(config):
     """Gemma 4's config, whose fields per layer (``per_layer_config``: its full-attention layers'
     wider heads, fewer key/value heads) its global fields refuse to give: a copy whose global
     fields are its sliding layers' (the first layer's), with ``layer_heads``, each layer's
-    ``(key/value heads, head dim)`` (idempotent)."""
+    ``(key/value heads, head dim)`` (idempotent); Gemma 3n's (one shape), the same field for ``kv_places``."""
     if hasattr(config, "layer_heads"):
         return config
-    heads = [(c.num_key_value_heads, c.head_dim) for c in (config.per_layer_config[i]
-                                                           for i in range(config.num_hidden_layers))]
+    n = config.num_hidden_layers
+    heads = [(c.num_key_value_heads, c.head_dim) for c in (config.per_layer_config[i] for i in range(n))] \
+        if hasattr(config, "per_layer_config") else [(config.num_key_value_heads, config.head_dim)] * n
     config = copy.deepcopy(config)
     config.__dict__.pop("_heterogeneity_spec", None)  # (a plain config: its global fields readable)
     config.num_key_value_heads, config.head_dim = heads[0]
@@ -662,7 +667,7 @@ class Family:
         if config.model_type == "llama4_text":  # rotary pairs interleaved, rotated in float32
             return cls(activation=act, interleaved_rope=True, rope_math="float", l2_qk_norm=config.use_qk_norm,
                        query_temperature=query_temperature(config))
-        if config.model_type in GEMMA4:  # Gemma's embeddings; norms of the weight (not 1 +) in float32;
+        if config.model_type in GEMMA_N:  # Gemma's embeddings; norms of the weight (not 1 +) in float32;
             # scores not scaled (q/k norms instead)
             return cls(float_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=dtype).item(),
                        attn_scale=1.0, final_softcap=config.final_logit_softcapping,
@@ -1041,9 +1046,9 @@ def unsupported(config) -> str | None:
     if config.model_type == "hunyuan_v1_moe" and len({*(config.moe_topk if isinstance(config.moe_topk, list)
                                                         else [config.moe_topk])}) > 1:
         return "the torch runtime routes every layer to as many experts (one moe_topk)"
-    if config.model_type in GEMMA4 and (len(set(config.layer_heads)) > 2 or
+    if config.model_type in GEMMA_N and (len(set(config.layer_heads)) > 2 or
                                                (config.num_kv_shared_layers or 0) >= config.num_hidden_layers):
-        return "the torch runtime runs Gemma 4 with heads of at most two shapes, and layers with keys of their own"
+        return "the torch runtime runs Gemma 3n and 4 with heads of at most two shapes, and layers with keys of their own"
     if config.model_type == "mpt" and config.attn_config.qk_ln:  # (transformers' MPT leaves it out)
         return "the torch runtime does not run MPT's qk_ln"
     if getattr(config, "moe_latent_size", None):  # Nemotron-H's experts in a latent width
@@ -1351,13 +1356,26 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         "index": index,
         "kv": kv,
         "v_from_k": own == ["k"],
-        "v_norm": kv is not None and config.model_type in GEMMA4,  # (Gemma 4's values normed, without a weight)
+        "v_norm": kv is not None and config.model_type in GEMMA_N,  # (values normed, without a weight)
         # Gemma 4's per-layer input (``TorchLlama._per_layer_inputs``): its gate and projection and their norm
         "per_layer": (r.linear(r.get(pre + "per_layer_input_gate.weight"), None),
                       r.linear(r.get(pre + "per_layer_projection.weight"), None),
                       r.norm(pre + "post_per_layer_input_norm.weight"))
         if pre + "per_layer_input_gate.weight" in r else None,
         "scalar": r.opt(pre + "layer_scalar"),  # [1] Gemma 4's: the layer's output scaled
+        # Gemma 3n's (``TorchLlama._altup_layer``): its streams' router and coefficients (``ops.AltUp``), its
+        # low-rank residual (LAuReL), the gate's sparsity (``gaussian_top_k``)
+        "altup": {"router_norm": r.norm(pre + "altup.router_norm.weight"),
+                  "router": r.get(pre + "altup.modality_router.weight"),  # [streams, hidden]
+                  "predict": r.get(pre + "altup.prediction_coefs.weight"),  # [streams ** 2, streams]
+                  "correct": r.get(pre + "altup.correction_coefs.weight"),  # [streams, streams]
+                  "scale": r.get(pre + "altup.correct_output_scale") if config.altup_correct_scale else None}
+        if pre + "altup.modality_router.weight" in r else None,
+        "laurel": (r.linear(r.get(pre + "laurel.linear_left.weight"), None),
+                   r.linear(r.get(pre + "laurel.linear_right.weight"), None), r.norm(pre + "laurel.post_laurel_norm.weight"))
+        if pre + "laurel.linear_left.weight" in r else None,
+        "sparsity": top_k_cutoff(config.activation_sparsity_pattern[int(pre.split(".")[-2])], r.device, r.dtype)
+        if getattr(config, "activation_sparsity_pattern", None) else None,
         # Hy4's hyper-connections (``ops.HyperConnections``) into attention and into the MLP
         "hc": tuple({n: r.raw(f"{pre}{hc}.{n}") for n in ("fn", "base", "scale")} for hc in ("attn_hc", "ffn_hc"))
         if pre + "attn_hc.fn" in r else None,
@@ -1369,6 +1387,22 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
                       "experts_norm": r.norm(pre + "post_feedforward_layernorm_2.weight")}
         if pre + "router.proj.weight" in r else None,
     }
+
+
+def top_k_cutoff(sparsity: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """Gemma 3n's gate sparsity (``gaussian_top_k``): the standard normal's quantile at ``sparsity``, in
+    the model's dtype (None: a dense gate)."""
+    if not sparsity:
+        return None
+    quantile = torch.distributions.Normal(0, 1).icdf(torch.tensor(sparsity, dtype=torch.float32))
+    return quantile.to(device=device, dtype=dtype)
+
+
+def gaussian_top_k(gate: torch.Tensor, cutoff: torch.Tensor) -> torch.Tensor:
+    """Gemma 3n's sparse gate: what of each row exceeds its mean plus ``cutoff`` standard deviations
+    (about the largest ``1 - sparsity`` of a normal row), less that much; the rest 0."""
+    std = torch.std(gate, dim=-1, keepdim=True, unbiased=False)
+    return F.relu(gate - (torch.mean(gate, dim=-1, keepdim=True) + std * cutoff))
 
 
 def xielu_weights(r: CheckpointReader, mlp: str) -> list[torch.Tensor]:
@@ -1404,7 +1438,8 @@ class TorchLlama:
     second_kv: tuple[int, int, int] | None = None  # (Gemma 4's: ``KVCache``'s second group)
     v_dim: int | None = None  # the values' width where it is not the keys' (MiMo-V2-Flash's)
     sparse_index: SparseIndex | None = None  # DeepSeek Sparse Attention's indexer (DeepSeek-V3.2's, GLM-5's)
-    per_layer: tuple | None = None  # (Gemma 4's per-layer inputs: ``_per_layer_inputs``)
+    per_layer: tuple | None = None  # (Gemma 3n's and 4's per-layer inputs: ``_per_layer_inputs``)
+    altup: AltUp | None = None  # (Gemma 3n's streams: ``_altup_layer``)
     batch_layout = "padded"
     reuses_prefixes = True  # a slot's KV rows stay valid after a rewind (Engine's prefix reuse)
     whole_prompts = False
@@ -1500,12 +1535,16 @@ class TorchLlama:
             self.kv_layers = sum(not p.second and not p.reuse for p in places)
             wide = [p for p in places if p.second and not p.reuse]
             self.second_kv = (len(wide), wide[0].heads, wide[0].dim) if wide else None
-        # Gemma 4's per-layer inputs (``_per_layer_inputs``): a table of each token's, and a projection of its embedding
+        # Gemma 3n's and 4's per-layer inputs (``_per_layer_inputs``): a table of each token's, and a projection of its
+        # embedding; their scales (Gemma 3n's rounded to the model's dtype)
         self.per_layer = None
         if "model.embed_tokens_per_layer.weight" in r:
+            scales = [config.hidden_size ** -0.5, 2 ** -0.5]
+            if config.model_type == "gemma3n_text":
+                scales = [torch.tensor(v, dtype=dtype).item() for v in scales]
             self.per_layer = (r.get("model.embed_tokens_per_layer.weight"),
                               r.linear(r.get("model.per_layer_model_projection.weight"), None),
-                              r.norm("model.per_layer_projection_norm.weight"))
+                              r.norm("model.per_layer_projection_norm.weight"), *scales)
         if self.recurrent is not None:  # a recurrent state: no graph (yet); prefixes in whole prompt chunks only (their
             self.reuses_prefixes = self.masks_reach_cache = False  # ends' states are kept); trees in one forward
             self.reuses_prompt_chunks = True
@@ -1523,6 +1562,13 @@ class TorchLlama:
             self.hc = HyperConnections(config.hc_mult, config.hc_magnitude, config.hc_eps, config.rms_norm_eps)
             self.hc_head = {n: r.raw("model.hc_head." + n) for n in ("fn", "base", "scale")}
             self.lm_head = r.linear(r.raw("lm_head.weight"), None)
+        self.altup = None  # Gemma 3n's streams (``ops.AltUp``, ``_altup_layer``); the embedding's projections into
+        if config.model_type == "gemma3n_text":  # them, and the last streams' back
+            self.altup = AltUp(config.altup_num_inputs, config.altup_active_idx,
+                               torch.tensor(config.hidden_size ** -1.0, dtype=dtype).item())
+            self.altup_in, self.altup_out = ([r.linear(r.get(f"model.{n}.{i}.weight"), None)
+                                              for i in range(config.altup_num_inputs - 1)]
+                                             for n in ("altup_projections", "altup_unembed_projections"))
         self.vocab_size = self.lm_head.out_features  # the logits' width (Apertus 1.5's head: the text tokens alone,
         # its embedding's first output_vocab_size rows)
         if cuda_graphs and device.type != "cuda":
@@ -1545,9 +1591,9 @@ class TorchLlama:
         ``num_layers`` the last layer's output after the final norm (what an EAGLE drafter
         reads)."""
         taps = tuple(sorted(taps))
-        if taps and self.hc is not None:
-            raise ValueError("hidden states between layers of hyper-connections (Hy4's) are several streams: no "
-                             "drafter reads them")
+        if taps and (self.hc is not None or self.altup is not None):
+            raise ValueError("hidden states between layers of hyper-connections (Hy4's) or alternating updates "
+                             "(Gemma 3n's) are several streams: no drafter reads them")
         if taps and not 0 <= taps[0] <= taps[-1] <= self.num_layers:
             raise ValueError(f"hidden states {list(taps)}: this model has {self.num_layers} layers, "
                              f"so 0 to {self.num_layers}")
@@ -1759,10 +1805,15 @@ class TorchLlama:
         per_layer = None if self.per_layer is None else self._per_layer_inputs(x.ids, h)  # [B, T, layers, width]
         if self.hc is not None:  # Hy4's: the embedding's copies [B, T, streams, hidden]
             h = h[:, :, None].expand(-1, -1, self.hc.streams, -1).contiguous()
+        if self.altup is not None:  # Gemma 3n's: the embedding and its projections [B, T, streams, hidden]
+            h = self.altup.spread(self.altup_in, h)
         tapped = {}  # tap -> [B, T, hidden]
         for li, L in enumerate(self.layers):
             if li in self.taps:
                 tapped[li] = h
+            if L["altup"] is not None:
+                h = self._altup_layer(cache, x, L, h, rope, per_layer[:, :, li])
+                continue
             if "qkv" in L or "mix_in" in L:  # (Nemotron-H's blocks: a mixer, or an MLP, alone)
                 if L["hc"] is not None:  # (the streams' mix in, the output added to each out)
                     streams, (post, h) = h, self.hc.collapse(L["hc"][0], h)
@@ -1794,6 +1845,8 @@ class TorchLlama:
                 h = h * L["scalar"]
         if self.hc is not None:
             h = self.hc.head(self.hc_head, h)  # [B, T, hidden]
+        if self.altup is not None:
+            h = self.altup.gather(self.altup_out, h)  # [B, T, hidden]
         if self.num_layers in self.taps:  # transformers' last hidden state: after the final norm
             h = tapped[self.num_layers] = norm(h, self.norm, self.eps)
         if last is not None:
@@ -1811,15 +1864,37 @@ class TorchLlama:
         return logits.float() if to_float else logits, features
 
     def _per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """Gemma 4's per-layer inputs ``[B, T, layers, width]``: each token's row of its own table
-        (scaled by sqrt(width) as the model's dtype holds it) and a projection of its embeddings
-        ``h`` (scaled by hidden ** -0.5, normed per layer), averaged by 2 ** -0.5."""
-        table, project, post_norm = self.per_layer
+        """Gemma 3n's and 4's per-layer inputs ``[B, T, layers, width]``: each token's row of its own
+        table (scaled by sqrt(width) as the model's dtype holds it; row 0 for a token past the table:
+        Gemma 3n's audio and image tokens) and a projection of its embeddings ``h`` (scaled by
+        hidden ** -0.5, normed per layer), their sum scaled by 2 ** -0.5."""
+        table, project, post_norm, project_scale, sum_scale = self.per_layer
         width = table.shape[1] // self.num_layers
-        own = F.embedding(ids, table) * torch.tensor(width ** 0.5, dtype=table.dtype).item()
-        projected = project(h) * h.shape[-1] ** -0.5
+        own = F.embedding(torch.where(ids < table.shape[0], ids, 0), table)
+        own = own * torch.tensor(width ** 0.5, dtype=table.dtype).item()
+        projected = project(h) * project_scale
         projected = norm(projected.view(*ids.shape, self.num_layers, width), post_norm, self.eps)
-        return (projected + own.view(*ids.shape, self.num_layers, width)) * 2 ** -0.5
+        return (projected + own.view(*ids.shape, self.num_layers, width)) * sum_scale
+
+    def _altup_layer(self, cache: KVCache, x: "Batch", L: dict, streams: torch.Tensor, rope: dict,
+                     per_layer: torch.Tensor) -> torch.Tensor:
+        """Gemma 3n's layer over its streams ``[B, T, streams, hidden]`` (``ops.AltUp``): attention
+        and the MLP on the active stream's prediction, LAuReL's low-rank residual beside attention
+        (their sum scaled by 2 ** -0.5), the predictions corrected by the output, and the layer's
+        per-layer input ``[B, T, width]``, gated by the corrected active stream, added to streams 1 on."""
+        altup, w, eps = self.altup, L["altup"], self.eps
+        predictions = altup.predict(w, streams, eps)  # [B, T, streams, hidden]
+        active = predictions[:, :, altup.active]  # [B, T, hidden]
+        a = norm(active, L["attn_norm"], eps)
+        left, right, laurel_norm = L["laurel"]
+        laurel = a + norm(right(left(a)), laurel_norm, eps)
+        h = (active + norm(self._attend(cache, x, L, a, rope), L["post_attn_norm"], eps) + laurel) / math.sqrt(2)
+        h = h + norm(self._mlp(L, norm(h, L["mlp_norm"], eps)), L["post_mlp_norm"], eps)
+        corrected = altup.correct(w, predictions, h, eps)
+        first = corrected[:, :, altup.active] if w["scale"] is None else corrected[:, :, altup.active] * w["scale"]
+        gate, project, post_norm = L["per_layer"]
+        first = norm(project(ACTIVATIONS[self.family.activation](gate(first)) * per_layer), post_norm, eps)
+        return torch.cat([corrected[:, :, :1], corrected[:, :, 1:] + first[:, :, None]], dim=2)
 
     def _rope(self, pos: torch.Tensor, long: torch.Tensor | None = None) -> dict:
         """Per layer type, (cos, sin) ``[B, 1, T, rotated]`` at positions ``pos [B, T]``
@@ -1986,6 +2061,8 @@ class TorchLlama:
         out = None
         if L["gate_up"] is not None:
             gate, *up = L["gate_up"](a).chunk(1 + self.family.gated_mlp, dim=-1)  # (not gated: Nemotron-H's)
+            if L["sparsity"] is not None:  # (Gemma 3n's first layers')
+                gate = gaussian_top_k(gate, L["sparsity"])
             h = xielu(gate, *L["xielu"]) if L["xielu"] else ACTIVATIONS[self.family.activation](gate)
             out = L["down"](h * up[0] if up else h)
             if L["shared_gate"] is not None:
