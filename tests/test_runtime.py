@@ -11,7 +11,7 @@ from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3,
                   LLAMA4, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
-                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA, GEMMA3N)
+                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA, GEMMA3N, ZAMBA2)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -145,6 +145,13 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "granitemoeshared": ("granitemoeshared", MOE["granitemoeshared"]),
     "granite4h-mamba2-experts": ("granitemoehybrid", MOE["granitemoehybrid"]),
     "granite4h-dense-rope": ("granitemoehybrid", GRANITE_HYBRID_DENSE),
+    # Zamba2: Mamba-2 layers, shared blocks with adapters between them (``tiny.ZAMBA2``); and one block, run by the
+    # first layer too, without attention adapters or rope, over 2 key/value heads
+    "zamba2-shared-blocks-adapters": ("zamba2", ZAMBA2),
+    "zamba2-one-block-gqa-nope": ("zamba2", dict(ZAMBA2, num_mem_blocks=1, use_shared_attention_adapter=False,
+                                                 use_mem_rope=False, num_key_value_heads=2,
+                                                 layers_block_type=["hybrid", "mamba", "mamba", "hybrid", "mamba",
+                                                                    "hybrid"])),
     "bamba-half-rope": ("bamba", BAMBA),
     # Nemotron-H: blocks of one mixer or one MLP each (Mamba-2, experts of relu2 not gated under sigmoid
     # routing in groups with a shared expert, attention without rope, a dense MLP), its names (backbone.)
@@ -623,7 +630,8 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "deepseekv32-sparse-attention", "glm5-sparse-attention-shared",
                                   "sarvam-mla-one-query-product",
                                   "axk2-gated-norms-query-gates", "kimilinear-kda-latent-nope",
-                                  "ling-kda-bounded-decays", "hy4-hyper-connections-sparse-sinks"])
+                                  "ling-kda-bounded-decays", "hy4-hyper-connections-sparse-sinks",
+                                  "zamba2-shared-blocks-adapters", "zamba2-one-block-gqa-nope"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -1125,7 +1133,7 @@ def test_chunk_mask_and_positions(loaded):
 
 
 @pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "lfm3", "falconh1", "mamba", "jamba",
-                                  "olmohybrid", "kimilinear", "ling", "lara"])
+                                  "olmohybrid", "kimilinear", "ling", "lara", "zamba2"])
 def test_tree_through_recurrent_states(loaded, name):
     """A token tree through recurrent layers (DeltaNet's, Mamba-2's, Mamba's, LFM2's convolutions) in one
     forward: each node's logits are those of its path as a chain; after ``keep`` of a path
@@ -1400,7 +1408,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "ling-kda-softplus-no-q-lora", "hy4-hyper-connections-sparse-sinks",
                                   "hyperclovax-peri-norms-mup", "lara-delta-windows-experts", "aria-experts-transposed",
                                   "cohere-compass-halves-nope-full", "gemma3n-altup-laurel-sparse",
-                                  "gemma3n-active-second-unscaled"])
+                                  "gemma3n-active-second-unscaled", "zamba2-shared-blocks-adapters",
+                                  "zamba2-one-block-gqa-nope"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1422,6 +1431,8 @@ def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
                                       "gate.wg.weight", "router.gate.weight", "router.layer.weight", "router.proj.weight",
                                       "A_log", "e_score_correction_bias")))  # (Mamba's decays: [channels, state];
     # ERNIE 4.5's correction: [1, experts]; Gemma 3n's altup_unembed_projections are products)
+    if config.tie_word_embeddings:  # (the head: the embedding, which transformers' parameters name once)
+        linears += config.vocab_size * config.hidden_size
     assert (expert_bytes(config), linear_bytes(config)) == (4 * experts, 4 * linears)
 
 
@@ -1454,11 +1465,12 @@ def test_experts_under_transformers_own_names(tiny_dirs, tmp_path, name):
     assert not torch.equal(logits[1], logits[2])
 
 
-@pytest.mark.parametrize("name", ["gemma4", "gemma3n"])
-def test_gemma_dummy_weights_agree_across_runtimes(tiny_dirs, name):
+@pytest.mark.parametrize("name", ["gemma4", "gemma3n", "zamba2"])
+def test_dummy_weights_of_other_layers_agree_across_runtimes(tiny_dirs, name):
     """Gemma 4's dummy weights scale each layer's output by 1, as transformers starts its layer
     scalars (0, as other vectors but norms, made every logit 0): both runtimes' logits agree;
-    so do Gemma 3n's (its corrected outputs scaled by 0, as transformers starts them)."""
+    so do Gemma 3n's (its corrected outputs scaled by 0, as transformers starts them) and
+    Zamba2's (its shared blocks' weights named under each hybrid layer, read from the first)."""
     from specdec.runtime import load_model
 
     ids = list(range(40, 57))
@@ -1999,7 +2011,8 @@ def test_delta_rule_in_closed_form_equals_token_by_token(T, channels):
 
 
 @pytest.mark.parametrize("arch", ["qwen35-delta-net", "granite4h-dense-rope", "lfm2-conv", "falconh1-parallel-mup",
-                                  "falconmamba", "jamba-experts", "kimilinear-kda-latent-nope"])
+                                  "falconmamba", "jamba-experts", "kimilinear-kda-latent-nope",
+                                  "zamba2-shared-blocks-adapters"])
 def test_recurrent_states_random_rewinds(tmp_path, arch):
     """Random forwards (1 to 7 tokens, now and then a prompt-sized chunk), rewinds to any
     length the cache says it holds, prompt chunk ends saved and copies between slots, on two

@@ -68,6 +68,15 @@ GEMMA3N = dict(layers=6, hidden_size=48, head_dim=16, sliding_window=6, laurel_r
                layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
                vocab_size_per_layer_input=200, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
                activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0, 0.0, 0.0], final_logit_softcapping=30.0)
+# Zamba2's kind: a Mamba-2 layer each (8 heads of 16 channels, states of 16 in 2 groups, chunks of 8), every other one
+# after a shared block (2 blocks in turn: attention over the layer's input beside the embeddings, with rope, then an
+# MLP) with the layer's own low-rank adapters; tied embeddings, as released (transformers 5.24 ties its shared blocks
+# only then: untied, its loaded model's later blocks are random); weights of std 0.1 (at 0.2 it amplifies rounding:
+# bfloat16's logits are noise, transformers' too)
+ZAMBA2 = dict(std=0.1, layers=6, layers_block_type=["mamba", "hybrid"] * 3, num_attention_heads=4, num_key_value_heads=4,
+              mamba_d_state=16, n_mamba_heads=8, mamba_ngroups=2, chunk_size=8, num_mem_blocks=2, adapter_rank=8,
+              use_shared_attention_adapter=True, use_mem_rope=True, intermediate_size=96, pad_token_id=0,
+              tie_word_embeddings=True)
 # LFM3's kind: convolutions, windowed attention (6) and full attention (a part of each head rotated) in turn
 LFM3 = dict(head_dim=16, sliding_window=6, pad_token_id=0,
             layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"])

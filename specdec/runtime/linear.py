@@ -127,6 +127,14 @@ def linear_bytes(config) -> int:
             total += (heads * d + kv_t * (d + dv) + heads * dv) * h + (3 * h * config.intermediate_size if m == "dense"
                                                                         else 0)
         return 4 * total
+    if config.model_type == "zamba2":  # a Mamba-2 layer each; shared blocks (attention over 2 h, an MLP) run by the
+        # hybrid layers, each with its own output product and low-rank adapters
+        n_hybrid, r, a = len(config.hybrid_layer_ids), config.adapter_rank, config.attention_hidden_size
+        blocks = min(config.num_mem_blocks, n_hybrid)
+        attention = (heads * d + 2 * kv * d) * a + h * heads * d
+        adapters = r * (h + 2 * config.intermediate_size) + (6 * r * a if config.use_shared_attention_adapter else 0)
+        return 4 * (config.num_hidden_layers * rec.projection_params(h) + config.vocab_size * h
+                    + blocks * (attention + 3 * h * config.intermediate_size) + n_hybrid * (h * h + adapters))
     if config.model_type in PURE_RECURRENT:  # a Mamba layer alone in each block
         return 4 * (config.num_hidden_layers * rec.projection_params(h) + config.vocab_size * h)
     shared = getattr(config, "shared_expert_intermediate_size", 0) or getattr(config, "shared_intermediate_size", 0) \

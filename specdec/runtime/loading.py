@@ -392,7 +392,8 @@ class DummyWeights(Mapping):
     layer scalars, which scale each layer's output) and biases 0, each tensor from its own generator seeded by its
     name, so every load of the same config on the same device gets the same values (the
     torch runtime and transformers' model alike). Tied input and output embeddings stay tied
-    (no ``lm_head.weight``). Tensors are float32 on ``device``, made on access."""
+    (no ``lm_head.weight``); other tied tensors (Zamba2's shared blocks, named under each layer
+    that runs one) are equal, seeded by their first name. Tensors are float32 on ``device``, made on access."""
 
     def __init__(self, config, device: torch.device | str = "cpu", seed: int = 0):
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -407,6 +408,9 @@ class DummyWeights(Mapping):
                         if not (tied and name == "lm_head.weight")}
         self._norms = {f"{m}.weight" for m, module in skeleton.named_modules()
                        if "norm" in type(module).__name__.lower()}  # LayerNorm, LlamaRMSNorm...
+        first: dict[int, str] = {}
+        self._seeds = {name: first.setdefault(id(t), name)  # each tied tensor's first name
+                       for name, t in skeleton.named_parameters(remove_duplicate=False)}
         self.std = getattr(config, "initializer_range", 0.02)
         self.device, self.seed = torch.device(device), seed
 
@@ -416,7 +420,7 @@ class DummyWeights(Mapping):
             norm = name in self._norms or ("norm" in name and name.endswith("weight")) \
                 or name.endswith("layer_scalar")  # (Gemma 4's: its layers' outputs scaled, 1 at init)
             return (torch.ones if norm else torch.zeros)(shape, device=self.device)
-        g = torch.Generator(device=self.device).manual_seed(self.seed + zlib.crc32(name.encode()))
+        g = torch.Generator(device=self.device).manual_seed(self.seed + zlib.crc32(self._seeds.get(name, name).encode()))
         return torch.randn(shape, generator=g, device=self.device) * self.std
 
     def __contains__(self, name) -> bool:

@@ -55,7 +55,8 @@ def recurrent_mixer(config) -> "DeltaNet | Mamba2 | Mamba1 | ShortConv | None":
         return ShortConv(config.hidden_size, config.conv_L_cache)
     if config.model_type in MAMBA1_ARCHS:
         return Mamba1.of(config)
-    return Mamba2.of(config) if hasattr(config, "mamba_n_heads") or config.model_type in ("nemotron_h", "mamba2") \
+    return Mamba2.of(config) if hasattr(config, "mamba_n_heads") or config.model_type in ("nemotron_h", "mamba2",
+                                                                                          "zamba2") \
         else DeltaNet.of(config)
 
 
@@ -345,6 +346,9 @@ class Mamba2:
         if config.model_type == "mamba2":  # (Mamba-Codestral's)
             return cls(config.num_heads, config.head_dim, config.state_size, config.n_groups, config.conv_kernel,
                        config.chunk_size, tuple(config.time_step_limit))
+        if config.model_type == "zamba2":  # its names; a prompt's time steps clamped from below
+            return cls(config.n_mamba_heads, config.mamba_headdim, config.mamba_d_state, config.mamba_ngroups,
+                       config.mamba_d_conv, config.chunk_size, (config.time_step_min, float("inf")))
         head_dim = config.mamba_d_head
         if head_dim == "auto":
             head_dim = config.mamba_expand * config.hidden_size // config.mamba_n_heads

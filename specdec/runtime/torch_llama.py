@@ -14,7 +14,8 @@ Gated DeltaNet layers beside gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE),
 attention (Kimi Delta Attention, a decay per key channel: Kimi Linear's, Ling 3's), Mamba-2
 layers beside attention
 (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's side by side in each layer:
-``ScaledWeights``), Mamba layers beside attention (Jamba), LFM2's and LFM3's short convolutions beside attention, and Mamba,
+``ScaledWeights``; Zamba2's after shared attention blocks: ``zamba_shared_blocks``), Mamba layers beside attention
+(Jamba), LFM2's and LFM3's short convolutions beside attention, and Mamba,
 Falcon-Mamba and Mamba-2 (recurrent layers alone).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
@@ -45,7 +46,7 @@ from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, li
 from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
 from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, AltUp, GatedNorm, HyperConnections, LayerNorm, attention, norm, norm_width,
                   rms_norm, rotate, softcap, xielu)
-from .recurrent import (DEFAULT_DEPTH, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, Mamba1, Mamba2, RecurrentStates,
+from .recurrent import (DEFAULT_DEPTH, LINEAR_ATTENTION, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, Mamba1, Mamba2, RecurrentStates,
                         ShortConv, StatePlan, recurrent_mixer)
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "apertus1p5_text", "bamba", "nemotron_h", "lfm2", "lfm3", "olmo_hybrid",
-    "falcon_h1", "jamba",
+    "falcon_h1", "jamba", "zamba2",
     "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
@@ -674,6 +675,8 @@ class Family:
                        activation=config.hidden_activation)
         if config.model_type == "mimo_v2_flash":
             return cls(activation=act, value_scale=config.attention_value_scale)
+        if config.model_type == "zamba2":  # its shared blocks' scores scaled by (head_dim / 2) ** -0.5
+            return cls(activation=act, attn_scale=(config.attention_head_dim / 2) ** -0.5)
         if config.model_type == "falcon_h1":  # (its other multipliers: in the weights, ``ScaledWeights``)
             return cls(activation=act, embed_scale=config.embedding_multiplier,
                        logits_scale=config.lm_head_multiplier)
@@ -1389,6 +1392,31 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
     }
 
 
+def zamba_shared_blocks(r: CheckpointReader, config, layers: list[dict], rotates: bool) -> int:
+    """Zamba2's shared blocks into its hybrid layers' ``layers[i]["shared"]`` (and each one's
+    ``linear``; None on the others): hybrid layer ``j`` runs block ``j % num_mem_blocks`` (its
+    weights read once, under the first hybrid layer that runs it) with its own low-rank adapters
+    (``adapters``: the query's, key's and value's where ``use_shared_attention_adapter``, the
+    MLP's: ``qkv_adapters``, ``gate_up_adapter``) and keys (cache index ``j``). Returns the number
+    of hybrid layers (their keys')."""
+    hybrid, blocks = config.hybrid_layer_ids, {}
+    for j, i in enumerate(hybrid):
+        b = j % config.num_mem_blocks
+        pre = f"model.layers.{hybrid[b]}.shared_transformer."
+        if b not in blocks:
+            blocks[b] = decoder_layer(r, config, pre, rotates=rotates)
+        pair = [(r.linear(r.get(f"{n}.{j}.0.weight"), None), r.linear(r.get(f"{n}.{j}.1.weight"), None))
+                for n in (pre + "feed_forward.gate_up_proj_adapter_list",
+                          *(pre + f"self_attn.linear_{p}_adapter_list" for p in "qkv"))
+                if f"{n}.{j}.0.weight" in r]
+        layers[i]["shared"] = dict(blocks[b], index=j, gate_up_adapter=pair[0], qkv_adapters=pair[1:])
+        layers[i]["linear"] = r.linear(r.get(f"model.layers.{i}.linear.weight"), None)
+    for L in layers:
+        L.setdefault("shared", None)
+        L.setdefault("linear", None)
+    return len(hybrid)
+
+
 def top_k_cutoff(sparsity: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
     """Gemma 3n's gate sparsity (``gaussian_top_k``): the standard normal's quantile at ``sparsity``, in
     the model's dtype (None: a dense gate)."""
@@ -1513,7 +1541,10 @@ class TorchLlama:
             rec = self.recurrent if types[i] in RECURRENT_TYPES else None
             # (see decoder_layer)
             block = types[i] if config.model_type in ("nemotron_h", "falcon_h1") + PURE_RECURRENT else None
-            self.layers.append(decoder_layer(r, config, f"model.layers.{i}.", moe, sliding=sliding[i],
+            pre = f"model.layers.{i}."
+            if config.model_type == "zamba2":  # a Mamba-2 layer alone (``_zamba_layer``), after a shared block on some
+                block, pre = LINEAR_ATTENTION, pre + "mamba_decoder." * (types[i] == "hybrid")
+            self.layers.append(decoder_layer(r, config, pre, moe, sliding=sliding[i],
                                              rope=layer_ropes[i] if layer_ropes else
                                              types[i] if types[i] in self.rope else None,
                                              rotates=bool(rotates[i]), latent=self.latent, recurrent=rec,
@@ -1521,6 +1552,8 @@ class TorchLlama:
                                              kv=places[i] if places else None))
             kinds[rec is not None] += block not in ("mlp", "moe")
             kinds[0] += block == "hybrid"  # (its attention too: the same index, every layer being so)
+        if config.model_type == "zamba2":
+            kinds[0] = zamba_shared_blocks(r, config, self.layers, rotates=bool(config.use_mem_rope))
         self.kv_layers, self.state_layers = kinds
         for L, heads in zip(self.layers, getattr(config, "num_attention_heads_per_layer", None) or ()):
             L["heads"] = heads  # (Laguna's queries: a number of heads per layer)
@@ -1602,9 +1635,11 @@ class TorchLlama:
             self.graphs = CudaGraphs(self)
 
     def _linears(self) -> list[Linear]:
-        return [layer[n] for layer in self.layers for n in ("qkv", "q_b", "o", "mix_in", "mix_out", "gate_up", "down")
-                if layer.get(n)] \
-            + [self.lm_head]
+        """Every product of the layers (a shared block's, Zamba2's, once) and the head."""
+        layers = self.layers + [layer["shared"] for layer in self.layers if layer.get("shared")]
+        found = {id(lin): lin for layer in layers for n in ("qkv", "q_b", "o", "mix_in", "mix_out", "gate_up", "down")
+                 if (lin := layer.get(n))}
+        return [*found.values(), self.lm_head]
 
     def _packed_one_row_pays(self) -> bool:
         """Whether a one-token forward (plain decoding) through the verify-packed weights costs
@@ -1807,12 +1842,16 @@ class TorchLlama:
             h = h[:, :, None].expand(-1, -1, self.hc.streams, -1).contiguous()
         if self.altup is not None:  # Gemma 3n's: the embedding and its projections [B, T, streams, hidden]
             h = self.altup.spread(self.altup_in, h)
+        embedded = h  # (Zamba2's shared blocks read it beside each layer's input)
         tapped = {}  # tap -> [B, T, hidden]
         for li, L in enumerate(self.layers):
             if li in self.taps:
                 tapped[li] = h
             if L["altup"] is not None:
                 h = self._altup_layer(cache, x, L, h, rope, per_layer[:, :, li])
+                continue
+            if "linear" in L:  # (Zamba2's)
+                h = self._zamba_layer(cache, x, L, h, embedded, rope)
                 continue
             if "qkv" in L or "mix_in" in L:  # (Nemotron-H's blocks: a mixer, or an MLP, alone)
                 if L["hc"] is not None:  # (the streams' mix in, the output added to each out)
@@ -1876,6 +1915,21 @@ class TorchLlama:
         projected = norm(projected.view(*ids.shape, self.num_layers, width), post_norm, self.eps)
         return (projected + own.view(*ids.shape, self.num_layers, width)) * sum_scale
 
+    def _zamba_layer(self, cache: KVCache, x: "Batch", L: dict, h: torch.Tensor, embedded: torch.Tensor,
+                     rope: dict) -> torch.Tensor:
+        """Zamba2's layer: a Mamba-2 layer, where ``L["shared"]`` holds a shared block (attention, then
+        an MLP, over the layer's input beside the embeddings ``[B, T, 2 hidden]``, with this
+        layer's own low-rank adapters and keys) whose output, through the layer's ``linear``,
+        adds to the Mamba layer's input (not to the residual)."""
+        S, eps = L["shared"], self.eps
+        into = h
+        if S is not None:
+            a = norm(torch.cat([h, embedded], dim=-1), S["attn_norm"], eps)  # [B, T, 2 hidden]
+            out = self._attend(cache, x, S, a, rope)
+            into = h + L["linear"](self._mlp(S, norm(out, S["mlp_norm"], eps)))
+        a = norm(into, L["attn_norm"], eps)
+        return h + self.recurrent.forward(cache.states, L["index"], x.slots, x.states, L, a, eps)
+
     def _altup_layer(self, cache: KVCache, x: "Batch", L: dict, streams: torch.Tensor, rope: dict,
                      per_layer: torch.Tensor) -> torch.Tensor:
         """Gemma 3n's layer over its streams ``[B, T, streams, hidden]`` (``ops.AltUp``): attention
@@ -1924,6 +1978,8 @@ class TorchLlama:
         Dv = self.v_dim or D  # (MiMo-V2-Flash's values: narrower than its keys)
         reuse = place is not None and place.reuse  # its queries over an earlier layer's rows
         qkv = L["qkv"](a)  # [B, T, (H + KV) D + KV Dv], Qwen3-Next's / 3.5's gates after them: + H D
+        if L.get("qkv_adapters"):  # (Zamba2's: low-rank adapters of this layer's, beside a shared block's products)
+            qkv = qkv + torch.cat([up(down(a)) for down, up in L["qkv_adapters"]], dim=-1)
         own = 0 if reuse else 1 if L["v_from_k"] else 2  # key/value projections
         q, *kv = qkv.split([H * D] + [KV * D, KV * Dv][:own] + ([L["gated"]] if L.get("gated") else []), dim=-1)
         k, v, gate = (kv[0], kv[own - 1], kv[own:]) if own else (None, None, kv)  # (attention_k_eq_v: v is k unnormed)
@@ -2060,7 +2116,11 @@ class TorchLlama:
         experts (GLM-4.5's; Qwen2-MoE's under a sigmoid gate)."""
         out = None
         if L["gate_up"] is not None:
-            gate, *up = L["gate_up"](a).chunk(1 + self.family.gated_mlp, dim=-1)  # (not gated: Nemotron-H's)
+            gate_up = L["gate_up"](a)
+            if L.get("gate_up_adapter"):  # (Zamba2's)
+                down, up = L["gate_up_adapter"]
+                gate_up = gate_up + up(down(a))
+            gate, *up = gate_up.chunk(1 + self.family.gated_mlp, dim=-1)  # (not gated: Nemotron-H's)
             if L["sparsity"] is not None:  # (Gemma 3n's first layers')
                 gate = gaussian_top_k(gate, L["sparsity"])
             h = xielu(gate, *L["xielu"]) if L["xielu"] else ACTIVATIONS[self.family.activation](gate)
