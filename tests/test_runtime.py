@@ -11,7 +11,7 @@ from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3,
                   LLAMA4, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
-                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA, GEMMA3N, ZAMBA2)
+                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA, GEMMA3N, ZAMBA2, RECURRENT_GEMMA)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -148,6 +148,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # Zamba2: Mamba-2 layers, shared blocks with adapters between them (``tiny.ZAMBA2``); and one block, run by the
     # first layer too, without attention adapters or rope, over 2 key/value heads
     "zamba2-shared-blocks-adapters": ("zamba2", ZAMBA2),
+    # RecurrentGemma: RG-LRU blocks beside windowed multi-query attention (``tiny.RECURRENT_GEMMA``); and blocks wider
+    # than the model (96) in 2 heads of gates, a convolution of 3, attention over 4 key/value heads
+    "recurrentgemma-rglru-window": ("recurrent_gemma", RECURRENT_GEMMA),
+    "recurrentgemma-wide-lru-mha": ("recurrent_gemma", dict(RECURRENT_GEMMA, lru_width=96, num_attention_heads=2,
+                                                            num_key_value_heads=2, conv1d_width=3)),
     "zamba2-one-block-gqa-nope": ("zamba2", dict(ZAMBA2, num_mem_blocks=1, use_shared_attention_adapter=False,
                                                  use_mem_rope=False, num_key_value_heads=2,
                                                  layers_block_type=["hybrid", "mamba", "mamba", "hybrid", "mamba",
@@ -564,7 +569,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "laguna-heads-per-layer-gates", "laguna-element-gates", "hyperclovax-peri-norms-mup",
                                   "lara-delta-windows-experts", "aria-experts-transposed",
                                   "cohere-compass-halves-nope-full", "gemma3n-altup-laurel-sparse",
-                                  "gemma3n-active-second-unscaled"])
+                                  "gemma3n-active-second-unscaled", "recurrentgemma-rglru-window",
+                                  "recurrentgemma-wide-lru-mha"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -715,6 +721,16 @@ def test_multimodal_gemma3n_text_model(tmp_path):
     for kw in (dict(), dict(speculative="self"),
                dict(speculative=SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3))):
         assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
+
+
+def test_recurrentgemma_runs_on_the_torch_runtime(tiny_dirs):
+    """RecurrentGemma keeps its state in its modules, outside transformers' cache: ``backend="auto"``
+    runs it on the torch runtime; ``backend="hf"`` refuses it and says where it runs."""
+    from specdec.runtime import load_model
+
+    assert isinstance(load_model(str(tiny_dirs["recurrentgemma"])).runtime, TorchLlama)
+    with pytest.raises(ValueError, match="'recurrent_gemma' keeps its state outside .*the torch runtime runs it"):
+        load_model(str(tiny_dirs["recurrentgemma"]), backend="hf")
 
 
 @pytest.mark.parametrize("name", ["hy4", "gemma3n"])
@@ -1133,7 +1149,7 @@ def test_chunk_mask_and_positions(loaded):
 
 
 @pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "lfm3", "falconh1", "mamba", "jamba",
-                                  "olmohybrid", "kimilinear", "ling", "lara", "zamba2"])
+                                  "olmohybrid", "kimilinear", "ling", "lara", "zamba2", "recurrentgemma"])
 def test_tree_through_recurrent_states(loaded, name):
     """A token tree through recurrent layers (DeltaNet's, Mamba-2's, Mamba's, LFM2's convolutions) in one
     forward: each node's logits are those of its path as a chain; after ``keep`` of a path
@@ -1409,7 +1425,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "hyperclovax-peri-norms-mup", "lara-delta-windows-experts", "aria-experts-transposed",
                                   "cohere-compass-halves-nope-full", "gemma3n-altup-laurel-sparse",
                                   "gemma3n-active-second-unscaled", "zamba2-shared-blocks-adapters",
-                                  "zamba2-one-block-gqa-nope"])
+                                  "zamba2-one-block-gqa-nope", "recurrentgemma-rglru-window",
+                                  "recurrentgemma-wide-lru-mha"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1429,8 +1446,9 @@ def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
                   and not any(e in n.replace("unembed", "") for e in ("embed", ".wte.", ".wpe.", ".word_embeddings."))
                   and not n.endswith(("mlp.gate.weight", "mixer.gate.weight", "router.weight", "shared_expert_gate.weight",
                                       "gate.wg.weight", "router.gate.weight", "router.layer.weight", "router.proj.weight",
-                                      "A_log", "e_score_correction_bias")))  # (Mamba's decays: [channels, state];
-    # ERNIE 4.5's correction: [1, experts]; Gemma 3n's altup_unembed_projections are products)
+                                      "A_log", "e_score_correction_bias", "_gate_bias")))  # (Mamba's decays:
+    # [channels, state]; RG-LRU's gates' biases: [heads, block]; ERNIE 4.5's correction: [1, experts]; Gemma 3n's
+    # altup_unembed_projections are products)
     if config.tie_word_embeddings:  # (the head: the embedding, which transformers' parameters name once)
         linears += config.vocab_size * config.hidden_size
     assert (expert_bytes(config), linear_bytes(config)) == (4 * experts, 4 * linears)
@@ -2012,7 +2030,7 @@ def test_delta_rule_in_closed_form_equals_token_by_token(T, channels):
 
 @pytest.mark.parametrize("arch", ["qwen35-delta-net", "granite4h-dense-rope", "lfm2-conv", "falconh1-parallel-mup",
                                   "falconmamba", "jamba-experts", "kimilinear-kda-latent-nope",
-                                  "zamba2-shared-blocks-adapters"])
+                                  "zamba2-shared-blocks-adapters", "recurrentgemma-rglru-window"])
 def test_recurrent_states_random_rewinds(tmp_path, arch):
     """Random forwards (1 to 7 tokens, now and then a prompt-sized chunk), rewinds to any
     length the cache says it holds, prompt chunk ends saved and copies between slots, on two

@@ -77,6 +77,10 @@ ZAMBA2 = dict(std=0.1, layers=6, layers_block_type=["mamba", "hybrid"] * 3, num_
               mamba_d_state=16, n_mamba_heads=8, mamba_ngroups=2, chunk_size=8, num_mem_blocks=2, adapter_rank=8,
               use_shared_attention_adapter=True, use_mem_rope=True, intermediate_size=96, pad_token_id=0,
               tie_word_embeddings=True)
+# RecurrentGemma's kind (Griffin): RG-LRU blocks (4 heads of gates) on 2 layers of 3, windowed multi-query attention
+# (6 tokens, half of each head rotated) on the third; MLPs half intermediate_size wide, with biases; tied embeddings
+RECURRENT_GEMMA = dict(layers=4, num_attention_heads=4, num_key_value_heads=1, intermediate_size=192,
+                       attention_window_size=6, tie_word_embeddings=True)
 # LFM3's kind: convolutions, windowed attention (6) and full attention (a part of each head rotated) in turn
 LFM3 = dict(head_dim=16, sliding_window=6, pad_token_id=0,
             layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"])

@@ -115,8 +115,10 @@ class HFRuntime:
         if self.cache_name is None or own_state or cfg.model_type in OWN_STATE:
             why = "its forward takes no cache / past_key_values argument" if self.cache_name is None else \
                 "transformers' DynamicCache cannot hold it"
+            torch_runs = " (the torch runtime runs it: backend 'torch' or 'auto')" \
+                if cfg.model_type == "recurrent_gemma" else ""
             raise ValueError(f"{cfg.model_type!r} keeps its state outside transformers' cache, where specdec "
-                             f"holds each sequence's ({why}); it cannot run here")
+                             f"holds each sequence's ({why}); it cannot run here{torch_runs}")
         # a recurrent state (Mamba, Qwen3-Next...) cannot go back to an earlier length:
         # nothing drafts against it, and no finished prompt is reused (transformers refuses
         # assisted generation for such models too)

@@ -127,6 +127,10 @@ def linear_bytes(config) -> int:
             total += (heads * d + kv_t * (d + dv) + heads * dv) * h + (3 * h * config.intermediate_size if m == "dense"
                                                                         else 0)
         return 4 * total
+    if config.model_type == "recurrent_gemma":  # RG-LRU blocks or windowed attention, MLPs of intermediate_size / 2
+        n, attention = config.num_hidden_layers, config.layer_types.count("sliding_attention")
+        return 4 * (attention * (2 * heads * d + 2 * kv * d) * h + (n - attention) * rec.projection_params(h)
+                    + n * 3 * h * (config.intermediate_size // 2) + config.vocab_size * h)
     if config.model_type == "zamba2":  # a Mamba-2 layer each; shared blocks (attention over 2 h, an MLP) run by the
         # hybrid layers, each with its own output product and low-rank adapters
         n_hybrid, r, a = len(config.hybrid_layer_ids), config.adapter_rank, config.attention_hidden_size

@@ -1,9 +1,9 @@
 """Layers with a recurrent state for the torch runtime: the Gated DeltaNet layers of Qwen3-Next,
 Qwen3.5, OLMo-Hybrid and Lara and the Kimi Delta Attention of Kimi Linear and Ling 3 (``DeltaNet``), the
 Mamba-2 layers of Granite 4.0's hybrids, Bamba, Nemotron-H, Falcon-H1 and Mamba-2 (``Mamba2``), the
-Mamba layers of Mamba, Falcon-Mamba and Jamba (``Mamba1``) and LFM2's short convolutions (``ShortConv``:
-a conv window, no matrix), and the states they keep per slot (``RecurrentStates``), which a rewind
-takes back.
+Mamba layers of Mamba, Falcon-Mamba and Jamba (``Mamba1``), RecurrentGemma's RG-LRU (``RGLRU``: a decay
+per channel) and LFM2's short convolutions (``ShortConv``: a conv window, no matrix), and the states they
+keep per slot (``RecurrentStates``), which a rewind takes back.
 
 Such a layer keeps no row per token. Each slot holds, per layer, the last ``kernel - 1``
 inputs of its short convolution (``conv``) and one matrix per head that every token updates
@@ -11,7 +11,7 @@ inputs of its short convolution (``conv``) and one matrix per head that every to
 towards ``k -> v`` by ``beta`` (``S += beta k (v - k S)``); the token reads ``q S``. Mamba-2's
 ``[heads, head_dim, d_state]``: the state decays by ``exp(dt A)`` and takes in ``dt x B``; the
 token reads ``S C + D x``. Mamba's ``[inner, d_state]``: the same with a decay per channel and
-state entry.
+state entry. RG-LRU's ``[width, 1]``: a decay per channel, ``h = a h + u``, the token reads ``h``.
 
 Speculation drops rejected drafts, and a state cannot subtract the tokens it has taken in.
 So each slot also keeps a ring of its states *before* each of its last ``depth`` tokens,
@@ -47,10 +47,12 @@ PURE_RECURRENT = ("mamba", "falcon_mamba", "mamba2")
 PREFIX_STATES = 4  # states kept per slot at its prompt chunks' ends, for prefix reuse: the first 3 and the last
 
 
-def recurrent_mixer(config) -> "DeltaNet | Mamba2 | Mamba1 | ShortConv | None":
+def recurrent_mixer(config) -> "DeltaNet | Mamba2 | Mamba1 | RGLRU | ShortConv | None":
     """The recurrent layers' kind of ``config`` (None: it has none)."""
     if not set(RECURRENT_TYPES) & set(getattr(config, "layer_types", None) or ()):
         return None
+    if config.model_type == "recurrent_gemma":
+        return RGLRU(config.lru_width, config.num_attention_heads, config.conv1d_width)
     if config.model_type in ("lfm2", "lfm2_moe", "lfm3"):
         return ShortConv(config.hidden_size, config.conv_L_cache)
     if config.model_type in MAMBA1_ARCHS:
@@ -612,6 +614,98 @@ class ShortConv:
         return L["mix_out"](c * convolve(states, li, slots, plan, b * x, L, act=None).to(a.dtype))
 
 
+@dataclass(frozen=True)
+class RGLRU:
+    """RecurrentGemma's recurrent block (Griffin's): ``width`` channels, each with a state of one
+    number, gated per block of ``width / heads`` channels (block-diagonal products), and the
+    convolution's ``kernel``. Its input ``x`` and gate branch ``y`` from the layer's input; ``x``
+    convolved; from it, per token, an input gate ``i`` and a decay ``a = exp(-8 r softplus(L))``
+    (``r`` the recurrence gate); the state takes ``h = a h + sqrt(1 - a^2) i x`` (at a sequence's
+    first token ``i x``), in float32; the output ``h gelu(y)``. Its ring keeps the state before each
+    token, as Mamba's; a tree's tokens' ``(a, u)`` go to ``RecurrentStates.node_inputs``."""
+
+    width: int
+    heads: int
+    kernel: int
+    replays = False  # (not a field)
+
+    @property
+    def conv_dim(self) -> int:
+        return self.width
+
+    @property
+    def value_width(self) -> int:
+        return self.width
+
+    @property
+    def state_shape(self) -> tuple[int, int]:
+        return self.width, 1
+
+    @property
+    def input_shape(self) -> tuple[int]:
+        """A tree's token's decay and input ``(a, u)``, which ``keep`` runs along the accepted path."""
+        return (2 * self.width,)
+
+    def projection_params(self, hidden: int) -> int:
+        return 3 * hidden * self.width
+
+    def weights(self, r, pre: str) -> dict:
+        """The weights of the block under ``pre`` (``model.layers.{i}.``): ``mix_in`` (``linear_x``, then
+        ``linear_y``, with their biases), ``conv [width, kernel]`` and its bias, the gates' block-diagonal
+        products ``gates [2, heads, block, block]`` (the input's, the recurrence's) and their biases
+        ``[2, heads, block]``, ``softplus(recurrent_param)`` (in the model's dtype) and ``mix_out``."""
+        a = pre + "temporal_block."
+        lru = a + "rg_lru."
+        biases = [r.opt(a + "linear_x.bias"), r.opt(a + "linear_y.bias")]
+        return {
+            "mix_in": r.linear(torch.cat([r.get(a + "linear_x.weight"), r.get(a + "linear_y.weight")]),
+                               torch.cat(biases) if biases[0] is not None else None),
+            "conv": r.get(a + "conv_1d.weight")[:, 0],  # [width, kernel]
+            "conv_bias": r.opt(a + "conv_1d.bias"),
+            "gates": torch.stack([r.get(lru + "input_gate_weight"), r.get(lru + "recurrent_gate_weight")]),
+            "gate_bias": torch.stack([r.get(lru + "input_gate_bias"), r.get(lru + "recurrent_gate_bias")]),
+            "softplus": F.softplus(r.get(lru + "recurrent_param")),  # [width]
+            "mix_out": r.linear(r.get(a + "linear_out.weight"), r.opt(a + "linear_out.bias")),
+        }
+
+    def forward(self, states: "RecurrentStates", li: int, slots: torch.Tensor, plan: "StatePlan", L: dict,
+                a: torch.Tensor, eps: float) -> torch.Tensor:
+        """``DeltaNet.forward`` for an RG-LRU block, as transformers' RecurrentGemma computes it: the
+        gates and decays in the model's dtype, the recurrence in float32."""
+        B, T, C = a.shape[0], a.shape[1], self.width
+        x, y = L["mix_in"](a).chunk(2, dim=-1)  # [B, T, width] each
+        x = convolve(states, li, slots, plan, x, L, act=None).to(a.dtype)
+        blocks = x.reshape(B * T, self.heads, -1).transpose(0, 1)  # [heads, B T, block]
+        gate_in, gate_a = (torch.sigmoid(torch.baddbmm(L["gate_bias"][k][:, None], blocks, L["gates"][k])
+                                         .transpose(0, 1).reshape(B, T, C)) for k in (0, 1))
+        log_a = -8.0 * gate_a * L["softplus"]  # [B, T, width]
+        first = (plan.first[:, None] & (torch.arange(T, device=a.device) == 0))[..., None]  # [B, T, 1]: position 0
+        scale = torch.where(first, 1.0, torch.sqrt(1 - torch.exp(2 * log_a))).to(a.dtype)
+        valid = plan.valid[:, :, None]
+        decay = torch.where(valid, torch.exp(log_a).float(), 1.0)  # [B, T, width] (padding keeps the state)
+        u = torch.where(valid, (x * gate_in * scale).float(), 0.0)
+        if plan.tree is not None:  # a tree's tokens' inputs, which ``keep`` runs its path with
+            states.node_inputs[li] = torch.cat([decay, u], dim=-1)
+        h = scan(states, li, slots, plan, None, lambda state: lru_scan(decay, u, state, plan.every, plan.parents))
+        return L["mix_out"](h.to(a.dtype) * F.gelu(y, approximate="tanh"))
+
+
+def lru_scan(decay: torch.Tensor, u: torch.Tensor, state: torch.Tensor, keep: bool = False,
+             parents: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """RG-LRU's recurrence ``h_t = a_t h_{t-1} + u_t`` over ``decay, u [B, T, C]`` (float32) from
+    ``state [B, C, 1]``: ``(h [B, T, C], the last state)``, with ``keep`` the states before each token
+    ``[B, T, C, 1]``; a token tree (``parents [B, T]``, -1 for none) runs each token from its parent's."""
+    B, T, _ = u.shape
+    h, kept, s = u.clone(), [], state[..., 0]  # h: each token's input, then its state
+    rows = torch.arange(B, device=u.device)
+    for t in range(T):
+        if parents is not None:
+            s = torch.where(parents[:, t, None] < 0, state[..., 0], h[rows, parents[:, t].clamp(min=0)])
+        kept.append(s)
+        s = h[:, t].addcmul_(s, decay[:, t])
+    return (h, h[:, -1, :, None]) + ((torch.stack(kept, dim=1)[..., None],) if keep else ())
+
+
 @dataclass
 class StatePlan:
     """Where one forward's states go (device tensors, built on the host): ``valid [B, T]``
@@ -631,6 +725,7 @@ class StatePlan:
     last: torch.Tensor
     ring: torch.Tensor
     every: bool
+    first: torch.Tensor  # [B] the rows whose first token is their sequence's (position 0: RG-LRU's reset)
     tree: torch.Tensor | None = None
     window: torch.Tensor | None = None
     parents: torch.Tensor | None = None
@@ -649,6 +744,7 @@ class RecurrentStates:
                  dtype: torch.dtype, decays: torch.Tensor | None = None):
         self.depth = depth
         self.decays = decays  # [layers, C, N]: Mamba's ``A``, which ``keep`` runs a tree's path with
+        self.lru = isinstance(mixer, RGLRU)
         self.input_shape = getattr(mixer, "input_shape", None)
         self.conv = torch.zeros(layers, 0, mixer.conv_dim, mixer.kernel - 1, device=device, dtype=dtype)
         self.ssm = torch.zeros(layers, 0, *mixer.state_shape, device=device, dtype=torch.float32)
@@ -699,7 +795,8 @@ class RecurrentStates:
                     self.fed[slot][row] = start + j if every else -1
         valid = torch.arange(T)[None, :] < torch.tensor(counts)[:, None]
         dev = self.conv.device
-        plan = StatePlan(valid.to(dev), torch.tensor(counts, device=dev), ring.to(dev), every)
+        plan = StatePlan(valid.to(dev), torch.tensor(counts, device=dev), ring.to(dev), every,
+                         torch.tensor([s == 0 for s in starts], device=dev))
         return plan if masks is None else self._trees(plan, slots, counts, T, masks)
 
     def _trees(self, plan: StatePlan, slots: list[int], counts: list[int], T: int,
@@ -753,6 +850,13 @@ class RecurrentStates:
         if self.replays:
             self.ring_inputs[:, slot, where] = self.node_inputs[:, b, path]
             self.ssm[:, slot] = self._replay(slot, self.ring_ssm[:, slot, start % self.depth], start, start + n)
+        elif self.lru:  # RG-LRU's: the same, of each token's (a, u)
+            decay, u = self.node_inputs[:, b, path, :, None].chunk(2, dim=2)  # [layers, n, C, 1] each
+            state = self.ring_ssm[:, slot, start % self.depth]  # [layers, C, 1]
+            for i in range(n):
+                self.ring_ssm[:, slot, where[i]] = state
+                state = u[:, i].addcmul(state, decay[:, i])
+            self.ssm[:, slot] = state
         elif self.decays is not None:  # Mamba's: the path run again from its root's state, each state before a token kept
             C, N = self.decays.shape[1:]
             dts, xs, bs = self.node_inputs[:, b, path].split([C, C, N], dim=-1)  # [layers, n, C or N]

@@ -15,7 +15,8 @@ attention (Kimi Delta Attention, a decay per key channel: Kimi Linear's, Ling 3'
 layers beside attention
 (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's side by side in each layer:
 ``ScaledWeights``; Zamba2's after shared attention blocks: ``zamba_shared_blocks``), Mamba layers beside attention
-(Jamba), LFM2's and LFM3's short convolutions beside attention, and Mamba,
+(Jamba), RecurrentGemma's RG-LRU blocks beside windowed attention, LFM2's and LFM3's short convolutions beside
+attention, and Mamba,
 Falcon-Mamba and Mamba-2 (recurrent layers alone).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
@@ -71,7 +72,7 @@ ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "apertus1p5_text", "bamba", "nemotron_h", "lfm2", "lfm3", "olmo_hybrid",
-    "falcon_h1", "jamba", "zamba2",
+    "falcon_h1", "jamba", "zamba2", "recurrent_gemma",
     "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
@@ -84,7 +85,7 @@ GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemm
 # whose transformers model rotates a part of each head where the config says
 PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
                   "codegen", "persimmon", "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash", "laguna",
-                  "sarvam_moe") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's rotated part)
+                  "sarvam_moe", "recurrent_gemma") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's rotated part)
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
@@ -184,6 +185,11 @@ class RenamedWeights:
                              (".attention.o_proj.", ".attention.dense."),
                              (".q_norm.", ".query_layernorm."), (".k_norm.", ".key_layernorm."),
                              (".gate.e_score_correction_bias", ".gate.expert_bias")]
+    # RecurrentGemma's (its recurrent blocks' own names: ``recurrent.RGLRU.weights``)
+    RENAMES["recurrent_gemma"] = [(".input_layernorm.", ".temporal_pre_norm."), (".post_attention_layernorm.",
+                                                                                ".channel_pre_norm."),
+                                  (".self_attn.", ".temporal_block."), (".mlp.", ".mlp_block."),
+                                  ("model.norm.", "model.final_norm.")]
     # Kimi Linear's experts, router and shared experts as released (``block_sparse_moe.``; its dense MLP ``mlp.``)
     RENAMES["kimi_linear"] = [(f".mlp.{n}.", f".block_sparse_moe.{n}.") for n in ("experts", "gate", "shared_experts")]
     # Ling's hybrids (bailing_hybrid) as saved: attention (either kind) under ``attention.``, its output ``dense``
@@ -675,6 +681,10 @@ class Family:
                        activation=config.hidden_activation)
         if config.model_type == "mimo_v2_flash":
             return cls(activation=act, value_scale=config.attention_value_scale)
+        if config.model_type == "recurrent_gemma":  # Gemma's norms; its embeddings scaled by sqrt(hidden) as bfloat16
+            # holds it, whatever the dtype; logits capped
+            return cls(offset_norms=True, embed_scale=torch.tensor(config.hidden_size ** 0.5, dtype=torch.bfloat16).item(),
+                       final_softcap=config.logits_soft_cap, activation=config.hidden_activation)
         if config.model_type == "zamba2":  # its shared blocks' scores scaled by (head_dim / 2) ** -0.5
             return cls(activation=act, attn_scale=(config.attention_head_dim / 2) ** -0.5)
         if config.model_type == "falcon_h1":  # (its other multipliers: in the weights, ``ScaledWeights``)
