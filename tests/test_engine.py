@@ -626,7 +626,8 @@ def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, back
 
 
 @pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "lfm3", "falconh1", "mamba", "jamba",
-                                  "olmohybrid", "kimilinear", "ling", "lara", "zamba2", "recurrentgemma"])
+                                  "olmohybrid", "kimilinear", "ling", "lara", "zamba2", "recurrentgemma",
+                                  "minimax"])
 def test_recurrent_model_speculates_as_transformers_decodes(loaded, tiny_dirs, name):
     """Qwen3.5's and OLMo-Hybrid's DeltaNet layers (Kimi Linear's and Ling's, a decay per key channel), Granite 4.0's, Nemotron-H's and Falcon-H1's Mamba-2 layers,
     LFM2's and LFM3's short convolutions (LFM3's beside windowed attention), Falcon-Mamba's and

@@ -11,7 +11,7 @@ from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3,
                   LLAMA4, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
-                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA, GEMMA3N, ZAMBA2, RECURRENT_GEMMA)
+                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA, GEMMA3N, ZAMBA2, RECURRENT_GEMMA, MINIMAX)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -151,6 +151,12 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # RecurrentGemma: RG-LRU blocks beside windowed multi-query attention (``tiny.RECURRENT_GEMMA``); and blocks wider
     # than the model (96) in 2 heads of gates, a convolution of 3, attention over 4 key/value heads
     "recurrentgemma-rglru-window": ("recurrent_gemma", RECURRENT_GEMMA),
+    # MiniMax-Text-01: lightning attention beside full attention, experts (``tiny.MINIMAX``); and its residual factors
+    # other than 1, a window of 6 on its full attention
+    "minimax-lightning-experts": ("minimax", MINIMAX),
+    "minimax-factors-window": ("minimax", dict(MINIMAX, sliding_window=6, full_attn_alpha_factor=1.5,
+                                               full_attn_beta_factor=0.7, linear_attn_alpha_factor=0.9,
+                                               linear_attn_beta_factor=1.2, mlp_alpha_factor=1.1, mlp_beta_factor=0.8)),
     "recurrentgemma-wide-lru-mha": ("recurrent_gemma", dict(RECURRENT_GEMMA, lru_width=96, num_attention_heads=2,
                                                             num_key_value_heads=2, conv1d_width=3)),
     "zamba2-one-block-gqa-nope": ("zamba2", dict(ZAMBA2, num_mem_blocks=1, use_shared_attention_adapter=False,
@@ -637,7 +643,8 @@ def test_latent_attention_expands_long_chunks(tmp_path, arch):
                                   "sarvam-mla-one-query-product",
                                   "axk2-gated-norms-query-gates", "kimilinear-kda-latent-nope",
                                   "ling-kda-bounded-decays", "hy4-hyper-connections-sparse-sinks",
-                                  "zamba2-shared-blocks-adapters", "zamba2-one-block-gqa-nope"])
+                                  "zamba2-shared-blocks-adapters", "zamba2-one-block-gqa-nope",
+                                  "minimax-lightning-experts", "minimax-factors-window"])
 def test_latent_attention_and_mamba2_in_bfloat16(tmp_path, arch):
     """Latent attention with the weights absorbed multiplies in another order than
     transformers' (which expands every cached latent to keys and values), Mamba-2 layers
@@ -711,26 +718,34 @@ def test_multimodal_gemma3n_text_model(tmp_path):
     assert isinstance(model.runtime, TorchLlama) and 257 in model.eos_ids
     hf = causal_lm(text).eval()
     sp, prompts = SamplingParams(max_tokens=20, ignore_eos=True), ["hello hello world", "abcabc"]
-    want = []
-    for p in prompts:  # greedy by whole forwards
-        seq = LLM(model).encode(p)
-        with torch.no_grad():
-            for _ in range(20):
-                seq.append(hf(input_ids=torch.tensor([seq])).logits[0, -1].argmax().item())
-        want.append(seq[-20:])
+    want = greedy_by_whole_forwards(hf, [LLM(model).encode(p) for p in prompts], 20)
     for kw in (dict(), dict(speculative="self"),
                dict(speculative=SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3))):
         assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
 
 
-def test_recurrentgemma_runs_on_the_torch_runtime(tiny_dirs):
-    """RecurrentGemma keeps its state in its modules, outside transformers' cache: ``backend="auto"``
-    runs it on the torch runtime; ``backend="hf"`` refuses it and says where it runs."""
+def greedy_by_whole_forwards(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The ``n`` tokens transformers' model ``hf`` gives greedily after each prompt (token ids), a
+    whole forward per token (``input_ids=``: an image-text-to-text model's too)."""
+    want = []
+    for seq in map(list, prompts):
+        with torch.no_grad():
+            for _ in range(n):
+                seq.append(hf(input_ids=torch.tensor([seq])).logits[0, -1].argmax().item())
+        want.append(seq[-n:])
+    return want
+
+
+@pytest.mark.parametrize("name,kind", [("recurrentgemma", "recurrent_gemma"), ("minimax", "minimax")])
+def test_models_of_their_own_state_run_on_the_torch_runtime(tiny_dirs, name, kind):
+    """RecurrentGemma keeps its state in its modules, MiniMax in a cache of its own, outside
+    transformers' ``DynamicCache``: ``backend="auto"`` runs them on the torch runtime;
+    ``backend="hf"`` refuses them and says where they run."""
     from specdec.runtime import load_model
 
-    assert isinstance(load_model(str(tiny_dirs["recurrentgemma"])).runtime, TorchLlama)
-    with pytest.raises(ValueError, match="'recurrent_gemma' keeps its state outside .*the torch runtime runs it"):
-        load_model(str(tiny_dirs["recurrentgemma"]), backend="hf")
+    assert isinstance(load_model(str(tiny_dirs[name])).runtime, TorchLlama)
+    with pytest.raises(ValueError, match=f"'{kind}' keeps its state outside .*the torch runtime runs it"):
+        load_model(str(tiny_dirs[name]), backend="hf")
 
 
 @pytest.mark.parametrize("name", ["hy4", "gemma3n"])
@@ -822,13 +837,7 @@ def test_vision_language_text_model(tmp_path, kind):
     assert isinstance(model.runtime, TorchLlama) and 257 in model.eos_ids
     hf = AutoModelForImageTextToText.from_pretrained(path).eval()
     sp, prompts = SamplingParams(max_tokens=20, ignore_eos=True), ["hello hello world", "abcabc"]
-    want = []
-    for p in prompts:  # greedy by whole forwards
-        seq = LLM(model).encode(p)
-        with torch.no_grad():
-            for _ in range(20):
-                seq.append(hf(input_ids=torch.tensor([seq])).logits[0, -1].argmax().item())
-        want.append(seq[-20:])
+    want = greedy_by_whole_forwards(hf, [LLM(model).encode(p) for p in prompts], 20)
     ngram = SpecConfig(method="ngram", tree_topk=1 if kind in RECURRENT_VL else 2, num_draft_tokens=3)
     for kw in (dict(), dict(speculative="self"), dict(speculative=ngram)):
         assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
@@ -1007,7 +1016,7 @@ def test_recurrent_states_decode_without_drafts(tmp_path):
         LLM(str(make_tiny(tmp_path / "gpt1", "openai-gpt", n_positions=512)))
     with pytest.raises(ValueError, match="'minimax' keeps its state outside"):  # at load, not at the first forward
         LLM(str(make_tiny(tmp_path / "minimax", "minimax", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                          layer_types=["linear_attention", "full_attention"])))
+                          layer_types=["linear_attention", "full_attention"])), backend="hf")
     with pytest.raises(ValueError, match="'xlstm' keeps its state outside.*DynamicCache cannot hold it"):  # takes a
         # cache argument, and failed deep in transformers at the first forward
         LLM(str(make_tiny(tmp_path / "xlstm", "xlstm", embedding_dim=64, num_heads=4, num_blocks=2, mode="inference")))
@@ -1149,7 +1158,8 @@ def test_chunk_mask_and_positions(loaded):
 
 
 @pytest.mark.parametrize("name", ["qwen35", "granite4h", "nemotronh", "lfm2", "lfm3", "falconh1", "mamba", "jamba",
-                                  "olmohybrid", "kimilinear", "ling", "lara", "zamba2", "recurrentgemma"])
+                                  "olmohybrid", "kimilinear", "ling", "lara", "zamba2", "recurrentgemma",
+                                  "minimax"])
 def test_tree_through_recurrent_states(loaded, name):
     """A token tree through recurrent layers (DeltaNet's, Mamba-2's, Mamba's, LFM2's convolutions) in one
     forward: each node's logits are those of its path as a chain; after ``keep`` of a path
@@ -1426,7 +1436,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "cohere-compass-halves-nope-full", "gemma3n-altup-laurel-sparse",
                                   "gemma3n-active-second-unscaled", "zamba2-shared-blocks-adapters",
                                   "zamba2-one-block-gqa-nope", "recurrentgemma-rglru-window",
-                                  "recurrentgemma-wide-lru-mha"])
+                                  "recurrentgemma-wide-lru-mha", "minimax-lightning-experts"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -2030,7 +2040,8 @@ def test_delta_rule_in_closed_form_equals_token_by_token(T, channels):
 
 @pytest.mark.parametrize("arch", ["qwen35-delta-net", "granite4h-dense-rope", "lfm2-conv", "falconh1-parallel-mup",
                                   "falconmamba", "jamba-experts", "kimilinear-kda-latent-nope",
-                                  "zamba2-shared-blocks-adapters", "recurrentgemma-rglru-window"])
+                                  "zamba2-shared-blocks-adapters", "recurrentgemma-rglru-window",
+                                  "minimax-lightning-experts"])
 def test_recurrent_states_random_rewinds(tmp_path, arch):
     """Random forwards (1 to 7 tokens, now and then a prompt-sized chunk), rewinds to any
     length the cache says it holds, prompt chunk ends saved and copies between slots, on two

@@ -81,6 +81,11 @@ ZAMBA2 = dict(std=0.1, layers=6, layers_block_type=["mamba", "hybrid"] * 3, num_
 # (6 tokens, half of each head rotated) on the third; MLPs half intermediate_size wide, with biases; tied embeddings
 RECURRENT_GEMMA = dict(layers=4, num_attention_heads=4, num_key_value_heads=1, intermediate_size=192,
                        attention_window_size=6, tie_word_embeddings=True)
+# MiniMax-Text-01's kind: lightning attention (linear attention, a decay per head and layer) on 3 layers of 4, full
+# attention on the second, 4 experts (2 a token) on every layer; residuals of the normed inputs; weights of std 0.1
+# (at 0.2 its bfloat16 logits are noise, transformers' too: experts flip)
+MINIMAX = dict(std=0.1, layers=4, num_local_experts=4, num_experts_per_tok=2, intermediate_size=96, head_dim=16, block_size=8,
+               layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
 # LFM3's kind: convolutions, windowed attention (6) and full attention (a part of each head rotated) in turn
 LFM3 = dict(head_dim=16, sliding_window=6, pad_token_id=0,
             layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"])

@@ -116,7 +116,7 @@ class HFRuntime:
             why = "its forward takes no cache / past_key_values argument" if self.cache_name is None else \
                 "transformers' DynamicCache cannot hold it"
             torch_runs = " (the torch runtime runs it: backend 'torch' or 'auto')" \
-                if cfg.model_type == "recurrent_gemma" else ""
+                if cfg.model_type in ("recurrent_gemma", "minimax") else ""
             raise ValueError(f"{cfg.model_type!r} keeps its state outside transformers' cache, where specdec "
                              f"holds each sequence's ({why}); it cannot run here{torch_runs}")
         # a recurrent state (Mamba, Qwen3-Next...) cannot go back to an earlier length:

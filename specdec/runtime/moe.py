@@ -22,7 +22,7 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
              "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe", "mimo_v2_flash", "mellum",
              "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa", "hy_v3", "sarvam_moe", "sarvam_mla", "laguna",
-             "phimoe", "axk2", "kimi_linear", "bailing_hybrid", "hy_v4", "lara_mini", "aria_text")
+             "phimoe", "axk2", "kimi_linear", "bailing_hybrid", "hy_v4", "lara_mini", "aria_text", "minimax")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
@@ -42,7 +42,7 @@ def moe_layers(config) -> list[bool]:
     if kind not in MOE_ARCHS:
         return [False] * n
     if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text", "olmoe", "flex_olmo", "solar_open", "hunyuan_v1_moe",
-                "dbrx", "kolibri1", "minimax_m2", "phimoe", "lara_mini", "aria_text") + GRANITE_MOES:
+                "dbrx", "kolibri1", "minimax_m2", "phimoe", "lara_mini", "aria_text", "minimax") + GRANITE_MOES:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4", "sarvam_moe",
                 "sarvam_mla"):
@@ -230,8 +230,9 @@ class Routing:
                        group_fill=0.0 if kind == "axk2" else float("-inf"),
                        limit=config.swiglu_limit if kind == "hy_v4" else None)
         return cls(config.num_experts_per_tok,
-                   renormalize=kind in ("mixtral", "qwen3_5_moe_text", "qwen3_vl_moe_text") or config.norm_topk_prob,
-                   float_weights=kind == "mixtral", activation=getattr(config, "hidden_act", "silu"))
+                   renormalize=kind in ("mixtral", "minimax", "qwen3_5_moe_text", "qwen3_vl_moe_text")
+                   or config.norm_topk_prob,
+                   float_weights=kind in ("mixtral", "minimax"), activation=getattr(config, "hidden_act", "silu"))
 
     def _sparsemixer(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Phi-3.5-MoE's two experts at inference (``sparsemixer``): the best, weighted by its
@@ -358,8 +359,9 @@ class Experts:
                 torch.cat([t.to(device=device, dtype=dtype) for t in expert], out=out[e])
             return out
 
-        # (MiniMax-M2's and Phi-3.5-MoE's released names are Mixtral's: ``block_sparse_moe.experts.{e}.w1``)
-        mixtral, granite = config.model_type in ("mixtral", "minimax_m2", "phimoe"), config.model_type in GRANITE_MOES
+        # (MiniMax-Text-01's, MiniMax-M2's and Phi-3.5-MoE's released names are Mixtral's: ``block_sparse_moe.experts.{e}.w1``)
+        mixtral = config.model_type in ("mixtral", "minimax", "minimax_m2", "phimoe")
+        granite = config.model_type in GRANITE_MOES
         block = layer + ("block_sparse_moe." if granite or mixtral and layer + "mlp.gate.weight" not in weights
                          else "feed_forward." if config.model_type in ("jamba", "llama4_text") else "mlp.")
         routing = Routing.of(config)

@@ -2,7 +2,7 @@
 Qwen3.5, OLMo-Hybrid and Lara and the Kimi Delta Attention of Kimi Linear and Ling 3 (``DeltaNet``), the
 Mamba-2 layers of Granite 4.0's hybrids, Bamba, Nemotron-H, Falcon-H1 and Mamba-2 (``Mamba2``), the
 Mamba layers of Mamba, Falcon-Mamba and Jamba (``Mamba1``), RecurrentGemma's RG-LRU (``RGLRU``: a decay
-per channel) and LFM2's short convolutions (``ShortConv``: a conv window, no matrix), and the states they
+per channel), MiniMax's lightning attention (``Lightning``: Mamba-2's recurrence) and LFM2's short convolutions (``ShortConv``: a conv window, no matrix), and the states they
 keep per slot (``RecurrentStates``), which a rewind takes back.
 
 Such a layer keeps no row per token. Each slot holds, per layer, the last ``kernel - 1``
@@ -53,6 +53,8 @@ def recurrent_mixer(config) -> "DeltaNet | Mamba2 | Mamba1 | RGLRU | ShortConv |
         return None
     if config.model_type == "recurrent_gemma":
         return RGLRU(config.lru_width, config.num_attention_heads, config.conv1d_width)
+    if config.model_type == "minimax":
+        return Lightning.of(config)
     if config.model_type in ("lfm2", "lfm2_moe", "lfm3"):
         return ShortConv(config.hidden_size, config.conv_L_cache)
     if config.model_type in MAMBA1_ARCHS:
@@ -400,6 +402,33 @@ class Mamba2:
             "mix_out": r.linear(r.get(a + "out_proj.weight"), r.opt(a + "out_proj.bias")),
         }
 
+    def ssm(self, states: "RecurrentStates", li: int, slots: torch.Tensor, plan: "StatePlan", x: torch.Tensor,
+            dt: torch.Tensor, decay: torch.Tensor, b: torch.Tensor, c: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        """The state's recurrence over ``x [B, T, H, P]``, time steps ``dt [B, T, H]``, ``decay [H]``,
+        ``b, c [B, T, H, N]`` and ``skip [H]`` (float32): the outputs ``[B, T, H, P]``; the tokens'
+        inputs kept for a rewind's replay."""
+        T = x.shape[1]
+        dt = torch.where(plan.valid[:, :, None], dt, 0.0)  # padding neither decays the state nor writes to it
+        if plan.every:  # each token's inputs, which a rewind replays
+            states.keep_inputs(li, slots, plan, torch.cat(
+                [(dt * decay)[..., None], dt[..., None] * x, b], dim=-1))  # [B, T, H, 1 + P + N]
+
+        def step(state, t):  # [B, H, P, N], in place: one token (a draft step), as transformers' own
+            state.mul_(torch.exp(dt[:, t] * decay)[..., None, None])
+            state.addcmul_((dt[:, t, :, None] * b[:, t])[:, :, None, :], x[:, t, ..., None])
+            return (state @ c[:, t, ..., None])[..., 0] + x[:, t] * skip[:, None]  # [B, H, P]
+
+        def chunked(state):  # transformers' scan; a verify's in one chunk: closed form (a tree's: ``mamba2_tree``)
+            from transformers.models.granitemoehybrid.modeling_granitemoehybrid import mamba2_chunk_scan
+
+            if plan.tree is not None:
+                return mamba2_tree(state, x, dt, decay, b, c, skip, plan.tree)
+
+            return mamba2_chunk_scan(x, dt, decay, b, c, T if plan.every else self.chunk, D=skip,
+                                     initial_states=state, return_final_states=True)
+
+        return scan(states, li, slots, plan, step if T == 1 else None, chunked)
+
     def forward(self, states: "RecurrentStates", li: int, slots: torch.Tensor, plan: "StatePlan", L: dict,
                 a: torch.Tensor, eps: float) -> torch.Tensor:
         """``DeltaNet.forward`` for a Mamba-2 layer, as transformers' Granite 4.0 and Bamba compute
@@ -415,26 +444,7 @@ class Mamba2:
         dt = F.softplus(dt.float() + L["dt_bias"].float())  # [B, T, H]
         if not plan.every:  # a prompt's time steps clamped, as transformers' scan (not its one-token step)
             dt = dt.clamp(*self.dt_limit)
-        dt = torch.where(plan.valid[:, :, None], dt, 0.0)  # padding neither decays the state nor writes to it
-        if plan.every:  # each token's inputs, which a rewind replays
-            states.keep_inputs(li, slots, plan, torch.cat(
-                [(dt * L["decay"])[..., None], dt[..., None] * x, b], dim=-1))  # [B, T, H, 1 + P + N]
-
-        def step(state, t):  # [B, H, P, N], in place: one token (a draft step), as transformers' own
-            state.mul_(torch.exp(dt[:, t] * L["decay"])[..., None, None])
-            state.addcmul_((dt[:, t, :, None] * b[:, t])[:, :, None, :], x[:, t, ..., None])
-            return (state @ c[:, t, ..., None])[..., 0] + x[:, t] * L["skip"][:, None]  # [B, H, P]
-
-        def chunked(state):  # transformers' scan; a verify's in one chunk: closed form (a tree's: ``mamba2_tree``)
-            from transformers.models.granitemoehybrid.modeling_granitemoehybrid import mamba2_chunk_scan
-
-            if plan.tree is not None:
-                return mamba2_tree(state, x, dt, L["decay"], b, c, L["skip"], plan.tree)
-
-            return mamba2_chunk_scan(x, dt, L["decay"], b, c, T if plan.every else self.chunk, D=L["skip"],
-                                     initial_states=state, return_final_states=True)
-
-        y = scan(states, li, slots, plan, step if T == 1 else None, chunked).reshape(B, T, G, -1)  # [B, T, G, ...]
+        y = self.ssm(states, li, slots, plan, x, dt, L["decay"], b, c, L["skip"]).reshape(B, T, G, -1)  # [B, T, G, ...]
         gate = F.silu(z.float()).view(B, T, G, -1)
         if self.norm != "before":
             y = y * gate
@@ -444,6 +454,61 @@ class Mamba2:
         if self.norm == "before":
             y = y * gate
         return L["mix_out"](y.reshape(B, T, -1).to(a.dtype))
+
+
+@dataclass(frozen=True)
+class Lightning(Mamba2):
+    """MiniMax's lightning attention: linear attention whose state ``[heads, head_dim, head_dim]``
+    decays by a constant per head and layer (``exp(-slope)``) and takes in ``v k^T``; the token reads
+    ``S q`` (its own ``k^T v`` included). That is Mamba-2's recurrence with ``dt`` 1, ``x`` = v, ``B``
+    = k, ``C`` = q, no skip, a group per head and no convolution (``ssm``: its scans, rewinds and
+    trees). Its q, k and v are silu of one product (per head side by side); its output, normed over
+    every head, times the sigmoid of a gate of the layer's input, through ``out_proj``."""
+
+    layers: int = 1  # the model's (each layer's decays: ``slopes``)
+
+    @classmethod
+    def of(cls, config) -> "Lightning":
+        d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        H = config.num_attention_heads
+        return cls(H, d, d, H, 1, config.block_size, (0.0, float("inf")), "none", config.num_hidden_layers)
+
+    @property
+    def conv_dim(self) -> int:
+        return 0  # (no convolution: a window of nothing)
+
+    def projection_params(self, hidden: int) -> int:
+        return hidden * 4 * self.value_width + self.value_width * hidden
+
+    def slopes(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s decay rates per head ``[heads]`` (ALiBi's slopes, smaller for later
+        layers), in float32 as transformers computes them."""
+        base = 1 / (2 ** (8 / self.heads))
+        rate = base ** (torch.arange(self.heads) + 1)
+        return rate * (1 - layer / (self.layers - 1 + 1e-5) + 1e-5)
+
+    def weights(self, r, pre: str) -> dict:
+        """The weights of the layer under ``pre`` (``model.layers.{i}.``): ``mix_in`` (``qkv_proj``),
+        ``out_gate`` (``output_gate``), ``out_norm``, ``mix_out`` (``out_proj``), and ``decay``, its
+        ``-slopes`` as the model's dtype holds them (transformers' buffers)."""
+        a = pre + "self_attn."
+        slopes = self.slopes(int(pre.split(".")[-2])).to(device=r.device, dtype=r.dtype).float()
+        return {"decay": -slopes, "mix_in": r.linear(r.get(a + "qkv_proj.weight"), None),
+                "out_gate": r.linear(r.get(a + "output_gate.weight"), None),
+                "out_norm": r.get(a + "norm.weight"),
+                "mix_out": r.linear(r.get(a + "out_proj.weight"), None)}
+
+    def forward(self, states: "RecurrentStates", li: int, slots: torch.Tensor, plan: "StatePlan", L: dict,
+                a: torch.Tensor, eps: float) -> torch.Tensor:
+        """``DeltaNet.forward`` for a lightning attention layer (its decays ``L["decay"] [heads]``,
+        ``-slope`` as the model's dtype holds it): the scan in float32, the rest in the model's dtype."""
+        B, T, _ = a.shape
+        H, d = self.heads, self.head_dim
+        q, k, v = F.silu(L["mix_in"](a)).view(B, T, H, 3 * d).float().split(d, dim=-1)  # [B, T, H, d] each
+        ones = torch.ones(B, T, H, device=a.device)
+        y = self.ssm(states, li, slots, plan, v, ones, L["decay"], k, q, torch.zeros(H, device=a.device))
+        y = rms_norm(y.reshape(B, T, H * d).to(a.dtype), None, 1e-6) * L["out_norm"]
+        return L["mix_out"](torch.sigmoid(L["out_gate"](a)) * y)
 
 
 def mamba2_tree(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor, b: torch.Tensor,

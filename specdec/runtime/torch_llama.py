@@ -15,8 +15,8 @@ attention (Kimi Delta Attention, a decay per key channel: Kimi Linear's, Ling 3'
 layers beside attention
 (Granite 4.0's hybrids, Bamba, Nemotron-H: ``RenamedWeights``; Falcon-H1's side by side in each layer:
 ``ScaledWeights``; Zamba2's after shared attention blocks: ``zamba_shared_blocks``), Mamba layers beside attention
-(Jamba), RecurrentGemma's RG-LRU blocks beside windowed attention, LFM2's and LFM3's short convolutions beside
-attention, and Mamba,
+(Jamba), RecurrentGemma's RG-LRU blocks beside windowed attention, MiniMax's lightning attention beside full
+attention (``_normed_residual_layer``), LFM2's and LFM3's short convolutions beside attention, and Mamba,
 Falcon-Mamba and Mamba-2 (recurrent layers alone).
 
 Weights use Hugging Face names and conventions (rotate-half RoPE), so safetensors from an
@@ -72,7 +72,7 @@ ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "apertus1p5_text", "bamba", "nemotron_h", "lfm2", "lfm3", "olmo_hybrid",
-    "falcon_h1", "jamba", "zamba2", "recurrent_gemma",
+    "falcon_h1", "jamba", "zamba2", "recurrent_gemma", "minimax",
     "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
@@ -1093,7 +1093,8 @@ def sliding_layers(config) -> tuple[int | None, list[bool]]:
     unless ``use_sliding_window``); Qwen2 / Qwen3 / Qwen2-MoE: the layers ``layer_types``
     names ``sliding_attention``, none unless ``use_sliding_window``; Gemma 2 / 3, SmolLM3, GPT-OSS:
     those ``layer_types`` names (whatever ``use_sliding_window`` says); GPT-Neo: its "local" layers
-    (``window_size``); Llama, Gemma, Granite, GLM-4: none."""
+    (``window_size``); MiniMax: its full-attention layers, where ``sliding_window`` is set; Llama, Gemma,
+    Granite, GLM-4: none."""
     n, kind = config.num_hidden_layers, config.model_type
     if kind == "gpt_neo":  # its "local" layers
         return config.window_size, [t == "local" for t in config.attention_layers]
@@ -1103,6 +1104,8 @@ def sliding_layers(config) -> tuple[int | None, list[bool]]:
         return None, [False] * n
     types = None if kind in ("mistral", "phi3", "mixtral", "qwen3_moe") else getattr(config, "layer_types", None)
     sliding = [t == "sliding_attention" for t in types] if types else [True] * n
+    if kind == "minimax":  # (its attention layers, where it has a window)
+        sliding = [t == "full_attention" for t in types]
     return (window if any(sliding) else None), sliding
 
 
@@ -1376,6 +1379,10 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
                       r.norm(pre + "post_per_layer_input_norm.weight"))
         if pre + "per_layer_input_gate.weight" in r else None,
         "scalar": r.opt(pre + "layer_scalar"),  # [1] Gemma 4's: the layer's output scaled
+        # MiniMax's residual factors (``TorchLlama._normed_residual_layer``): the mixer's kind's, then the MLP's
+        "factors": (*((config.linear_attn_alpha_factor, config.linear_attn_beta_factor) if recurrent is not None else
+                      (config.full_attn_alpha_factor, config.full_attn_beta_factor)),
+                    config.mlp_alpha_factor, config.mlp_beta_factor) if config.model_type == "minimax" else None,
         # Gemma 3n's (``TorchLlama._altup_layer``): its streams' router and coefficients (``ops.AltUp``), its
         # low-rank residual (LAuReL), the gate's sparsity (``gaussian_top_k``)
         "altup": {"router_norm": r.norm(pre + "altup.router_norm.weight"),
@@ -1863,6 +1870,9 @@ class TorchLlama:
             if "linear" in L:  # (Zamba2's)
                 h = self._zamba_layer(cache, x, L, h, embedded, rope)
                 continue
+            if L["factors"] is not None:  # (MiniMax's)
+                h = self._normed_residual_layer(cache, x, L, h, rope)
+                continue
             if "qkv" in L or "mix_in" in L:  # (Nemotron-H's blocks: a mixer, or an MLP, alone)
                 if L["hc"] is not None:  # (the streams' mix in, the output added to each out)
                     streams, (post, h) = h, self.hc.collapse(L["hc"][0], h)
@@ -1924,6 +1934,17 @@ class TorchLlama:
         projected = project(h) * project_scale
         projected = norm(projected.view(*ids.shape, self.num_layers, width), post_norm, self.eps)
         return (projected + own.view(*ids.shape, self.num_layers, width)) * sum_scale
+
+    def _normed_residual_layer(self, cache: KVCache, x: "Batch", L: dict, h: torch.Tensor, rope: dict) -> torch.Tensor:
+        """MiniMax's layer, whose residuals are the normed inputs: ``a = norm(h)``, then ``a alpha +
+        mixer(a) beta``, the same around the MLP, with the factors ``L["factors"]`` (the mixer's
+        kind's, then the MLP's)."""
+        alpha, beta, mlp_alpha, mlp_beta = L["factors"]
+        a = norm(h, L["attn_norm"], self.eps)
+        mixed = self.recurrent.forward(cache.states, L["index"], x.slots, x.states, L, a, self.eps) if "mix_in" in L \
+            else self._attend(cache, x, L, a, rope)
+        a = norm(a * alpha + mixed * beta, L["mlp_norm"], self.eps)
+        return a * mlp_alpha + self._mlp(L, a) * mlp_beta
 
     def _zamba_layer(self, cache: KVCache, x: "Batch", L: dict, h: torch.Tensor, embedded: torch.Tensor,
                      rope: dict) -> torch.Tensor:
