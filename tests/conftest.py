@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny import (COHERE2_MOE, DELTA_NET, DSA, FALCON_H1, GEMMA3N, GEMMA4, GEMMA4_MOE, MINIMAX, RECURRENT_GEMMA, ZAMBA2, JAMBA, LFM3, LLAMA4, MAMBA, MIMO,  # noqa: E402
+from tiny import (COHERE2_MOE, DELTA_NET, DSA, FALCON_H1, GEMMA3N, GEMMA4, GEMMA4_MOE, JETMOE, MINIMAX, RECURRENT_GEMMA, ZAMBA2, JAMBA, LFM3, LLAMA4, MAMBA, MIMO,  # noqa: E402
                   HY4, KIMI_LINEAR, LARA, LING, MOE, NEMOTRON_H, OLMO_HYBRID, make_tiny, noisy_copy)
 
 
@@ -45,6 +45,7 @@ def tiny_dirs(tmp_path_factory):
         # RG-LRU blocks beside windowed attention
         "recurrentgemma": make_tiny(root / "recurrentgemma", "recurrent_gemma", seed=41, **RECURRENT_GEMMA),
         "minimax": make_tiny(root / "minimax", "minimax", seed=42, **MINIMAX),  # lightning attention, experts
+        "jetmoe": make_tiny(root / "jetmoe", "jetmoe", seed=43, **JETMOE),  # attention experts, MLP experts
         "cohere2moe": make_tiny(root / "cohere2moe", "cohere2_moe", seed=31, layers=4, **COHERE2_MOE),  # windows, experts
         "mimo": make_tiny(root / "mimo", "mimo_v2_flash", seed=32, layers=4, **MIMO),  # narrower values, sinks
         # sparse attention: each token's best 6 keys (DeepSeek-V3.2's indexer; GLM-5's, its middle layer shared)

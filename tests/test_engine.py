@@ -594,7 +594,7 @@ def test_conv_state_rewinds(tmp_path, backend):
                                           ("gemma4", "torch"), ("gemma4", "hf"), ("gemma4moe", "torch"),
                                           ("cohere2moe", "torch"), ("mimo", "torch"), ("deepseekv32", "torch"),
                                           ("glm5", "torch"), ("hy4", "torch"), ("gemma3n", "torch"),
-                                          ("gemma3n", "hf")])
+                                          ("gemma3n", "hf"), ("jetmoe", "torch")])
 def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, backend):
     """A sliding-window model (Mistral's and Mixtral's, 6 tokens on every layer; Gemma 3's and GPT-OSS's on one of two,
     OLMo 3's and Command R7B's on three of four)
@@ -611,7 +611,8 @@ def test_windows_and_latents_equal_to_transformers(loaded, tiny_dirs, name, back
     MiMo-V2-Flash's windows with sinks and twice the key/value heads, its values narrower than its keys; and
     DeepSeek-V3.2's and GLM-5's sparse attention (each token's best 6 keys by its indexer: its own index rows
     rewound, gathered and shared with the latents, a tree node choosing among the keys it sees), and Hy4's (with
-    sinks, under hyper-connections); and Gemma 3n's streams (alternating updates), windows and shared keys."""
+    sinks, under hyper-connections); and Gemma 3n's streams (alternating updates), windows and shared keys; and
+    JetMoE's attention experts (each token's queries its chosen experts')."""
     want = transformers_greedy(tiny_dirs[name], [LLM(loaded(name)).encode(p) for p in PROMPTS])
     sp = SamplingParams(max_tokens=40, ignore_eos=True)
     # trees: 3 deep, and 8 deep, past the window (a node's row is past its position there)

@@ -11,7 +11,7 @@ from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3,
                   LLAMA4, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
-                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA, GEMMA3N, ZAMBA2, RECURRENT_GEMMA, MINIMAX)
+                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA, GEMMA3N, ZAMBA2, RECURRENT_GEMMA, MINIMAX, JETMOE)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -154,6 +154,11 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # MiniMax-Text-01: lightning attention beside full attention, experts (``tiny.MINIMAX``); and its residual factors
     # other than 1, a window of 6 on its full attention
     "minimax-lightning-experts": ("minimax", MINIMAX),
+    # JetMoE: attention experts beside MLP experts (``tiny.JETMOE``); and 8 of each, 3 a token, over 4 key/value heads
+    # (the config's num_attention_heads left stale, as transformers saves it)
+    "jetmoe-attention-experts": ("jetmoe", JETMOE),
+    "jetmoe-three-of-eight": ("jetmoe", dict(JETMOE, num_key_value_heads=4, kv_channels=8, num_local_experts=8,
+                                             num_experts_per_tok=3)),
     "minimax-factors-window": ("minimax", dict(MINIMAX, sliding_window=6, full_attn_alpha_factor=1.5,
                                                full_attn_beta_factor=0.7, linear_attn_alpha_factor=0.9,
                                                linear_attn_beta_factor=1.2, mlp_alpha_factor=1.1, mlp_beta_factor=0.8)),
@@ -576,7 +581,7 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "lara-delta-windows-experts", "aria-experts-transposed",
                                   "cohere-compass-halves-nope-full", "gemma3n-altup-laurel-sparse",
                                   "gemma3n-active-second-unscaled", "recurrentgemma-rglru-window",
-                                  "recurrentgemma-wide-lru-mha"])
+                                  "recurrentgemma-wide-lru-mha", "jetmoe-attention-experts", "jetmoe-three-of-eight"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -1436,7 +1441,8 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "cohere-compass-halves-nope-full", "gemma3n-altup-laurel-sparse",
                                   "gemma3n-active-second-unscaled", "zamba2-shared-blocks-adapters",
                                   "zamba2-one-block-gqa-nope", "recurrentgemma-rglru-window",
-                                  "recurrentgemma-wide-lru-mha", "minimax-lightning-experts"])
+                                  "recurrentgemma-wide-lru-mha", "minimax-lightning-experts",
+                                  "jetmoe-attention-experts", "jetmoe-three-of-eight"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1451,7 +1457,8 @@ def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     config = AutoConfig.from_pretrained(path)
     params = dict(AutoModelForCausalLM.from_config(config).named_parameters())
     experts = sum(p.numel() for n, p in params.items()
-                  if ".experts." in n and (p.dim() == 3 or n.endswith(("mlp.w1", "mlp.v1", "mlp.w2"))))  # (DBRX's: 2-D)
+                  if ".experts." in n and (p.dim() == 3 or n.endswith(("mlp.w1", "mlp.v1", "mlp.w2")))  # (DBRX's: 2-D)
+                  or p.dim() == 3 and n.endswith((".mlp.input_linear.weight", ".mlp.output_linear.weight")))  # (JetMoE's)
     linears = sum(p.numel() for n, p in params.items() if p.dim() == 2 and ".experts." not in n
                   and not any(e in n.replace("unembed", "") for e in ("embed", ".wte.", ".wpe.", ".word_embeddings."))
                   and not n.endswith(("mlp.gate.weight", "mixer.gate.weight", "router.weight", "shared_expert_gate.weight",

@@ -86,6 +86,9 @@ RECURRENT_GEMMA = dict(layers=4, num_attention_heads=4, num_key_value_heads=1, i
 # (at 0.2 its bfloat16 logits are noise, transformers' too: experts flip)
 MINIMAX = dict(std=0.1, layers=4, num_local_experts=4, num_experts_per_tok=2, intermediate_size=96, head_dim=16, block_size=8,
                layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+# JetMoE's kind: attention experts (4, 2 a token: each its queries and output for 2 key/value heads of 16 shared by
+# all) and MLP experts (4, 2 a token), each with a bias after the sum
+JETMOE = dict(num_key_value_heads=2, kv_channels=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
 # LFM3's kind: convolutions, windowed attention (6) and full attention (a part of each head rotated) in turn
 LFM3 = dict(head_dim=16, sliding_window=6, pad_token_id=0,
             layer_types=["conv", "sliding_attention", "full_attention", "conv", "sliding_attention"])

@@ -127,6 +127,8 @@ def linear_bytes(config) -> int:
             total += (heads * d + kv_t * (d + dv) + heads * dv) * h + (3 * h * config.intermediate_size if m == "dense"
                                                                         else 0)
         return 4 * total
+    if config.model_type == "jetmoe":  # its keys' and values' product alone (the queries' and output's: experts)
+        return 4 * (config.num_hidden_layers * 2 * kv * d * h + config.vocab_size * h)
     if config.model_type == "recurrent_gemma":  # RG-LRU blocks or windowed attention, MLPs of intermediate_size / 2
         n, attention = config.num_hidden_layers, config.layer_types.count("sliding_attention")
         return 4 * (attention * (2 * heads * d + 2 * kv * d) * h + (n - attention) * rec.projection_params(h)
@@ -214,7 +216,9 @@ def expert_bytes(config) -> int:
         return 0
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     per = 2 if config.model_type == "nemotron_h" else 3  # (Nemotron-H's experts are not gated)
-    return 4 * sum(moe_layers(config)) * num_experts(config) * per * config.hidden_size * inter
+    if config.model_type == "jetmoe":  # its attention experts' query and output products too
+        inter += 2 * config.num_key_value_heads * config.kv_channels / 3
+    return int(4 * sum(moe_layers(config)) * num_experts(config) * per * config.hidden_size * inter)
 
 
 def mem_available() -> int:

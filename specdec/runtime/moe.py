@@ -22,7 +22,7 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepse
              "llama4_text", "flex_olmo", "granitemoe_swa", "solar_open", "hunyuan_v1_moe",
              "afmoe", "axk1", "dbrx", "kolibri1", "flint", "minimax_m2", "cohere2_moe", "mimo_v2_flash", "mellum",
              "qwen3_vl_moe_text", "deepseek_v32", "glm_moe_dsa", "hy_v3", "sarvam_moe", "sarvam_mla", "laguna",
-             "phimoe", "axk2", "kimi_linear", "bailing_hybrid", "hy_v4", "lara_mini", "aria_text", "minimax")
+             "phimoe", "axk2", "kimi_linear", "bailing_hybrid", "hy_v4", "lara_mini", "aria_text", "minimax", "jetmoe")
 # ``block_sparse_moe``, routed as GPT-OSS's
 GRANITE_MOES = ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa")
 # GLM-4.5's router (``Routing.sigmoid``)
@@ -42,7 +42,7 @@ def moe_layers(config) -> list[bool]:
     if kind not in MOE_ARCHS:
         return [False] * n
     if kind in ("mixtral", "gpt_oss", "qwen3_5_moe_text", "olmoe", "flex_olmo", "solar_open", "hunyuan_v1_moe",
-                "dbrx", "kolibri1", "minimax_m2", "phimoe", "lara_mini", "aria_text", "minimax") + GRANITE_MOES:
+                "dbrx", "kolibri1", "minimax_m2", "phimoe", "lara_mini", "aria_text", "minimax", "jetmoe") + GRANITE_MOES:
         return [num_experts(config) > 0] * n  # (Granite 4.0's dense hybrids have none)
     if kind in ("glm4_moe", "deepseek_v2", "deepseek_v3", "dots1", "glm4v_moe_text", "mistral4", "sarvam_moe",
                 "sarvam_mla"):
@@ -160,8 +160,9 @@ class Routing:
         kind = config.model_type
         if kind == "gpt_oss":
             return cls(config.num_experts_per_tok, gpt_oss=True, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
-        if kind in GRANITE_MOES:
-            return cls(config.num_experts_per_tok, top_softmax=True, activation=config.hidden_act)
+        if kind in GRANITE_MOES or kind == "jetmoe":
+            return cls(config.num_experts_per_tok, top_softmax=True,
+                       activation=config.activation_function if kind == "jetmoe" else config.hidden_act)
         if kind == "phimoe":  # (``sparsemixer``)
             return cls(2, sparsemixer=config.router_jitter_noise, activation=config.hidden_act)
         if kind in ("afmoe", "laguna"):  # (Laguna's logits capped first, where moe_router_logit_softcapping)
@@ -315,6 +316,60 @@ class Routing:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+def pairs_by_expert(chosen: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token-expert pairs of ``chosen [N, k]`` grouped by expert: ``(each pair's expert, the pairs'
+    order [N k], where each expert's pairs end [experts])``, for ``grouped_mm``."""
+    expert, order = chosen.flatten().sort()
+    counts = torch.zeros(experts, dtype=torch.int32, device=chosen.device).scatter_add_(
+        0, expert, torch.ones_like(expert, dtype=torch.int32))
+    return expert, order, counts.cumsum(0, dtype=torch.int32)
+
+
+class MixtureOfAttention:
+    """JetMoE's attention experts: a router picks and weights ``top_k`` experts per token (the
+    softmax of the top logits, Granite's); each chosen expert projects the token's queries
+    (``queries [experts, hidden, kv heads x head_dim]``), which attend over the layer's one set of
+    keys and values as ``top_k`` groups of heads, and projects its group's output back
+    (``out [experts, kv heads x head_dim, hidden]``), weighted; their sum plus ``bias``."""
+
+    def __init__(self, routing: Routing, router: torch.Tensor, queries: torch.Tensor, out: torch.Tensor,
+                 bias: torch.Tensor):
+        self.routing, self.router, self.queries, self.out, self.bias = routing, router, queries, out, bias
+
+    @classmethod
+    def load(cls, config, r, pre: str) -> "MixtureOfAttention":
+        """The experts under ``pre`` (``...self_attention.experts.``), stored ``[experts, out, in]``."""
+        return cls(Routing.of(config), r.get(pre + "router.layer.weight"),
+                   r.get(pre + "input_linear.weight").transpose(1, 2), r.get(pre + "output_linear.weight").transpose(1, 2),
+                   r.get(pre + "bias"))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [..., hidden]``'s routing: ``(weights [N, k], experts [N, k], each pair's expert, the
+        pairs' order, the experts' ends)`` (``pairs_by_expert``)."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.routing.weights(F.linear(flat, self.router), dtype=x.dtype)
+        return (weights, chosen, *pairs_by_expert(chosen, self.router.shape[0]))
+
+    def project_queries(self, x: torch.Tensor, route: tuple) -> torch.Tensor:
+        """Each token's chosen experts' queries ``[..., k, kv heads x head_dim]``."""
+        flat, k = x.reshape(-1, x.shape[-1]), self.routing.top_k
+        _, _, _, order, ends = route
+        q = grouped_mm(flat[order // k], self.queries, offs=ends)  # [N k, width], grouped by expert
+        by_pair = torch.empty_like(q)
+        by_pair[order] = q
+        return by_pair.view(*x.shape[:-1], k, -1)
+
+    def project_out(self, o: torch.Tensor, route: tuple) -> torch.Tensor:
+        """The experts' outputs ``o [..., k, width]`` back to ``[..., hidden]``: each projected by its
+        expert, weighted, summed, plus the bias."""
+        weights, _, _, order, ends = route
+        pairs = o.reshape(-1, o.shape[-1])[order]  # [N k, width], grouped by expert
+        out = grouped_mm(pairs, self.out, offs=ends) * weights.flatten()[order, None]
+        by_pair = torch.empty_like(out)
+        by_pair[order] = out
+        return by_pair.view(*o.shape[:-1], -1).sum(dim=-2) + self.bias
+
+
 class Experts:
     """A sparse mixture-of-experts MLP (Mixtral's, Qwen2-MoE's, Qwen3-MoE's, GPT-OSS's,
     GLM-4.5's, DeepSeek's) as transformers' grouped experts compute it: the router picks and weights
@@ -457,10 +512,7 @@ class Experts:
         weights, chosen = self.routing.weights(logits, self.correction, x.dtype)  # [N, k]
         if self.expert_scale is not None:
             weights = weights * self.expert_scale[chosen]
-        expert, order = chosen.flatten().sort()  # [N k] pairs, grouped by expert
-        counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
-            0, expert, torch.ones_like(expert, dtype=torch.int32))
-        ends = counts.cumsum(0, dtype=torch.int32)  # [experts] where each expert's pairs end
+        expert, order, ends = pairs_by_expert(chosen, E)
         inputs = flat[order // k]  # [N k, hidden]
         if self.routing.scales_inputs:  # (Llama 4's)
             inputs = inputs * weights.flatten()[order, None]

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from .. import disk_cache
 from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
-from .moe import MOE_ARCHS, Experts, grouped_mm_graphable, moe_layers
+from .moe import MOE_ARCHS, Experts, MixtureOfAttention, grouped_mm_graphable, moe_layers
 from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, AltUp, GatedNorm, HyperConnections, LayerNorm, attention, norm, norm_width,
                   rms_norm, rotate, softcap, xielu)
 from .recurrent import (DEFAULT_DEPTH, LINEAR_ATTENTION, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, Mamba1, Mamba2, RecurrentStates,
@@ -72,7 +72,7 @@ ARCHS = tuple(dict.fromkeys((
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "smollm3", "glm4", *GLM_VL_TEXT, "gemma",
     "gemma2", "gemma3_text", "olmo2", "olmo3", "exaone4", "ernie4_5", "arcee", "seed_oss", "hunyuan_v1_dense", "cohere",
     "cohere2", "starcoder2", "apertus", "apertus1p5_text", "bamba", "nemotron_h", "lfm2", "lfm3", "olmo_hybrid",
-    "falcon_h1", "jamba", "zamba2", "recurrent_gemma", "minimax",
+    "falcon_h1", "jamba", "zamba2", "recurrent_gemma", "minimax", "jetmoe",
     "gpt_neox", "phi", "stablelm",
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
@@ -185,6 +185,7 @@ class RenamedWeights:
                              (".attention.o_proj.", ".attention.dense."),
                              (".q_norm.", ".query_layernorm."), (".k_norm.", ".key_layernorm."),
                              (".gate.e_score_correction_bias", ".gate.expert_bias")]
+    RENAMES["jetmoe"] = [(".self_attn.", ".self_attention.")]  # (its attention experts: ``MixtureOfAttention``)
     # RecurrentGemma's (its recurrent blocks' own names: ``recurrent.RGLRU.weights``)
     RENAMES["recurrent_gemma"] = [(".input_layernorm.", ".temporal_pre_norm."), (".post_attention_layernorm.",
                                                                                 ".channel_pre_norm."),
@@ -1319,6 +1320,9 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         mixer = {}
     elif recurrent is not None and block != "hybrid":
         mixer = recurrent.weights(r, pre)
+    elif a + "kv_proj.weight" in r:  # JetMoE's: keys and values of one product, the queries' and output's experts
+        mixer = {"qkv": r.linear(r.get(a + "kv_proj.weight"), None), "o": None, "sinks": None, "q_norm": None,
+                 "k_norm": None, "moa": MixtureOfAttention.load(config, r, a + "experts.")}
     else:
         mixer = {
             **(latent_attention(r, a, latent) if latent else gated_attention(r, a, config)
@@ -1366,6 +1370,7 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         "down": down,
         "shared_gate": r.opt(pre + "mlp.shared_expert_gate.weight") if moe else None,  # [1, hidden]
         "experts": Experts.load(config, r.weights, pre, r.device, r.dtype) if moe else None,
+        "experts_bias": r.opt(pre + "mlp.bias") if moe else None,  # [hidden] after their sum (JetMoE's)
         "sliding": sliding,
         "rope": rope,  # its rope table's key
         "rotates": rotates,
@@ -1508,6 +1513,9 @@ class TorchLlama:
         self.eps = next((getattr(config, n) for n in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps", "layer_norm_eps",
                                                       "norm_epsilon") if getattr(config, n, None)),
                         1e-5)  # (Nemotron-H's name, LFM2's, Cohere's, StarCoder2's; OLMo's, in no field: 1e-5)
+        if config.model_type == "jetmoe":  # (its norms' own, whatever rms_norm_eps says, as transformers builds them;
+            self.eps = 1e-6  # its queries' heads: each chosen attention expert's group of num_key_value_heads)
+            self.num_heads = config.num_key_value_heads * config.num_experts_per_tok
         self.max_context = getattr(config, "max_position_embeddings", None) or 1 << 20  # (Mamba's: no bound)
         switch = longrope_switch(config)
         self.switch = switch if switch is not None and switch < self.max_context else None
@@ -1623,7 +1631,7 @@ class TorchLlama:
         # its embedding's first output_vocab_size rows)
         if cuda_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
-        graphable = not any(layer["experts"] or layer["moe_block"] for layer in self.layers) \
+        graphable = not any(layer["experts"] or layer["moe_block"] or layer.get("moa") for layer in self.layers) \
             or grouped_mm_graphable(device, dtype)
         if cuda_graphs and self.recurrent is not None:
             raise ValueError("CUDA graphs do not hold recurrent layers' states yet")
@@ -2009,6 +2017,11 @@ class TorchLlama:
         Dv = self.v_dim or D  # (MiMo-V2-Flash's values: narrower than its keys)
         reuse = place is not None and place.reuse  # its queries over an earlier layer's rows
         qkv = L["qkv"](a)  # [B, T, (H + KV) D + KV Dv], Qwen3-Next's / 3.5's gates after them: + H D
+        moa = L.get("moa")
+        if moa is not None:  # (JetMoE's: each chosen expert's queries, a group of KV heads; heads ordered as the
+            route = moa.route(a)  # key/value heads they attend with, as grouped-query attention reads them)
+            q = moa.project_queries(a, route).view(B, T, moa.routing.top_k, KV, D).transpose(2, 3)
+            qkv = torch.cat([q.reshape(B, T, H * D), qkv], dim=-1)
         if L.get("qkv_adapters"):  # (Zamba2's: low-rank adapters of this layer's, beside a shared block's products)
             qkv = qkv + torch.cat([up(down(a)) for down, up in L["qkv_adapters"]], dim=-1)
         own = 0 if reuse else 1 if L["v_from_k"] else 2  # key/value projections
@@ -2057,6 +2070,8 @@ class TorchLlama:
             g = F.softplus(gate[0].float()).to(o.dtype) if L["softplus_gate"] else torch.sigmoid(gate[0])  # [B, T, H Dv]
             # or [B, T, H]
             o = o * (g.view(B, T, H, Dv) if g.shape[-1] == H * Dv else g[..., None])
+        if moa is not None:  # (each expert's group of heads back to it)
+            return moa.project_out(o.reshape(B, T, KV, moa.routing.top_k, Dv).transpose(2, 3).flatten(-2), route)
         return L["o"](o.reshape(B, T, H * Dv))  # [B, T, hidden]
 
     def _attend_latent(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
@@ -2161,6 +2176,8 @@ class TorchLlama:
         if L["experts"] is not None:
             # (Hy3's enable_moe_fp32_combine sums in float32, then casts: one rounding, as a sum in the model's dtype)
             out = L["experts"](a) if out is None else L["experts"](a) + out
+            if L["experts_bias"] is not None:
+                out = out + L["experts_bias"]
             out = out / 2 if self.family.experts_mean else out
         return out
 
