@@ -1418,9 +1418,9 @@ def zamba_shared_blocks(r: CheckpointReader, config, layers: list[dict], rotates
     """Zamba2's shared blocks into its hybrid layers' ``layers[i]["shared"]`` (and each one's
     ``linear``; None on the others): hybrid layer ``j`` runs block ``j % num_mem_blocks`` (its
     weights read once, under the first hybrid layer that runs it) with its own low-rank adapters
-    (``adapters``: the query's, key's and value's where ``use_shared_attention_adapter``, the
-    MLP's: ``qkv_adapters``, ``gate_up_adapter``) and keys (cache index ``j``). Returns the number
-    of hybrid layers (their keys')."""
+    (``qkv_adapters``: the query's, key's and value's, where ``use_shared_attention_adapter``;
+    ``gate_up_adapter``: the MLP's) and keys (cache index ``j``). Returns the number of hybrid
+    layers (their keys')."""
     hybrid, blocks = config.hybrid_layer_ids, {}
     for j, i in enumerate(hybrid):
         b = j % config.num_mem_blocks
