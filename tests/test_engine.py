@@ -32,15 +32,9 @@ def transformers_greedy(path, prompts: list[list[int]], n: int = 40) -> list[lis
     would hide the eos)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
-    want = []
-    for p in prompts:
-        ids = list(p)
-        with torch.no_grad():
-            for _ in range(n):
-                ids.append(hf(torch.tensor([ids])).logits[0, -1].argmax().item())
-        want.append(ids[-n:])
-    return want
+    from tiny import greedy_by_whole_forwards
+
+    return greedy_by_whole_forwards(AutoModelForCausalLM.from_pretrained(path).eval(), prompts, n)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -11,7 +11,8 @@ from specdec.runtime.torch_llama import TorchLlama
 
 from tiny import (BAMBA, DELTA_NET, FALCON_H1, GEMMA4, GEMMA4_MOE, GRANITE, GRANITE_HYBRID_DENSE, JAMBA, LATENT, LFM3,
                   LLAMA4, MAMBA, MAMBA2_ALONE, MINISTRAL3_ROPE, MOE, NEMOTRON_H, OLMO_HYBRID, COHERE2_MOE, MIMO, DSA, VOCAB,
-                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA, GEMMA3N, ZAMBA2, RECURRENT_GEMMA, MINIMAX, JETMOE)
+                  LAGUNA, PHIMOE, KIMI_LINEAR, LING, HY4, LARA, GEMMA3N, ZAMBA2, RECURRENT_GEMMA, MINIMAX, JETMOE,
+                  greedy_by_whole_forwards)
 
 ATOL = 1e-4  # fp32 logits, tiny random models
 
@@ -727,18 +728,6 @@ def test_multimodal_gemma3n_text_model(tmp_path):
     for kw in (dict(), dict(speculative="self"),
                dict(speculative=SpecConfig(method="ngram", tree_topk=2, num_draft_tokens=3))):
         assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
-
-
-def greedy_by_whole_forwards(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """The ``n`` tokens transformers' model ``hf`` gives greedily after each prompt (token ids), a
-    whole forward per token (``input_ids=``: an image-text-to-text model's too)."""
-    want = []
-    for seq in map(list, prompts):
-        with torch.no_grad():
-            for _ in range(n):
-                seq.append(hf(input_ids=torch.tensor([seq])).logits[0, -1].argmax().item())
-        want.append(seq[-n:])
-    return want
 
 
 @pytest.mark.parametrize("name,kind", [("recurrentgemma", "recurrent_gemma"), ("minimax", "minimax")])

@@ -295,6 +295,18 @@ def make_tiny(path: Path, arch: str = "llama", seed: int = 0, layers: int = 2, s
     return path
 
 
+def greedy_by_whole_forwards(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The ``n`` tokens transformers' model ``hf`` gives greedily after each prompt (token ids), a
+    whole forward per token (``input_ids=``: an image-text-to-text model's too)."""
+    want = []
+    for seq in map(list, prompts):
+        with torch.no_grad():
+            for _ in range(n):
+                seq.append(hf(input_ids=torch.tensor([seq])).logits[0, -1].argmax().item())
+        want.append(seq[-n:])
+    return want
+
+
 def causal_lm(path: Path, **kw):
     """transformers' own model of the checkpoint at ``path``, by the class its config names."""
     import transformers

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .torch_llama import RECOMPUTES_PAST_SWITCH, longrope_switch
+from .torch_llama import ARCHS, RECOMPUTES_PAST_SWITCH, longrope_switch
 
 
 class HFCache:
@@ -115,8 +115,7 @@ class HFRuntime:
         if self.cache_name is None or own_state or cfg.model_type in OWN_STATE:
             why = "its forward takes no cache / past_key_values argument" if self.cache_name is None else \
                 "transformers' DynamicCache cannot hold it"
-            torch_runs = " (the torch runtime runs it: backend 'torch' or 'auto')" \
-                if cfg.model_type in ("recurrent_gemma", "minimax") else ""
+            torch_runs = " (the torch runtime runs it: backend 'torch' or 'auto')" if cfg.model_type in ARCHS else ""
             raise ValueError(f"{cfg.model_type!r} keeps its state outside transformers' cache, where specdec "
                              f"holds each sequence's ({why}); it cannot run here{torch_runs}")
         # a recurrent state (Mamba, Qwen3-Next...) cannot go back to an earlier length:

@@ -216,9 +216,10 @@ def expert_bytes(config) -> int:
         return 0
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     per = 2 if config.model_type == "nemotron_h" else 3  # (Nemotron-H's experts are not gated)
+    expert = per * config.hidden_size * inter
     if config.model_type == "jetmoe":  # its attention experts' query and output products too
-        inter += 2 * config.num_key_value_heads * config.kv_channels / 3
-    return int(4 * sum(moe_layers(config)) * num_experts(config) * per * config.hidden_size * inter)
+        expert += 2 * config.hidden_size * config.num_key_value_heads * config.kv_channels
+    return 4 * sum(moe_layers(config)) * num_experts(config) * expert
 
 
 def mem_available() -> int:

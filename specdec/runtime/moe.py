@@ -325,6 +325,13 @@ def pairs_by_expert(chosen: torch.Tensor, experts: int) -> tuple[torch.Tensor, t
     return expert, order, counts.cumsum(0, dtype=torch.int32)
 
 
+def in_token_order(pairs: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``pairs [N k, ...]``, grouped by expert (``pairs_by_expert``'s ``order``), back in token order."""
+    by_token = torch.empty_like(pairs)
+    by_token[order] = pairs
+    return by_token
+
+
 class MixtureOfAttention:
     """JetMoE's attention experts: a router picks and weights ``top_k`` experts per token (the
     softmax of the top logits, Granite's); each chosen expert projects the token's queries
@@ -343,31 +350,27 @@ class MixtureOfAttention:
                    r.get(pre + "input_linear.weight").transpose(1, 2), r.get(pre + "output_linear.weight").transpose(1, 2),
                    r.get(pre + "bias"))
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``x [..., hidden]``'s routing: ``(weights [N, k], experts [N, k], each pair's expert, the
-        pairs' order, the experts' ends)`` (``pairs_by_expert``)."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [..., hidden]``'s routing: ``(weights [N, k], the pairs' order, the experts' ends)``
+        (``pairs_by_expert``)."""
         flat = x.reshape(-1, x.shape[-1])
         weights, chosen = self.routing.weights(F.linear(flat, self.router), dtype=x.dtype)
-        return (weights, chosen, *pairs_by_expert(chosen, self.router.shape[0]))
+        return (weights, *pairs_by_expert(chosen, self.router.shape[0])[1:])
 
     def project_queries(self, x: torch.Tensor, route: tuple) -> torch.Tensor:
         """Each token's chosen experts' queries ``[..., k, kv heads x head_dim]``."""
         flat, k = x.reshape(-1, x.shape[-1]), self.routing.top_k
-        _, _, _, order, ends = route
+        _, order, ends = route
         q = grouped_mm(flat[order // k], self.queries, offs=ends)  # [N k, width], grouped by expert
-        by_pair = torch.empty_like(q)
-        by_pair[order] = q
-        return by_pair.view(*x.shape[:-1], k, -1)
+        return in_token_order(q, order).view(*x.shape[:-1], k, -1)
 
     def project_out(self, o: torch.Tensor, route: tuple) -> torch.Tensor:
         """The experts' outputs ``o [..., k, width]`` back to ``[..., hidden]``: each projected by its
         expert, weighted, summed, plus the bias."""
-        weights, _, _, order, ends = route
+        weights, order, ends = route
         pairs = o.reshape(-1, o.shape[-1])[order]  # [N k, width], grouped by expert
         out = grouped_mm(pairs, self.out, offs=ends) * weights.flatten()[order, None]
-        by_pair = torch.empty_like(out)
-        by_pair[order] = out
-        return by_pair.view(*o.shape[:-1], -1).sum(dim=-2) + self.bias
+        return in_token_order(out, order).view(*o.shape[:-1], -1).sum(dim=-2) + self.bias
 
 
 class Experts:
@@ -524,7 +527,5 @@ class Experts:
             out = out + self.down_bias[expert]
         if not self.routing.scales_inputs:
             out = out * weights.flatten()[order, None]
-        by_token = torch.empty_like(out)
-        by_token[order] = out  # back in token order
-        out = by_token.view(N, k, -1).sum(dim=1).to(x.dtype).view_as(x)
+        out = in_token_order(out, order).view(N, k, -1).sum(dim=1).to(x.dtype).view_as(x)
         return out * self.routing.scale if self.routing.scale_sum else out

@@ -28,6 +28,12 @@ def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: t
     return torch.where(x > 0, alpha_p * x * x + beta * x, (torch.expm1(torch.min(x, eps)) - x) * alpha_n + beta * x)
 
 
+def cat_or_none(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The biases of linears fused into one, or None where they have none (the checkpoint
+    has all or none of them: ``attention_bias``, ``mlp_bias``)."""
+    return torch.cat(biases) if all(b is not None for b in biases) else None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Llama's (scaled in the model's dtype), or with a float32 ``weight`` under a lower
     precision Gemma's (scaled in float32, then cast): the same in float32; without a weight
@@ -172,7 +178,6 @@ class HyperConnections:
         """The last streams' mix ``[B, T, hidden]``, before the final norm."""
         pre = torch.sigmoid(self._logits(w, streams) * w["scale"] + w["base"]) + self.eps
         return (pre[..., None] * streams).sum(2).to(streams.dtype)
-
 
 
 @dataclass(frozen=True)

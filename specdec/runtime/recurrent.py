@@ -35,7 +35,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .ops import rms_norm
+from .ops import cat_or_none, rms_norm
 
 LINEAR_ATTENTION = "linear_attention"  # their name in ``layer_types`` (transformers reads Granite's "mamba" so)
 RECURRENT_TYPES = (LINEAR_ATTENTION, "conv", "hybrid")  # (LFM2's; Falcon-H1's, beside attention in every layer)
@@ -45,6 +45,11 @@ MAMBA1_ARCHS = ("mamba", "falcon_mamba", "jamba")  # Mamba's selective scan (``M
 # recurrent layers alone, each after one norm (no attention, no MLP): Mamba's, Falcon-Mamba's, Mamba-2's
 PURE_RECURRENT = ("mamba", "falcon_mamba", "mamba2")
 PREFIX_STATES = 4  # states kept per slot at its prompt chunks' ends, for prefix reuse: the first 3 and the last
+
+
+def layer_number(prefix: str) -> int:
+    """The number of the layer whose weights are under ``prefix`` (``model.layers.{i}.``)."""
+    return int(prefix.rstrip(".").rsplit(".", 1)[-1])
 
 
 def recurrent_mixer(config) -> "DeltaNet | Mamba2 | Mamba1 | RGLRU | ShortConv | None":
@@ -492,7 +497,7 @@ class Lightning(Mamba2):
         ``out_gate`` (``output_gate``), ``out_norm``, ``mix_out`` (``out_proj``), and ``decay``, its
         ``-slopes`` as the model's dtype holds them (transformers' buffers)."""
         a = pre + "self_attn."
-        slopes = self.slopes(int(pre.split(".")[-2])).to(device=r.device, dtype=r.dtype).float()
+        slopes = self.slopes(layer_number(pre)).to(device=r.device, dtype=r.dtype).float()
         return {"decay": -slopes, "mix_in": r.linear(r.get(a + "qkv_proj.weight"), None),
                 "out_gate": r.linear(r.get(a + "output_gate.weight"), None),
                 "out_norm": r.get(a + "norm.weight"),
@@ -721,10 +726,9 @@ class RGLRU:
         ``[2, heads, block]``, ``softplus(recurrent_param)`` (in the model's dtype) and ``mix_out``."""
         a = pre + "temporal_block."
         lru = a + "rg_lru."
-        biases = [r.opt(a + "linear_x.bias"), r.opt(a + "linear_y.bias")]
         return {
             "mix_in": r.linear(torch.cat([r.get(a + "linear_x.weight"), r.get(a + "linear_y.weight")]),
-                               torch.cat(biases) if biases[0] is not None else None),
+                               cat_or_none([r.opt(a + "linear_x.bias"), r.opt(a + "linear_y.bias")])),
             "conv": r.get(a + "conv_1d.weight")[:, 0],  # [width, kernel]
             "conv_bias": r.opt(a + "conv_1d.bias"),
             "gates": torch.stack([r.get(lru + "input_gate_weight"), r.get(lru + "recurrent_gate_weight")]),
@@ -915,22 +919,22 @@ class RecurrentStates:
         if self.replays:
             self.ring_inputs[:, slot, where] = self.node_inputs[:, b, path]
             self.ssm[:, slot] = self._replay(slot, self.ring_ssm[:, slot, start % self.depth], start, start + n)
-        elif self.lru:  # RG-LRU's: the same, of each token's (a, u)
-            decay, u = self.node_inputs[:, b, path, :, None].chunk(2, dim=2)  # [layers, n, C, 1] each
-            state = self.ring_ssm[:, slot, start % self.depth]  # [layers, C, 1]
+        elif self.lru or self.decays is not None:  # Mamba's, RG-LRU's: the path run again from its root's
+            # state, each state before a token kept; step(i): token i's decay and what it adds [layers, C, N]
+            if self.lru:  # (each token's (a, u))
+                decay, u = self.node_inputs[:, b, path, :, None].chunk(2, dim=2)  # [layers, n, C, 1] each
+                def step(i):
+                    return decay[:, i], u[:, i]
+            else:  # (its dt, x, B: selective_scan's products, in its order)
+                C, N = self.decays.shape[1:]
+                dts, xs, bs = self.node_inputs[:, b, path].split([C, C, N], dim=-1)  # [layers, n, C or N]
+                def step(i):
+                    return torch.exp(dts[:, i, :, None] * self.decays), (dts[:, i] * xs[:, i])[..., None] * bs[:, i, None, :]
+            state = self.ring_ssm[:, slot, start % self.depth]  # [layers, C, N]
             for i in range(n):
                 self.ring_ssm[:, slot, where[i]] = state
-                state = u[:, i].addcmul(state, decay[:, i])
-            self.ssm[:, slot] = state
-        elif self.decays is not None:  # Mamba's: the path run again from its root's state, each state before a token kept
-            C, N = self.decays.shape[1:]
-            dts, xs, bs = self.node_inputs[:, b, path].split([C, C, N], dim=-1)  # [layers, n, C or N]
-            state = self.ring_ssm[:, slot, start % self.depth]  # [layers, C, N]
-            for i in range(n):  # (selective_scan's products, in its order)
-                self.ring_ssm[:, slot, where[i]] = state
-                dt = dts[:, i, :, None]
-                added = (dts[:, i] * xs[:, i])[..., None] * bs[:, i, None, :]  # [layers, C, N]
-                state = added.addcmul_(state, torch.exp(dt * self.decays))
+                decays, added = step(i)
+                state = added.addcmul(state, decays)
             self.ssm[:, slot] = state
         self.held[slot] = [p if p <= start else -1 for p in self.held[slot]]
         if self.replays:

@@ -45,10 +45,10 @@ from .. import disk_cache
 from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
 from .moe import MOE_ARCHS, Experts, MixtureOfAttention, grouped_mm_graphable, moe_layers
-from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, AltUp, GatedNorm, HyperConnections, LayerNorm, attention, norm, norm_width,
-                  rms_norm, rotate, softcap, xielu)
-from .recurrent import (DEFAULT_DEPTH, LINEAR_ATTENTION, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, Mamba1, Mamba2, RecurrentStates,
-                        ShortConv, StatePlan, recurrent_mixer)
+from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, AltUp, GatedNorm, HyperConnections, LayerNorm, attention,
+                  cat_or_none, norm, norm_width, rms_norm, rotate, softcap, xielu)
+from .recurrent import (DEFAULT_DEPTH, LINEAR_ATTENTION, PURE_RECURRENT, RECURRENT_TYPES, DeltaNet, Mamba1, Mamba2,
+                        RecurrentStates, ShortConv, StatePlan, layer_number, recurrent_mixer)
 
 log = logging.getLogger(__name__)
 
@@ -1110,12 +1110,6 @@ def sliding_layers(config) -> tuple[int | None, list[bool]]:
     return (window if any(sliding) else None), sliding
 
 
-def cat_or_none(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
-    """The biases of linears fused into one, or None where they have none (the checkpoint
-    has all or none of them: ``attention_bias``, ``mlp_bias``)."""
-    return torch.cat(biases) if all(b is not None for b in biases) else None
-
-
 class CheckpointReader:
     """A checkpoint's tensors as the runtime holds them: copies on its device in its dtype
     (nothing may pin a memory-mapped file), norms as its ``Family`` keeps them, projections
@@ -1399,7 +1393,7 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         "laurel": (r.linear(r.get(pre + "laurel.linear_left.weight"), None),
                    r.linear(r.get(pre + "laurel.linear_right.weight"), None), r.norm(pre + "laurel.post_laurel_norm.weight"))
         if pre + "laurel.linear_left.weight" in r else None,
-        "sparsity": top_k_cutoff(config.activation_sparsity_pattern[int(pre.split(".")[-2])], r.device, r.dtype)
+        "sparsity": top_k_cutoff(config.activation_sparsity_pattern[layer_number(pre)], r.device, r.dtype)
         if getattr(config, "activation_sparsity_pattern", None) else None,
         # Hy4's hyper-connections (``ops.HyperConnections``) into attention and into the MLP
         "hc": tuple({n: r.raw(f"{pre}{hc}.{n}") for n in ("fn", "base", "scale")} for hc in ("attn_hc", "ffn_hc"))
