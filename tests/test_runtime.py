@@ -1,4 +1,5 @@
 """The torch runtime against transformers on the same weights, and its cache mechanics."""
+import math
 import re
 import shutil
 from dataclasses import replace
@@ -158,6 +159,9 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     # JetMoE: attention experts beside MLP experts (``tiny.JETMOE``); and 8 of each, 3 a token, over 4 key/value heads
     # (the config's num_attention_heads left stale, as transformers saves it)
     "jetmoe-attention-experts": ("jetmoe", JETMOE),
+    # BitNet (unquantized: its bf16 masters as transformers runs them without a quantization_config): a norm before
+    # attention's output product and before the MLP's down product, relu2 gated
+    "bitnet-sub-norms-relu2": ("bitnet", {}),
     "jetmoe-three-of-eight": ("jetmoe", dict(JETMOE, num_key_value_heads=4, kv_channels=8, num_local_experts=8,
                                              num_experts_per_tok=3)),
     "minimax-factors-window": ("minimax", dict(MINIMAX, sliding_window=6, full_attn_alpha_factor=1.5,
@@ -582,7 +586,8 @@ def test_config_variants_match_transformers(tmp_path, variant):
                                   "lara-delta-windows-experts", "aria-experts-transposed",
                                   "cohere-compass-halves-nope-full", "gemma3n-altup-laurel-sparse",
                                   "gemma3n-active-second-unscaled", "recurrentgemma-rglru-window",
-                                  "recurrentgemma-wide-lru-mha", "jetmoe-attention-experts", "jetmoe-three-of-eight"])
+                                  "recurrentgemma-wide-lru-mha", "jetmoe-attention-experts", "jetmoe-three-of-eight",
+                                  "bitnet-sub-norms-relu2"])
 def test_bfloat16_logits_equal_transformers(tmp_path, arch):
     """In bfloat16 the logits equal transformers' bit for bit: Gemma's norms scale in float32
     by 1 + the weight as bfloat16 holds it, its embeddings by sqrt(hidden) rounded to
@@ -1431,7 +1436,7 @@ def test_dummy_weights_need_no_checkpoint_and_agree_across_runtimes(tiny_dirs, t
                                   "gemma3n-active-second-unscaled", "zamba2-shared-blocks-adapters",
                                   "zamba2-one-block-gqa-nope", "recurrentgemma-rglru-window",
                                   "recurrentgemma-wide-lru-mha", "minimax-lightning-experts",
-                                  "jetmoe-attention-experts", "jetmoe-three-of-eight"])
+                                  "jetmoe-attention-experts", "jetmoe-three-of-eight", "bitnet-sub-norms-relu2"])
 def test_weight_bytes_from_the_config(tiny_dirs, tmp_path, name):
     """The fp32 bytes of the ``Linear`` weights (attention's, dense MLPs', shared experts', the
     head) and of the experts, read from the config before loading (whether a verify-packed
@@ -1572,6 +1577,129 @@ def test_fp8_checkpoints_dequantize_at_load(tmp_path, arch, block):
     assert llm.generate(["hello"], sp)[0].token_ids == LLM(str(reference), device="cpu").generate(["hello"], sp)[0].token_ids
 
 
+@pytest.fixture(scope="module")
+def bitnet_dirs(tmp_path_factory):
+    """A tiny BitNet (``tiny.make_tiny``) and its ternary copies (``tiny.bitnet_copy``): packed with
+    bfloat16 scales, as released ("offline"); packed with float32 scales ("offline-fp32"); its masters,
+    quantized at load ("online")."""
+    from tiny import bitnet_copy, make_tiny
+
+    root = tmp_path_factory.mktemp("bitnet")
+    plain = make_tiny(root / "plain", "bitnet", seed=5)
+    return {"offline": bitnet_copy(plain, root / "offline"), "online": bitnet_copy(plain, root / "online", "online"),
+            "offline-fp32": bitnet_copy(plain, root / "offline-fp32", scale_dtype=torch.float32)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitnet_ternary_weights_equal_transformers(bitnet_dirs, dtype):
+    """BitNet b1.58's packed ternary weights (microsoft/bitnet-b1.58-2B-4T's form) run as integers on
+    the CPU (``linear.Ternary``: int8 weights, a quarter of float32's memory) and give transformers'
+    ``BitLinear`` model's logits bit for bit, in float32 and bfloat16 (its scales rounded and its
+    products computed as transformers' compiled functions do), a whole prompt at once; in chunks and
+    single tokens through the cache, within float32's rounding."""
+    from transformers import AutoConfig
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import bitnet_reference
+
+    path = bitnet_dirs["offline"]
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), dtype)
+    assert type(rt.layers[0]["qkv"]).__name__ == "Ternary" and rt.layers[0]["down"].weight.dtype == torch.int8
+    assert type(rt.lm_head).__name__ == "Linear"  # (the head is not ternary)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = bitnet_reference(path, dtype)(ids).logits[0].float()  # [40, vocab]
+    assert torch.equal(rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0], ref)
+    if dtype == torch.float32:
+        cache = rt.new_cache(1)
+        ours = torch.cat([rt.forward(cache, [0], [ids[0, a:b].tolist()])[0]
+                          for a, b in [(0, 11), (11, 30)] + [(i, i + 1) for i in range(30, 40)]])
+        assert (ours - ref).abs().max().item() < ATOL * ref.abs().max().item()
+
+
+def test_bitnet_masters_quantize_at_load_to_the_packed_model(bitnet_dirs):
+    """A BitNet's bf16 masters (its "-bf16" release: ``autobitlinear``, ``online``) are quantized at
+    load to the ternary weights and scales the packed checkpoint holds, so they give its logits bit for
+    bit (those of transformers' ``BitLinear`` model). transformers' ``AutoBitLinear`` instead computes
+    its quantized activations and weights as floats, whose rounding moves its logits away from its own
+    packed model's (by several hundredths here)."""
+    from transformers import AutoConfig
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import bitnet_reference
+
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for form in ("online", "offline-fp32"):
+        path = bitnet_dirs[form]
+        rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
+        logits[form] = rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0]
+    assert torch.equal(logits["online"], logits["offline-fp32"])
+    with torch.no_grad():
+        assert torch.equal(bitnet_reference(bitnet_dirs["offline-fp32"])(ids).logits[0], logits["offline-fp32"])
+
+
+def test_bitnet_speculates_as_transformers_decodes(bitnet_dirs):
+    """The packed BitNet decodes greedily as transformers' ``BitLinear`` model does, a whole forward a
+    token, plain and under speculation (always-right drafts, 4 deep; n-gram chains and trees; a draft
+    tree 8 deep), in batches of 3 with chunked prompts: a row's ternary products do not depend on the
+    rows beside it or on how many tokens a forward holds."""
+    from specdec import LLM, SamplingParams, SpecConfig
+
+    from tiny import bitnet_reference, greedy_by_whole_forwards
+
+    path = bitnet_dirs["offline"]
+    prompts = [list(b"def fib(n): return fib(n-1) + "), list(b"abcabcabcabc"), list(b"The cat sat on")]
+    want = greedy_by_whole_forwards(bitnet_reference(path), prompts, 24)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    for method, k, topk in [("none", 1, 1), ("self", 4, 1), ("ngram", 3, 1), ("ngram", 3, 2), ("self", 8, 2)]:
+        llm = LLM(str(path), device="cpu", chunked_prefill_size=4, max_batch_size=3, quantization="bitnet",
+                  speculative=SpecConfig(method=method, num_draft_tokens=k, tree_topk=topk))
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        assert [o.token_ids for o in outs] == want, (method, k, topk)
+
+
+def test_dummy_weights_of_a_packed_bitnet_are_ternary(bitnet_dirs):
+    """``load_format="dummy"`` on a packed BitNet's config gives ternary products, as its checkpoint
+    would (speed and memory as the real model's): int8 of -1, 0 and 1, scaled by 1 / mean |w| of
+    N(0, initializer_range) weights; its masters' config (quantized at load) the same way."""
+    from transformers import AutoConfig
+
+    from specdec.runtime.loading import DummyWeights
+
+    for form in ("offline", "online"):
+        config = AutoConfig.from_pretrained(bitnet_dirs[form])
+        rt = TorchLlama(config, DummyWeights(config), torch.device("cpu"), torch.float32)
+        qkv = rt.layers[1]["qkv"]
+        assert type(qkv).__name__ == "Ternary" and set(qkv.weight.unique().tolist()) == {-1, 0, 1}
+        assert qkv.scale.min().item() == pytest.approx((math.pi / 2) ** 0.5 / config.initializer_range, rel=0.02)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ternary_products_on_a_gpu_equal_the_integer_ones(dtype):
+    """``Ternary``'s product off the CPU (the model's dtype's ``F.linear``, as transformers computes it)
+    equals its integer product on the CPU bit for bit: run here on the CPU, with the bias, over rows of
+    different scales (one all zeros); and a row alone (through the weights by rows) as among others
+    (through their copy by columns)."""
+    from specdec.runtime.linear import Ternary, TernaryWeight
+
+    g = torch.Generator().manual_seed(0)
+    t = torch.randint(-1, 2, (48, 200), generator=g, dtype=torch.int8)
+    weight = TernaryWeight(t, torch.rand(48, generator=g) + 0.5)
+    x = (torch.randn(2, 5, 200, generator=g) * torch.tensor([0.01, 1, 30, 0, 2])[None, :, None]).to(dtype)
+    bias = torch.randn(48, generator=g).to(dtype)
+    cpu = Ternary(weight, bias, torch.device("cpu"), dtype, multi_row=True)
+    gpu = Ternary(weight, bias, torch.device("cpu"), dtype)
+    gpu.integers, gpu.weight = False, t.to(dtype)  # (what a CUDA device holds)
+    assert cpu.weight.dtype == cpu.columns.dtype == torch.int8 and cpu.columns.shape == (200, 48)
+    y = cpu(x)
+    assert y.shape == (2, 5, 48) and y.dtype == dtype and torch.equal(y, gpu(x))
+    assert torch.equal(cpu(x[1:, 2:3]), y[1:, 2:3])
+    assert torch.equal(y[:, 3], bias.expand(2, 48))  # (a row of zeros: its product is 0)
+
+
 def test_quantized_checkpoints_the_torch_runtime_reads():
     """FP8 weights the torch runtime dequantizes (``fp8_block``: the blocks one scale covers),
     and the quantizations it leaves to transformers' runtime, refused with their names."""
@@ -1593,6 +1721,13 @@ def test_quantized_checkpoints_the_torch_runtime_reads():
         config = AutoConfig.for_model("llama", quantization_config=qc)
         assert f"not {qc['quant_method']!r} ones" in unsupported(config)
     assert unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "fp8"})) is None
+    # BitNet's ternary weights: packed (bitlinear, offline) or masters (autobitlinear, online); not a norm inside
+    # each product, not autobitlinear's offline form, not in another architecture
+    for qc, ok in (({}, True), ({"linear_class": "autobitlinear", "quantization_mode": "online"}, True),
+                   ({"use_rms_norm": True}, False), ({"linear_class": "autobitlinear"}, False)):
+        qc = {"quant_method": "bitnet", **qc}
+        assert (unsupported(AutoConfig.for_model("bitnet", quantization_config=qc)) is None) == ok, qc
+    assert "BitNet" in unsupported(AutoConfig.for_model("llama", quantization_config={"quant_method": "bitnet"}))
 
 
 class EagerGraphs:

@@ -708,3 +708,51 @@ def make_tiny_eagle(path: Path, target: Path, kind: str = "eagle3", seed: int = 
         torch.save(w, path / "pytorch_model.bin")
     (path / "config.json").write_text(json.dumps(cfg))
     return path
+
+
+def bitnet_copy(src: Path, path: Path, form: str = "offline", scale_dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The BitNet checkpoint at ``src`` (unquantized) as BitNet b1.58's releases hold it: ``offline``
+    (microsoft/bitnet-b1.58-2B-4T's): each decoder layer's projection ternary, ``t = round(w / mean
+    |w|)`` clamped to -1..1, packed four to a byte by transformers' ``pack_weights``, beside its
+    ``weight_scale`` (1 / mean |w|, in bfloat16); ``online`` (its -bf16 release's): the weights as
+    they are, which transformers' ``AutoBitLinear`` quantizes on every forward."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.bitnet import pack_weights
+
+    shutil.copytree(src, path)
+    tensors = load_file(src / "model.safetensors")
+    if form == "offline":
+        for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")]:
+            w = tensors[name].float()
+            scale = 1.0 / w.abs().mean().clamp(min=1e-5)
+            tensors[name] = pack_weights((w * scale).round().clamp(-1, 1).to(torch.int8))
+            tensors[name + "_scale"] = scale.reshape(1).to(scale_dtype)
+        save_file(tensors, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitnet", "modules_to_not_convert": None,
+                                     "linear_class": "bitlinear" if form == "offline" else "autobitlinear",
+                                     "quantization_mode": form}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def bitnet_reference(path: Path, dtype: torch.dtype = torch.float32):
+    """transformers' model of the BitNet checkpoint at ``path`` (``bitnet_copy``'s), its projections
+    transformers' ``BitLinear`` / ``AutoBitLinear`` (``replace_with_bitnet_linear``, the head left
+    out as its quantizer leaves it): what ``from_pretrained`` builds, without the ``accelerate``
+    package its quantizer asks for."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, BitNetForCausalLM
+    from transformers.integrations.bitnet import replace_with_bitnet_linear
+    from transformers.utils.quantization_config import BitNetQuantConfig
+
+    config = AutoConfig.from_pretrained(path)
+    qc = BitNetQuantConfig(**{k: v for k, v in config.quantization_config.items() if k != "quant_method"})
+    del config.quantization_config
+    model = BitNetForCausalLM._from_config(config, dtype=dtype)  # (its rope's frequencies kept in float32)
+    replace_with_bitnet_linear(model, modules_to_not_convert=["lm_head"], quantization_config=qc)
+    tensors = {n: t if t.dtype == torch.uint8 else t.to(dtype) for n, t in load_file(path / "model.safetensors").items()}
+    model.load_state_dict(tensors, strict=True, assign=True)
+    return model.eval()

@@ -1,9 +1,10 @@
 """The torch runtime's linear layers (``Linear``): plain ``F.linear``, oneDNN on CPU float32
 (with a copy pre-packed for the 2-16 row products of verification), or dynamic int8 for draft
-models; and the memory their weights take."""
+models; BitNet's ternary products (``Ternary``); and the memory their weights take."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +76,63 @@ class Linear:
             self.weight = self.bias = None
 
 
+@dataclass(frozen=True)
+class TernaryWeight:
+    """A BitNet b1.58 projection's weights as its checkpoint gives them (``CheckpointReader.get``):
+    ``t [out, in]`` int8 of -1, 0 and 1, and ``scale [out]`` float32, its rows' scales (one per
+    projection, repeated; the projections a product fuses keep their own). ``Ternary`` computes
+    with them."""
+
+    t: torch.Tensor
+    scale: torch.Tensor
+
+    @staticmethod
+    def cat(parts: list[TernaryWeight]) -> TernaryWeight:
+        """Projections fused into one product (queries, keys and values; gate and up), row after row."""
+        return TernaryWeight(torch.cat([p.t for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+class Ternary:
+    """BitNet b1.58's product (transformers' ``BitLinear``, and ``AutoBitLinear`` quantizing bf16
+    masters at load): each row of the input quantized to int8 on its own scale ``s = 127 / max
+    |x|`` (as the model's dtype holds it; the products in float32, as transformers' compiled
+    ``activation_quant`` computes them), its integer product with the ternary weights ``t``,
+    that divided by ``scale * s`` in float32, plus the bias. The integer product is
+    exact in any dtype's accumulator (at most 127 x ``in`` < 2^24), so computing it on the CPU in
+    integers (``torch._int_mm``: a quarter of float32's weight memory, several times faster than
+    oneDNN's float32 product for 1-16 rows) gives what transformers' float product gives; on a GPU it
+    is the model's dtype's ``F.linear``, as transformers computes it."""
+
+    multi = None  # (not ``Linear``'s verify-packed copy: ``columns``)
+    one_row_packed = False
+
+    def __init__(self, weight: TernaryWeight, bias: torch.Tensor | None, device: torch.device, dtype: torch.dtype,
+                 multi_row: bool = False):
+        self.integers = device.type == "cpu"
+        self.weight = weight.t.to(device) if self.integers else weight.t.to(device, dtype)  # [out, in]
+        # (``multi_row``: a copy by columns [in, out] for products of 2+ rows, which oneDNN's integer product takes
+        # 1.3-1.8x faster than the rows' layout; one row goes faster through the rows')
+        self.columns = self.weight.t().contiguous() if self.integers and multi_row else None
+        self.scale = weight.scale.to(device)  # [out] float32
+        self.bias, self.out_features = bias, weight.t.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        s = (127 / x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-5)).to(x.dtype).float()  # [..., 1]
+        q = (x32 * s).round().clamp(-128, 127).reshape(-1, x.shape[-1])  # [n, in]
+        if not self.integers:
+            y = F.linear(q.to(x.dtype), self.weight)
+        else:
+            y = torch._int_mm(q.to(torch.int8), self.columns if self.columns is not None and q.shape[0] > 1
+                              else self.weight.t())
+        y = y.to(x.dtype).float().view(*x.shape[:-1], self.out_features)  # (rounded as transformers' product is)
+        y = (y / (self.scale * s)).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def pack_one_row(self, on: bool = True, free: bool = False) -> None:
+        """(No packed copy to serve one row: ``Linear.pack_one_row``.)"""
+
+
 def int8_rows(x: torch.Tensor, packed, anchor: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x W^T + b`` through fbgemm's dynamic int8 linear, with each row of ``x`` ``[n, in]``
     quantized on its own scale. fbgemm quantizes activations on one range for the whole
@@ -96,8 +154,10 @@ MULTI_ROW_OPS = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(
 
 def linear_bytes(config) -> int:
     """fp32 bytes of a model's ``Linear`` weights (from its config): attention's (latent or not) or a recurrent layer's,
-    the dense MLPs' (a MoE layer's shared experts': Qwen2-MoE's, GLM-4.5's, Granite's) and the head; not ``Experts``'."""
-    from .torch_llama import GEMMA_N, Family, SparseIndex, text_model  # (its module imports this one)
+    the dense MLPs' (a MoE layer's shared experts': Qwen2-MoE's, GLM-4.5's, Granite's) and the head; not ``Experts``';
+    BitNet's ternary ones a byte each."""
+    from .torch_llama import GEMMA_N, Family, SparseIndex, bitnet_form, quant_config, text_model  # (its module
+    # imports this one)
 
     config = text_model(config)[0]  # (GPT-J's and Falcon's fields under Llama's names)
     h, heads = config.hidden_size, getattr(config, "num_attention_heads", None) or 1
@@ -201,7 +261,10 @@ def linear_bytes(config) -> int:
     if rec:  # (beside latent attention too: Kimi Linear's, Ling's)
         attention += recurrent * rec.projection_params(h)
     head = getattr(config, "output_vocab_size", None) or config.vocab_size  # (Apertus 1.5's: pruned to the text)
-    return 4 * (attention + (3 if Family.of(config).gated_mlp else 2) * h * mlp + head * h)
+    layers = attention + (3 if Family.of(config).gated_mlp else 2) * h * mlp
+    if bitnet_form(quant_config(config)) is not None:  # (BitNet's ternary products: a byte a weight, ``Ternary``)
+        return layers + 4 * head * h
+    return 4 * (layers + head * h)
 
 
 def expert_bytes(config) -> int:

