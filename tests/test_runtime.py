@@ -148,7 +148,8 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "granite4h-mamba2-experts": ("granitemoehybrid", MOE["granitemoehybrid"]),
     "granite4h-dense-rope": ("granitemoehybrid", GRANITE_HYBRID_DENSE),
     # Zamba2: Mamba-2 layers, shared blocks with adapters between them (``tiny.ZAMBA2``); and one block, run by the
-    # first layer too, without attention adapters or rope, over 2 key/value heads
+    # first layer too, without attention adapters or rope, over 2 key/value heads, its norms at 1e-2 (its Mamba-2
+    # layers' gated norms at 1e-5 whatever rms_norm_eps says, as transformers builds them)
     "zamba2-shared-blocks-adapters": ("zamba2", ZAMBA2),
     # RecurrentGemma: RG-LRU blocks beside windowed multi-query attention (``tiny.RECURRENT_GEMMA``); and blocks wider
     # than the model (96) in 2 heads of gates, a convolution of 3, attention over 4 key/value heads
@@ -170,7 +171,7 @@ VARIANTS = {  # config fields the torch runtime reads, each against transformers
     "recurrentgemma-wide-lru-mha": ("recurrent_gemma", dict(RECURRENT_GEMMA, lru_width=96, num_attention_heads=2,
                                                             num_key_value_heads=2, conv1d_width=3)),
     "zamba2-one-block-gqa-nope": ("zamba2", dict(ZAMBA2, num_mem_blocks=1, use_shared_attention_adapter=False,
-                                                 use_mem_rope=False, num_key_value_heads=2,
+                                                 use_mem_rope=False, num_key_value_heads=2, rms_norm_eps=1e-2,
                                                  layers_block_type=["hybrid", "mamba", "mamba", "hybrid", "mamba",
                                                                     "hybrid"])),
     "bamba-half-rope": ("bamba", BAMBA),
@@ -745,6 +746,44 @@ def test_models_of_their_own_state_run_on_the_torch_runtime(tiny_dirs, name, kin
     assert isinstance(load_model(str(tiny_dirs[name])).runtime, TorchLlama)
     with pytest.raises(ValueError, match=f"'{kind}' keeps its state outside .*the torch runtime runs it"):
         load_model(str(tiny_dirs[name]), backend="hf")
+
+
+def test_minimax_rotates_its_rotary_dim(tmp_path, monkeypatch):
+    """MiniMax-Text-01's config names ``rotary_dim`` (64 of its heads' 128): rope on each head's first
+    ``rotary_dim`` channels, as its own code and vLLM's apply it. transformers 5.24's MiniMax ignores
+    the field and rotates whole heads (a config of 8 of 16 here: its logits differ); patched to rotate
+    that part, its logits are ours."""
+    from transformers import AutoConfig
+    from transformers.models.minimax import modeling_minimax
+
+    from specdec.runtime.loading import Weights
+
+    from tiny import MINIMAX, causal_lm, make_tiny
+
+    path = make_tiny(tmp_path / "minimax", "minimax", seed=5, **dict(MINIMAX, rotary_dim=8))
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    ours = rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0]
+    with torch.no_grad():
+        whole = causal_lm(path).eval()(ids).logits[0]
+    assert (ours - whole).abs().max().item() > 0.05
+
+    def inv_freq(config, **kw):  # (transformers' MiniMax-M2's, over rotary_dim)
+        d = config.rotary_dim
+        return 1.0 / (config.rope_parameters["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
+
+    def rotate_part(q, k, cos, sin, unsqueeze_dim=1):
+        d = cos.shape[-1]
+        qr, kr = apply(q[..., :d], k[..., :d], cos, sin, unsqueeze_dim)
+        return torch.cat([qr, q[..., d:]], dim=-1), torch.cat([kr, k[..., d:]], dim=-1)
+
+    apply = modeling_minimax.apply_rotary_pos_emb
+    monkeypatch.setattr(modeling_minimax, "apply_rotary_pos_emb", rotate_part)
+    monkeypatch.setattr(modeling_minimax.MiniMaxRotaryEmbedding, "compute_default_rope_parameters",
+                        staticmethod(inv_freq))
+    with torch.no_grad():
+        ref = causal_lm(path).eval()(ids).logits[0]
+    assert (ours - ref).abs().max().item() < ATOL * ref.abs().max().item()
 
 
 @pytest.mark.parametrize("name", ["hy4", "gemma3n"])

@@ -345,6 +345,7 @@ class Mamba2:
     chunk: int
     dt_limit: tuple[float, float]
     norm: str = "after"  # the output's grouped norm: of y * silu(z) ("after"), of y before the gate ("before"), none
+    norm_eps: float | None = None  # its epsilon (Zamba2's 1e-5, as transformers builds it; else the model's)
     replays = True  # (not a field) its ring keeps each token's inputs: a rewind replays them (``RecurrentStates``)
 
     @classmethod
@@ -357,7 +358,7 @@ class Mamba2:
                        config.chunk_size, tuple(config.time_step_limit))
         if config.model_type == "zamba2":  # its names; a prompt's time steps clamped from below
             return cls(config.n_mamba_heads, config.mamba_headdim, config.mamba_d_state, config.mamba_ngroups,
-                       config.mamba_d_conv, config.chunk_size, (config.time_step_min, float("inf")))
+                       config.mamba_d_conv, config.chunk_size, (config.time_step_min, float("inf")), norm_eps=1e-5)
         head_dim = config.mamba_d_head
         if head_dim == "auto":
             head_dim = config.mamba_expand * config.hidden_size // config.mamba_n_heads
@@ -454,7 +455,7 @@ class Mamba2:
         if self.norm != "before":
             y = y * gate
         if self.norm != "none":
-            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + (self.norm_eps or eps))
             y = L["gate_norm"].view(G, -1) * y.to(a.dtype)
         if self.norm == "before":
             y = y * gate
@@ -476,7 +477,7 @@ class Lightning(Mamba2):
     def of(cls, config) -> "Lightning":
         d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         H = config.num_attention_heads
-        return cls(H, d, d, H, 1, config.block_size, (0.0, float("inf")), "none", config.num_hidden_layers)
+        return cls(H, d, d, H, 1, config.block_size, (0.0, float("inf")), "none", layers=config.num_hidden_layers)
 
     @property
     def conv_dim(self) -> int:

@@ -86,7 +86,8 @@ GEMMAS = ("gemma", "gemma2", "gemma3_text", "vaultgemma")  # (VaultGemma's: Gemm
 # whose transformers model rotates a part of each head where the config says
 PARTIAL_ROTARY = ("phi3", "glm", "glm4", "glm4_moe", "bamba", "glm4v_moe_text", "gpt_neox", "phi", "stablelm", "gptj",
                   "codegen", "persimmon", "nemotron", "mistral4", "minimax_m2", "mimo_v2_flash", "laguna",
-                  "sarvam_moe", "recurrent_gemma") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's rotated part)
+                  "sarvam_moe", "recurrent_gemma", "minimax") + GLM_VL_TEXT + HYBRID_ARCHS  # (Mistral 4's: its latent's
+# rotated part; MiniMax-Text-01's: its rotary_dim, ``text_model``)
 # multimodal checkpoints whose text model may be one of ARCHS (Gemma 3's, Mistral 3's: Mistral
 # Small 3.1 and up, LLaVA's): its weights' prefixes (as saved and on the hub; transformers' own
 # module names)
@@ -377,6 +378,14 @@ def text_model(config, weights=None):
         config = copy.deepcopy(config)
         kv = config.num_key_value_heads
         config.layer_heads = [(2 * kv if t == "sliding_attention" else kv, config.head_dim) for t in config.layer_types]
+    if config.model_type == "minimax" and getattr(config, "rotary_dim", None) and \
+            "partial_rotary_factor" not in (config.rope_parameters or {}):
+        # MiniMax-Text-01's and MiniMax-M1's rope on the first rotary_dim of each head (64 of 128), as their own code
+        # and vLLM's apply it; transformers 5.24's MiniMax leaves the field out and rotates whole heads (its fix for
+        # MiniMax-M2, which names the same field, maps it to partial_rotary_factor, as here)
+        config = copy.deepcopy(config)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        config.rope_parameters = dict(config.rope_parameters or {}, partial_rotary_factor=config.rotary_dim / head_dim)
     if config.model_type in RenamedWeights.RENAMES and weights is not None:
         return config, RenamedWeights(weights, config)
     if config.model_type == "falcon_h1" and weights is not None:
