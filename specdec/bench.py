@@ -20,7 +20,8 @@ of a JSONL file:
 float32, or an HF checkpoint) or ``llamacpp`` (the GGUF on llama.cpp). Every method gets the
 same prompt token ids (``encode_prompt``, as ``LLM.encode``) and the same eos ids. Only the
 generation call is timed (one untimed 8-token warm-up per method first), with its time to
-the first token, so that decode speed (prefill left out) is reported too. The transformers
+the first token, so that decode speed (prefill left out) is reported too; every run prefills
+its whole prompt (specdec's without prefix reuse). The transformers
 models are freed before the others load (never both in memory); llama-cpp-python's and
 specdec's methods are then timed in turns, prompt by prompt and repeat by repeat, so that a
 drift in the machine's speed reaches every method alike.
@@ -561,8 +562,11 @@ class BenchRun:
 
         args, on_llamacpp = self.args, self.on_llamacpp
         t0 = time.perf_counter()
+        # (no prefix reuse: every run prefills its whole prompt, as transformers' and llama-cpp-python's runs do;
+        # otherwise a prompt of 256 tokens or more would reuse the warm-up's chunks: scripts/bench_prefix_reuse.py)
         backend = {"backend": args.backend, "device": args.device, "dtype": args.dtype, "max_batch_size": 1,
-                   "repack": args.repack, "load_format": args.load_format, "enforce_eager": args.enforce_eager}
+                   "repack": args.repack, "load_format": args.load_format, "enforce_eager": args.enforce_eager,
+                   "enable_prefix_caching": False}
         plain = LLM(str(self.gguf if on_llamacpp else self.target_path), speculative=SpecConfig(method="none"),
                     **backend)
         if on_llamacpp:  # llama.cpp (specdec's runtime and llama-cpp-python alike) stops at its own EOG tokens too

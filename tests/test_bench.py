@@ -42,6 +42,21 @@ def test_bench_runs_all_kinds_of_methods(tiny_dirs, tmp_path, monkeypatch):
     assert "could gain" in (out / "bench.md").read_text()
 
 
+def test_bench_prefills_every_run_whole(tiny_dirs, tmp_path, monkeypatch):
+    """specdec's runs prefill their whole prompt each time, as transformers' and llama-cpp-python's do:
+    a prompt of 300 tokens (two 256-token chunks) takes 2 forwards before its 3 decode steps in every
+    run, none of its chunks reused from the warm-up or the run before."""
+    from specdec.cli import main
+
+    monkeypatch.setenv("SPECDEC_COST_CACHE", str(tmp_path / "costs.json"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "comp-long", "kind": "completion", "prompt": "abcdefghij" * 30}) + "\n")
+    assert main(["bench", "--model", str(tiny_dirs["llama"]), "--prompts-file", str(prompts), "--methods",
+                 "specdec-plain", "--max-new-tokens", "4", "--repeats", "2", "--out", str(tmp_path / "out")]) == 0
+    rec = json.loads((tmp_path / "out" / "bench.json").read_text())["per_prompt"]["specdec-plain"][0]
+    assert rec["prompt_tokens"] == 300 and rec["target_forwards"] == 5
+
+
 def test_bench_and_generate_on_dummy_weights(tiny_dirs, tmp_path, capsys):
     """``--load-format dummy``: the bench and ``generate`` run on random weights of the
     models' shapes from directories with no weights; specdec and transformers get the same
