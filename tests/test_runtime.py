@@ -835,13 +835,14 @@ RECURRENT_VL = ("qwen3_5", "lfm2_vl", "lfm3_vl")  # text models with recurrent s
 @pytest.mark.parametrize("kind", ["mistral3", "ministral3", "llava", "llava_next", "llava_onevision", "qwen2_vl",
                                   "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "glm46v", "internvl", "smolvlm", "lfm2_vl",
                                   "lfm3_vl", "exaone4_5", "apertus1p5", "aria", "cohere_compass",
-                                  "qwen3_5", "gemma4", "gemma4_unified"])
+                                  "qwen3_5", "gemma4", "gemma4_unified", "mllama"])
 def test_vision_language_text_model(tmp_path, kind):
     """Mistral 3's (with a Mistral text model, or Ministral 3's: its queries scaled past the
     original context), LLaVA's, LLaVA-NeXT's, LLaVA-OneVision's, Qwen2-VL's to Qwen3-VL's, GLM-4.1V's, GLM-4.5V's, InternVL's, SmolVLM's (its text
     model under model.text_model.), LFM2-VL's and Apertus 1.5's (its head pruned to the text tokens) checkpoints (no causal LMs in
     transformers: its hf runtime cannot run them) and Qwen3.5's and Gemma 4's (E2B to 31B's, and 12B's unified model),
-    as released, run their text
+    and Llama 3.2 Vision's (its self-attention layers: the cross-attention layers between them skipped on text, as
+    transformers' model skips them), as released, run their text
     model on the torch runtime: logits equal transformers' image-text-to-text model's on text
     (bit for bit, float32 and bfloat16; the Qwens' multimodal rope on text alone; Qwen3.5's
     DeltaNet layers' fused input products, LFM2's convolutions, Gemma 4's norms (a power of -0.5
@@ -881,7 +882,8 @@ def test_vision_language_text_model(tmp_path, kind):
         assert [o.token_ids for o in LLM(model, chunked_prefill_size=4, **kw).generate(prompts, sp)] == want, kw
     dummy = load_model(str(path), load_format="dummy").runtime
     assert dummy.forward(dummy.new_cache(1), [0], [ids[0].tolist()])[0].std().item() > 0.1
-    if kind not in ("qwen3_5", "gemma4", "gemma4_unified"):  # (transformers has a causal LM for Qwen3.5's, Gemma 4's)
+    if kind not in ("qwen3_5", "gemma4", "gemma4_unified", "mllama"):  # (transformers has a causal LM for Qwen3.5's,
+        # Gemma 4's, Llama 3.2 Vision's)
         with pytest.raises(ValueError, match=f"no causal LM for '{vl}' .* use backend 'torch' or 'auto'"):
             load_model(str(path), backend="hf")
     import json  # a processor's chat template (LLaVA's), where the tokenizer has none

@@ -398,6 +398,15 @@ VISION_LANGUAGE = {  # kind -> (its text model's fields, its vision tower's, the
                     patch_size=14),
                dict(mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3,
                     eoi_token_index=VOCAB - 2)),
+    # Llama 3.2 Vision's: a cross-attention layer between its self-attention ones (skipped on text), an embedding 8
+    # rows wider than its head
+    "mllama": (dict(model_type="mllama_text_model", num_hidden_layers=4, cross_attention_layers=[1, 3], pad_token_id=0,
+                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+               dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                    image_size=28, patch_size=14, max_num_tiles=1, intermediate_layers_indices=[0],
+                    vision_output_dim=64, supported_aspect_ratios=[[1, 1]]),
+               dict(image_token_index=VOCAB)),
     "mistral3": (dict(model_type="mistral"), dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
                  num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14),
                  dict(image_token_index=VOCAB - 1)),

@@ -78,7 +78,7 @@ ARCHS = tuple(dict.fromkeys((
     "olmo", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "nemotron", "internlm3", "iquestcoder", "exaone", "helium",
     "llama4_text", "bloom", "mpt", "glm", "vaultgemma", "jais2", "nanochat", "afmoe", "gpt_neo",
     "cwm", "youtu", "axk1", "codegen", "persimmon", "dbrx", "kolibri1", "flint", "minicpm3", *GEMMA_N, "kimi_linear",
-    "bailing_hybrid", "hy_v4", "lara_mini", "cohere_compass_text", "bitnet")
+    "bailing_hybrid", "hy_v4", "lara_mini", "cohere_compass_text", "bitnet", "mllama_text_model")
     + GRANITES + MOE_ARCHS + QWEN_VL_TEXT + HYBRID_ARCHS + PURE_RECURRENT))  # HF
 # model_type; biases, q/k norms, Phi-3's fused projections and Gemma 2/3's norms after attention and MLP come from the
 # weights
@@ -105,6 +105,8 @@ MULTIMODAL.update(dict.fromkeys(("llava_next", "llava_onevision", "internvl", "l
 MULTIMODAL.update(dict.fromkeys(("smolvlm", "idefics3"), ("model.text_model.",)))
 MULTIMODAL["apertus1p5"] = ("model.language_model.",)  # (Apertus 1.5's: its images and audio as tokens)
 MULTIMODAL["cohere_compass"] = ("model.language_model.",)  # (North's: Qwen3-VL's layout around Command R7B's layers)
+# (Llama 3.2 Vision's: ``text_model``; under "model." as transformers' causal LM of its config names them: dummy weights)
+MULTIMODAL["mllama"] = ("model.language_model.", "language_model.model.", "model.")
 # (Qwen3.5's under "model." too: transformers' causal LM of its config, dummy weights' names)
 MULTIMODAL.update(dict.fromkeys(("qwen3_5", "qwen3_5_moe"), ("model.language_model.", "language_model.model.", "model.")))
 # GLM-4.1V's and up
@@ -119,13 +121,19 @@ MULTIMODAL["gemma3n"] = ("model.language_model.",)  # (Gemma 3n's: E2B's, E4B's,
 
 class TextWeights:
     """A multimodal checkpoint's text model's weights under a text model's names (``model.*``,
-    ``lm_head.weight``); the vision tower's are never read."""
+    ``lm_head.weight``); the vision tower's are never read. ``layers``: the checkpoint's layer of each
+    of the text model's (Llama 3.2 Vision's self-attention layers, between its cross-attention ones)."""
 
-    def __init__(self, weights, prefix: str, head: str):
-        self.weights, self.prefix, self.head = weights, prefix, head
+    def __init__(self, weights, prefix: str, head: str, layers: list[int] | None = None):
+        self.weights, self.prefix, self.head, self.layers = weights, prefix, head, layers
 
     def _name(self, name: str) -> str:
-        return self.head if name == "lm_head.weight" else self.prefix + name.removeprefix("model.")
+        if name == "lm_head.weight":
+            return self.head
+        if self.layers is not None and name.startswith("model.layers."):
+            i, rest = name.removeprefix("model.layers.").split(".", 1)
+            name = f"model.layers.{self.layers[int(i)]}.{rest}"
+        return self.prefix + name.removeprefix("model.")
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.weights[self._name(name)]
@@ -363,12 +371,21 @@ def text_model(config, weights=None):
     GLM-4.1V+, InternVL, SmolVLM, LFM2-VL; ``text_config``, ``TextWeights``; text prompts only), then
     Nemotron-H's, LFM2's... (``RenamedWeights``), Falcon-H1's (``ScaledWeights``), else as given."""
     if config.model_type in MULTIMODAL:
+        text = config.get_text_config(decoder=True)
         if weights is not None:
             prefix = next((p for p in MULTIMODAL[config.model_type] if p + "embed_tokens.weight" in weights),
                           MULTIMODAL[config.model_type][0])
             head = next((h for h in ("language_model.lm_head.weight", "lm_head.weight") if h in weights), "")
-            weights = TextWeights(weights, prefix, head)
-        config = config.get_text_config(decoder=True)
+            cross = getattr(text, "cross_attention_layers", None) or ()
+            weights = TextWeights(weights, prefix, head, [i for i in range(text.num_hidden_layers) if i not in cross]
+                                  if cross else None)
+        config = text
+    if config.model_type == "mllama_text_model" and config.cross_attention_layers:
+        # Llama 3.2 Vision's text model on text alone: its self-attention layers, the cross-attention layers between
+        # them skipped (as transformers' model skips them without an image); its embedding 8 rows wider than its head
+        config = copy.deepcopy(config)
+        config.num_hidden_layers -= len(config.cross_attention_layers)
+        config.cross_attention_layers = []
     if config.model_type in LLAMA_FIELDS:
         config = llama_fields(config)
     if config.model_type in GEMMA_N:
