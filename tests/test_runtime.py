@@ -1664,7 +1664,8 @@ def test_bitnet_masters_quantize_at_load_to_the_packed_model(bitnet_dirs):
     load to the ternary weights and scales the packed checkpoint holds, so they give its logits bit for
     bit (those of transformers' ``BitLinear`` model). transformers' ``AutoBitLinear`` instead computes
     its quantized activations and weights as floats, whose rounding moves its logits away from its own
-    packed model's (by several hundredths here)."""
+    packed model's (by several hundredths here). ``modules_to_not_convert`` leaves projections as they are,
+    as transformers' quantizer matches its patterns (not one of two products specdec fuses: refused)."""
     from transformers import AutoConfig
 
     from specdec.runtime.loading import Weights
@@ -1680,6 +1681,14 @@ def test_bitnet_masters_quantize_at_load_to_the_packed_model(bitnet_dirs):
     assert torch.equal(logits["online"], logits["offline-fp32"])
     with torch.no_grad():
         assert torch.equal(bitnet_reference(bitnet_dirs["offline-fp32"])(ids).logits[0], logits["offline-fp32"])
+    config = AutoConfig.from_pretrained(bitnet_dirs["online"])  # the modules its quantization leaves as they are
+    config.quantization_config["modules_to_not_convert"] = ["model.layers.1.mlp.down_proj", "o_proj"]
+    rt = TorchLlama(config, Weights(bitnet_dirs["online"]), torch.device("cpu"), torch.float32)
+    kinds = [tuple(type(L[n]).__name__ for n in ("qkv", "o", "gate_up", "down")) for L in rt.layers]
+    assert kinds == [("Ternary", "Linear", "Ternary", "Ternary"), ("Ternary", "Linear", "Ternary", "Linear")]
+    config.quantization_config["modules_to_not_convert"] = ["gate_proj"]  # (one of the MLP's fused products)
+    with pytest.raises(ValueError, match="gate_proj.weight, model.layers.0.mlp.up_proj.weight: modules_to_not_convert"):
+        TorchLlama(config, Weights(bitnet_dirs["online"]), torch.device("cpu"), torch.float32)
 
 
 def test_bitnet_speculates_as_transformers_decodes(bitnet_dirs):

@@ -1162,9 +1162,11 @@ class CheckpointReader:
     ``TernaryWeight`` and ``Ternary``."""
 
     def __init__(self, weights, device: torch.device, dtype: torch.dtype, family: Family, linear: str,
-                 multi_row: bool, ternary: str | None = None):
+                 multi_row: bool, quantization: dict | None = None):
         self.weights, self.device, self.dtype, self.family = weights, device, dtype, family
-        self.kind, self.multi_row, self.ternary = linear, multi_row, ternary
+        self.kind, self.multi_row = linear, multi_row
+        self.ternary = bitnet_form(quantization)
+        self.unconverted = (quantization or {}).get("modules_to_not_convert")  # (masters left as they are)
 
     def __contains__(self, name: str) -> bool:
         return name in self.weights
@@ -1176,10 +1178,14 @@ class CheckpointReader:
 
     def _is_ternary(self, name: str) -> bool:
         """Whether ``name`` is a BitNet projection's weights: packed beside a scale (``offline``), or a
-        decoder layer's projection of bf16 masters (``online``)."""
+        decoder layer's projection of bf16 masters (``online``) that ``modules_to_not_convert`` does not
+        name (as transformers' quantizer matches its patterns)."""
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
         if self.ternary == "offline":
             return name.endswith(".weight") and name + "_scale" in self.weights
-        return name.startswith("model.layers.") and name.endswith("_proj.weight")
+        return name.startswith("model.layers.") and name.endswith("_proj.weight") and \
+            should_convert_module(name.removesuffix(".weight"), self.unconverted)
 
     def _ternary_weight(self, name: str) -> TernaryWeight:
         """Packed weights (unpacked by ``loading.Weights``) and their ``weight_scale``, which the product
@@ -1231,7 +1237,11 @@ class CheckpointReader:
         if name in self.weights:
             return self.get(name)
         weights = [self.get(p) for p in parts]
-        return TernaryWeight.cat(weights) if isinstance(weights[0], TernaryWeight) else torch.cat(weights)
+        ternary = [isinstance(w, TernaryWeight) for w in weights]
+        if any(ternary) and not all(ternary):
+            raise ValueError(f"{', '.join(parts)}: modules_to_not_convert leaves some of these BitNet projections "
+                             "unquantized, and specdec computes them as one product")
+        return TernaryWeight.cat(weights) if all(ternary) else torch.cat(weights)
 
     def linear(self, weight: torch.Tensor | TernaryWeight, bias: torch.Tensor | None) -> Linear | Ternary:
         if isinstance(weight, TernaryWeight):
@@ -1621,7 +1631,7 @@ class TorchLlama:
         self.multi_row = multi_row
         self._init_rope(config)
 
-        r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row, bitnet_form(quant_config(config)))
+        r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row, quant_config(config))
         self.embed = r.get("model.embed_tokens.weight")
         self.positions = r.get("model.embed_positions.weight") if self.family.learned_positions is not None else None
         self.embed_norm = r.norm("model.embed_norm.weight") if "model.embed_norm.weight" in r \
