@@ -47,6 +47,29 @@ def configs() -> dict:
     }
 
 
+def forward_times(rt: TorchLlama, context: int, sizes: list[int], repeats: int, commit: bool = True) -> dict:
+    """Median seconds of a forward of T tokens (each of ``sizes``) after ``context`` tokens, over ``repeats``;
+    ``commit``: each timed with a rewind to half its tokens (a verify's commit; the states a replay
+    recomputes), else untimed rewinds alone."""
+    device = rt.device
+    cache = rt.new_cache(1)
+    rt.forward(cache, [0], [list(range(context))])
+    times = {}
+    for T in sizes:
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            rt.forward(cache, [0], [list(range(T))])
+            if commit:
+                cache.rewind(0, context + (T + 1) // 2)  # the verify's commit: half its tokens kept
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            runs.append(time.perf_counter() - t0)
+            cache.rewind(0, context)
+        times[T] = statistics.median(runs)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="llama,granite,qwen35,mamba,mamba2")
@@ -62,20 +85,7 @@ def main() -> None:
     for name in args.models.split(","):
         config = configs()[name]
         rt = TorchLlama(config, DummyWeights(config, device), device, dtype)
-        cache = rt.new_cache(1)
-        rt.forward(cache, [0], [list(range(args.context))])
-        times = {}
-        for T in sizes:
-            runs = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                rt.forward(cache, [0], [list(range(T))])
-                cache.rewind(0, args.context + (T + 1) // 2)  # the verify's commit: half its tokens kept
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                runs.append(time.perf_counter() - t0)
-                cache.rewind(0, args.context)
-            times[T] = statistics.median(runs)
+        times = forward_times(rt, args.context, sizes, args.repeats)
         first = times[sizes[0]]
         cells = [f"{first * 1e3:.0f} ms"] + [f"{times[T] / first:.2f}x" for T in sizes[1:]]
         print(f"| {name} | {' | '.join(cells)} |", flush=True)

@@ -12,10 +12,9 @@ bytes. Medians of ``--repeats``, both models in one process, one after the other
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from bench_recurrent_cost import forward_times  # (beside this script)
 from transformers import AutoConfig
 
 from specdec.runtime.loading import DummyWeights
@@ -54,21 +53,11 @@ def main() -> None:
             config = AutoConfig.for_model("bitnet", **shape)
         weights = DummyWeights(config)  # (ternary projections under the packed quantization config)
         rt = TorchLlama(config, weights, torch.device("cpu"), torch.float32, multi_row=None if args.multi_row else False)
-        cache = rt.new_cache(1)
-        rt.forward(cache, [0], [list(range(args.context))])
-        times = {}
-        for T in sizes:
-            runs = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                rt.forward(cache, [0], [list(range(T))])
-                runs.append(time.perf_counter() - t0)
-                cache.rewind(0, args.context)
-            times[T] = statistics.median(runs)
+        times = forward_times(rt, args.context, sizes, args.repeats, commit=False)
         first = times[sizes[0]]
         cells = [f"{first * 1e3:.0f} ms"] + [f"{times[T] / first:.2f}x" for T in sizes[1:]]
         print(f"| {name} | {weight_bytes(rt) / 2 ** 30:.2f} GiB | {' | '.join(cells)} |", flush=True)
-        del rt, cache, weights
+        del rt, weights
 
 
 if __name__ == "__main__":
