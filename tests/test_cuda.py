@@ -5,7 +5,7 @@ The torch runtime against transformers in float32, CUDA graphs against eager for
 model, n-gram, trees; batch 1 and 3) equal to plain decoding in float32 and bfloat16 (and
 with chunked prefill and penalties), the
 sampling verifier's distribution with a CUDA generator, seeded sampling through the engine,
-and the cost model's timing.
+and the cost model's timing; a packed BitNet's ternary products.
 
 A verify forward of k+1 rows runs other matrix kernels than a one-row decoding step, so
 their logits differ by rounding, and a greedy output may part from plain decoding where the
@@ -262,3 +262,37 @@ def test_cost_model_times_cuda_forwards(on_cuda):
     llm = LLM(on_cuda("llama"), speculative=SpecConfig(method="ngram", cost_model=True))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in LLM(on_cuda("llama")).generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bitnet_ternary_on_cuda(tmp_path, dtype):
+    """A packed BitNet on a GPU: its ternary products in the model's dtype (``linear.Ternary``, not the
+    CPU's integers) give transformers' ``BitLinear`` model's logits there within the GPU's attention
+    kernels' rounding (1e-3 in float32; 0.25, as CUDA graphs' test, in bfloat16), and the CPU
+    runtime's in float32; greedy decoding through CUDA graphs and under speculation equals plain."""
+    from transformers import AutoConfig
+
+    from specdec.runtime import load_model
+    from specdec.runtime.loading import Weights
+    from specdec.runtime.torch_llama import TorchLlama
+
+    from tiny import bitnet_copy, bitnet_reference, make_tiny
+
+    path = bitnet_copy(make_tiny(tmp_path / "plain", "bitnet", seed=5), tmp_path / "offline")
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cuda"), dtype)
+    assert not rt.layers[0]["qkv"].integers and rt.layers[0]["qkv"].weight.dtype == dtype
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = bitnet_reference(path, dtype).to("cuda")(ids.cuda()).logits[0].float()
+    ours = rt.forward(rt.new_cache(1), [0], [ids[0].tolist()])[0]
+    tol = 1e-3 if dtype == torch.float32 else 0.25
+    assert (ours - ref).abs().max().item() < tol
+    if dtype == torch.float32:
+        cpu = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), dtype)
+        assert (cpu.forward(cpu.new_cache(1), [0], [ids[0].tolist()])[0] - ours.cpu()).abs().max().item() < tol
+    name = str(dtype).removeprefix("torch.")
+    model = load_model(str(path), device="cuda", dtype=name)
+    base = LLM(load_model(str(path), device="cuda", dtype=name, enforce_eager=True)).generate(PROMPTS, GREEDY)
+    for spec in (SpecConfig(), SpecConfig(method="self", num_draft_tokens=4)):
+        llm = LLM(model, speculative=spec)
+        assert_same_greedy(llm, llm.generate(PROMPTS, GREEDY), base, name)

@@ -5,7 +5,7 @@
 #   env.txt      torch, transformers and the GPU
 #   tests.log    tests/test_cuda.py: runtime vs transformers, CUDA graphs vs eager forwards,
 #                greedy speculation equal to plain decoding (float32, bfloat16), the sampling
-#                verifier, the cost model
+#                verifier, the cost model, a packed BitNet (last: transformers compiles its products)
 #   bench.log, bench/bench.{json,md,png}
 #                specdec bench on random weights of Qwen2.5-Coder-1.5B / 0.5B's shapes
 #                (--load-format dummy) in bfloat16, 2 prompts: specdec (CUDA graphs) and
@@ -29,7 +29,7 @@ import torch, transformers
 print("torch", torch.__version__, "transformers", transformers.__version__,
       "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU")
 PY
-timeout 130 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$OUT/tests.log"
+timeout 180 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$OUT/tests.log"
 bench=(python3 -m specdec.cli bench --device cuda --load-format dummy --model .gpu/qwen2.5-coder-1.5b
        --draft .gpu/qwen2.5-coder-0.5b --prompts-file .gpu/prompts.jsonl --limit 2 --num-draft-tokens 4)
 timeout 100 "${bench[@]}" --repeats 2 --out "$OUT/bench" \
