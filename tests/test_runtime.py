@@ -748,6 +748,40 @@ def test_models_of_their_own_state_run_on_the_torch_runtime(tiny_dirs, name, kin
         load_model(str(tiny_dirs[name]), backend="hf")
 
 
+@pytest.mark.parametrize("variant", ["llama", "gemma3n-altup-laurel-sparse"])
+def test_tables_stay_in_the_checkpoints_narrower_dtype(tmp_path, monkeypatch, variant):
+    """A checkpoint saved in bfloat16 run in float32: its embedding (apart from the head) and Gemma 3n's
+    per-layer table stay bfloat16 (half the memory), their rows widened as gathered, and the logits are
+    those of the tables widened at load, bit for bit; a tied embedding, the head too, is widened."""
+    from transformers import AutoConfig
+
+    from specdec.runtime.loading import Weights
+    from specdec.runtime.torch_llama import CheckpointReader
+
+    from tiny import causal_lm, make_tiny
+
+    arch, config = VARIANTS.get(variant, (variant, {}))
+    path = make_tiny(tmp_path / "fp32", arch, seed=5, **config)
+    hf = causal_lm(path).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "bf16")
+    path = tmp_path / "bf16"
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))[0].tolist()
+    rt = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
+    assert rt.embed.dtype == torch.bfloat16 and rt.norm.dtype == torch.float32
+    if rt.per_layer is not None:
+        assert rt.per_layer[0].dtype == torch.bfloat16
+    ours = rt.forward(rt.new_cache(1), [0], [ids])[0]
+    monkeypatch.setattr(CheckpointReader, "table", CheckpointReader.get)
+    wide = TorchLlama(AutoConfig.from_pretrained(path), Weights(path), torch.device("cpu"), torch.float32)
+    assert wide.embed.dtype == torch.float32 and torch.equal(ours, wide.forward(wide.new_cache(1), [0], [ids])[0])
+    monkeypatch.undo()
+    tied = make_tiny(tmp_path / "tied", "llama", seed=5, tie_word_embeddings=True)
+    causal_lm(tied).to(torch.bfloat16).save_pretrained(tmp_path / "tied-bf16")
+    rt = TorchLlama(AutoConfig.from_pretrained(tmp_path / "tied-bf16"), Weights(tmp_path / "tied-bf16"),
+                    torch.device("cpu"), torch.float32)
+    assert rt.embed.dtype == torch.float32
+
+
 def test_minimax_rotates_its_rotary_dim(tmp_path, monkeypatch):
     """MiniMax-Text-01's config names ``rotary_dim`` (64 of its heads' 128): rope on each head's first
     ``rotary_dim`` channels, as its own code and vLLM's apply it. transformers 5.24's MiniMax ignores

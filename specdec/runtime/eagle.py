@@ -55,7 +55,6 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from .cuda_graphs import CudaGraphs
 from .linear import pick_linear
@@ -305,7 +304,7 @@ class EagleHead(TorchLlama):
     def _layers(self, cache: EagleCache, x, last: torch.Tensor | None = None, to_float: bool = True):
         B, T = x.ids.shape
         L = self.layers[0]
-        residual, a = self._inputs(L, F.embedding(x.ids, self.embed), x.hidden)
+        residual, a = self._inputs(L, self.embedding(x.ids), x.hidden)
         attend = self._attend_latent if self.latent else self._attend
         h = residual + self._residual(attend(cache, x, L, a, self._rope(x.pos)), L["post_attn_norm"])
         h = h + self._residual(self._mlp(L, rms_norm(h, L["mlp_norm"], self.eps)), L["post_mlp_norm"])
@@ -507,7 +506,7 @@ class Gemma4Assistant(EagleHead):
             x = replace(x, ids=x.ids[rows, last][:, None], pos=x.pos[rows, last][:, None],
                         write=x.write[rows, last][:, None], hidden=x.hidden[rows, last][:, None],
                         mask=x.mask[rows, :, last][:, :, None], sliding=x.sliding[rows, :, last][:, :, None])
-        e = F.embedding(x.ids, self.embed) * self.target.family.embed_scale  # [B, T, target width]
+        e = self.embedding(x.ids) * self.target.family.embed_scale  # [B, T, target width]
         h = self.pre_projection(torch.cat([e, x.hidden], dim=-1))  # [B, T, width]
         rope = self._rope(x.pos)
         for L in self.layers:  # Gemma 4's layer, its queries over the target's rows

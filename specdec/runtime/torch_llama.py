@@ -1201,6 +1201,17 @@ class CheckpointReader:
     def opt(self, name: str) -> torch.Tensor | None:
         return self.get(name) if name in self.weights else None
 
+    def table(self, name: str) -> torch.Tensor:
+        """A table whose rows the runtime gathers (an embedding not used as the head, Gemma 3n's and 4's
+        per-layer table), kept in the checkpoint's float dtype where that is narrower than the
+        runtime's: its rows, cast on use, are the values ``get`` gives (bfloat16 and float16 widen
+        to float32 exactly), in half the memory (Gemma 3n E2B's per-layer table: 4 GB, not 8, in a
+        float32 model)."""
+        t = self.weights[name]
+        if t.is_floating_point() and t.element_size() < torch.finfo(self.dtype).bits // 8:
+            return t.to(device=self.device, copy=True)
+        return self.get(name)
+
     def raw(self, name: str) -> torch.Tensor:
         """A tensor the model keeps in float32 whatever its dtype (Hy4's hyper-connections, its head...)."""
         return self.weights[name].to(device=self.device, dtype=torch.float32, copy=True)
@@ -1632,7 +1643,8 @@ class TorchLlama:
         self._init_rope(config)
 
         r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row, quant_config(config))
-        self.embed = r.get("model.embed_tokens.weight")
+        # (the rows of an embedding apart from the head in the checkpoint's dtype: ``embedding``)
+        self.embed = r.table("model.embed_tokens.weight") if "lm_head.weight" in r else r.get("model.embed_tokens.weight")
         self.positions = r.get("model.embed_positions.weight") if self.family.learned_positions is not None else None
         self.embed_norm = r.norm("model.embed_norm.weight") if "model.embed_norm.weight" in r \
             or self.family.weightless_norms else None  # (BLOOM's, NanoChat's)
@@ -1677,7 +1689,7 @@ class TorchLlama:
             scales = [config.hidden_size ** -0.5, 2 ** -0.5]
             if config.model_type == "gemma3n_text":
                 scales = [torch.tensor(v, dtype=dtype).item() for v in scales]
-            self.per_layer = (r.get("model.embed_tokens_per_layer.weight"),
+            self.per_layer = (r.table("model.embed_tokens_per_layer.weight"),
                               r.linear(r.get("model.per_layer_model_projection.weight"), None),
                               r.norm("model.per_layer_projection_norm.weight"), *scales)
         if self.recurrent is not None:  # a recurrent state: no graph (yet); prefixes in whole prompt chunks only (their
@@ -1932,7 +1944,7 @@ class TorchLlama:
         B, T = x.ids.shape
         rope = self._rope(x.pos, x.long)
         fam = self.family
-        h = F.embedding(x.ids, self.embed)  # [B, T, hidden]
+        h = self.embedding(x.ids)  # [B, T, hidden]
         if self.positions is not None:  # (GPT-2's)
             h = h + F.embedding(x.pos + fam.learned_positions, self.positions)
         if fam.embed_scale is not None:
@@ -2007,6 +2019,11 @@ class TorchLlama:
         features = torch.cat([tapped[t] for t in self.taps], dim=-1) if self.taps else None
         return logits.float() if to_float else logits, features
 
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding's rows of ``ids``, in the model's dtype (an embedding apart from the head is kept
+        in the checkpoint's: ``CheckpointReader.table``)."""
+        return F.embedding(ids, self.embed).to(self.dtype)
+
     def _per_layer_inputs(self, ids: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """Gemma 3n's and 4's per-layer inputs ``[B, T, layers, width]``: each token's row of its own
         table (scaled by sqrt(width) as the model's dtype holds it; row 0 for a token past the table:
@@ -2014,8 +2031,8 @@ class TorchLlama:
         hidden ** -0.5, normed per layer), their sum scaled by 2 ** -0.5."""
         table, project, post_norm, project_scale, sum_scale = self.per_layer
         width = table.shape[1] // self.num_layers
-        own = F.embedding(torch.where(ids < table.shape[0], ids, 0), table)
-        own = own * torch.tensor(width ** 0.5, dtype=table.dtype).item()
+        own = F.embedding(torch.where(ids < table.shape[0], ids, 0), table).to(self.dtype)  # (its checkpoint's dtype:
+        own = own * torch.tensor(width ** 0.5, dtype=self.dtype).item()  # ``CheckpointReader.table``)
         projected = project(h) * project_scale
         projected = norm(projected.view(*ids.shape, self.num_layers, width), post_norm, self.eps)
         return (projected + own.view(*ids.shape, self.num_layers, width)) * sum_scale
