@@ -1725,24 +1725,27 @@ def test_bitnet_masters_quantize_at_load_to_the_packed_model(bitnet_dirs):
         TorchLlama(config, Weights(bitnet_dirs["online"]), torch.device("cpu"), torch.float32)
 
 
-def test_bitnet_speculates_as_transformers_decodes(bitnet_dirs):
+def test_bitnet_speculates_as_transformers_decodes(bitnet_dirs, monkeypatch, tmp_path):
     """The packed BitNet decodes greedily as transformers' ``BitLinear`` model does, a whole forward a
     token, plain and under speculation (always-right drafts, 4 deep; n-gram chains and trees; a draft
-    tree 8 deep), in batches of 3 with chunked prompts: a row's ternary products do not depend on the
-    rows beside it or on how many tokens a forward holds."""
+    tree 8 deep; under the cost model, which times its forwards), in batches of 3 with chunked prompts: a
+    row's ternary products do not depend on the rows beside it or on how many tokens a forward holds."""
     from specdec import LLM, SamplingParams, SpecConfig
 
     from tiny import bitnet_reference, greedy_by_whole_forwards
 
+    monkeypatch.setenv("SPECDEC_COST_CACHE", str(tmp_path / "costs.json"))
     path = bitnet_dirs["offline"]
     prompts = [list(b"def fib(n): return fib(n-1) + "), list(b"abcabcabcabc"), list(b"The cat sat on")]
     want = greedy_by_whole_forwards(bitnet_reference(path), prompts, 24)
     sp = SamplingParams(max_tokens=24, ignore_eos=True)
-    for method, k, topk in [("none", 1, 1), ("self", 4, 1), ("ngram", 3, 1), ("ngram", 3, 2), ("self", 8, 2)]:
+    for method, k, topk, cost in [("none", 1, 1, False), ("self", 4, 1, False), ("ngram", 3, 1, False),
+                                  ("ngram", 3, 2, False), ("self", 8, 2, False), ("self", 4, 1, True)]:
         llm = LLM(str(path), device="cpu", chunked_prefill_size=4, max_batch_size=3, quantization="bitnet",
-                  speculative=SpecConfig(method=method, num_draft_tokens=k, tree_topk=topk))
+                  speculative=SpecConfig(method=method, num_draft_tokens=k, tree_topk=topk, cost_model=cost))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
-        assert [o.token_ids for o in outs] == want, (method, k, topk)
+        assert [o.token_ids for o in outs] == want, (method, k, topk, cost)
+    assert "ternary" in llm.target.runtime.speed_key  # (the cost model's forward times are kept by it)
 
 
 def test_dummy_weights_of_a_packed_bitnet_are_ternary(bitnet_dirs):

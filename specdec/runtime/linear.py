@@ -103,6 +103,7 @@ class Ternary:
     oneDNN's float32 product for 1-16 rows) gives what transformers' float product gives; on a GPU it
     is the model's dtype's ``F.linear``, as transformers computes it."""
 
+    kind = "ternary"  # (``Linear``'s kinds: ``TorchLlama.speed_key``)
     multi = None  # (not ``Linear``'s verify-packed copy: ``columns``)
     one_row_packed = False
 
