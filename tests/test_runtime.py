@@ -750,9 +750,10 @@ def test_models_of_their_own_state_run_on_the_torch_runtime(tiny_dirs, name, kin
 
 @pytest.mark.parametrize("variant", ["llama", "gemma3n-altup-laurel-sparse"])
 def test_tables_stay_in_the_checkpoints_narrower_dtype(tmp_path, monkeypatch, variant):
-    """A checkpoint saved in bfloat16 run in float32: its embedding (apart from the head) and Gemma 3n's
-    per-layer table stay bfloat16 (half the memory), their rows widened as gathered, and the logits are
-    those of the tables widened at load, bit for bit; a tied embedding, the head too, is widened."""
+    """A checkpoint saved in bfloat16 run in float32: its embedding and Gemma 3n's per-layer table stay
+    bfloat16 (half the memory), their rows widened as gathered, and the logits are those of the tables
+    widened at load, bit for bit; a tied embedding too, the head its own float32 copy as oneDNN's
+    products take anyway, but where the head's product would share its tensor (``dense``) it is widened."""
     from transformers import AutoConfig
 
     from specdec.runtime.loading import Weights
@@ -777,9 +778,16 @@ def test_tables_stay_in_the_checkpoints_narrower_dtype(tmp_path, monkeypatch, va
     monkeypatch.undo()
     tied = make_tiny(tmp_path / "tied", "llama", seed=5, tie_word_embeddings=True)
     causal_lm(tied).to(torch.bfloat16).save_pretrained(tmp_path / "tied-bf16")
-    rt = TorchLlama(AutoConfig.from_pretrained(tmp_path / "tied-bf16"), Weights(tmp_path / "tied-bf16"),
-                    torch.device("cpu"), torch.float32)
-    assert rt.embed.dtype == torch.float32
+    config, tied = AutoConfig.from_pretrained(tmp_path / "tied-bf16"), Weights(tmp_path / "tied-bf16")
+    logits = {}
+    for linear in ("onednn", "dense"):
+        rt = TorchLlama(config, tied, torch.device("cpu"), torch.float32, linear=linear)
+        assert rt.embed.dtype == (torch.bfloat16 if linear == "onednn" else torch.float32)
+        logits[linear] = rt.forward(rt.new_cache(1), [0], [ids])[0]
+    torch.testing.assert_close(logits["onednn"], logits["dense"], atol=1e-5, rtol=1e-5)  # (their products' rounding)
+    monkeypatch.setattr(CheckpointReader, "table", CheckpointReader.get)
+    wide = TorchLlama(config, tied, torch.device("cpu"), torch.float32, linear="onednn")
+    assert torch.equal(wide.forward(wide.new_cache(1), [0], [ids])[0], logits["onednn"])
 
 
 def test_minimax_rotates_its_rotary_dim(tmp_path, monkeypatch):

@@ -1202,11 +1202,11 @@ class CheckpointReader:
         return self.get(name) if name in self.weights else None
 
     def table(self, name: str) -> torch.Tensor:
-        """A table whose rows the runtime gathers (an embedding not used as the head, Gemma 3n's and 4's
-        per-layer table), kept in the checkpoint's float dtype where that is narrower than the
-        runtime's: its rows, cast on use, are the values ``get`` gives (bfloat16 and float16 widen
-        to float32 exactly), in half the memory (Gemma 3n E2B's per-layer table: 4 GB, not 8, in a
-        float32 model)."""
+        """A table whose rows the runtime gathers (an embedding, unless a tied head shares its tensor;
+        Gemma 3n's and 4's per-layer table), kept in the checkpoint's float dtype where that is narrower
+        than the runtime's: its rows, cast on use, are the values ``get`` gives (bfloat16 and float16
+        widen to float32 exactly), in half the memory (Gemma 3n E2B's per-layer table: 4 GB, not 8, in
+        a float32 model)."""
         t = self.weights[name]
         if t.is_floating_point() and t.element_size() < torch.finfo(self.dtype).bits // 8:
             return t.to(device=self.device, copy=True)
@@ -1643,8 +1643,11 @@ class TorchLlama:
         self._init_rope(config)
 
         r = CheckpointReader(weights, device, dtype, self.family, linear, multi_row, quant_config(config))
-        # (the rows of an embedding apart from the head in the checkpoint's dtype: ``embedding``)
-        self.embed = r.table("model.embed_tokens.weight") if "lm_head.weight" in r else r.get("model.embed_tokens.weight")
+        # (the embedding's rows in the checkpoint's dtype, ``embedding``, unless the head shares its tensor: a tied
+        # head whose kind copies its weight anyway, oneDNN's or int8's, gets its own)
+        tied = "lm_head.weight" not in r
+        self.embed = r.table("model.embed_tokens.weight") if not tied or linear != "dense" else \
+            r.get("model.embed_tokens.weight")
         self.positions = r.get("model.embed_positions.weight") if self.family.learned_positions is not None else None
         self.embed_norm = r.norm("model.embed_norm.weight") if "model.embed_norm.weight" in r \
             or self.family.weightless_norms else None  # (BLOOM's, NanoChat's)
@@ -1700,8 +1703,9 @@ class TorchLlama:
         # (Bamba's name)
         self.taps: tuple[int, ...] = ()  # hidden states each forward keeps (``capture``)
         self.features: torch.Tensor | None = None  # the last forward's: [B, T, len(taps) * hidden]
-        self.lm_head = r.linear(r.get("lm_head.weight"), r.opt("lm_head.bias")) if "lm_head.weight" in r \
-            else r.linear(self.embed, None)  # tied (a bias: ERNIE 4.5 MoE's)
+        self.lm_head = r.linear(r.get("lm_head.weight"), r.opt("lm_head.bias")) if not tied else \
+            r.linear(self.embed if self.embed.dtype == dtype else r.get("model.embed_tokens.weight"), None)  # (a bias:
+        # ERNIE 4.5 MoE's)
         self.hc = self.hc_head = None  # Hy4's hyper-connections (``ops.HyperConnections``), the head's mix; its head
         self.float_head = False  # in float32
         if config.model_type == "hy_v4":
