@@ -20,6 +20,7 @@ from .config import DRAFT_METHODS, MODEL_METHODS, EngineConfig, SamplingParams, 
 from .drafters import EagleDrafter, ModelDrafter, NgramCorpus, NgramDrafter
 from .cost import DraftCost, Planner, forward_costs
 from .engine import Engine
+from .lora import LoRAAdapter, LoRARequest, read_adapter
 from .metrics import Metrics, run_metrics
 from .runtime import LoadedModel, load_model
 from .runtime.base import NO_TREES
@@ -99,6 +100,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # vLLM's: the prompt tokens whose KV came from the prefix cache (the first completion's)
     num_cached_tokens: int | None = None
+    lora_request: LoRARequest | None = None  # the adapter it ran through (vLLM's)
 
     @property
     def text(self) -> str:
@@ -330,7 +332,7 @@ class LLM:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization,
                  enable_prefix_caching: bool | None = True, tokenizer: str | None = None, revision: str | None = None,
                  trust_remote_code: bool = False, tokenizer_revision: str | None = None,
-                 quantization: str | None = None):
+                 quantization: str | None = None, enable_lora: bool = False, max_loras: int = EngineConfig.max_loras):
         if max_num_seqs is not None:  # vLLM's name
             if max_batch_size not in (EngineConfig.max_batch_size, max_num_seqs):
                 raise ValueError("give max_batch_size or max_num_seqs (vLLM's name), not both")
@@ -344,7 +346,8 @@ class LLM:
                          max_logprobs=max_logprobs, tensor_parallel_size=tensor_parallel_size,
                          gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
                          tokenizer=tokenizer, revision=revision, trust_remote_code=trust_remote_code,
-                         tokenizer_revision=tokenizer_revision, quantization=quantization)
+                         tokenizer_revision=tokenizer_revision, quantization=quantization, enable_lora=enable_lora,
+                         max_loras=max_loras)
         if c.threads is not None:  # process-wide, before loading: llama.cpp takes torch's count too
             torch.set_num_threads(c.threads)
         if c.generation_config not in ("auto", "vllm") and \
@@ -409,6 +412,12 @@ class LLM:
         if c.chunked_prefill_size is None:  # the device's default, resolved
             default = 0 if whole else CHUNKED_PREFILL_SIZE.get(self.target.runtime.device.type, 2048)
             c = replace(c, chunked_prefill_size=default)
+        if c.enable_lora:
+            if not hasattr(self.target.runtime, "enable_lora"):
+                raise ValueError(f"LoRA adapters run on the torch runtime (backend 'torch'); this target runs on "
+                                 f"{type(self.target.runtime).__name__}")
+            self.target.runtime.enable_lora(c.max_loras)
+        self.adapters: dict[int, LoRAAdapter] = {}  # lora_int_id -> the adapter read (``adapter``)
         self.engine_config = c
         drafters = self._drafters(c.max_batch_size, c.chunked_prefill_size)
         planner = self._planner(drafters) if speculative.cost_model else None
@@ -535,7 +544,8 @@ class LLM:
              sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None, *,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
-             tools: list[dict] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+             tools: list[dict] | None = None, use_tqdm: bool = True,
+             lora_request: LoRARequest | SequenceOf[LoRARequest] | None = None) -> list[RequestOutput]:
         """``generate`` for one conversation or a list of them, as vLLM's ``LLM.chat``:
         ``chat_template``: a Jinja template instead of the tokenizer's;
         ``chat_template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``);
@@ -554,18 +564,21 @@ class LLM:
                    **({"chat_template": chat_template} if chat_template else {}),
                    "add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
         rendered = [render_prompt(self.tokenizer, c, options) for c in conversations]
-        outs = self.generate([{"prompt_token_ids": ids} for _, ids in rendered], sampling_params, use_tqdm=use_tqdm)
+        outs = self.generate([{"prompt_token_ids": ids} for _, ids in rendered], sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
         for out, (text, _) in zip(outs, rendered):
             out.prompt = text
         return outs
 
     def generate(self, prompts: Prompt | SequenceOf[Prompt],
                  sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | SequenceOf[LoRARequest] | None = None) -> list[RequestOutput]:
         """One ``RequestOutput`` per prompt, in order, run as one batch (``sampling_params``:
         one for all or a sequence of one per prompt; default ``get_default_sampling_params()``).
         ``use_tqdm``: a progress bar of finished completions on stderr, when it is a terminal
-        (as vLLM's)."""
+        (as vLLM's). ``lora_request``: the LoRA adapter of every prompt, or a sequence of one
+        per prompt (None: the base model; needs ``enable_lora``)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], dict) and "role" in prompts[0]):
             prompts = [prompts]
@@ -581,6 +594,9 @@ class LLM:
                              f"got {type(sampling_params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(prompts)} prompts")
         with self._lock:  # one call at a time: calls from other threads wait (they share the engine)
             if self.served:
                 raise ValueError("this LLM is being served (create_app): its engine runs the server's requests; "
@@ -588,8 +604,8 @@ class LLM:
             rendered = [render_prompt(self.tokenizer, p) for p in prompts]  # (text, ids) per prompt
             seeds = self._seeds and self._seeds.getstate()
             try:  # vLLM's offline: the window caps max_tokens; n sequences per prompt
-                groups = [self.make_sequences({"prompt_token_ids": ids}, sp, cap_max_tokens=True)
-                          for (_, ids), sp in zip(rendered, params)]
+                groups = [self.make_sequences({"prompt_token_ids": ids}, sp, cap_max_tokens=True, lora_request=lora)
+                          for (_, ids), sp, lora in zip(rendered, params, loras)]
             except ValueError:  # a refused call draws no seeds (the next call samples as it would have)
                 if seeds:
                     self._seeds.setstate(seeds)
@@ -613,7 +629,8 @@ class LLM:
 
     def make_sequences(self, prompt: Prompt, sp: SamplingParams, *,
                        num_draft_tokens: int | None = None, reasoning: str | None = None,
-                       cap_max_tokens: bool = False, tokenizer=None) -> list[Sequence]:
+                       cap_max_tokens: bool = False, tokenizer=None,
+                       lora_request: LoRARequest | None = None) -> list[Sequence]:
         """``sp.n`` validated ``Sequence``s for ``Engine.add``, one per completion
         (``ValueError`` on bad input); with a seed, completion i draws from ``sp.seed + i``.
         ``cap_max_tokens``: a ``max_tokens`` past the context window is cut to what it leaves
@@ -622,8 +639,10 @@ class LLM:
         a thinking model's answer, whose structured output starts after its reasoning
         (``grammar_gate``).
         ``tokenizer``: a copy of the target's for a thread of its own (the server's), which
-        decodes here instead of the engine's."""
+        decodes here instead of the engine's.
+        ``lora_request``: the target's LoRA adapter for it (``adapter``)."""
         tok = tokenizer or self.tokenizer
+        lora = self.adapter(lora_request)
         ids = self.encode(prompt)
         limit = self.context_window
         if sp.truncate_prompt_tokens is not None:  # the prompt's last tokens
@@ -676,8 +695,30 @@ class LLM:
                                  eos_ids=eos_ids, num_draft_tokens=num_draft_tokens,
                                  grammar=grammar and (grammar.copy() if i else grammar), bad_words_ids=bad_words,
                                  min_tokens_ban=self.target.eos_ids | frozenset(sp.stop_token_ids),
-                                 vocab_size=vocab, text_context=context))
+                                 vocab_size=vocab, text_context=context, lora=lora))
         return seqs
+
+    def adapter(self, request: LoRARequest | None) -> LoRAAdapter | None:
+        """``request``'s adapter, read once per ``lora_int_id`` and checked against the target
+        (``ValueError``: LoRA not enabled, another adapter under that id, one that is not this
+        model's)."""
+        if request is None:
+            return None
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        if not self.engine_config.enable_lora:
+            raise ValueError(f"LoRA {request.lora_name!r}: this LLM was made without enable_lora=True "
+                             "(--enable-lora)")
+        known = self.adapters.get(request.lora_int_id)
+        if known is not None and (known.request.lora_path, known.request.lora_name) != \
+                (request.lora_path, request.lora_name):
+            raise ValueError(f"lora_int_id {request.lora_int_id} is LoRA {known.request.lora_name!r} "
+                             f"({known.request.lora_path}); give another adapter another id")
+        if known is None:
+            known = read_adapter(request)
+            self.target.runtime.lora.check(known)
+            self.adapters[request.lora_int_id] = known
+        return known
 
     def _output(self, seqs: list[Sequence], prompt: str | None, request_id: str | None = None) -> RequestOutput:
         """The request's result from its completions' sequences (``request_id``: default the
@@ -688,7 +729,8 @@ class LLM:
         outputs = [self._completion(i, s) for i, s in enumerate(seqs)]
         return RequestOutput(request_id or str(next(self._next_request)), prompt, prompt_ids, outputs,
                              metrics.to_dict(), prompt_logprobs=self._prompt_logprobs(first),
-                             num_cached_tokens=first.metrics.cached_prompt_tokens)
+                             num_cached_tokens=first.metrics.cached_prompt_tokens,
+                             lora_request=first.lora and first.lora.request)
 
     def _prompt_logprobs(self, seq: Sequence) -> list[dict[int, Logprob] | None] | None:
         """``RequestOutput.prompt_logprobs`` of a prefilled sequence (None when not asked for)."""

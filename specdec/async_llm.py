@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 from .api import LLM, CompletionOutput, Prompt, RequestOutput, render_prompt
 from .config import RequestOutputKind, SamplingParams
+from .lora import LoRARequest
 from .server.metrics import ServerMetrics
 from .server.scheduler import Closing, ServerRequest, Scheduler, Update, merged_updates
 from .server.text import TextStream
@@ -61,10 +62,11 @@ class AsyncLLM:
         return self.llm.get_default_sampling_params()
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Stream one prompt's completions (``request_id``: a name no running request has;
-        default "async-0", "async-1", ...). Bad input raises ``ValueError`` before anything
-        is yielded."""
+        default "async-0", "async-1", ...; ``lora_request``: its LoRA adapter, as
+        ``LLM.generate``'s). Bad input raises ``ValueError`` before anything is yielded."""
         if self._closed:
             raise RuntimeError("this AsyncLLM is shut down")
         sp = self.get_default_sampling_params() if sampling_params is None else sampling_params
@@ -76,7 +78,7 @@ class AsyncLLM:
         self._running[rid] = reqs = []  # taken now: a second request with the id is refused while this one prepares
         try:
             loop = asyncio.get_running_loop()
-            text, seqs = await loop.run_in_executor(self._preparing, self._prepare, prompt, sp)
+            text, seqs = await loop.run_in_executor(self._preparing, self._prepare, prompt, sp, lora_request)
             if len(seqs) > self.scheduler.capacity:
                 raise ValueError(f"{len(seqs)} completions exceed what this engine holds at once "
                                  f"({self.scheduler.capacity}: max_batch_size + max_queue)")
@@ -95,9 +97,10 @@ class AsyncLLM:
                 if not r.finished:
                     self.scheduler.abort(r)
 
-    def _prepare(self, prompt: Prompt, sp: SamplingParams):
+    def _prepare(self, prompt: Prompt, sp: SamplingParams, lora_request: LoRARequest | None):
         text, ids = render_prompt(self.llm.tokenizer, prompt)
-        return text, self.llm.make_sequences({"prompt_token_ids": ids}, sp, cap_max_tokens=True)
+        return text, self.llm.make_sequences({"prompt_token_ids": ids}, sp, cap_max_tokens=True,
+                                             lora_request=lora_request)
 
     async def _outputs(self, rid: str, prompt: str | None, reqs: list[ServerRequest],
                        kind: RequestOutputKind) -> AsyncIterator[RequestOutput]:
@@ -105,6 +108,7 @@ class AsyncLLM:
         seqs = [r.seq for r in reqs]
         streams = [Streamed(self.llm, s.sampling, s.text_context) for s in seqs]
         ids = seqs[0].ids[:seqs[0].prompt_len]  # the prompt's
+        lora = seqs[0].lora and seqs[0].lora.request
         left, prompt_logprobs, unsent = len(reqs), None, None
         async with contextlib.aclosing(merged_updates(reqs)) as updates:  # (completion, Update)
             async for i, u in updates:
@@ -125,10 +129,10 @@ class AsyncLLM:
                 elif kind == RequestOutputKind.CUMULATIVE:
                     yield RequestOutput(rid, prompt, ids, [st.output(j) for j, st in enumerate(streams)], {},
                                         finished=False, prompt_logprobs=prompt_logprobs,
-                                        num_cached_tokens=seqs[0].metrics.cached_prompt_tokens)
+                                        num_cached_tokens=seqs[0].metrics.cached_prompt_tokens, lora_request=lora)
                 elif kind == RequestOutputKind.DELTA and (u.token_ids or delta or u.finish_reason):
                     yield RequestOutput(rid, prompt, ids, news, {}, finished=False, prompt_logprobs=unsent,
-                                        num_cached_tokens=seqs[0].metrics.cached_prompt_tokens)
+                                        num_cached_tokens=seqs[0].metrics.cached_prompt_tokens, lora_request=lora)
                     unsent = None
 
     async def abort(self, request_id: str | list[str]) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from .answer import REASONING_PARSERS
 from .config import (BACKENDS, GENERATION_FIELDS, LOAD_FORMATS, METHODS, EngineConfig, SamplingParams, SpecConfig,
                      StructuredOutputs)
+from .lora import LoRARequest
 from .tools import PARSERS
 
 
@@ -120,6 +121,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="keep a finished prompt's KV in its slot for a later prompt that starts the same, and "
                         "share a prompt's chunks among its running completions (default on; off: every "
                         "prompt computed from scratch)")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="requests may name LoRA adapters (PEFT's) of the target, on the torch runtime (vLLM's; "
+                        "on with --lora-modules or --lora)")
+    g.add_argument("--max-loras", type=int, default=EngineConfig.max_loras,
+                   help="LoRA adapters on the device at once: a request for another waits until one is free of "
+                        "requests (default %(default)s, vLLM's)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="torch runtime on cuda: no CUDA graphs (by default decoding, verification and "
                         "drafting forwards of up to 32 tokens per row replay captured graphs)")
@@ -265,7 +272,27 @@ def make_llm(a):
                tensor_parallel_size=a.tensor_parallel_size, gpu_memory_utilization=a.gpu_memory_utilization,
                enable_prefix_caching=a.enable_prefix_caching, tokenizer=a.tokenizer, revision=a.revision,
                trust_remote_code=a.trust_remote_code, tokenizer_revision=a.tokenizer_revision,
-               quantization=a.quantization)
+               quantization=a.quantization, max_loras=a.max_loras,
+               enable_lora=a.enable_lora or bool(getattr(a, "lora_modules", None) or getattr(a, "lora", None)))
+
+
+def parse_lora_modules(items: list[str]) -> list[LoRARequest]:
+    """vLLM's ``--lora-modules``: each ``name=path``, or a JSON object with ``name``, ``path``
+    and optionally ``base_model_name``; ids 1, 2, ... in order."""
+    out = []
+    for i, item in enumerate(items, 1):
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                out.append(LoRARequest(spec["name"], i, spec["path"], spec.get("base_model_name")))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--lora-modules {item!r}: a JSON object with \"name\" and \"path\" ({e})") from None
+            continue
+        name, eq, path = item.partition("=")
+        if not (eq and name and path):
+            raise ValueError(f"--lora-modules {item!r}: give name=path (or a JSON object)")
+        out.append(LoRARequest(name, i, path))
+    return out
 
 
 def read_prompts_file(path: str) -> list[tuple[str, object]]:
@@ -322,7 +349,8 @@ def cmd_generate(a) -> int:
         items = [("0", [{"role": "user", "content": a.prompt}] if a.chat else a.prompt)]
     llm = make_llm(a)
     sp = sampling_from_args(a, llm.sampling_defaults)
-    outputs = llm.generate([p for _, p in items], sp, use_tqdm=False)
+    lora = LoRARequest("lora", 1, a.lora) if a.lora else None
+    outputs = llm.generate([p for _, p in items], sp, use_tqdm=False, lora_request=lora)
     for (pid, _), o in zip(items, outputs):
         if a.json:
             print(json.dumps({"id": pid, "text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
@@ -404,6 +432,7 @@ def cmd_serve(a) -> int:
         template = Path(template).expanduser().read_text(encoding="utf-8")
     elif template is not None and "{{" not in template and "{%" not in template:
         raise ValueError(f"--chat-template {a.chat_template!r} is neither a file nor a Jinja template")
+    loras = parse_lora_modules(a.lora_modules or [])
     from .server import create_app, serve
     from .server.runner import listen_socket
 
@@ -416,7 +445,8 @@ def cmd_serve(a) -> int:
                          reasoning_parser=a.reasoning_parser, chat_template=template,
                          trust_request_chat_template=a.trust_request_chat_template,
                          allowed_origins=a.allowed_origins, allowed_methods=a.allowed_methods,
-                         allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials)
+                         allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials,
+                         lora_modules=loras)
         host, port = sock.getsockname()[:2]
         print(f"specdec: serving {app.state.served_model_name!r} (method {llm.spec.method}) on "
               f"http://{f'[{host}]' if ':' in host else host}:{port}/v1", file=sys.stderr)
@@ -464,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "standard input)")
     g.add_argument("--chat", action="store_true", help="send --prompt through the chat template")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, with metrics")
+    g.add_argument("--lora", metavar="PATH", help="a LoRA adapter of the target (PEFT's directory or a hub id) for "
+                                                  "every prompt (turns --enable-lora on)")
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="plain vs n-gram vs self-draft vs a draft tree on the embedded model: "
@@ -503,6 +535,10 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--served-model-name", nargs="+", metavar="NAME",
                    help="model ids requests may name, listed in /v1/models; responses carry the first "
                         "(default: --model)")
+    h.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT's directories or hub ids) served beside the model, as vLLM's: a "
+                        "request whose model is NAME runs through it; also as JSON '{\"name\": ..., \"path\": "
+                        "...}' (turns --enable-lora on)")
     h.add_argument("--seed", type=int, dest="llm_seed",
                    help="vLLM's global seed: requests without a seed draw theirs from it, in order "
                         "(default: a fresh seed each)")

@@ -495,6 +495,11 @@ class EngineConfig:
     # gptq, awq, bitsandbytes, ...); specdec runs a checkpoint as it is quantized and quantizes
     # nothing at load, so a value is only checked against the checkpoint's; None = whatever it is
     quantization: str | None = None
+    # vLLM's: requests may name LoRA adapters (PEFT's, ``LoRARequest``; the torch runtime's
+    # target), up to max_loras of them on the device at once (a request for another waits
+    # until one is free of requests)
+    enable_lora: bool = False
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -526,6 +531,7 @@ class EngineConfig:
                f"quantization must be None or a string, got {self.quantization!r}")
         for name in ("tokenizer", "revision", "tokenizer_revision", "quantization"):
             _check(getattr(self, name) != "", f"{name} must be None or a non-empty string")
+        _check(self.max_loras >= 1, f"max_loras must be an integer >= 1, got {self.max_loras!r}")
         _check(0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.load_format in LOAD_FORMATS,

@@ -288,9 +288,17 @@ class Engine:
         return v
 
     def _admit(self) -> None:
+        """Give waiting sequences free slots, oldest first; one whose LoRA adapter cannot be
+        held on the device now (``max_loras`` held by running requests) waits, and so do
+        the ones after it."""
         while self.waiting and self.free_slots:
-            s = self.waiting.popleft()
+            s = self.waiting[0]
+            if s.lora is not None and not self.runtime.lora.acquire(s.lora):
+                break
+            self.waiting.popleft()
             s.slot, reused = self._pick_slot(s)
+            if hasattr(self.cache, "adapters"):  # the torch runtime's: its forwards' rows, its prompt's KV
+                self.cache.adapters[s.slot] = s.lora.id if s.lora else 0
             self.free_slots.remove(s.slot)
             self.retained.pop(s.slot, None)
             self.cache.rewind(s.slot, reused)  # the prefill goes on from there
@@ -396,7 +404,10 @@ class Engine:
         last prompt token is never shared: its logits give the first output token."""
         size, prompt = self.chunked_prefill_size, s.ids[:s.prompt_len - 1]
         best, n = None, floor
+        adapters, own = getattr(self.cache, "adapters", None), s.lora.id if s.lora else 0
         for slot, kept in sources:
+            if adapters is not None and adapters[slot] != own:  # KV computed through another LoRA adapter
+                continue
             m = self._restorable(slot, common_prefix(kept, prompt) // size * size, n)
             if m > n:
                 best, n = slot, m
@@ -484,6 +495,8 @@ class Engine:
                 if kept:
                     self.retained[s.slot] = s.ids[:kept]
             self.cache.rewind(s.slot, kept, idle=True)
+            if s.lora is not None:
+                self.runtime.lora.release(s.lora.id)
             for drafter in self.drafters.values():
                 drafter.release(s)
             if self.planner:

@@ -13,6 +13,7 @@ from .config import SamplingParams
 from .metrics import Mark, Metrics
 
 if TYPE_CHECKING:
+    from .lora import LoRAAdapter
     from .structured import Matcher
 
 
@@ -200,6 +201,7 @@ class Sequence:
     admitted: Mark | None = None  # the engine's clock at admission and at the end (metrics' time split)
     retired: Mark | None = None
     num_draft_tokens: int | None = None  # this request's cap on k (None = the engine's k)
+    lora: LoRAAdapter | None = None  # the target's adapter for this request (``specdec.lora``)
     # target log-probabilities of the committed tokens, captured only when
     # ``sampling.logprobs`` is set: one ``TokenLogprobs`` per output token, from the
     # target's raw logits (prefill or verify rows)

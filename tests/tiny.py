@@ -765,3 +765,34 @@ def bitnet_reference(path: Path, dtype: torch.dtype = torch.float32):
     tensors = {n: t if t.dtype == torch.uint8 else t.to(dtype) for n, t in load_file(path / "model.safetensors").items()}
     model.load_state_dict(tensors, strict=True, assign=True)
     return model.eval()
+
+
+def make_lora(base: Path, path: Path, seed: int = 0, r: int = 4, alpha: int = 8,
+              targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+              std: float = 0.1, **config) -> Path:
+    """A PEFT LoRA adapter of the tiny checkpoint at ``base``, saved by PEFT itself to ``path``:
+    random ``A`` and ``B`` (PEFT's default ``B`` is zeros, a no-op) of rank ``r`` on ``targets``;
+    ``config``: more ``LoraConfig`` fields (``use_rslora``, ``rank_pattern``, ...)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = causal_lm(base)
+    peft = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+                                            init_lora_weights=False, **config))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.copy_(std * torch.randn_like(p))
+    peft.save_pretrained(path)
+    return path
+
+
+def lora_reference(base: Path, *adapters: Path, dtype: torch.dtype = torch.float32):
+    """transformers' model of ``base`` with PEFT's adapters loaded (as ``PeftModel`` names them:
+    the first "default", then "a1", ...), for ``set_adapter`` to choose one."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(causal_lm(base, dtype=dtype), str(adapters[0])).eval()
+    for i, a in enumerate(adapters[1:], 1):
+        model.load_adapter(str(a), adapter_name=f"a{i}")
+    return model

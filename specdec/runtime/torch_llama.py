@@ -45,6 +45,7 @@ from .. import disk_cache
 from .cuda_graphs import GRAPH_MAX_TOKENS, CudaGraphs, graph_tokens
 from .linear import (LINEAR_KINDS, PACKED_ONE_ROW_SLACK, Linear, Ternary, TernaryWeight, expert_bytes, linear_bytes,
                      mem_available, pick_linear)
+from .lora import LoRALayers
 from .moe import MOE_ARCHS, Experts, MixtureOfAttention, grouped_mm_graphable, moe_layers
 from .ops import (ACTIVATIONS, TRAINED_ACTIVATIONS, AltUp, GatedNorm, HyperConnections, LayerNorm, attention,
                   cat_or_none, norm, norm_width, rms_norm, rotate, softcap, xielu)
@@ -863,6 +864,7 @@ class KVCache:
         self.index = None if index is None else torch.zeros(index[0], 1, 1, capacity, index[1], device=device,
                                                             dtype=dtype)
         self.lengths = [0] * num_slots
+        self.adapters = [0] * num_slots  # each slot's LoRA adapter's id (0: none; ``TorchLlama.lora``)
         self.states = states
         self.ids: list[list[int]] | None = [[] for _ in range(num_slots)] if tracks_ids else None
         self.long, self.reach = [False] * num_slots, [0] * num_slots
@@ -1583,6 +1585,7 @@ class TorchLlama:
     sparse_index: SparseIndex | None = None  # DeepSeek Sparse Attention's indexer (DeepSeek-V3.2's, GLM-5's)
     per_layer: tuple | None = None  # (Gemma 3n's and 4's per-layer inputs: ``_per_layer_inputs``)
     altup: AltUp | None = None  # (Gemma 3n's streams: ``_altup_layer``)
+    lora: LoRALayers | None = None  # requests' LoRA adapters (``enable_lora``)
     batch_layout = "padded"
     reuses_prefixes = True  # a slot's KV rows stay valid after a rewind (Engine's prefix reuse)
     whole_prompts = False
@@ -1892,11 +1895,30 @@ class TorchLlama:
         for i in range(0, len(ids), RECOMPUTE_CHUNK):
             self._forward(cache, [slot], [ids[i:i + RECOMPUTE_CHUNK]], None, None, True, [long])
 
+    def enable_lora(self, max_loras: int) -> LoRALayers:
+        """Let requests' LoRA adapters update this model's products (``LoRALayers``), up to
+        ``max_loras`` of them on the device at once."""
+        if self.lora is None:
+            self.lora = LoRALayers(self, max_loras)
+        self.lora.max_loras = max(self.lora.max_loras, max_loras)
+        return self.lora
+
     def _forward(self, cache: KVCache, slots, tokens, positions, chunk_masks, last_only: bool,
                  long: list[bool] | None) -> torch.Tensor:
+        if self.lora is None:
+            return self._run(cache, slots, tokens, positions, chunk_masks, last_only, long)
+        self.lora.select([cache.adapters[s] for s in slots])  # each row's slot's adapter
+        try:
+            return self._run(cache, slots, tokens, positions, chunk_masks, last_only, long)
+        finally:
+            self.lora.active = []
+
+    def _run(self, cache: KVCache, slots, tokens, positions, chunk_masks, last_only: bool,
+             long: list[bool] | None) -> torch.Tensor:
         B, T = len(slots), max(len(t) for t in tokens)
         starts = [cache.lengths[s] for s in slots]  # host ints: nothing here waits for the device
-        graphed = self.graphs is not None and T <= GRAPH_MAX_TOKENS
+        # (CUDA graphs hold no adapter's update: a batch with one runs eagerly)
+        graphed = self.graphs is not None and T <= GRAPH_MAX_TOKENS and not (self.lora and self.lora.active)
         width = graph_tokens(T) if graphed else T  # a graph's rows: padding KV lands past the lengths
         cache.ensure(max(starts) + width, max(slots) + 1)
         # a CUDA graph attends over the cache's whole capacity (its shapes are fixed), masked

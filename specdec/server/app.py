@@ -21,6 +21,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ from starlette.requests import ClientDisconnect
 from ..answer import END_THINK, HARMONY, REASONING_PARSERS, THINK, AnswerParser, opens_reasoning, reasoning_tokens
 from ..api import LLM, encode_prompt, vllm_logprobs
 from ..config import SamplingParams
+from ..lora import LoRARequest
 from ..sequence import output_text, settled_text
 from ..tools import PARSERS, TOOL_PARSERS
 from .metrics import ServerMetrics
@@ -56,7 +58,7 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
                reasoning_parser: str | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, allowed_origins: list[str] | tuple = ("*",),
                allowed_methods: list[str] | tuple = ("*",), allowed_headers: list[str] | tuple = ("*",),
-               allow_credentials: bool = False) -> FastAPI:
+               allow_credentials: bool = False, lora_modules: Iterable[LoRARequest] = ()) -> FastAPI:
     """An app serving ``llm``: at most ``llm``'s max_batch_size requests run at once and
     ``max_queue`` more wait; beyond that a request gets 429. ``enable_auto_tool_choice``
     with a ``tool_call_parser`` (``tools.TOOL_PARSERS``: hermes, llama3_json, mistral,
@@ -69,7 +71,10 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
     template for chats instead of the tokenizer's (vLLM's ``--chat-template``); a request's own
     ``chat_template`` is taken only with ``trust_request_chat_template``, as vLLM. CORS, so that a
     browser page may call the API: ``allowed_origins`` / ``_methods`` / ``_headers`` and
-    ``allow_credentials``, vLLM's flags with vLLM's defaults (any origin, no credentials)."""
+    ``allow_credentials``, vLLM's flags with vLLM's defaults (any origin, no credentials).
+    ``lora_modules``: LoRA adapters served beside the model (vLLM's ``--lora-modules``; the LLM
+    made with ``enable_lora``): a request whose ``model`` is an adapter's ``lora_name`` runs
+    through it; each is read and checked now."""
     if enable_auto_tool_choice and tool_call_parser not in PARSERS:
         raise ValueError(f"enable_auto_tool_choice needs a tool_call_parser: {', '.join(PARSERS)}")
     if reasoning_parser not in (None, *REASONING_PARSERS):
@@ -94,12 +99,20 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
     if not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"served_model_name must be non-empty names, got {served_model_name!r}")
     name = names[0]
+    loras = {}
+    for r in lora_modules:
+        if not isinstance(r, LoRARequest):
+            raise ValueError(f"lora_modules must be LoRARequests, got {type(r).__name__}")
+        if r.lora_name in names or r.lora_name in loras:
+            raise ValueError(f"LoRA name {r.lora_name!r} is taken already (the served model's, or another adapter's)")
+        llm.adapter(r)  # read and checked (enable_lora; an adapter of this model)
+        loras[r.lora_name] = r
     slots = llm.engine_config.max_batch_size
     metrics = ServerMetrics(name, slots)
     scheduler = Scheduler(llm.engine, metrics, slots, max_queue)
     api = _API(llm, names, scheduler, metrics, api_key, max_request_bytes,
                tool_call_parser if enable_auto_tool_choice else None, reasoning_parser,
-               chat_template=chat_template, trust_request_chat_template=trust_request_chat_template)
+               chat_template=chat_template, trust_request_chat_template=trust_request_chat_template, loras=loras)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -168,13 +181,13 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
     @app.get("/v1/models")
     async def models(request: Request):
         api.check_auth(request)
-        return {"object": "list", "data": [api.model_card(n) for n in names]}
+        return {"object": "list", "data": [api.model_card(n) for n in [*names, *api.loras]]}
 
     @app.get("/v1/models/{model_id:path}")  # a served name may hold '/' ("org/name", a file path)
     async def model(model_id: str, request: Request):
         api.check_auth(request)
-        if model_id not in names:
-            raise model_not_found(model_id, names)
+        if model_id not in names and model_id not in api.loras:
+            raise model_not_found(model_id, [*names, *api.loras])
         return api.model_card(model_id)
 
     @app.post("/tokenize")
@@ -220,9 +233,10 @@ class _API:
     def __init__(self, llm: LLM, names: list[str], scheduler: Scheduler, metrics: ServerMetrics,
                  api_key: str | None, max_request_bytes: int, tool_call_parser: str | None,
                  reasoning_parser: str | None, *, chat_template: str | None = None,
-                 trust_request_chat_template: bool = False):
+                 trust_request_chat_template: bool = False, loras: dict[str, LoRARequest] | None = None):
         self.llm, self.scheduler, self.metrics = llm, scheduler, metrics
         self.names, self.name = names, names[0]  # the served names; responses carry the first
+        self.loras = loras or {}  # LoRA adapters by name: a request naming one runs through it (its responses name it)
         self.tool_call_parser = tool_call_parser  # None: no "auto" tool choice
         self.reasoning_parser = reasoning_parser
         self.api_key = api_key
@@ -240,13 +254,15 @@ class _API:
 
     def model_card(self, name: str) -> dict:
         """The served model under ``name`` as OpenAI's model object, with vLLM's ``root`` (the
-        model as loaded), ``parent``, ``max_model_len`` and ``permission``."""
+        model as loaded; an adapter's path), ``parent`` (an adapter's: the model's first served
+        name), ``max_model_len`` and ``permission``."""
         permission = {"id": f"modelperm-{name}", "object": "model_permission", "created": self.created,
                       "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
                       "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                       "organization": "*", "group": None, "is_blocking": False}
         return {"id": name, "object": "model", "created": self.created, "owned_by": "specdec",
-                "root": self.llm.target.name, "parent": None, "max_model_len": self.llm.context_window,
+                "root": self.loras[name].lora_path if name in self.loras else self.llm.target.name,
+                "parent": self.name if name in self.loras else None, "max_model_len": self.llm.context_window,
                 "permission": [permission]}
 
     # --- request intake ---------------------------------------------------------------------
@@ -283,11 +299,15 @@ class _API:
         except (ValueError, RecursionError) as e:
             raise bad_request(f"the request body is not valid JSON: {e}") from None
 
+    def model_named(self, model: str | None) -> str:
+        """What a response names as its model: the adapter the request named, else the first served name."""
+        return model if model in self.loras else self.name
+
     def parse_named(self, model, body: object):
         """``parse`` a body for this server's model (another ``model`` name is a 404)."""
         req = parse(model, body)
-        if req.model is not None and req.model not in self.names:
-            raise model_not_found(req.model, self.names)
+        if req.model is not None and req.model not in self.names and req.model not in self.loras:
+            raise model_not_found(req.model, [*self.names, *self.loras])
         smuggled = (getattr(req, "chat_template_kwargs", None) or {}).get("chat_template")  # vLLM refuses it too
         if (getattr(req, "chat_template", None) is not None or smuggled is not None) and \
                 not self.trust_request_chat_template:
@@ -327,7 +347,8 @@ class _API:
             try:
                 seqs += self.llm.make_sequences({"prompt_token_ids": ids}, sp, num_draft_tokens=req.num_draft_tokens,
                                                 reasoning=self.reasoning_parser if chat else None,
-                                                cap_max_tokens=default, tokenizer=self.prepare_tok)
+                                                cap_max_tokens=default, tokenizer=self.prepare_tok,
+                                                lora_request=self.loras.get(req.model))
             except ValueError as e:
                 raise bad_request(str(e), req.field_of(str(e))) from None
             if not chat and req.echo:
@@ -355,7 +376,7 @@ class _API:
         """``/v1/responses``: the request as a chat completion's, its answer shaped as a response."""
         self.check_auth(request)
         req = self.parse_named(ResponsesRequest, await self.read_json(request))
-        shaper = ResponseShaper(req, self.name)
+        shaper = ResponseShaper(req, self.model_named(req.model))
         try:
             out, watcher = await self._submit(request, req.chat_body(), chat=True)
         except APIError as e:  # the chat request's field names: the request's own
@@ -483,6 +504,7 @@ class _Output:
 
     def __init__(self, api: _API, req, sreqs: list[ServerRequest], chat: bool, echoes: list[Echo]):
         self.api, self.req, self.sreqs, self.chat = api, req, sreqs, chat
+        self.model = api.model_named(req.model)
         self.echoes = echoes  # completions' echo: each choice's prompt, sent before its output
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -529,7 +551,7 @@ class _Output:
     async def collect(self) -> dict:
         choices = [await self._collect(i, sreq) for i, sreq in enumerate(self.sreqs)]
         out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-               "created": self.created, "model": self.api.name, "choices": choices, "usage": self.usage()}
+               "created": self.created, "model": self.model, "choices": choices, "usage": self.usage()}
         if self.want_prompt_logprobs and self.chat:  # vLLM's: the response's, for chats
             out["prompt_logprobs"] = self.vllm_prompt_logprobs(self.sreqs[0])
         return out
@@ -684,7 +706,7 @@ class _Output:
         if finish_reason is not None:
             choice["stop_reason"] = self.stop_reason(i)
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.api.name, "choices": [choice]}
+               "created": self.created, "model": self.model, "choices": [choice]}
         if self.req.include_usage:  # OpenAI's: null in every chunk but the last (vLLM's continuous stats: not)
             out["usage"] = self.usage(i) if self.req.continuous_usage else None
         return out
