@@ -5,7 +5,7 @@ The torch runtime against transformers in float32, CUDA graphs against eager for
 model, n-gram, trees; batch 1 and 3) equal to plain decoding in float32 and bfloat16 (and
 with chunked prefill and penalties), the
 sampling verifier's distribution with a CUDA generator, seeded sampling through the engine,
-and the cost model's timing; a packed BitNet's ternary products.
+and the cost model's timing; a packed BitNet's ternary products; LoRA adapters against PEFT.
 
 A verify forward of k+1 rows runs other matrix kernels than a one-row decoding step, so
 their logits differ by rounding, and a greedy output may part from plain decoding where the
@@ -29,15 +29,19 @@ GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 NEAR_TIE = {"float32": 1e-4, "bfloat16": 2 ** -6}  # top-2 gap, relative to the top logit
 
 
-def assert_same_greedy(llm, outs, base, dtype: str) -> None:
-    """Each output equals plain decoding's, or parts from it at a near-tie (see above)."""
+def assert_same_greedy(llm, outs, base, dtype: str, adapters: list[int] | None = None) -> None:
+    """Each output equals plain decoding's, or parts from it at a near-tie (see above);
+    ``adapters``: each prompt's LoRA adapter's id (held by the runtime), whose logits those are."""
     rt = llm.target.runtime
-    for p, o, b in zip(PROMPTS, outs, base):
+    for i, (p, o, b) in enumerate(zip(PROMPTS, outs, base)):
         j = next((i for i, (x, y) in enumerate(zip(o.token_ids, b.token_ids)) if x != y), None)
         if j is None:
             assert len(o.token_ids) == len(b.token_ids)
             continue
-        top = rt.forward(rt.new_cache(1), [0], [llm.encode(p) + b.token_ids[:j]])[0, -1].topk(2).values
+        cache = rt.new_cache(1)
+        if adapters:
+            cache.adapters[0] = adapters[i]
+        top = rt.forward(cache, [0], [llm.encode(p) + b.token_ids[:j]])[0, -1].topk(2).values
         gap, tol = (top[0] - top[1]).item(), NEAR_TIE[dtype] * max(1.0, top[0].abs().item())
         print(f"{dtype}: near-tie flip at output token {j}, logit gap {gap:.2e}")
         assert gap <= tol, f"{p!r}: parts from plain decoding at token {j}, logit gap {gap:.3g} > {tol:.3g}"
@@ -296,3 +300,40 @@ def test_bitnet_ternary_on_cuda(tmp_path, dtype):
     for spec in (SpecConfig(), SpecConfig(method="self", num_draft_tokens=4)):
         llm = LLM(model, speculative=spec)
         assert_same_greedy(llm, llm.generate(PROMPTS, GREEDY), base, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_on_cuda(tmp_path, dtype):
+    """LoRA adapters on a GPU: an adapted row's logits are PEFT's model's there and a base row's
+    beside it the base's (within the attention kernels' rounding, as BitNet's test); greedy
+    decoding with adapters a, none, a (a forward with an adapted row runs eagerly: CUDA graphs
+    hold no update) under speculation equals plain decoding with them."""
+    pytest.importorskip("peft")
+    from specdec import LoRARequest
+    from specdec.runtime import load_model
+
+    from tiny import lora_reference, make_lora, make_tiny
+
+    base = make_tiny(tmp_path / "base", "llama", seed=5)
+    lora = LoRARequest("a", 1, str(make_lora(base, tmp_path / "lora", seed=6)))
+    ref = lora_reference(base, lora.lora_path, dtype=dtype).to("cuda")
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits[0].float()
+        with ref.disable_adapter():
+            plain = ref(input_ids=ids).logits[0].float()
+    name = str(dtype).removeprefix("torch.")
+    llm = LLM(str(base), device="cuda", dtype=name, enable_lora=True,
+              speculative=SpecConfig(method="self", num_draft_tokens=4))
+    rt = llm.target.runtime
+    assert rt.graphs is not None and rt.lora.acquire(llm.adapter(lora))
+    cache = rt.new_cache(2)
+    cache.adapters[0] = lora.lora_int_id
+    ours = rt.forward(cache, [0, 1], [ids[0].tolist()] * 2)
+    rt.lora.release(lora.lora_int_id)
+    tol = 1e-3 if dtype == torch.float32 else 0.25
+    assert (ours[0] - want).abs().max().item() < tol and (ours[1] - plain).abs().max().item() < tol
+    loras = [lora, None, lora]
+    eager = LLM(load_model(str(base), device="cuda", dtype=name, enforce_eager=True), enable_lora=True)
+    base_out = eager.generate(PROMPTS, GREEDY, lora_request=loras)
+    assert_same_greedy(llm, llm.generate(PROMPTS, GREEDY, lora_request=loras), base_out, name, adapters=[1, 0, 1])

@@ -269,3 +269,28 @@ def test_text_offsets_of_characters_split_over_tokens(smol):
         cut = rng.randint(0, len(ids) - 1)
         after = TokenOffsets(tok, kept, context=tuple(ids[:cut])).add(ids[cut:])
         assert after == [o - offsets[cut] for o in offsets[cut:]], (text, cut)
+
+
+def test_lora_adapter_greedy_equals_peft(smol, tmp_path):
+    """A LoRA adapter (PEFT's, random, rank 8 on every attention and MLP product) on SmolLM2: with
+    n-gram speculation, an adapted chat and a base one in one batch each decode as PEFT's model
+    and the base model do greedily (transformers' ``generate``)."""
+    from specdec import LoRARequest
+
+    from tiny import lora_reference, make_lora
+
+    path = make_lora(smol.path, tmp_path / "lora", seed=0, r=8, std=0.03)
+    ref = lora_reference(smol.path, path)
+    llm = LLM(str(smol.path), enable_lora=True, speculative=SpecConfig(method="ngram", num_draft_tokens=4))
+    lora = LoRARequest("random", 1, str(path))
+    outs = llm.generate(CHATS[:2], SamplingParams(max_tokens=32), lora_request=[lora, None])
+    for chat, out, adapted in zip(CHATS[:2], outs, (True, False)):
+        ids = torch.tensor([llm.encode(chat)])
+        with torch.no_grad():
+            if adapted:
+                want = ref.generate(input_ids=ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:]
+            else:
+                with ref.disable_adapter():
+                    want = ref.generate(input_ids=ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:]
+        assert out.token_ids == want.tolist()[:len(out.token_ids)] and len(out.token_ids) >= min(32, len(want))
+    assert outs[0].text != outs[1].text

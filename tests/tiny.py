@@ -308,10 +308,13 @@ def greedy_by_whole_forwards(hf, prompts: list[list[int]], n: int) -> list[list[
 
 
 def causal_lm(path: Path, **kw):
-    """transformers' own model of the checkpoint at ``path``, by the class its config names."""
+    """transformers' own model of the checkpoint at ``path``, by the class its config names (else
+    ``AutoModelForCausalLM``'s)."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path)
+    if not config.architectures:  # (a GGUF's directory, as specdec converts it)
+        return transformers.AutoModelForCausalLM.from_pretrained(path, **kw)
     return getattr(transformers, config.architectures[0]).from_pretrained(path, **kw)
 
 

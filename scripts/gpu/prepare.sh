@@ -4,7 +4,7 @@
 # most 64 MiB per call. The Qwen2.5-Coder GGUFs do not fit, so .gpu/ holds only what
 # `--load-format dummy` needs: each model's config and tokenizer (random weights of the real
 # shapes are made on the GPU), the bench prompts, and wheels of the pinned transformers (the
-# machine's image has an older one) and llguidance (structured outputs). About 38 MB.
+# machine's image has an older one), llguidance (structured outputs) and peft with accelerate (LoRA's reference). About 38 MB.
 #
 #   ../shared/models/fetch-models.sh qwen-coder   # once: the GGUFs (their metadata is read)
 #   scripts/gpu/prepare.sh
@@ -26,5 +26,5 @@ transformers=$(python3 -c 'import transformers; print(transformers.__version__)'
 llguidance=$(python3 -c 'import llguidance; print(llguidance.__version__)')  # structured outputs
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .gpu \
-  "transformers==$transformers" "llguidance==$llguidance"
+  "transformers==$transformers" "llguidance==$llguidance" "peft==0.22.0" "accelerate==1.16.0"  # (LoRA's reference)
 du -sh .gpu

@@ -5,7 +5,8 @@
 #   env.txt      torch, transformers and the GPU
 #   tests.log    tests/test_cuda.py: runtime vs transformers, CUDA graphs vs eager forwards,
 #                greedy speculation equal to plain decoding (float32, bfloat16), the sampling
-#                verifier, the cost model, a packed BitNet (last: transformers compiles its products)
+#                verifier, the cost model, a packed BitNet (transformers compiles its products), LoRA
+#                adapters against PEFT
 #   bench.log, bench/bench.{json,md,png}
 #                specdec bench on random weights of Qwen2.5-Coder-1.5B / 0.5B's shapes
 #                (--load-format dummy) in bfloat16, 2 prompts: specdec (CUDA graphs) and

@@ -40,6 +40,7 @@ class Adapted:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # x [B, T, in]
         y = self.base(x)  # [B, T, out]
         for adapter, rows in self.owner.active:
+            assert rows is None or x.dim() == 3, "a batch's rows take their own adapters: x must be [B, T, in]"
             xs = x if rows is None else x[rows]
             for part in self.parts:
                 w = adapter.modules.get(part.module)
