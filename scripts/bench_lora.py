@@ -2,7 +2,9 @@
 LoRA adapter (random, rank --rank on every attention and MLP product, PEFT's files written
 here), plainly and with the 0.5B draft model, in turns in one process (Qwen2.5-Coder-1.5B
 target, the LLMs sharing one loaded target with LoRA enabled). Prints tokens per second per
-run, the medians, and each run's acceptance (the drafts come from the base draft model).
+run, the medians, each run's acceptance (the drafts come from the base draft model) and
+whether its tokens are the base model's; then the time of one forward of 1 and 5 tokens
+without and with the adapter (medians of 15, side by side).
 
     python scripts/bench_lora.py [--repeats 3] [--rank 16] [--max-tokens 96]
     # models from ../shared/models/fetch-models.sh qwen-coder (in $SPECDEC_MODELS, default ~/.cache/specdec-models)
@@ -40,7 +42,7 @@ def random_adapter(config, path: Path, rank: int, seed: int = 0) -> Path:
                 fan_in, out = shapes[n]
                 key = f"base_model.model.model.layers.{i}.{block}.{n}"
                 tensors[key + ".lora_A.weight"] = (torch.rand(rank, fan_in, generator=g) * 2 - 1) / fan_in ** 0.5
-                tensors[key + ".lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.02
+                tensors[key + ".lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.05
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
     (path / "adapter_config.json").write_text(json.dumps({
@@ -58,6 +60,7 @@ def main(repeats: int, rank: int, max_tokens: int) -> None:
                 "draft": LLM(target, draft=draft, speculative=SpecConfig(method="draft"), enable_lora=True)}
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         runs: dict[tuple[str, str], list[float]] = {}
+        tokens = {}
         for rep in range(repeats):
             for name, llm in llms.items():
                 for mode, request in (("base", None), ("lora", lora)):
@@ -65,7 +68,23 @@ def main(repeats: int, rank: int, max_tokens: int) -> None:
                     out = llm.chat(MESSAGES, sp, lora_request=request, use_tqdm=False)[0]
                     rate = len(out.token_ids) / (time.perf_counter() - t)
                     runs.setdefault((name, mode), []).append(rate)
-                    print(rep, name, mode, f"{rate:.2f} tok/s, acceptance", out.metrics["acceptance_rate"], flush=True)
+                    tokens.setdefault(mode, out.token_ids)
+                    print(rep, name, mode, f"{rate:.2f} tok/s, acceptance", out.metrics["acceptance_rate"],
+                          "tokens equal to the base model's:", out.token_ids == tokens["base"], flush=True)
+        rt = target.runtime
+        for n in (1, 5):
+            times = {0: [], 1: []}
+            for _ in range(15):
+                for adapter in (0, 1):
+                    cache = rt.new_cache(1)
+                    cache.adapters[0] = adapter
+                    rt.forward(cache, [0], [list(range(100, 164))])  # a context of 64 tokens
+                    t = time.perf_counter()
+                    rt.forward(cache, [0], [list(range(200, 200 + n))])
+                    times[adapter].append(time.perf_counter() - t)
+            base, adapted = (statistics.median(times[a]) for a in (0, 1))
+            print(f"forward of {n} token(s): {base * 1e3:.1f} ms, through the adapter {adapted * 1e3:.1f} ms "
+                  f"({adapted / base:.3f}x)")
     for (name, mode), rates in runs.items():
         base = statistics.median(runs[name, "base"])
         print(f"{name} {mode}: median {statistics.median(rates):.2f} tok/s "
