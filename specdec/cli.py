@@ -273,7 +273,8 @@ def make_llm(a):
                enable_prefix_caching=a.enable_prefix_caching, tokenizer=a.tokenizer, revision=a.revision,
                trust_remote_code=a.trust_remote_code, tokenizer_revision=a.tokenizer_revision,
                quantization=a.quantization, max_loras=a.max_loras,
-               enable_lora=a.enable_lora or bool(getattr(a, "lora_modules", None) or getattr(a, "lora", None)))
+               enable_lora=a.enable_lora or bool(getattr(a, "lora_modules", None) or getattr(a, "lora", None)
+                                                 or getattr(a, "allow_runtime_lora_updating", False)))
 
 
 def parse_lora_modules(items: list[str]) -> list[LoRARequest]:
@@ -446,7 +447,7 @@ def cmd_serve(a) -> int:
                          trust_request_chat_template=a.trust_request_chat_template,
                          allowed_origins=a.allowed_origins, allowed_methods=a.allowed_methods,
                          allowed_headers=a.allowed_headers, allow_credentials=a.allow_credentials,
-                         lora_modules=loras)
+                         lora_modules=loras, allow_runtime_lora_updating=a.allow_runtime_lora_updating)
         host, port = sock.getsockname()[:2]
         print(f"specdec: serving {app.state.served_model_name!r} (method {llm.spec.method}) on "
               f"http://{f'[{host}]' if ':' in host else host}:{port}/v1", file=sys.stderr)
@@ -539,6 +540,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters (PEFT's directories or hub ids) served beside the model, as vLLM's: a "
                         "request whose model is NAME runs through it; also as JSON '{\"name\": ..., \"path\": "
                         "...}' (turns --enable-lora on)")
+    h.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   default=os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+                   help="POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter {lora_name} "
+                        "add and remove LoRA adapters while serving (vLLM's; default: "
+                        "$VLLM_ALLOW_RUNTIME_LORA_UPDATING, else off; turns --enable-lora on)")
     h.add_argument("--seed", type=int, dest="llm_seed",
                    help="vLLM's global seed: requests without a seed draw theirs from it, in order "
                         "(default: a fresh seed each)")

@@ -288,14 +288,18 @@ class Engine:
         return v
 
     def _admit(self) -> None:
-        """Give waiting sequences free slots, oldest first; one whose LoRA adapter cannot be
-        held on the device now (``max_loras`` held by running requests) waits, and so do
-        the ones after it."""
-        while self.waiting and self.free_slots:
-            s = self.waiting[0]
-            if s.lora is not None and not self.runtime.lora.acquire(s.lora):
+        """Give waiting sequences free slots, oldest first. One whose LoRA adapter cannot be
+        held on the device now (``max_loras`` held by running requests) waits, and so do the
+        adapted ones after it (so that the adapters held drain for it); those without an
+        adapter go past it."""
+        blocked = False
+        for s in list(self.waiting) if self.free_slots else ():
+            if not self.free_slots:
                 break
-            self.waiting.popleft()
+            if s.lora is not None and (blocked or not self.runtime.lora.acquire(s.lora)):
+                blocked = True
+                continue
+            self.waiting.remove(s)
             s.slot, reused = self._pick_slot(s)
             if hasattr(self.cache, "adapters"):  # the torch runtime's: its forwards' rows, its prompt's KV
                 self.cache.adapters[s.slot] = s.lora.id if s.lora else 0

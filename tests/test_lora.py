@@ -257,3 +257,59 @@ def test_async_llm_streams_through_an_adapter(adapters):
             return await asyncio.gather(last(ra), last(None))
 
         assert asyncio.run(both()) == want
+
+
+def test_server_loads_and_unloads_adapters_at_runtime(adapters):
+    """vLLM's runtime LoRA updating: ``/v1/load_lora_adapter`` serves another adapter (listed,
+    requests naming it run through it), an adapter of another model or a taken name is a 400;
+    ``/v1/unload_lora_adapter`` stops serving it (then a 404); without the option the routes
+    are not there."""
+    import httpx
+
+    from specdec.server import BackgroundServer, create_app
+
+    llm = LLM(str(adapters["base"]), device="cpu", enable_lora=True, max_loras=2)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = llm.generate("SELECT", sp, lora_request=LoRARequest("b", 9, str(adapters["b"])), use_tqdm=False)[0].text
+    body = {"prompt": "SELECT", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with BackgroundServer(create_app(llm, served_model_name="tiny", allow_runtime_lora_updating=True,
+                                     lora_modules=[LoRARequest("a", 1, str(adapters["a"]))])) as srv:
+        load = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(adapters["b"])})
+        assert load.status_code == 200 and load.text == "Success: LoRA adapter 'b' added successfully."
+        assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]] == ["tiny", "a", "b"]
+        out = httpx.post(srv.url + "/v1/completions", json={**body, "model": "b"}, timeout=60).json()
+        assert (out["model"], out["choices"][0]["text"]) == ("b", want)
+        again = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapters["b"])})
+        assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        bad = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "/no/such/dir"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+        gone = httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "b"})
+        assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'b' removed successfully."
+        assert httpx.post(srv.url + "/v1/completions", json={**body, "model": "b"}).status_code == 404
+        assert httpx.post(srv.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 404
+        assert httpx.post(srv.url + "/v1/load_lora_adapter",  # the name again, a new id
+                          json={"lora_name": "b", "lora_path": str(adapters["a"])}).status_code == 200
+        out = httpx.post(srv.url + "/v1/completions", json={**body, "model": "b"}, timeout=60).json()
+        assert out["choices"][0]["text"] == httpx.post(srv.url + "/v1/completions", json={**body, "model": "a"},
+                                                       timeout=60).json()["choices"][0]["text"]
+    with BackgroundServer(create_app(llm)) as srv:
+        assert httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "x"}).status_code \
+            == 404
+
+
+def test_requests_without_an_adapter_go_past_one_waiting_for_room(adapters):
+    """``max_loras`` 1, three slots, requests for a, b, a, none in that order: a's two run; b waits
+    for a's to finish, and so does the a after it (the adapter held drains); the request
+    without an adapter goes past them into the free slot."""
+    llm = LLM(str(adapters["base"]), device="cpu", enable_lora=True, max_loras=1, max_batch_size=3)
+    ra, rb = LoRARequest("a", 1, str(adapters["a"])), LoRARequest("b", 2, str(adapters["b"]))
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    seqs = [llm.make_sequences({"prompt_token_ids": [5, 6, 7]}, sp, lora_request=r)[0] for r in (ra, rb, ra, None)]
+    for s in seqs:
+        llm.engine.add(s)
+    llm.engine.step()
+    assert [s.slot >= 0 for s in seqs] == [True, False, False, True]
+    while llm.engine.has_work:
+        llm.engine.step()
+    assert seqs[1].admitted.step == seqs[0].retired.step + 1 and seqs[2].admitted.step == seqs[1].retired.step + 1
+    assert seqs[0].ids == seqs[2].ids != seqs[1].ids

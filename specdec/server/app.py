@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -41,8 +41,9 @@ from ..lora import LoRARequest
 from ..sequence import output_text, settled_text
 from ..tools import PARSERS, TOOL_PARSERS
 from .metrics import ServerMetrics
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeChatRequest,
-                       TokenizeRequest, bad_request, model_not_found, parse)
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest,
+                       TokenizeChatRequest, TokenizeRequest, UnloadLoRAAdapterRequest, bad_request, model_not_found,
+                       parse)
 from .responses import CHAT_FIELDS, ResponseShaper, ResponsesRequest
 from .scheduler import Closing, QueueFull, Scheduler, ServerRequest, Update, merged_updates
 from .text import TextStream, TokenOffsets, prompt_offsets
@@ -58,7 +59,8 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
                reasoning_parser: str | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, allowed_origins: list[str] | tuple = ("*",),
                allowed_methods: list[str] | tuple = ("*",), allowed_headers: list[str] | tuple = ("*",),
-               allow_credentials: bool = False, lora_modules: Iterable[LoRARequest] = ()) -> FastAPI:
+               allow_credentials: bool = False, lora_modules: Iterable[LoRARequest] = (),
+               allow_runtime_lora_updating: bool = False) -> FastAPI:
     """An app serving ``llm``: at most ``llm``'s max_batch_size requests run at once and
     ``max_queue`` more wait; beyond that a request gets 429. ``enable_auto_tool_choice``
     with a ``tool_call_parser`` (``tools.TOOL_PARSERS``: hermes, llama3_json, mistral,
@@ -74,7 +76,10 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
     ``allow_credentials``, vLLM's flags with vLLM's defaults (any origin, no credentials).
     ``lora_modules``: LoRA adapters served beside the model (vLLM's ``--lora-modules``; the LLM
     made with ``enable_lora``): a request whose ``model`` is an adapter's ``lora_name`` runs
-    through it; each is read and checked now."""
+    through it; each is read and checked now. ``allow_runtime_lora_updating``: vLLM's
+    ``POST /v1/load_lora_adapter`` (``{"lora_name", "lora_path"}``) and
+    ``/v1/unload_lora_adapter`` (``{"lora_name"}``) add and remove adapters while serving
+    (requests running through a removed one finish through it)."""
     if enable_auto_tool_choice and tool_call_parser not in PARSERS:
         raise ValueError(f"enable_auto_tool_choice needs a tool_call_parser: {', '.join(PARSERS)}")
     if reasoning_parser not in (None, *REASONING_PARSERS):
@@ -107,6 +112,8 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
             raise ValueError(f"LoRA name {r.lora_name!r} is taken already (the served model's, or another adapter's)")
         llm.adapter(r)  # read and checked (enable_lora; an adapter of this model)
         loras[r.lora_name] = r
+    if allow_runtime_lora_updating and not llm.engine_config.enable_lora:
+        raise ValueError("allow_runtime_lora_updating: this LLM was made without enable_lora=True (--enable-lora)")
     slots = llm.engine_config.max_batch_size
     metrics = ServerMetrics(name, slots)
     scheduler = Scheduler(llm.engine, metrics, slots, max_queue)
@@ -214,6 +221,24 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
             raise bad_request(f"tokens must be ids in [0, {vocab})", "tokens")
         return {"prompt": api.tok.decode(req.tokens)}
 
+    if allow_runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            """vLLM's: serve one more LoRA adapter (read and checked off the event loop)."""
+            api.check_auth(request)
+            req = parse(LoadLoRAAdapterRequest, await api.read_json(request))
+            await asyncio.get_running_loop().run_in_executor(api._preparing, api.load_lora, req.lora_name,
+                                                             req.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            """vLLM's: stop serving a LoRA adapter."""
+            api.check_auth(request)
+            req = parse(UnloadLoRAAdapterRequest, await api.read_json(request))
+            await asyncio.get_running_loop().run_in_executor(api._preparing, api.unload_lora, req.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await api.generate(request, chat=False)
@@ -237,6 +262,8 @@ class _API:
         self.llm, self.scheduler, self.metrics = llm, scheduler, metrics
         self.names, self.name = names, names[0]  # the served names; responses carry the first
         self.loras = loras or {}  # LoRA adapters by name: a request naming one runs through it (its responses name it)
+        # ids of adapters loaded while serving: past the given ones, never reused (cached prompts' KV is keyed by id)
+        self.lora_ids = itertools.count(max((r.lora_int_id for r in self.loras.values()), default=0) + 1)
         self.tool_call_parser = tool_call_parser  # None: no "auto" tool choice
         self.reasoning_parser = reasoning_parser
         self.api_key = api_key
@@ -298,6 +325,26 @@ class _API:
             return json.loads(b"".join(chunks))
         except (ValueError, RecursionError) as e:
             raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at ``path`` as ``name`` (on the preparing thread, as requests are prepared)."""
+        if name in self.names or name in self.loras:
+            raise bad_request(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        try:
+            r = LoRARequest(name, next(self.lora_ids), path)
+            self.llm.adapter(r)
+        except ValueError as e:
+            raise bad_request(str(e), "lora_path") from None
+        self.loras = {**self.loras, name: r}  # (a new dict: the event loop reads the old one meanwhile)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``; the requests running through it finish through it."""
+        if name not in self.loras:
+            raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                           code="model_not_found")
+        r = self.loras[name]
+        self.loras = {n: x for n, x in self.loras.items() if n != name}
+        self.llm.adapters.pop(r.lora_int_id, None)
 
     def model_named(self, model: str | None) -> str:
         """What a response names as its model: the adapter the request named, else the first served name."""

@@ -522,6 +522,20 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_Strict):
+    """vLLM's ``/v1/load_lora_adapter``: serve the adapter at ``lora_path`` as ``lora_name``."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    """vLLM's ``/v1/unload_lora_adapter``: stop serving ``lora_name`` (``lora_int_id`` is taken and unread)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 def parse(model: type[_Strict], body: object) -> _Strict:
     """Validate a decoded JSON body; the first problem becomes a 400 naming its field."""
     if not isinstance(body, dict):
