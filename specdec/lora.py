@@ -147,8 +147,9 @@ def read_adapter(request: LoRARequest) -> LoRAAdapter:
         r = pattern_value(config.get("rank_pattern") or {}, module, r0)
         alpha = pattern_value(config.get("alpha_pattern") or {}, module, alpha0)
         if A.dim() != 2 or B.dim() != 2 or A.shape[0] != r or B.shape[1] != r:
-            raise ValueError(f"LoRA {name!r}: {module}'s lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} "
-                             f"do not have its rank {r}")
+            raise ValueError(f"LoRA {name!r}: {module}'s lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} are not "
+                             f"a rank-{r} update of one linear product (PEFT's target_parameters, such as fused "
+                             "experts', are not supported)")
         out[module] = LoRAWeights(A, B, alpha / math.sqrt(r) if rslora else alpha / r)
     return LoRAAdapter(request, out)
 

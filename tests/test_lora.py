@@ -11,7 +11,7 @@ from specdec.lora import read_adapter
 from specdec.runtime.loading import Weights
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import greedy_by_whole_forwards, lora_reference, make_lora, make_tiny
+from tiny import MOE, greedy_by_whole_forwards, lora_reference, make_lora, make_tiny
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -42,6 +42,7 @@ def adapter(path, i=1):
     ("qwen2", {}, dict(use_rslora=True)),  # biases
     ("phi3", dict(pad_token_id=0), dict(targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))),  # fused
     ("gemma3_text", dict(head_dim=16, query_pre_attn_scalar=24), {}),  # q/k norms, norms after too
+    ("qwen3_moe", MOE["qwen3_moe"], dict(targets=("q_proj", "k_proj", "v_proj", "o_proj"))),  # attention beside experts
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_logits_equal_peft(tmp_path, arch, extra, lora, dtype):
@@ -162,6 +163,11 @@ def test_lora_errors(tmp_path, adapters, tiny_dirs):
                                                   tmp_path / "other"),
         "no adapter_config.json": tmp_path,
     }
+    moe = make_tiny(tmp_path / "moe", "qwen3_moe", **MOE["qwen3_moe"])  # its experts are not adapted
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts's .* not a rank-4 update of one linear product"):
+        LLM(str(moe), device="cpu", enable_lora=True).generate(
+            prompt, sp, lora_request=LoRARequest("e", 1, str(make_lora(moe, tmp_path / "experts",
+                                                                        targets=("gate_proj", "up_proj")))))
     for i, (match, path) in enumerate(refused.items(), 3):
         with pytest.raises(ValueError, match=match):
             llm.generate(prompt, sp, lora_request=LoRARequest(f"x{i}", i, str(path)))
