@@ -332,7 +332,8 @@ class LLM:
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float = EngineConfig.gpu_memory_utilization,
                  enable_prefix_caching: bool | None = True, tokenizer: str | None = None, revision: str | None = None,
                  trust_remote_code: bool = False, tokenizer_revision: str | None = None,
-                 quantization: str | None = None, enable_lora: bool = False, max_loras: int = EngineConfig.max_loras):
+                 quantization: str | None = None, enable_lora: bool = False, max_loras: int = EngineConfig.max_loras,
+                 max_lora_rank: int | None = None):
         if max_num_seqs is not None:  # vLLM's name
             if max_batch_size not in (EngineConfig.max_batch_size, max_num_seqs):
                 raise ValueError("give max_batch_size or max_num_seqs (vLLM's name), not both")
@@ -347,7 +348,7 @@ class LLM:
                          gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
                          tokenizer=tokenizer, revision=revision, trust_remote_code=trust_remote_code,
                          tokenizer_revision=tokenizer_revision, quantization=quantization, enable_lora=enable_lora,
-                         max_loras=max_loras)
+                         max_loras=max_loras, max_lora_rank=max_lora_rank)
         if c.threads is not None:  # process-wide, before loading: llama.cpp takes torch's count too
             torch.set_num_threads(c.threads)
         if c.generation_config not in ("auto", "vllm") and \
@@ -717,6 +718,10 @@ class LLM:
         if known is None:
             known = read_adapter(request)
             self.target.runtime.lora.check(known)
+            cap = self.engine_config.max_lora_rank
+            if cap is not None and known.rank > cap:
+                raise ValueError(f"LoRA {request.lora_name!r} has rank {known.rank}, more than max_lora_rank {cap} "
+                                 "(--max-lora-rank)")
             self.adapters[request.lora_int_id] = known
         return known
 

@@ -127,6 +127,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, default=EngineConfig.max_loras,
                    help="LoRA adapters on the device at once: a request for another waits until one is free of "
                         "requests (default %(default)s, vLLM's)")
+    g.add_argument("--max-lora-rank", type=int,
+                   help="refuse LoRA adapters of a higher rank (vLLM's; default: any rank)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="torch runtime on cuda: no CUDA graphs (by default decoding, verification and "
                         "drafting forwards of up to 32 tokens per row replay captured graphs)")
@@ -272,7 +274,7 @@ def make_llm(a):
                tensor_parallel_size=a.tensor_parallel_size, gpu_memory_utilization=a.gpu_memory_utilization,
                enable_prefix_caching=a.enable_prefix_caching, tokenizer=a.tokenizer, revision=a.revision,
                trust_remote_code=a.trust_remote_code, tokenizer_revision=a.tokenizer_revision,
-               quantization=a.quantization, max_loras=a.max_loras,
+               quantization=a.quantization, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
                enable_lora=a.enable_lora or bool(getattr(a, "lora_modules", None) or getattr(a, "lora", None)
                                                  or getattr(a, "allow_runtime_lora_updating", False)))
 

@@ -497,9 +497,11 @@ class EngineConfig:
     quantization: str | None = None
     # vLLM's: requests may name LoRA adapters (PEFT's, ``LoRARequest``; the torch runtime's
     # target), up to max_loras of them on the device at once (a request for another waits
-    # until one is free of requests)
+    # until one is free of requests); max_lora_rank: adapters of a higher rank are refused
+    # (None: any rank; vLLM's default is 16)
     enable_lora: bool = False
     max_loras: int = 1
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -532,6 +534,8 @@ class EngineConfig:
         for name in ("tokenizer", "revision", "tokenizer_revision", "quantization"):
             _check(getattr(self, name) != "", f"{name} must be None or a non-empty string")
         _check(self.max_loras >= 1, f"max_loras must be an integer >= 1, got {self.max_loras!r}")
+        _check(self.max_lora_rank is None or self.max_lora_rank >= 1,
+               f"max_lora_rank must be an integer >= 1 or None, got {self.max_lora_rank!r}")
         _check(0 < self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.load_format in LOAD_FORMATS,

@@ -424,3 +424,18 @@ def test_cli_flags_wait_for_the_generation_config(tmp_path, tiny_dirs):
         assert r.returncode == 2 and match in r.stderr, r.stderr
     r = run_cli(*common, "--temperature", "0.005", "--max-tokens", "2")
     assert r.returncode == 0 and r.stderr.count("raised to") == 1, r.stderr
+
+
+def test_every_engine_and_spec_field_has_its_flag():
+    """The CLI's flags map one-to-one onto ``EngineConfig``'s and ``SpecConfig``'s fields: each
+    field has a ``--field-name`` flag on ``generate`` and ``serve``."""
+    from dataclasses import fields
+
+    from specdec.cli import build_parser
+
+    commands = build_parser().commands
+    for command in ("generate", "serve"):
+        flags = {s for a in commands[command]._actions for s in a.option_strings}
+        for config in (EngineConfig, SpecConfig):
+            missing = [f.name for f in fields(config) if "--" + f.name.replace("_", "-") not in flags]
+            assert not missing, (command, config.__name__, missing)

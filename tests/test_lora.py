@@ -174,6 +174,9 @@ def test_lora_errors(tmp_path, adapters, tiny_dirs):
     with pytest.raises(ValueError, match="no such directory"):
         llm.generate(prompt, sp, lora_request=LoRARequest("x", 9, str(tmp_path / "missing")))
     llm.generate(prompt, sp, lora_request=LoRARequest("a", 1, str(adapters["a"])), use_tqdm=False)
+    with pytest.raises(ValueError, match="has rank 8, more than max_lora_rank 4"):
+        LLM(str(base), device="cpu", enable_lora=True, max_lora_rank=4).generate(
+            prompt, sp, lora_request=LoRARequest("b", 2, str(adapters["b"])))
     with pytest.raises(ValueError, match="lora_int_id 1 is LoRA 'a'"):
         llm.generate(prompt, sp, lora_request=LoRARequest("b", 1, str(adapters["b"])))
     with pytest.raises(ValueError, match="2 LoRA requests for 1 prompts"):
