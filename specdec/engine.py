@@ -292,8 +292,10 @@ class Engine:
         held on the device now (``max_loras`` held by running requests) waits, and so do the
         adapted ones after it (so that the adapters held drain for it); those without an
         adapter go past it."""
+        if not self.free_slots:
+            return
         blocked = False
-        for s in list(self.waiting) if self.free_slots else ():
+        for s in list(self.waiting):
             if not self.free_slots:
                 break
             if s.lora is not None and (blocked or not self.runtime.lora.acquire(s.lora)):

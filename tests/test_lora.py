@@ -11,7 +11,7 @@ from specdec.lora import read_adapter
 from specdec.runtime.loading import Weights
 from specdec.runtime.torch_llama import TorchLlama
 
-from tiny import MOE, greedy_by_whole_forwards, lora_reference, make_lora, make_tiny
+from tiny import MOE, greedy_by_whole_forwards, lora_reference, make_lora, make_tiny, through
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -81,13 +81,8 @@ def test_mixed_batch_rows_take_their_own_adapter(adapters):
     got = rt.forward(cache, [0, 1, 2], prompts)  # [3, 12, vocab]
     more = rt.forward(cache, [0, 1, 2], [[3, 4], [5], [6, 7]])
     for row, (name, ids, extra) in enumerate(zip(("default", None, "a1"), prompts, ([3, 4], [5], [6, 7]))):
-        with torch.no_grad():
-            if name is None:
-                with ref.disable_adapter():
-                    want = ref(input_ids=torch.tensor([ids + extra])).logits[0]
-            else:
-                ref.set_adapter(name)
-                want = ref(input_ids=torch.tensor([ids + extra])).logits[0]
+        with torch.no_grad(), through(ref, name):
+            want = ref(input_ids=torch.tensor([ids + extra])).logits[0]
         torch.testing.assert_close(got[row, :len(ids)], want[:len(ids)], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(more[row, :len(extra)], want[len(ids):], rtol=1e-5, atol=1e-5)
 
@@ -107,11 +102,7 @@ def test_generate_equals_peft_greedy(adapters, method, max_loras):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, ignore_eos=True),
                         lora_request=loras, use_tqdm=False)
     for out, p, lora in zip(outs, prompts, loras):
-        if lora is None:
-            with ref.disable_adapter():
-                want = greedy_by_whole_forwards(ref, [p], 16)[0]
-        else:
-            ref.set_adapter("default" if lora is ra else "a1")
+        with through(ref, None if lora is None else "default" if lora is ra else "a1"):
             want = greedy_by_whole_forwards(ref, [p], 16)[0]
         assert out.outputs[0].token_ids == want, lora
         assert out.lora_request is lora
@@ -131,11 +122,7 @@ def test_prefix_reuse_stays_within_an_adapter(adapters):
     cached = []
     for lora, name in runs:
         out = llm.generate(prompt, sp, lora_request=lora, use_tqdm=False)[0]
-        if name is None:
-            with ref.disable_adapter():
-                want = greedy_by_whole_forwards(ref, [prompt["prompt_token_ids"]], 8)[0]
-        else:
-            ref.set_adapter(name)
+        with through(ref, name):
             want = greedy_by_whole_forwards(ref, [prompt["prompt_token_ids"]], 8)[0]
         assert out.outputs[0].token_ids == want, name
         cached.append(out.num_cached_tokens)

@@ -277,7 +277,7 @@ def test_lora_adapter_greedy_equals_peft(smol, tmp_path):
     and the base model do greedily (transformers' ``generate``)."""
     from specdec import LoRARequest
 
-    from tiny import lora_reference, make_lora
+    from tiny import lora_reference, make_lora, through
 
     path = make_lora(smol.path, tmp_path / "lora", seed=0, r=8, std=0.03)
     ref = lora_reference(smol.path, path)
@@ -286,11 +286,7 @@ def test_lora_adapter_greedy_equals_peft(smol, tmp_path):
     outs = llm.generate(CHATS[:2], SamplingParams(max_tokens=32), lora_request=[lora, None])
     for chat, out, adapted in zip(CHATS[:2], outs, (True, False)):
         ids = torch.tensor([llm.encode(chat)])
-        with torch.no_grad():
-            if adapted:
-                want = ref.generate(input_ids=ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:]
-            else:
-                with ref.disable_adapter():
-                    want = ref.generate(input_ids=ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:]
+        with torch.no_grad(), through(ref, "default" if adapted else None):
+            want = ref.generate(input_ids=ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:]
         assert out.token_ids == want.tolist()[:len(out.token_ids)] and len(out.token_ids) >= min(32, len(want))
     assert outs[0].text != outs[1].text

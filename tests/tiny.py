@@ -1,6 +1,7 @@
 """Tiny random-config checkpoints (HF directories) with a byte-level tokenizer, for fast tests."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -788,6 +789,18 @@ def make_lora(base: Path, path: Path, seed: int = 0, r: int = 4, alpha: int = 8,
                 p.copy_(std * torch.randn_like(p))
     peft.save_pretrained(path)
     return path
+
+
+@contextlib.contextmanager
+def through(ref, adapter: str | None):
+    """PEFT's model ``ref`` (``lora_reference``) through its adapter named ``adapter``, or the base
+    model without any (None)."""
+    if adapter is None:
+        with ref.disable_adapter():
+            yield ref
+    else:
+        ref.set_adapter(adapter)
+        yield ref
 
 
 def lora_reference(base: Path, *adapters: Path, dtype: torch.dtype = torch.float32):

@@ -188,13 +188,12 @@ def create_app(llm: LLM, *, served_model_name: str | list[str] | None = None, ma
     @app.get("/v1/models")
     async def models(request: Request):
         api.check_auth(request)
-        return {"object": "list", "data": [api.model_card(n) for n in [*names, *api.loras]]}
+        return {"object": "list", "data": [api.model_card(n) for n in api.served()]}
 
     @app.get("/v1/models/{model_id:path}")  # a served name may hold '/' ("org/name", a file path)
     async def model(model_id: str, request: Request):
         api.check_auth(request)
-        if model_id not in names and model_id not in api.loras:
-            raise model_not_found(model_id, [*names, *api.loras])
+        api.check_served(model_id)
         return api.model_card(model_id)
 
     @app.post("/tokenize")
@@ -346,6 +345,15 @@ class _API:
         self.loras = {n: x for n, x in self.loras.items() if n != name}
         self.llm.adapters.pop(r.lora_int_id, None)
 
+    def served(self) -> list[str]:
+        """The names requests may give as their ``model``: the served names, then the LoRA adapters'."""
+        return [*self.names, *self.loras]
+
+    def check_served(self, model: str) -> None:
+        """OpenAI's 404 ``model_not_found`` for a name this server does not serve."""
+        if model not in self.names and model not in self.loras:
+            raise model_not_found(model, self.served())
+
     def model_named(self, model: str | None) -> str:
         """What a response names as its model: the adapter the request named, else the first served name."""
         return model if model in self.loras else self.name
@@ -353,8 +361,8 @@ class _API:
     def parse_named(self, model, body: object):
         """``parse`` a body for this server's model (another ``model`` name is a 404)."""
         req = parse(model, body)
-        if req.model is not None and req.model not in self.names and req.model not in self.loras:
-            raise model_not_found(req.model, [*self.names, *self.loras])
+        if req.model is not None:
+            self.check_served(req.model)
         smuggled = (getattr(req, "chat_template_kwargs", None) or {}).get("chat_template")  # vLLM refuses it too
         if (getattr(req, "chat_template", None) is not None or smuggled is not None) and \
                 not self.trust_request_chat_template:
